@@ -1,0 +1,86 @@
+"""Every setting of the encoder server: one dataclass, one field per command-line flag.
+
+The CLI builds its flags from these fields (name, type, default, help), and the README's flag table
+is checked against them by a test, so the three never drift apart.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import MISSING, dataclass, field, fields
+
+
+def _f(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class EncoderServerConfig:
+    # --- serving -------------------------------------------------------------------------------
+    host: str = _f("127.0.0.1", "address to listen on")
+    port: int = _f(50051, "gRPC port (0 = pick a free one; the ready line tells which)")
+    model: str = _f("tiny", "'tiny' (embedded random-weight model) or a transformers checkpoint directory")
+    device: str = _f("cpu", "torch device for preprocessing and the vision tower (cpu, cuda, cuda:1)")
+    dtype: str = _f("float32", "vision tower dtype: float32, bfloat16 or float16")
+    preprocess: str = _f("auto", "preprocessing preset: auto (from the checkpoint), qwen2_5_vl or mimo_v2_5")
+    min_pixels: int = _f(0, "override the preset's min_pixels (0 = keep)")
+    max_pixels: int = _f(0, "override the preset's max_pixels (0 = keep)")
+    resize_backend: str = _f("auto", "resize: auto, torch (torchvision on --device) or pil (pillow-simd when installed)")
+    grace_period_s: float = _f(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish")
+    max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
+    log_level: str = _f("info", "debug, info, warning or error")
+    # --- limits --------------------------------------------------------------------------------
+    max_items_per_request: int = _f(64, "items in one Encode request")
+    max_item_bytes: int = _f(64 << 20, "bytes of one item (inline, fetched or read)")
+    max_image_pixels: int = _f(8192 * 8192, "decoded pixels of one image (decompression-bomb guard)")
+    max_pending: int = _f(1024, "items admitted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED")
+    queue_depth: int = _f(256, "capacity of each bounded queue between pipeline stages")
+    # --- fetching ------------------------------------------------------------------------------
+    fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
+    fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
+    max_redirects: int = _f(5, "redirects followed per URL (each re-checked against the URL policy)")
+    allow_private_urls: bool = _f(False, "allow URLs that resolve to loopback/private/link-local addresses "
+                                         "(cloud metadata addresses stay refused)")
+    url_allowlist: str = _f("", "comma-separated IPs/CIDRs that may be fetched even though private, e.g. 127.0.0.1/32")
+    allowed_local_dir: str = _f("", "directory under which MediaItem.path may read files (empty = paths disabled)")
+    # --- pipeline ------------------------------------------------------------------------------
+    decode_workers: int = _f(2, "decoder processes (0 = decode in a thread of the server process)")
+    preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
+    max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")
+    max_wait_ms: float = _f(5.0, "how long the batcher waits for more items once it has one")
+    cache_bytes: int = _f(512 << 20, "embedding cache size in bytes (0 = no cache)")
+
+    @classmethod
+    def add_arguments(cls, parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
+        for f in fields(cls):
+            if only is not None and f.name not in only:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not MISSING else None
+            help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+            else:
+                typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
+                parser.add_argument(flag, type=typ, default=default, help=help_text)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EncoderServerConfig":
+        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        cfg = cls(**kwargs)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        positive = ["max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
+                    "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("decode_workers", "max_redirects", "cache_bytes", "min_pixels", "max_pixels", "max_wait_ms",
+                     "fetch_timeout_s", "grace_period_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.resize_backend not in ("auto", "torch", "pil"):
+            raise ValueError(f"--resize-backend must be auto, torch or pil, got {self.resize_backend!r}")
+        if self.preprocess not in ("auto", "qwen2_5_vl", "mimo_v2_5"):
+            raise ValueError(f"--preprocess must be auto, qwen2_5_vl or mimo_v2_5, got {self.preprocess!r}")

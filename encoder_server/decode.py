@@ -1,0 +1,98 @@
+"""Stage 2 of the pipeline: bytes -> HxWx3 uint8 RGB pixels.
+
+`decode_image` runs in worker processes (it is CPU-bound and holds the GIL), so it takes and returns
+plain picklable values and raises only `DecodeError`.
+
+Normalisation applied to every image, so the tower always sees what a person sees:
+- EXIF orientation is applied (a phone photo taken in portrait is encoded upright);
+- every mode becomes RGB: palette and alpha images are composited on white, CMYK/YCbCr/LAB
+  converted, 16-bit and 32-bit integer images scaled (not clipped) to 8 bits, floats clipped to 0..1;
+- the pixel count is checked from the header before pixels are decoded (decompression bombs).
+"""
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+
+from .errors import DecodeError
+
+SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+
+def _to_rgb(img):
+    from PIL import Image
+
+    mode = img.mode
+    if mode == "RGB":
+        return img
+    if mode == "P":
+        img = img.convert("RGBA") if "transparency" in img.info else img.convert("RGB")
+        mode = img.mode
+    if mode in ("RGBA", "LA", "PA", "RGBa", "La"):
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    if mode.startswith("I;16") or mode == "I":
+        arr = np.asarray(img)
+        if mode.startswith("I;16"):
+            scaled = (arr.astype(np.uint32) * 255 + 32767) // 65535
+        else:  # 32-bit signed ints; treat values as 16-bit samples when they fit, else as full range
+            arr = np.clip(arr.astype(np.int64), 0, None)
+            top = 65535 if arr.max(initial=0) <= 65535 else int(arr.max())
+            scaled = (arr * 255 + top // 2) // max(top, 1)
+        return Image.fromarray(scaled.astype(np.uint8), "L").convert("RGB")
+    if mode == "F":
+        arr = np.asarray(img, dtype=np.float32)
+        return Image.fromarray((np.clip(arr, 0.0, 1.0) * 255 + 0.5).astype(np.uint8), "L").convert("RGB")
+    return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
+
+
+def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None) -> np.ndarray:
+    """Decodes one image. `draft_size` (w, h), when set, lets JPEG decode at a reduced DCT scale
+    no smaller than that size (see the JPEG draft decode in the README)."""
+    from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
+
+    ImageFile.LOAD_TRUNCATED_IMAGES = False
+    if not data:
+        raise DecodeError("empty item (0 bytes)")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            img = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
+    except UnidentifiedImageError:
+        raise DecodeError(f"unsupported or unrecognised image format (supported: {', '.join(SUPPORTED_FORMATS)})") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise DecodeError(f"image has too many pixels (limit {max_pixels}, --max-image-pixels)", "too_large") from None
+    except Exception as e:  # noqa: BLE001 - PIL raises many types on malformed headers
+        raise DecodeError(f"undecodable image: {e}") from None
+    w, h = img.size
+    if w * h > max_pixels:
+        raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)", "too_large")
+    if w == 0 or h == 0:
+        raise DecodeError(f"image has an empty size {w}x{h}")
+    try:
+        if draft_size is not None and img.format == "JPEG":
+            img.draft("RGB", draft_size)
+        img.load()
+        img = ImageOps.exif_transpose(img)
+        img = _to_rgb(img)
+        arr = np.asarray(img, dtype=np.uint8)
+    except DecodeError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        if "truncated" in msg.lower():
+            raise DecodeError(f"truncated image data ({msg})") from None
+        raise DecodeError(f"undecodable image: {msg}") from None
+    if arr.ndim != 3 or arr.shape[2] != 3:
+        raise DecodeError(f"decoded to an unexpected shape {arr.shape}")
+    return np.ascontiguousarray(arr)
+
+
+def _init_worker(max_image_pixels: int) -> None:
+    from PIL import Image
+
+    # PIL's own bomb guard: warn above the limit, error above twice it. Our explicit check is the limit.
+    Image.MAX_IMAGE_PIXELS = max_image_pixels

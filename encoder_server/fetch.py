@@ -1,0 +1,157 @@
+"""Stage 1 of the pipeline: get an item's raw bytes (inline, `data:` URI, http(s) URL or local path).
+
+One aiohttp session with a bounded connection pool serves every request. Every fetch has a deadline
+and a byte limit enforced while streaming (a lying or missing Content-Length cannot blow memory).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote_to_bytes, urljoin
+
+import aiohttp
+import grpc
+
+from .errors import ItemError, denied, invalid
+from .url_policy import PolicyResolver, UrlPolicy
+
+REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+
+
+@dataclass(frozen=True)
+class MediaSource:
+    kind: str  # "data" | "url" | "path"
+    value: bytes | str
+
+    def describe(self) -> str:
+        if self.kind == "data":
+            return f"<{len(self.value)} inline bytes>"
+        if self.kind == "url" and str(self.value).startswith("data:"):
+            return "<data: URI>"
+        return str(self.value)
+
+
+@dataclass
+class FetchLimits:
+    max_bytes: int = 64 << 20
+    timeout_s: float = 10.0
+    max_redirects: int = 5
+    allowed_local_dir: str | None = None
+    pool_size: int = 64
+
+
+def _too_large(limit: int) -> ItemError:
+    return invalid(f"item is larger than the limit of {limit} bytes (--max-item-bytes)")
+
+
+def parse_data_uri(uri: str, max_bytes: int) -> bytes:
+    header, sep, payload = uri[5:].partition(",")
+    if not sep:
+        raise invalid("malformed data: URI (no comma)")
+    is_b64 = header.endswith(";base64")
+    if (len(payload) * 3 // 4 if is_b64 else len(payload) // 3) > max_bytes:
+        raise _too_large(max_bytes)
+    try:
+        data = base64.b64decode(payload, validate=True) if is_b64 else unquote_to_bytes(payload)
+    except (binascii.Error, ValueError) as e:
+        raise invalid(f"malformed base64 in data: URI ({e})") from None
+    if len(data) > max_bytes:
+        raise _too_large(max_bytes)
+    return data
+
+
+def _status_for_http(status: int) -> grpc.StatusCode:
+    if status in (404, 410):
+        return grpc.StatusCode.NOT_FOUND
+    if status in (401, 403):
+        return grpc.StatusCode.PERMISSION_DENIED
+    if status == 429 or status >= 500:
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INVALID_ARGUMENT
+
+
+class Fetcher:
+    def __init__(self, limits: FetchLimits, policy: UrlPolicy):
+        self.limits = limits
+        self.policy = policy
+        self._session: aiohttp.ClientSession | None = None
+        self._local_root = os.path.realpath(limits.allowed_local_dir) if limits.allowed_local_dir else None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(limit=self.limits.pool_size, resolver=PolicyResolver(self.policy),
+                                         ttl_dns_cache=None)
+        # trust_env=False: never route through a proxy from the environment (it would bypass the address checks).
+        self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
+                                              headers={"User-Agent": "mimo-epd-encoder/0.1"})
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def fetch(self, source: MediaSource) -> bytes:
+        if source.kind == "data":
+            data = bytes(source.value)
+            if len(data) > self.limits.max_bytes:
+                raise _too_large(self.limits.max_bytes)
+            return data
+        if source.kind == "path":
+            return await asyncio.to_thread(self._read_local, str(source.value))
+        url = str(source.value)
+        if url[:5].lower() == "data:":
+            return parse_data_uri(url, self.limits.max_bytes)
+        try:
+            async with asyncio.timeout(self.limits.timeout_s):
+                return await self._fetch_url(url)
+        except TimeoutError:
+            raise ItemError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"fetching {url} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)") from None
+
+    async def _fetch_url(self, url: str) -> bytes:
+        assert self._session is not None, "Fetcher.start() was not called"
+        limit = self.limits.max_bytes
+        for _ in range(self.limits.max_redirects + 1):
+            self.policy.check_url(url)
+            try:
+                async with self._session.get(url, allow_redirects=False) as resp:
+                    if resp.status in REDIRECT_STATUSES:
+                        location = resp.headers.get("Location")
+                        if not location:
+                            raise invalid(f"HTTP {resp.status} from {url} without a Location header")
+                        url = urljoin(url, location)
+                        continue
+                    if resp.status >= 400:
+                        raise ItemError(_status_for_http(resp.status), f"HTTP {resp.status} {resp.reason or ''} fetching {url}".rstrip())
+                    if resp.content_length is not None and resp.content_length > limit:
+                        raise _too_large(limit)
+                    buf = bytearray()
+                    async for chunk in resp.content.iter_chunked(1 << 16):
+                        buf += chunk
+                        if len(buf) > limit:
+                            raise _too_large(limit)
+                    return bytes(buf)
+            except aiohttp.ClientError as e:
+                raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
+        raise invalid(f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)")
+
+    def _read_local(self, path: str) -> bytes:
+        if self._local_root is None:
+            raise denied("local paths are disabled on this server (start it with --allowed-local-dir DIR)")
+        real = os.path.realpath(path)
+        if os.path.commonpath([real, self._local_root]) != self._local_root:
+            raise denied(f"path {path} is outside --allowed-local-dir {self._local_root}")
+        p = Path(real)
+        if not p.is_file():
+            raise ItemError(grpc.StatusCode.NOT_FOUND, f"no such file: {path}")
+        size = p.stat().st_size
+        if size > self.limits.max_bytes:
+            raise _too_large(self.limits.max_bytes)
+        return p.read_bytes()
+
+
+def source_url_short(url: str, n: int = 120) -> str:
+    return url if len(url) <= n else url[:n] + "..."

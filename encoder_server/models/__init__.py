@@ -1,0 +1,137 @@
+"""Vision models and their loader.
+
+`load_vision_model("tiny")` builds the embedded default: the real Qwen2.5-VL vision architecture at
+small sizes with deterministic random weights (seeded), so everything runs on a laptop CPU with
+nothing downloaded. `load_vision_model(PATH)` loads a checkpoint directory saved by transformers:
+either a vision model alone (`model_type: qwen2_5_vl_vision`) or a full Qwen2.5-VL checkpoint, from
+which only the `visual.*` weights are read.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .qwen2_5_vision import Qwen2_5VisionTower, VisionConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Qwen2_5VisionTower", "VisionConfig", "LoadedVisionModel", "load_vision_model", "TINY_VISION_CONFIG",
+           "resolve_dtype"]
+
+# Output size 256 = the hidden size of the embedded tiny LLM.
+TINY_VISION_CONFIG = VisionConfig(
+    depth=4, hidden_size=128, hidden_act="silu", intermediate_size=256, num_heads=4, patch_size=14,
+    spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
+    fullatt_block_indexes=[1, 3],
+)
+TINY_SEED = 0
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
+
+
+@dataclass
+class LoadedVisionModel:
+    module: Qwen2_5VisionTower
+    # Identifies the weights; part of every content key, so a different model never hits the cache.
+    model_id: str
+    # The checkpoint's preprocessor_config.json, when it has one.
+    preprocessor_config: dict | None
+
+
+def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic "dummy weights": the same seed gives the same weights on every machine."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_q.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * std * 0.1)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+
+def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def _vision_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Keeps the vision tower's weights, with any prefix up to `visual.` removed
+    (`visual.`, `model.visual.` in full checkpoints; none in a vision-only one)."""
+    out = {}
+    has_visual = any(".visual." in f".{k}" for k in state)
+    for k, v in state.items():
+        if has_visual:
+            pos = f".{k}".find(".visual.")
+            if pos < 0:
+                continue
+            k = k[pos + len("visual."):]
+        out[k] = v
+    return out
+
+
+def _checkpoint_id(directory: Path) -> str:
+    h = hashlib.sha256()
+    h.update((directory / "config.json").read_bytes())
+    for f in sorted(directory.glob("*.safetensors")):
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return f"{directory.name}@{h.hexdigest()[:16]}"
+
+
+def load_vision_model(name_or_path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
+                      return_info: bool = False):
+    """Loads a vision tower; returns the module (or a `LoadedVisionModel` with `return_info=True`).
+
+    The module's `forward(pixel_values, grid_thw)` returns `[total_tokens_after_merge, out_dim]`.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    if name_or_path == "tiny":
+        model = Qwen2_5VisionTower(TINY_VISION_CONFIG)
+        init_random_weights(model, TINY_SEED)
+        info = LoadedVisionModel(model, f"tiny-qwen2_5_vl-vision-seed{TINY_SEED}", None)
+    else:
+        directory = Path(name_or_path)
+        if not (directory / "config.json").is_file():
+            raise FileNotFoundError(
+                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json")
+        cfg_dict = json.loads((directory / "config.json").read_text())
+        model_type = cfg_dict.get("model_type", "")
+        if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision"):
+            raise ValueError(f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
+                             "(expected qwen2_5_vl or qwen2_5_vl_vision)")
+        cfg = VisionConfig.from_hf_dict(cfg_dict)
+        model = Qwen2_5VisionTower(cfg)
+        state = _vision_weights(_read_safetensors(directory))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if missing:
+            raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} vision weights, e.g. {missing[:5]}")
+        if unexpected:
+            log.warning("model %s: ignoring %d unexpected weights, e.g. %s", name_or_path, len(unexpected), unexpected[:5])
+        pp = directory / "preprocessor_config.json"
+        info = LoadedVisionModel(model, _checkpoint_id(directory), json.loads(pp.read_text()) if pp.is_file() else None)
+    model.to(device=device, dtype=torch_dtype).eval()
+    info.model_id = f"{info.model_id}/{str(torch_dtype).removeprefix('torch.')}"
+    return info if return_info else model

@@ -1,0 +1,287 @@
+"""The Qwen2.5-VL vision tower (the encoder MiMo-VL uses), written to match transformers'
+`Qwen2_5_VisionTransformerPretrainedModel` parameter for parameter and op for op.
+
+Parameter names are the ones transformers saves, so a checkpoint's `state_dict` loads unchanged.
+
+Input is a *packed* batch: the patches of several images (or video clips) concatenated along the
+first axis, described by `grid_thw` (one `(t, h, w)` row per item, in patches). Attention is
+block-diagonal: per window in the windowed blocks, per item in the full-attention blocks
+(`fullatt_block_indexes`), so packing never lets one image see another.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class VisionConfig:
+    """The fields of transformers' `Qwen2_5_VLVisionConfig` that define the computation."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    hidden_act: str = "silu"
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    spatial_merge_size: int = 2
+    temporal_patch_size: int = 2
+    window_size: int = 112
+    out_hidden_size: int = 3584
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "VisionConfig":
+        """Builds from a transformers config dict: a vision config, or a full Qwen2.5-VL config
+        (whose `vision_config` is used)."""
+        if "vision_config" in d:
+            d = d["vision_config"]
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            kwargs["rope_theta"] = rope["rope_theta"]
+        kwargs["fullatt_block_indexes"] = list(kwargs.get("fullatt_block_indexes", cls().fullatt_block_indexes))
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in fp32 whatever the activation dtype, as transformers does.
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class PatchEmbed(nn.Module):
+    """A Conv3d whose kernel equals its stride: one linear map per (t, p, p) patch."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.cfg = cfg
+        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        x = pixel_values.view(-1, c.in_channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+        return self.proj(x.to(self.proj.weight.dtype)).view(-1, c.hidden_size)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [S, H, D]; cos/sin [S, D]. Computed in fp32, cast back, as transformers does."""
+    dtype = x.dtype
+    x = x.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    return ((x * cos) + (_rotate_half(x) * sin)).to(dtype)
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Non-causal attention within each segment [cu[i], cu[i+1]) of a packed sequence.
+
+    q, k, v: [S, H, D]. Segments of equal length are gathered into one batched SDPA call, so a
+    large image with hundreds of windows costs a handful of kernel launches, not hundreds.
+    """
+    starts = cu_seqlens[:-1].long()
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    out = torch.empty_like(q)
+    for length in torch.unique(lengths).tolist():
+        if length == 0:
+            continue
+        seg_starts = starts[lengths == length]
+        idx = seg_starts[:, None] + torch.arange(length, device=q.device)[None, :]  # [n, L]
+        qb, kb, vb = (t[idx].transpose(1, 2) for t in (q, k, v))  # [n, H, L, D]
+        ob = F.scaled_dot_product_attention(qb, kb, vb)
+        out[idx] = ob.transpose(1, 2)
+    return out
+
+
+class VisionAttention(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=True)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=True)
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        s = x.shape[0]
+        q, k, v = self.qkv(x).reshape(s, 3, self.num_heads, -1).unbind(1)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = varlen_attention(q, k, v, cu_seqlens)
+        return self.proj(o.reshape(s, -1))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = RMSNorm(cfg.hidden_size)
+        self.norm2 = RMSNorm(cfg.hidden_size)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(self, x, cu_seqlens, cos, sin):
+        x = x + self.attn(self.norm1(x), cu_seqlens, cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """RMSNorm, then each merge_size x merge_size group of patches -> one LLM token through an MLP."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.in_dim = cfg.hidden_size * cfg.spatial_merge_size**2
+        self.ln_q = RMSNorm(cfg.hidden_size)
+        self.mlp = nn.Sequential(nn.Linear(self.in_dim, self.in_dim), nn.GELU(), nn.Linear(self.in_dim, cfg.out_hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.ln_q(x).view(-1, self.in_dim))
+
+
+# ---------------------------------------------------------------------------------------------
+# Index bookkeeping: positions, windows and attention segments of a packed batch.
+# ---------------------------------------------------------------------------------------------
+
+def rotary_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """(h, w) position of every patch, in the processor's merge-block-major patch order. [S, 2]"""
+    out = []
+    for t, h, w in grid_thw.tolist():
+        hh = torch.arange(h).view(h // merge, merge, 1, 1).expand(-1, -1, w // merge, merge)
+        ww = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, -1, -1)
+        # merge-block-major: (h/m, w/m, m, m)
+        hh = hh.permute(0, 2, 1, 3).reshape(-1)
+        ww = ww.permute(0, 2, 1, 3).reshape(-1)
+        out.append(torch.stack([hh, ww], dim=-1).repeat(t, 1))
+    return torch.cat(out)
+
+
+def window_index(grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reorders merged tokens so that each attention window is contiguous.
+
+    Returns (index over merged tokens [S/merge^2], cu_window_seqlens over patches). Windows are
+    `window_size // merge // patch_size` merged tokens on a side; edge windows are smaller.
+    """
+    win = window_size // merge // patch_size
+    unit = merge * merge
+    indices, cu, offset = [], [0], 0
+    for t, h, w in grid_thw.tolist():
+        gh, gw = h // merge, w // merge
+        idx = torch.arange(t * gh * gw).view(t, gh, gw)
+        # Pad to whole windows (transformers always adds padding, a full window when divisible;
+        # empty windows are dropped below, so the result is the same).
+        ph, pw = win - gh % win, win - gw % win
+        nh, nw = (gh + ph) // win, (gw + pw) // win
+        padded = F.pad(idx, (0, pw, 0, ph), value=-1)
+        padded = padded.view(t, nh, win, nw, win).permute(0, 1, 3, 2, 4).reshape(t, nh * nw, win * win)
+        counts = (padded >= 0).sum(-1).reshape(-1)
+        flat = padded.reshape(-1)
+        indices.append(flat[flat >= 0] + offset)
+        cu.extend((counts.cumsum(0) * unit + cu[-1]).tolist())
+        offset += t * gh * gw
+    cu_t = torch.unique_consecutive(torch.tensor(cu, dtype=torch.int32))
+    return torch.cat(indices), cu_t
+
+
+def item_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
+    """Segment boundaries for full attention: one segment per frame group (t) of each item."""
+    per = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return F.pad(per.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+class Qwen2_5VisionTower(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.config = cfg
+        self.patch_embed = PatchEmbed(cfg)
+        self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
+        self.merger = PatchMerger(cfg)
+        half = cfg.head_dim // 2  # each of h and w rotates half of the head
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.patch_embed.proj.weight.device
+
+    def num_tokens(self, grid_thw: torch.Tensor) -> torch.Tensor:
+        """LLM tokens per item after the spatial merge."""
+        return grid_thw.prod(-1) // (self.config.spatial_merge_size**2)
+
+    @torch.inference_mode()
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """pixel_values [S, C*T*P*P] (packed), grid_thw [n, 3] -> [S / merge^2, out_hidden_size]."""
+        cfg = self.config
+        grid_thw = grid_thw.to("cpu", torch.long)
+        unit = cfg.spatial_merge_size**2
+        dev = self.device
+
+        win_idx, cu_windows = window_index(grid_thw, cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)
+        cu_items = item_seqlens(grid_thw)
+        win_idx, cu_windows, cu_items = win_idx.to(dev), cu_windows.to(dev), cu_items.to(dev)
+
+        x = self.patch_embed(pixel_values.to(dev))
+        s = x.shape[0]
+
+        def to_window_order(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(s // unit, unit, -1)[win_idx].reshape(s, -1)
+
+        x = to_window_order(x)
+        freqs = rotary_positions(grid_thw, cfg.spatial_merge_size).to(dev)[..., None].float() * self.inv_freq
+        freqs = freqs.flatten(1)  # [S, head_dim/2]: h-angles then w-angles
+        angles = to_window_order(torch.cat([freqs, freqs], dim=-1))
+        cos, sin = angles.cos(), angles.sin()
+
+        full = set(cfg.fullatt_block_indexes)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cu_items if i in full else cu_windows, cos, sin)
+
+        merged = self.merger(x)
+        return merged[torch.argsort(win_idx)]

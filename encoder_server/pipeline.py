@@ -1,0 +1,337 @@
+"""The encoder's staged pipeline, read top to bottom:
+
+    request ──▶ [fetch_q] fetch workers ──▶ content key ──▶ cache? ──hit──▶ answer
+                                                  │ miss (or first of identical in-flight items)
+                                                  ▼
+                [decode_q] decode workers (process pool) ──▶ [preprocess_q] preprocess threads
+                ──▶ Batcher (token budget, short wait) ──▶ vision forward (one thread) ──▶ answer + cache
+
+Stages are joined by bounded asyncio queues, so a slow stage pushes back on the one before it and
+memory stays bounded; `--max-pending` refuses new work at once instead of queueing without end.
+Every item is a `Job`; a stage that fails a job resolves its future with an `ItemError`, and the
+later stages skip jobs whose future is already resolved.
+
+Identical items in flight at the same time (same content key) are encoded once: the first is the
+leader, later ones attach to it and get its result (reported as cache hits).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import multiprocessing
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from mimo_epd.content_key import bytes_digest, content_key, normalize_digest
+
+from .batcher import Batcher, BatchItem
+from .config import EncoderServerConfig
+from .decode import _init_worker, decode_image
+from .embedding_cache import CachedEmbedding, EmbeddingLRU
+from .errors import DecodeError, ItemError, invalid
+from .fetch import FetchLimits, Fetcher, MediaSource
+from .models import LoadedVisionModel, load_vision_model
+from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images
+from .url_policy import UrlPolicy, parse_networks
+
+log = logging.getLogger(__name__)
+
+STAGES = ("fetch", "decode", "preprocess", "queue", "encode")
+
+
+@dataclass
+class ItemRequest:
+    source: MediaSource
+    modality: str = "image"
+    content_hash: str = ""
+
+
+@dataclass
+class ItemResult:
+    content_key: str
+    embedding: torch.Tensor  # [num_tokens, hidden] on the CPU
+    grid_thw: tuple[int, int, int]
+    cache_hit: bool
+    timings_ms: dict[str, float]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.embedding.shape[0])
+
+
+@dataclass(eq=False)
+class Job:
+    index: int
+    request: ItemRequest
+    future: asyncio.Future
+    timings_ms: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    data: bytes | None = None
+    key: str = ""
+    pixels: object = None  # decoded HxWx3 uint8
+    followers: list["Job"] = field(default_factory=list)
+    abandoned: bool = False  # its request already failed; finish only if others wait on it
+
+    @property
+    def wanted(self) -> bool:
+        return not self.future.done() and (not self.abandoned or any(not f.future.done() for f in self.followers))
+
+    def fail(self, err: ItemError) -> None:
+        for job in [self, *self.followers]:
+            if not job.future.done():
+                job.future.set_exception(ItemError(err.code, err.reason, job.index))
+
+    def succeed(self, emb: CachedEmbedding, cache_hit: bool) -> None:
+        if not self.future.done():
+            self.future.set_result(ItemResult(self.key, emb.embedding, emb.grid_thw, cache_hit, self.timings_ms))
+        for f in self.followers:
+            if not f.future.done():
+                f.future.set_result(ItemResult(f.key, emb.embedding, emb.grid_thw, True, f.timings_ms))
+
+
+class EncodePipeline:
+    def __init__(self, config: EncoderServerConfig, model: LoadedVisionModel | None = None):
+        self.config = config
+        self.model = model or load_vision_model(config.model, config.device, config.dtype, return_info=True)
+        self.preprocess_config = self._preprocess_config()
+        self.model_id = self.model.model_id
+        self._fingerprint = self.preprocess_config.fingerprint()
+        self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
+        policy = UrlPolicy(allow_private=config.allow_private_urls, allowlist=parse_networks(config.url_allowlist))
+        self.fetcher = Fetcher(FetchLimits(max_bytes=config.max_item_bytes, timeout_s=config.fetch_timeout_s,
+                                           max_redirects=config.max_redirects,
+                                           allowed_local_dir=config.allowed_local_dir or None,
+                                           pool_size=config.fetch_concurrency), policy)
+        d = config.queue_depth
+        self.fetch_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.decode_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.batcher = Batcher(self._forward, on_done=self._on_encoded, max_batch_tokens=config.max_batch_tokens,
+                               max_wait_ms=config.max_wait_ms, queue_depth=d,
+                               merge_unit=self.model.module.config.spatial_merge_size ** 2)
+        self._inflight: dict[str, Job] = {}
+        self.pending = 0
+        self._tasks: list[asyncio.Task] = []
+        self._decode_pool: concurrent.futures.Executor | None = None
+        self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
+        self.stats = {"requests": 0, "items": 0, "cache_hits": 0, "errors": 0}
+
+    def _preprocess_config(self) -> PreprocessConfig:
+        c = self.config
+        if c.preprocess != "auto":
+            base = PreprocessConfig.preset(c.preprocess)
+        elif self.model.preprocessor_config:
+            base = PreprocessConfig.from_hf_dict(self.model.preprocessor_config)
+        else:
+            patch = self.model.module.config.patch_size
+            base = PreprocessConfig.preset("mimo_v2_5" if patch == 16 else "qwen2_5_vl")
+        tower = self.model.module.config
+        if (base.patch_size, base.merge_size, base.temporal_patch_size) != (
+                tower.patch_size, tower.spatial_merge_size, tower.temporal_patch_size):
+            raise ValueError(f"preprocessing (patch {base.patch_size}, merge {base.merge_size}) does not match the "
+                             f"model (patch {tower.patch_size}, merge {tower.spatial_merge_size})")
+        from dataclasses import replace
+
+        return replace(base, min_pixels=c.min_pixels or base.min_pixels, max_pixels=c.max_pixels or base.max_pixels)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        await self.fetcher.start()
+        if self.config.decode_workers > 0:
+            self._decode_pool = concurrent.futures.ProcessPoolExecutor(
+                self.config.decode_workers, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker, initargs=(self.config.max_image_pixels,))
+            # Start the workers now, not on the first request.
+            loop = asyncio.get_running_loop()
+            await asyncio.gather(*(loop.run_in_executor(self._decode_pool, _init_worker, self.config.max_image_pixels)
+                                   for _ in range(self.config.decode_workers)))
+        await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
+        spawn = asyncio.get_running_loop().create_task
+        self._tasks += [spawn(self._worker(self.fetch_q, self._fetch_stage, self.decode_q), name=f"fetch-{i}")
+                        for i in range(self.config.fetch_concurrency)]
+        self._tasks += [spawn(self._worker(self.decode_q, self._decode_stage, self.preprocess_q), name=f"decode-{i}")
+                        for i in range(max(1, self.config.decode_workers))]
+        self._tasks += [spawn(self._worker(self.preprocess_q, self._preprocess_stage, None), name=f"preprocess-{i}")
+                        for i in range(self.config.preprocess_threads)]
+        self._tasks.append(spawn(self.batcher.run(), name="batcher"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.fetcher.close()
+        self.batcher.shutdown()
+        if self._decode_pool is not None:
+            self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ entry point
+    async def encode(self, items: list[ItemRequest]) -> list[ItemResult]:
+        """Encodes a request's items. Raises the `ItemError` of the first failing item (lowest index)."""
+        c = self.config
+        self.stats["requests"] += 1
+        if not items:
+            raise invalid("request has no items")
+        if len(items) > c.max_items_per_request:
+            raise invalid(f"request has {len(items)} items, over the limit of {c.max_items_per_request} "
+                          "(--max-items-per-request)")
+        if self.pending + len(items) > c.max_pending:
+            raise ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"server is at capacity ({self.pending} items pending, --max-pending {c.max_pending}); retry later")
+        loop = asyncio.get_running_loop()
+        jobs = [Job(i, it, loop.create_future()) for i, it in enumerate(items)]
+        self.pending += len(jobs)
+        self.stats["items"] += len(jobs)
+        try:
+            for job in jobs:
+                self._admit(job)
+            for job in jobs:
+                if not job.future.done():
+                    await self.fetch_q.put(job)
+            results = []
+            for job in jobs:  # in index order: the first failure by index is the one reported
+                results.append(await job.future)
+            return results
+        except ItemError as e:
+            self.stats["errors"] += 1
+            for job in jobs:
+                job.abandoned = True
+                if not job.future.done():
+                    job.future.cancel()
+            raise e
+        except BaseException:
+            for job in jobs:
+                job.abandoned = True
+                if not job.future.done():
+                    job.future.cancel()
+            raise
+        finally:
+            self.pending -= len(jobs)
+            for job in jobs:  # an unretrieved exception of a later item is expected, not an error
+                if job.future.done() and not job.future.cancelled():
+                    job.future.exception()
+
+    def _admit(self, job: Job) -> None:
+        """Validates an item and answers it from the cache when the client's content_hash allows."""
+        req = job.request
+        if req.modality != "image":
+            job.fail(ItemError(grpc.StatusCode.UNIMPLEMENTED, f"modality {req.modality} is not supported by this server"))
+            return
+        if req.content_hash:
+            try:
+                digest = normalize_digest(req.content_hash)
+            except ValueError as e:
+                job.fail(invalid(str(e)))
+                return
+            job.key = self._key(digest)
+            self._lookup(job)
+
+    def _key(self, digest: str) -> str:
+        return content_key(digest, self.model_id, self._fingerprint)
+
+    def _lookup(self, job: Job) -> bool:
+        if self.cache is None:
+            return False
+        hit = self.cache.get(job.key)
+        if hit is not None:
+            self.stats["cache_hits"] += 1
+            job.succeed(hit, cache_hit=True)
+            return True
+        return False
+
+    # ------------------------------------------------------------------ stages
+    async def _worker(self, inq: asyncio.Queue, stage, outq: asyncio.Queue | None) -> None:
+        while True:
+            job = await inq.get()
+            if not job.wanted:
+                continue
+            try:
+                forward = await stage(job)
+            except ItemError as e:
+                job.fail(e)
+                continue
+            except asyncio.CancelledError:
+                job.fail(ItemError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+                raise
+            except Exception as e:  # a bug, not bad input: log it with its traceback, keep serving
+                log.exception("stage %s failed on item %d", getattr(stage, "__name__", stage), job.index)
+                job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+                continue
+            if forward and outq is not None and job.wanted:
+                await outq.put(job)
+
+    async def _fetch_stage(self, job: Job) -> bool:
+        t0 = time.perf_counter()
+        job.data = await self.fetcher.fetch(job.request.source)
+        digest = bytes_digest(job.data)
+        job.timings_ms["fetch"] = (time.perf_counter() - t0) * 1e3
+        if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
+            raise invalid(f"content_hash {job.request.content_hash} does not match the item's bytes ({digest})")
+        job.key = self._key(digest)
+        if self._lookup(job):
+            return False
+        leader = self._inflight.get(job.key)
+        if leader is not None and leader.wanted:
+            leader.followers.append(job)
+            return False
+        self._inflight[job.key] = job
+        job.future.add_done_callback(lambda _f, j=job: self._inflight.pop(j.key, None) if self._inflight.get(j.key) is j else None)
+        return True
+
+    async def _decode_stage(self, job: Job) -> bool:
+        t0 = time.perf_counter()
+        data, job.data = job.data, None
+        try:
+            if self._decode_pool is None:
+                job.pixels = await asyncio.to_thread(decode_image, data, self.config.max_image_pixels)
+            else:
+                job.pixels = await asyncio.get_running_loop().run_in_executor(
+                    self._decode_pool, decode_image, data, self.config.max_image_pixels)
+        except DecodeError as e:
+            raise invalid(e.reason) from None
+        except concurrent.futures.process.BrokenProcessPool:
+            raise ItemError(grpc.StatusCode.UNAVAILABLE, "a decoder process died; retry") from None
+        job.timings_ms["decode"] = (time.perf_counter() - t0) * 1e3
+        return True
+
+    async def _preprocess_stage(self, job: Job) -> bool:
+        t0 = time.perf_counter()
+        pixels, job.pixels = job.pixels, None
+        try:
+            pv, grid = await asyncio.get_running_loop().run_in_executor(
+                self._preprocess_pool, self._preprocess_one, pixels)
+        except ImageSizeError as e:
+            raise invalid(str(e).removeprefix("image 0: ")) from None
+        job.timings_ms["preprocess"] = (time.perf_counter() - t0) * 1e3
+        await self.batcher.submit(BatchItem(pv, tuple(grid[0].tolist()), job))
+        return False
+
+    def _warm_up(self) -> None:
+        """One small image through preprocess and the tower, so the first request pays no import/compile cost."""
+        import numpy as np
+
+        f = self.preprocess_config.factor * 2
+        pv, grid = preprocess_images([np.zeros((f, f, 3), np.uint8)], self.preprocess_config, device=self.config.device,
+                                     out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend)
+        self.model.module(pv, grid)
+
+    def _preprocess_one(self, pixels):
+        return preprocess_images([pixels], self.preprocess_config, device=self.config.device,
+                                 out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend)
+
+    # ------------------------------------------------------------------ forward (runs in the batcher's thread)
+    def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.model.module(pixel_values, grid_thw)
+
+    def _on_encoded(self, item: BatchItem, embedding: torch.Tensor, queue_ms: float, encode_ms: float) -> None:
+        job: Job = item.job
+        job.timings_ms["queue"] = queue_ms
+        job.timings_ms["encode"] = encode_ms
+        entry = CachedEmbedding(embedding, item.grid_thw)
+        if self.cache is not None:
+            self.cache.put(job.key, entry)
+        job.succeed(entry, cache_hit=False)

@@ -1,0 +1,266 @@
+"""Image preprocessing in the Qwen2-VL processor convention (reference.md §2).
+
+`preprocess_images(images, config, device)` returns `(pixel_values [num_patches, C*T*P*P], grid_thw [n, 3])`
+exactly in the order and layout of transformers' `Qwen2VLImageProcessor`:
+
+1. `smart_resize` picks a target size divisible by `patch_size * merge_size` within the pixel bounds;
+2. resize, bicubic with antialiasing: on the device with torchvision (what the fast HF processor does;
+   images sharing a source and target size are resized as one batch), or with PIL on the CPU
+   (pillow-simd when installed; what the slow HF processor does);
+3. rescale by 1/255 and normalize with the CLIP mean/std (fused into one affine map per channel);
+4. patchify: a still image becomes `temporal_patch_size` identical frames; patches are ordered
+   merge-block-major so that each `merge x merge` group the vision merger folds is contiguous.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MAX_ASPECT_RATIO = 200
+
+
+class ImageSizeError(ValueError):
+    """The image cannot be resized under the processor's rules (too small, or too elongated)."""
+
+
+@dataclass(frozen=True)
+class PreprocessConfig:
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    std: tuple[float, float, float] = OPENAI_CLIP_STD
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+    @classmethod
+    def preset(cls, name: str) -> "PreprocessConfig":
+        try:
+            return PRESETS[name]
+        except KeyError:
+            raise ValueError(f"unknown preprocessing preset {name!r}; known: {sorted(PRESETS)}") from None
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, base: "PreprocessConfig | None" = None) -> "PreprocessConfig":
+        """From a `preprocessor_config.json` (either the `min_pixels`/`max_pixels` or the `size` spelling)."""
+        base = base or cls()
+        size = d.get("size") or {}
+        return cls(
+            patch_size=d.get("patch_size", base.patch_size),
+            merge_size=d.get("merge_size", base.merge_size),
+            temporal_patch_size=d.get("temporal_patch_size", base.temporal_patch_size),
+            min_pixels=d.get("min_pixels", size.get("shortest_edge", base.min_pixels)),
+            max_pixels=d.get("max_pixels", size.get("longest_edge", base.max_pixels)),
+            mean=tuple(d.get("image_mean", base.mean)),
+            std=tuple(d.get("image_std", base.std)),
+        )
+
+    def fingerprint(self) -> str:
+        """A stable string of every field; part of content keys."""
+        return ",".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
+
+
+PRESETS = {
+    "qwen2_5_vl": PreprocessConfig(),
+    "mimo_v2_5": PreprocessConfig(patch_size=16, min_pixels=3136, max_pixels=12845056),
+}
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """Target (height, width): divisible by `factor`, pixel count within bounds, aspect kept."""
+    if height < factor or width < factor:
+        raise ImageSizeError(f"image is {width}x{height}; both sides must be at least {factor} pixels")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageSizeError(f"image is {width}x{height}; aspect ratio must be at most {MAX_ASPECT_RATIO}")
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def target_size(height: int, width: int, config: PreprocessConfig) -> tuple[int, int]:
+    return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+
+
+def grid_for(height: int, width: int, config: PreprocessConfig, frames: int = 1) -> tuple[int, int, int]:
+    """(t, h, w) patch grid of an image (or a clip of `frames` frames) after resizing."""
+    th, tw = target_size(height, width, config)
+    t = math.ceil(frames / config.temporal_patch_size)
+    return t, th // config.patch_size, tw // config.patch_size
+
+
+# ---------------------------------------------------------------------------------------------
+# Resize
+# ---------------------------------------------------------------------------------------------
+
+def pillow_simd_active() -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version("pillow-simd")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def resize_pil(image: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
+    """HxWx3 uint8 -> 3xH'xW' uint8 with PIL's antialiased bicubic (pillow-simd when installed)."""
+    from PIL import Image
+
+    h, w = size
+    out = Image.fromarray(image).resize((w, h), resample=Image.Resampling.BICUBIC)
+    return torch.from_numpy(np.array(out)).permute(2, 0, 1)
+
+
+def resize_torch(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[N, 3, H, W] uint8 on any device -> [N, 3, H', W'] uint8, bicubic with antialiasing (torchvision)."""
+    from torchvision.transforms.v2 import functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    return TF.resize(batch, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Normalize + patchify
+# ---------------------------------------------------------------------------------------------
+
+def normalize_patchify(resized: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Torch reference: [N, 3, H, W] uint8 (already resized) -> [N * gh * gw, 3*T*P*P] normalized patches.
+
+    Rescale and normalize are fused as transformers does: (x - 255*mean) / (255*std) in fp32.
+    """
+    n, c, h, w = resized.shape
+    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+    dev = resized.device
+    mean = torch.tensor(config.mean, dtype=torch.float32, device=dev).view(1, c, 1, 1) * 255.0
+    std = torch.tensor(config.std, dtype=torch.float32, device=dev).view(1, c, 1, 1) * 255.0
+    x = (resized.to(torch.float32) - mean) / std
+    gh, gw = h // p, w // p
+    x = x.view(n, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    # [n, gh/m, gw/m, m, m, c, p, p] -> a still image repeats along the temporal patch axis.
+    x = x.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, tp, -1, -1)
+    return x.reshape(n * gh * gw, c * tp * p * p).to(out_dtype)
+
+
+def patchify_frames(frames: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Normalized frames [T, 3, H, W] float -> patches [gt*gh*gw, 3*T'*P*P] (T padded with its last frame)."""
+    t, c, h, w = frames.shape
+    p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
+    if t % tp:
+        frames = torch.cat([frames, frames[-1:].expand(tp - t % tp, -1, -1, -1)])
+        t = frames.shape[0]
+    gt, gh, gw = t // tp, h // p, w // p
+    x = frames.reshape(gt, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    return x.reshape(gt * gh * gw, c * tp * p * p).to(out_dtype)
+
+
+def _fused_kernel_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        from .kernels import patchify_triton  # noqa: F401
+    except Exception:  # pragma: no cover - Triton missing on this build
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+# ---------------------------------------------------------------------------------------------
+
+ImageLike = "np.ndarray | torch.Tensor"
+
+
+def _as_hwc_uint8(image, index: int) -> np.ndarray | torch.Tensor:
+    if isinstance(image, np.ndarray):
+        arr = image
+    elif isinstance(image, torch.Tensor):
+        arr = image
+    else:
+        raise TypeError(f"image {index}: expected a numpy array or a torch tensor, got {type(image).__name__}")
+    if arr.ndim == 2:  # grayscale
+        arr = arr[..., None]
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3):
+        raise ValueError(f"image {index}: expected HxWx3 (or HxW / HxWx1 grayscale), got shape {tuple(arr.shape)}")
+    if arr.dtype not in (np.uint8, torch.uint8):
+        raise ValueError(f"image {index}: expected uint8 pixels, got {arr.dtype}")
+    if arr.shape[-1] == 1:
+        arr = arr.repeat(3, -1) if isinstance(arr, np.ndarray) else arr.expand(-1, -1, 3)
+    return arr
+
+
+def preprocess_images(images: Sequence, config: PreprocessConfig | str = "qwen2_5_vl", device=None,
+                      out_dtype: torch.dtype = torch.float32, resize_backend: str = "auto"
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (HxWx3 uint8 numpy arrays or tensors) -> (pixel_values, grid_thw), like the HF processor.
+
+    resize_backend: "torch" (torchvision on `device`, batched per shape), "pil" (PIL on the CPU,
+    pillow-simd when installed), or "auto" (pil on a CPU when pillow-simd is installed, else torch).
+    """
+    if isinstance(config, str):
+        config = PreprocessConfig.preset(config)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if resize_backend == "auto":
+        resize_backend = "pil" if device.type == "cpu" and pillow_simd_active() else "torch"
+    if resize_backend not in ("torch", "pil"):
+        raise ValueError(f"resize_backend must be auto, torch or pil, got {resize_backend!r}")
+
+    arrays = [_as_hwc_uint8(img, i) for i, img in enumerate(images)]
+    targets = []
+    for i, arr in enumerate(arrays):
+        try:
+            targets.append(target_size(int(arr.shape[0]), int(arr.shape[1]), config))
+        except ImageSizeError as e:
+            raise ImageSizeError(f"image {i}: {e}") from None
+
+    # Resize, batching the images that share a source and a target size.
+    resized: list[torch.Tensor | None] = [None] * len(arrays)
+    if resize_backend == "pil":
+        for i, (arr, size) in enumerate(zip(arrays, targets)):
+            a = arr.cpu().numpy() if isinstance(arr, torch.Tensor) else arr
+            resized[i] = resize_pil(np.ascontiguousarray(a), size).to(device)
+    else:
+        groups: dict[tuple, list[int]] = defaultdict(list)
+        for i, (arr, size) in enumerate(zip(arrays, targets)):
+            groups[(tuple(arr.shape), size)].append(i)
+        for (_, size), idxs in groups.items():
+            batch = torch.stack([torch.as_tensor(arrays[i]).to(device).permute(2, 0, 1) for i in idxs])
+            same = batch.shape[-2:] == torch.Size(size)
+            out = batch if same else resize_torch(batch, size)
+            for j, i in enumerate(idxs):
+                resized[i] = out[j]
+
+    use_kernel = _fused_kernel_available(device)
+    patches = []
+    for img in resized:
+        batch = img.unsqueeze(0).contiguous()
+        if use_kernel:
+            from .kernels import patchify_triton
+
+            patches.append(patchify_triton(batch, config, out_dtype))
+        else:
+            patches.append(normalize_patchify(batch, config, out_dtype))
+    grid = torch.tensor([[1, h // config.patch_size, w // config.patch_size] for h, w in targets], dtype=torch.long)
+    return torch.cat(patches), grid

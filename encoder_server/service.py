@@ -1,0 +1,126 @@
+"""The encoder's gRPC service: `mimo_epd.v1.Encoder/Encode`, plus standard health checking and reflection.
+
+`run_encoder_server(config)` is what `mimo-epd encoder` runs: it loads the model, starts the
+pipeline, serves on `host:port`, prints `ready host:port` once serving, and on SIGTERM/SIGINT stops
+accepting, lets in-flight requests finish within `--grace-period-s`, and returns 0.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+from .config import EncoderServerConfig
+from .errors import ItemError
+from .fetch import MediaSource
+from .pipeline import EncodePipeline, ItemRequest, ItemResult
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
+_MODALITIES = {encoder_pb2.MODALITY_UNSPECIFIED: "image", encoder_pb2.IMAGE: "image", encoder_pb2.VIDEO: "video"}
+
+
+def tensor_to_proto(t: torch.Tensor) -> encoder_pb2.Tensor:
+    t = t.detach().to("cpu").contiguous()
+    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
+        raise RuntimeError("big-endian hosts are not supported")
+    return encoder_pb2.Tensor(data=data, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+
+
+def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
+    which = item.WhichOneof("source")
+    if which is None:
+        raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, "no source set (one of url, data, path)", index)
+    value = getattr(item, which)
+    if which == "data":
+        source = MediaSource("data", bytes(value))
+    else:
+        if not value:
+            raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"empty {which}", index)
+        source = MediaSource(which, value)
+    modality = _MODALITIES.get(item.modality)
+    if modality is None:
+        raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown modality {item.modality}", index)
+    return ItemRequest(source, modality, item.content_hash)
+
+
+def result_to_proto(r: ItemResult) -> encoder_pb2.ItemEmbedding:
+    t = r.timings_ms
+    return encoder_pb2.ItemEmbedding(
+        content_key=r.content_key, embedding=tensor_to_proto(r.embedding), grid_thw=list(r.grid_thw),
+        num_tokens=r.num_tokens, cache_hit=r.cache_hit,
+        timings=encoder_pb2.StageTimings(fetch_ms=t["fetch"], decode_ms=t["decode"], preprocess_ms=t["preprocess"],
+                                         queue_ms=t["queue"], encode_ms=t["encode"]))
+
+
+class EncoderService(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, pipeline: EncodePipeline):
+        self.pipeline = pipeline
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
+        t0 = time.perf_counter()
+        try:
+            items = [item_from_proto(it, i) for i, it in enumerate(request.items)]
+            results = await self.pipeline.encode(items)
+        except ItemError as e:
+            log.info("Encode %s failed: %s %s", request.request_id or "-", e.code.name, e)
+            await context.abort(e.code, str(e))
+        log.debug("Encode %s: %d items in %.1f ms", request.request_id or "-", len(results), (time.perf_counter() - t0) * 1e3)
+        return encoder_pb2.EncodeResponse(items=[result_to_proto(r) for r in results], model=self.pipeline.model_id)
+
+
+async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None = None,
+                        stop: asyncio.Event | None = None, announce: bool = True) -> int:
+    pipeline = EncodePipeline(config)
+    await pipeline.start()
+    max_bytes = config.max_message_mb << 20
+    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_bytes),
+                                      ("grpc.max_receive_message_length", max_bytes),
+                                      ("grpc.so_reuseport", 0)])
+    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderService(pipeline), server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    if port == 0:
+        await pipeline.stop()
+        raise OSError(f"cannot listen on {config.host}:{config.port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    log.info("encoder serving model %s on %s:%d (device %s, preprocessing %s)", pipeline.model_id, host, port,
+             config.device, pipeline.preprocess_config)
+    if announce:
+        print(f"ready {host}:{port}", flush=True)
+    if ready is not None:
+        ready.port = port  # type: ignore[attr-defined]
+        ready.set()
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
+            pass
+    await stop.wait()
+    log.info("shutting down: refusing new requests, %gs grace for in-flight ones", config.grace_period_s)
+    await health.enter_graceful_shutdown()
+    await server.stop(config.grace_period_s)
+    await pipeline.stop()
+    log.info("stopped")
+    return 0
