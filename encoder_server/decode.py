@@ -63,8 +63,9 @@ def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | Non
             img = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
     except UnidentifiedImageError:
         raise DecodeError(f"unsupported or unrecognised image format (supported: {', '.join(SUPPORTED_FORMATS)})") from None
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
-        raise DecodeError(f"image has too many pixels (limit {max_pixels}, --max-image-pixels)", "too_large") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
+        raise DecodeError(f"image has too many pixels, over the limit of {max_pixels} (--max-image-pixels): {e}",
+                          "too_large") from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types on malformed headers
         raise DecodeError(f"undecodable image: {e}") from None
     w, h = img.size

@@ -1,0 +1,33 @@
+# The two commands a fresh clone needs:  make serve   /   make test
+# Both create .venv when missing and install the project into it (tests with the `dev` extra).
+VENV ?= .venv
+PYTHON ?= python3
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test install install-dev protos bench clean
+
+$(VENV)/.installed: pyproject.toml scripts/setup_env.sh
+	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml scripts/setup_env.sh
+	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV) dev
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+serve: $(VENV)/.installed
+	$(VENV)/bin/mimo-epd serve $(ARGS)
+
+test: $(VENV)/.installed-dev
+	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# Regenerates the committed gRPC stubs (tests/test_protos.py checks they are current).
+protos: $(VENV)/.installed-dev
+	$(VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
+		protos/mimo_epd/v1/*.proto
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
