@@ -1,0 +1,105 @@
+"""decode_image: every PIL mode to RGB, EXIF orientation, limits and clear errors."""
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from encoder_server.decode import decode_image
+from encoder_server.errors import DecodeError
+from tests.conftest import encode_image, textured
+
+LIMIT = 50_000_000
+
+
+def save(img: Image.Image, fmt: str, **kw) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, fmt, **kw)
+    return buf.getvalue()
+
+
+def test_rgb_png_roundtrip_exact():
+    arr = textured(37, 53)
+    out = decode_image(encode_image(arr, "PNG"), LIMIT)
+    assert out.dtype == np.uint8 and out.shape == (37, 53, 3)
+    np.testing.assert_array_equal(out, arr)
+
+
+def test_grayscale_becomes_three_equal_channels():
+    g = textured(20, 30)[..., 0]
+    out = decode_image(save(Image.fromarray(g, "L"), "PNG"), LIMIT)
+    assert out.shape == (20, 30, 3)
+    for c in range(3):
+        np.testing.assert_array_equal(out[..., c], g)
+
+
+def test_alpha_modes_composite_on_white():
+    rgba = np.zeros((10, 10, 4), np.uint8)
+    rgba[..., 0] = 200
+    rgba[:, :5, 3] = 255  # left half opaque red-ish, right half transparent
+    out = decode_image(save(Image.fromarray(rgba, "RGBA"), "PNG"), LIMIT)
+    assert (out[:, :5] == [200, 0, 0]).all() and (out[:, 5:] == 255).all()
+    la = Image.fromarray(np.stack([np.full((4, 4), 10, np.uint8), np.zeros((4, 4), np.uint8)], -1), "LA")
+    assert (decode_image(save(la, "PNG"), LIMIT) == 255).all()
+    p = Image.new("P", (4, 4), 0)
+    p.putpalette([0, 0, 0, 255, 0, 0] + [0] * 762)
+    p.info["transparency"] = 0
+    assert (decode_image(save(p, "PNG", transparency=0), LIMIT) == 255).all()
+
+
+def test_sixteen_bit_is_scaled_not_clipped():
+    arr = np.array([[0, 32768, 65535]], dtype=np.uint16).repeat(4, 0)
+    img = Image.fromarray(arr)
+    assert img.mode == "I;16"
+    out = decode_image(save(img, "PNG"), LIMIT)
+    assert out[0, :, 0].tolist() == [0, 128, 255]
+
+
+def test_cmyk_jpeg_decodes_to_rgb():
+    out = decode_image(encode_image(textured(40, 60), "JPEG", mode="CMYK"), LIMIT)
+    assert out.shape == (40, 60, 3)
+
+
+def test_exif_orientation_applied():
+    arr = textured(30, 50)
+    exif = Image.Exif()
+    exif[0x0112] = 8  # rotate 90 CCW to display
+    out = decode_image(encode_image(arr, "JPEG", exif=exif.tobytes()), LIMIT)
+    assert out.shape == (50, 30, 3)
+
+
+@pytest.mark.parametrize("data,fragment", [
+    (b"", "empty"),
+    (b"hello world, not an image", "unsupported"),
+])
+def test_bad_bytes(data, fragment):
+    with pytest.raises(DecodeError, match=fragment):
+        decode_image(data, LIMIT)
+
+
+def test_corrupt_png_data():
+    data = bytearray(encode_image(textured(64, 64), "PNG"))
+    i = data.find(b"IDAT")
+    data[i + 20:i + 60] = b"\xff" * 40  # header intact, compressed stream broken
+    with pytest.raises(DecodeError, match="undecodable"):
+        decode_image(bytes(data), LIMIT)
+
+
+def test_truncated_jpeg():
+    data = encode_image(textured(200, 200), "JPEG")
+    with pytest.raises(DecodeError, match="truncated"):
+        decode_image(data[: len(data) // 3], LIMIT)
+
+
+def test_pixel_limit_checked_from_header():
+    data = encode_image(np.zeros((300, 400, 3), np.uint8), "PNG")
+    with pytest.raises(DecodeError, match="over the limit") as ei:
+        decode_image(data, 100_000)
+    assert ei.value.kind == "too_large"
+
+
+def test_decode_error_is_picklable():
+    import pickle
+
+    e = pickle.loads(pickle.dumps(DecodeError("x", "too_large")))
+    assert e.reason == "x" and e.kind == "too_large"

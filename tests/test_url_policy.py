@@ -1,0 +1,80 @@
+"""URL policy decisions, made without any network access."""
+import asyncio
+
+import grpc
+import pytest
+
+from encoder_server.errors import ItemError
+from encoder_server.fetch import parse_data_uri
+from encoder_server.url_policy import PolicyResolver, UrlPolicy, parse_networks
+
+REFUSED = ["http://127.0.0.1/a", "http://127.8.9.10/a", "http://10.0.0.1/a", "http://172.16.5.4/a", "http://192.168.0.1/a",
+           "http://169.254.169.254/latest", "http://169.254.1.1/", "http://[::1]/a", "http://[fe80::1]/a",
+           "http://[fd00::1]/a", "http://[::ffff:10.0.0.1]/a", "http://0.0.0.0/a", "http://100.64.0.1/a",
+           "http://224.0.0.1/a", "http://metadata.google.internal/"]
+
+
+@pytest.mark.parametrize("url", REFUSED)
+def test_private_and_metadata_refused_by_default(url):
+    with pytest.raises(ItemError) as ei:
+        UrlPolicy().check_url(url)
+    assert ei.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert "refused by policy" in str(ei.value)
+
+
+def test_public_literal_allowed():
+    UrlPolicy().check_url("http://93.184.216.34/x.jpg")
+    UrlPolicy().check_url("https://example.com/x.jpg")  # a name: decided at resolution
+
+
+def test_allowlist_and_allow_private():
+    p = UrlPolicy(allowlist=parse_networks("127.0.0.1/32, ::1"))
+    p.check_url("http://127.0.0.1:8080/x")
+    p.check_url("http://[::1]/x")
+    with pytest.raises(ItemError):
+        p.check_url("http://127.0.0.2/x")
+    lax = UrlPolicy(allow_private=True)
+    lax.check_url("http://10.1.2.3/x")
+    with pytest.raises(ItemError, match="metadata"):  # metadata stays refused
+        lax.check_url("http://169.254.169.254/")
+
+
+@pytest.mark.parametrize("url,fragment", [("ftp://host/x", "scheme"), ("file:///etc/passwd", "scheme"),
+                                          ("http:///nohost", "no host"), ("http://u:p@example.com/", "credentials"),
+                                          ("http://example.com:99999/", "malformed")])
+def test_malformed_urls(url, fragment):
+    with pytest.raises(ItemError, match=fragment):
+        UrlPolicy().check_url(url)
+
+
+def test_resolver_refuses_names_resolving_to_private_addresses():
+    async def go():
+        r = PolicyResolver(UrlPolicy())
+        try:
+            with pytest.raises(ItemError, match="loopback"):
+                await r.resolve("localhost", 80)
+        finally:
+            await r.close()
+        ok = PolicyResolver(UrlPolicy(allowlist=parse_networks("127.0.0.0/8,::1")))
+        try:
+            assert (await ok.resolve("localhost", 80))[0]["host"] in ("127.0.0.1", "::1")
+        finally:
+            await ok.close()
+
+    asyncio.run(go())
+
+
+def test_bad_allowlist_entry():
+    with pytest.raises(ValueError, match="not an IP"):
+        parse_networks("not-an-ip")
+
+
+def test_data_uri_parsing():
+    assert parse_data_uri("data:image/png;base64,aGVsbG8=", 100) == b"hello"
+    assert parse_data_uri("data:,hi%20there", 100) == b"hi there"
+    with pytest.raises(ItemError, match="base64"):
+        parse_data_uri("data:image/png;base64,@@@", 100)
+    with pytest.raises(ItemError, match="larger than"):
+        parse_data_uri("data:;base64," + "QUFB" * 100, 10)
+    with pytest.raises(ItemError, match="comma"):
+        parse_data_uri("data:image/png;base64", 100)

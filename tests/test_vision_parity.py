@@ -1,0 +1,139 @@
+"""Vision tower parity with transformers' Qwen2_5_VisionTransformerPretrainedModel (fp32, tolerance 1e-4).
+
+Each config is instantiated by transformers with random weights, saved with save_pretrained, and
+loaded through our `load_vision_model`; three images of different sizes go through one packed forward.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from encoder_server.models import TINY_VISION_CONFIG, load_vision_model
+from encoder_server.models.qwen2_5_vision import window_index
+from encoder_server.preprocess import PreprocessConfig, preprocess_images
+from tests.conftest import textured
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig  # noqa: E402
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel  # noqa: E402
+
+TOL = 1e-4
+
+CONFIGS = {
+    # window 56 px / 14 px / merge 2 = windows of 2x2 merged tokens: every image is split into many windows.
+    "qwen-p14-small-windows": dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, patch_size=14,
+                                   window_size=56, out_hidden_size=48, fullatt_block_indexes=[1], hidden_act="silu"),
+    # MiMo-V2.5 style patch 16; window 128 px = 4x4 merged tokens; gelu MLP; last block full attention.
+    "mimo-p16": dict(depth=2, hidden_size=96, intermediate_size=128, num_heads=6, patch_size=16, window_size=128,
+                     out_hidden_size=32, fullatt_block_indexes=[1], hidden_act="gelu_pytorch_tanh"),
+}
+SIZES = [(180, 250), (64, 64), (300, 140)]
+
+
+def build_hf(kw, seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2_5_VLVisionConfig(**kw)
+    model = Qwen2_5_VisionTransformerPretrainedModel._from_config(cfg, torch_dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers' init leaves some weights at zero/one; make every weight matter
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def pair(request, tmp_path_factory):
+    kw = CONFIGS[request.param]
+    hf = build_hf(kw)
+    d = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(d)
+    ours = load_vision_model(str(d))
+    preset = "mimo_v2_5" if kw["patch_size"] == 16 else "qwen2_5_vl"
+    return hf, ours, PreprocessConfig.preset(preset)
+
+
+def test_packed_forward_matches_transformers(pair):
+    hf, ours, cfg = pair
+    imgs = [textured(h, w, seed=i) for i, (h, w) in enumerate(SIZES)]
+    pv, grid = preprocess_images(imgs, cfg, resize_backend="torch")
+    win_idx, cu = window_index(grid, 2, ours.config.window_size, ours.config.patch_size)
+    assert len(cu) - 1 > len(SIZES), "config must really partition images into windows"
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    out = ours(pv, grid)
+    assert out.shape == ref.shape == (int(grid.prod(-1).sum()) // 4, hf.config.out_hidden_size)
+    assert (out - ref).abs().max().item() <= TOL
+
+
+def test_packed_equals_each_image_alone(pair):
+    _, ours, cfg = pair
+    imgs = [textured(h, w, seed=10 + i) for i, (h, w) in enumerate(SIZES)]
+    pv, grid = preprocess_images(imgs, cfg, resize_backend="torch")
+    packed = ours(pv, grid)
+    alone = torch.cat([ours(*preprocess_images([im], cfg, resize_backend="torch")) for im in imgs])
+    assert (packed - alone).abs().max().item() <= TOL
+
+
+def test_video_clip_grid_matches_transformers(pair):
+    hf, ours, cfg = pair
+    # A 4-frame clip (t=2 temporal patches) packed with an image.
+    p = cfg.patch_size
+    grid = torch.tensor([[2, 8, 12], [1, 4, 4]])
+    pv = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * p * p)
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    assert (ours(pv, grid) - ref).abs().max().item() <= TOL
+
+
+def test_loads_visual_weights_of_a_full_checkpoint(tmp_path):
+    """A full Qwen2.5-VL checkpoint: only `visual.*` / `model.visual.*` weights are read."""
+    from safetensors.torch import save_file
+
+    hf = build_hf(CONFIGS["qwen-p14-small-windows"], seed=3)
+    state = {f"model.visual.{k}": v.contiguous() for k, v in hf.state_dict().items()}
+    state["model.language_model.embed_tokens.weight"] = torch.zeros(10, 4)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl",
+                                                      "vision_config": hf.config.to_dict()}))
+    ours = load_vision_model(str(tmp_path))
+    grid = torch.tensor([[1, 8, 8]])
+    pv = torch.randn(64, 3 * 2 * 14 * 14)
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    assert (ours(pv, grid) - ref).abs().max().item() <= TOL
+
+
+def test_bad_checkpoints_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_vision_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ValueError, match="not a Qwen2.5-VL"):
+        load_vision_model(str(tmp_path))
+
+
+def test_tiny_model_is_deterministic_and_the_real_architecture():
+    a, b = load_vision_model("tiny"), load_vision_model("tiny")
+    for (na, pa), (nb, pb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert na == nb and torch.equal(pa, pb)
+    # The tiny weights load into transformers' own class: same architecture, same parameter names.
+    cfg = TINY_VISION_CONFIG
+    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(Qwen2_5_VLVisionConfig(
+        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
+        patch_size=cfg.patch_size, window_size=cfg.window_size, out_hidden_size=cfg.out_hidden_size,
+        fullatt_block_indexes=cfg.fullatt_block_indexes, hidden_act=cfg.hidden_act), torch_dtype=torch.float32).eval()
+    hf.load_state_dict(a.state_dict(), strict=True)
+    pv, grid = preprocess_images([textured(200, 300)], "qwen2_5_vl", resize_backend="torch")
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    assert (a(pv, grid) - ref).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_close_to_fp32(dtype):
+    ref = load_vision_model("tiny")
+    low = load_vision_model("tiny", dtype=dtype)
+    pv, grid = preprocess_images([textured(150, 200)], "qwen2_5_vl", resize_backend="torch")
+    out = low(pv.to(getattr(torch, dtype)), grid).float()
+    exp = ref(pv, grid)
+    rel = ((out - exp).norm() / exp.norm()).item()
+    assert out.dtype == torch.float32 and np.isfinite(rel) and rel < 0.05
