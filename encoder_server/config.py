@@ -24,7 +24,7 @@ class EncoderServerConfig:
     preprocess: str = _f("auto", "preprocessing preset: auto (from the checkpoint), qwen2_5_vl or mimo_v2_5")
     min_pixels: int = _f(0, "override the preset's min_pixels (0 = keep)")
     max_pixels: int = _f(0, "override the preset's max_pixels (0 = keep)")
-    resize_backend: str = _f("auto", "resize: auto, torch (torchvision on --device) or pil (pillow-simd when installed)")
+    resize_backend: str = _f("auto", "auto (PIL on a CPU with pillow-simd, else torch), torch (torchvision on --device) or pil")
     grace_period_s: float = _f(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish")
     max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
     log_level: str = _f("info", "debug, info, warning or error")

@@ -13,6 +13,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
+# Triton kernels run on the CPU through Triton's interpreter when there is no GPU. It must be set
+# before any kernel module is imported (Triton decides at decoration time).
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:  # pragma: no cover
+    pass
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
