@@ -1,0 +1,248 @@
+"""shm_cache: real POSIX shared memory, several real processes, SIGKILL in the middle of things."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import stat
+import time
+import uuid
+import zlib
+
+import numpy as np
+import pytest
+
+from shm_cache import ShmCache, ShmCacheError
+from shm_cache.store import WRITING
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def name():
+    n = f"mimo-test-{uuid.uuid4().hex[:12]}"
+    yield n
+    try:
+        os.unlink(f"/dev/shm/{n}")
+    except FileNotFoundError:
+        pass
+
+
+def key(i: int) -> bytes:
+    return int(i).to_bytes(16, "little")
+
+
+def value(i: int, n_floats: int) -> np.ndarray:
+    """Deterministic content derived from the key, so any reader can check what it got."""
+    return (np.arange(n_floats, dtype=np.float32) * 0.5 + i).reshape(-1, 4) if n_floats % 4 == 0 else \
+        np.arange(n_floats, dtype=np.float32) + i
+
+
+def test_put_get_roundtrip_zero_copy_and_mode_0600(name):
+    with ShmCache.open(name, 8 * MB, max_entries=256) as c:
+        assert stat.S_IMODE(os.stat(f"/dev/shm/{name}").st_mode) == 0o600
+        arr = np.random.default_rng(0).standard_normal((391, 256)).astype(np.float32)
+        assert c.put(key(1), arr, grid_thw=(1, 34, 46))
+        with c.get(key(1)) as e:
+            np.testing.assert_array_equal(e.array, arr)
+            assert e.grid_thw == (1, 34, 46) and e.dtype == "float32"
+            assert not e.array.flags.writeable
+            assert not e.array.flags.owndata  # a view into shared memory, not a copy
+            assert c.stats()["pinned"] == 1
+        assert c.stats()["pinned"] == 0
+        assert c.get(key(2)) is None
+        st = c.stats()
+        assert (st["hits"], st["misses"], st["inserts"], st["entries"]) == (1, 1, 1, 1)
+        assert st["bytes_used"] == arr.nbytes
+        bf = np.arange(12, dtype=np.uint16).reshape(3, 4)
+        assert c.put(key(3), bf, dtype="bfloat16")
+        with c.get(key(3).hex()) as e:
+            assert e.dtype == "bfloat16" and e.array.dtype == np.uint16
+            np.testing.assert_array_equal(e.array, bf)
+
+
+def test_second_process_attaches_and_sees_entries(name):
+    with ShmCache.open(name, 8 * MB, max_entries=256) as a:
+        assert a.created
+        with ShmCache.open(name, 999 * MB) as b:  # the creator's size wins
+            assert not b.created and b.data_size == a.data_size
+            assert a.put(key(5), value(5, 64))
+            with b.get(key(5)) as e:
+                np.testing.assert_array_equal(e.array, value(5, 64))
+
+
+def test_eviction_by_bytes_never_frees_a_pinned_entry(name):
+    with ShmCache.open(name, 2 * MB, max_entries=256) as c:
+        held = c.put(key(0), value(0, 4096)) and c.get(key(0))  # 16 KiB, pinned
+        for i in range(1, 400):  # 400 * 16 KiB >> 1 MiB of data: forces many evictions
+            c.put(key(i), value(i, 4096))
+        st = c.stats()
+        assert st["evictions"] > 0 and st["bytes_used"] <= c.data_size
+        np.testing.assert_array_equal(held.array, value(0, 4096))  # still intact
+        assert c.contains(key(0))
+        held.release()
+        for i in range(400, 800):
+            c.put(key(i), value(i, 4096))
+        assert not c.contains(key(0))  # evictable once released
+
+
+def test_clock_keeps_recently_used_entries(name):
+    with ShmCache.open(name, 2 * MB, max_entries=512) as c:
+        n = 16 * 1024 // 4
+        for i in range(40):
+            c.put(key(i), value(i, n))
+        hot = [3, 7, 11]
+        for _ in range(30):  # touch the hot set while streaming new entries through
+            for h in hot:
+                e = c.get(key(h))
+                if e is None:
+                    c.put(key(h), value(h, n))
+                else:
+                    e.release()
+            for i in range(1000 + _ * 10, 1010 + _ * 10):
+                c.put(key(i), value(i, n))
+        assert all(c.contains(key(h)) for h in hot)
+
+
+def test_oversized_entry_rejected_and_bad_inputs(name):
+    with ShmCache.open(name, 2 * MB, max_entries=64) as c:
+        assert not c.put(key(1), np.zeros(4 * MB, np.uint8))
+        assert c.stats()["rejected"] == 1
+        with pytest.raises(ValueError, match="128-bit"):
+            c.put(b"short", np.zeros(4))
+        with pytest.raises(ValueError, match="unsupported dtype"):
+            c.put(key(2), np.zeros(4, np.complex64))
+
+
+def test_size_that_does_not_fit_is_a_clear_error(name):
+    free = os.statvfs("/dev/shm")
+    with pytest.raises(ShmCacheError, match="does not fit in /dev/shm"):
+        ShmCache.open(name, free.f_bavail * free.f_frsize + 1024 * MB)
+    assert not os.path.exists(f"/dev/shm/{name}")
+    with pytest.raises(ValueError, match="too small"):
+        ShmCache.open(name, 4096)
+
+
+def test_corrupted_bytes_are_never_served(name):
+    with ShmCache.open(name, 4 * MB, max_entries=64) as c:
+        c.put(key(1), value(1, 1024))
+        s = c._slots
+        i = int(np.flatnonzero(s["state"] == 2)[0])
+        off = c._data_offset + int(s["offset"][i])
+        c._buf[off] = (c._buf[off] + 1) % 256  # flip a byte behind the cache's back
+        assert c.get(key(1)) is None
+        assert c.stats()["corrupt_dropped"] == 1 and not c.contains(key(1))
+
+
+# --------------------------------------------------------------------------- multi-process stress
+def _stress_worker(name: str, seed: int, ops: int, out: mp.Queue) -> None:
+    rng = np.random.default_rng(seed)
+    c = ShmCache.open(name, 64 * MB, max_entries=4096)
+    gets = hits = puts = torn = 0
+    for _ in range(ops):
+        k = int(rng.integers(0, 600))
+        n_floats = int(rng.integers(1, 64)) * 16 * (1 + k % 7)  # 64 B .. 28 KiB, varying per put
+        if rng.random() < 0.6:
+            gets += 1
+            e = c.get(key(k), verify=False)  # no help from the cache's own checksum: check the bytes ourselves
+            if e is not None:
+                hits += 1
+                if not np.array_equal(e.array.reshape(-1), value(k, e.array.size).reshape(-1)):
+                    torn += 1
+                e.release()
+        else:
+            puts += 1
+            c.put(key(k), value(k, n_floats), grid_thw=(1, 2, 2))
+    out.put((gets, hits, puts, torn))
+    c.close()
+
+
+def test_stress_four_processes_no_torn_reads_consistent_stats(name):
+    ShmCache.open(name, 64 * MB, max_entries=4096).close()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_stress_worker, args=(name, s, 25_000, out)) for s in range(4)]
+    for p in procs:
+        p.start()
+    results = [out.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    gets = sum(r[0] for r in results)
+    hits = sum(r[1] for r in results)
+    assert sum(r[0] + r[2] for r in results) == 100_000
+    assert sum(r[3] for r in results) == 0, "torn reads"
+    assert hits > 10_000  # the check above really ran
+    with ShmCache.open(name, 64 * MB, max_entries=4096) as c:
+        st = c.stats()
+        s = c._slots
+        ready = s["state"] == 2
+        assert st["hits"] == hits and st["hits"] + st["misses"] == gets
+        assert st["bytes_used"] == int(s["length"][ready].sum())
+        assert st["entries"] == int(ready.sum()) == st["inserts"] - st["evictions"]
+        assert st["pinned"] == 0 and st["writing"] == 0 and st["corrupt_dropped"] == 0
+        # every entry left is intact
+        for i in np.flatnonzero(ready):
+            k = int(s["key_lo"][i])
+            with c.get(key(k)) as e:
+                np.testing.assert_array_equal(e.array.reshape(-1), value(k, e.array.size).reshape(-1))
+
+
+# --------------------------------------------------------------------------- SIGKILL
+def _slow_writer(name: str, k: int) -> None:
+    c = ShmCache.open(name, 512 * MB, max_entries=64)
+    big = value(k, 100 * MB // 4)  # 100 MB: the copy takes long enough to be killed in it
+    while True:
+        c.put(key(k), big)
+        k += 1
+
+
+def _lock_holder(name: str, started) -> None:
+    c = ShmCache.open(name, 512 * MB, max_entries=64)
+    with c._critical() as h:  # dies holding the lock with the dirty flag set
+        h["hits"] += 1000
+        started.set()
+        time.sleep(60)
+
+
+def test_writer_killed_mid_put_leaves_no_partial_entry_and_no_deadlock(name):
+    with ShmCache.open(name, 512 * MB, max_entries=64) as c:
+        ctx = mp.get_context("spawn")
+        p = ctx.Process(target=_slow_writer, args=(name, 100))
+        p.start()
+        deadline = time.monotonic() + 60
+        while c.stats()["writing"] == 0:
+            assert time.monotonic() < deadline, "writer never started a put"
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        s = c._slots
+        dead = np.flatnonzero(s["state"] == WRITING)
+        assert len(dead) == 1  # the half-written entry is there but invisible
+        k = int(s["key_lo"][dead[0]])
+        assert c.get(key(k)) is None  # readers never see it
+        for i in range(100, k):  # finished ones are intact
+            e = c.get(key(i))
+            if e is not None:
+                assert zlib.crc32(e.array.tobytes()) == zlib.crc32(value(i, 100 * MB // 4).tobytes())
+                e.release()
+        # the others go on: new puts reuse the dead writer's bytes
+        for i in range(5):
+            assert c.put(key(1000 + i), value(i, 60 * MB // 4))
+        assert c.stats()["writing"] == 0  # the dead writer's slot was reclaimed
+
+
+def test_process_killed_holding_the_lock_triggers_recovery(name):
+    with ShmCache.open(name, 512 * MB, max_entries=64) as c:
+        c.put(key(1), value(1, 1024))
+        ctx = mp.get_context("spawn")
+        started = ctx.Event()
+        p = ctx.Process(target=_lock_holder, args=(name, started))
+        p.start()
+        assert started.wait(60)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        t0 = time.monotonic()
+        with c.get(key(1)) as e:  # no deadlock: the kernel released the dead holder's flock
+            np.testing.assert_array_equal(e.array, value(1, 1024))
+        assert time.monotonic() - t0 < 5
+        assert c.stats()["recoveries"] == 1
