@@ -47,7 +47,10 @@ class EncoderServerConfig:
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
     max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")
     max_wait_ms: float = _f(5.0, "how long the batcher waits for more items once it has one")
-    cache_bytes: int = _f(512 << 20, "embedding cache size in bytes (0 = no cache)")
+    cache_bytes: int = _f(512 << 20, "in-process embedding cache size in bytes, used without --shm-cache-name (0 = no cache)")
+    shm_cache_name: str = _f("", "node-local shared-memory embedding cache to use, created or attached by name "
+                                 "(empty = the in-process cache)")
+    shm_cache_bytes: int = _f(1 << 30, "size of the shared-memory cache when this process creates it")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
@@ -71,7 +74,7 @@ class EncoderServerConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
+        positive = ["shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
                     "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -1,13 +1,18 @@
-"""An in-process LRU cache of item embeddings, bounded by bytes.
+"""Embedding caches keyed by content key (see mimo_epd.content_key), with one interface:
+`get(key) -> CachedEmbedding | None`, `put(key, CachedEmbedding) -> bool`, `stats() -> dict`.
 
-Keyed by content key (see mimo_epd.content_key). Entries are immutable: a tensor is stored once and
-handed out as is; readers never see a half-written entry because an entry is only published after
-it is complete (a single dict assignment on the event loop thread).
+- `EmbeddingLRU`: in-process, LRU bounded by bytes; what a lone encoder uses.
+- `ShmEmbeddingStore`: the node-local shared-memory store (`shm_cache`), shared by every encoder
+  process of the node, so an item one encoder computed is a hit for all of them.
+
+Entries are immutable: content keys name the bytes and everything that shaped the embedding.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 
@@ -60,3 +65,40 @@ class EmbeddingLRU:
     def stats(self) -> dict:
         return {"entries": len(self._entries), "bytes_used": self.bytes_used, "capacity_bytes": self.capacity_bytes,
                 "hits": self.hits, "misses": self.misses, "inserts": self.inserts, "evictions": self.evictions}
+
+
+class ShmEmbeddingStore:
+    """Adapter from the encoder's cache interface to `shm_cache.ShmCache`.
+
+    `get` copies the entry out of shared memory (the reply is serialised anyway) and releases its pin
+    at once, so a slow client never holds cache space."""
+
+    def __init__(self, name: str, size_bytes: int):
+        from shm_cache import ShmCache
+
+        self.cache = ShmCache.open(name, size_bytes)
+        self.name = name
+
+    def get(self, key: str) -> CachedEmbedding | None:
+        entry = self.cache.get(key)
+        if entry is None:
+            return None
+        with entry:
+            arr = np.array(entry.array)  # copy out while pinned
+            t = torch.from_numpy(arr)
+            if entry.dtype == "bfloat16":
+                t = t.view(torch.bfloat16)
+            grid = entry.grid_thw
+        return CachedEmbedding(t, grid)
+
+    def put(self, key: str, entry: CachedEmbedding) -> bool:
+        t = entry.embedding.contiguous()
+        if t.dtype == torch.bfloat16:
+            return self.cache.put(key, t.view(torch.uint16).numpy(), entry.grid_thw, dtype="bfloat16")
+        return self.cache.put(key, t.numpy(), entry.grid_thw)
+
+    def stats(self) -> dict:
+        return {"shm_name": self.name, **self.cache.stats()}
+
+    def close(self) -> None:
+        self.cache.close()

@@ -31,7 +31,7 @@ from mimo_epd.content_key import bytes_digest, content_key, normalize_digest
 from .batcher import Batcher, BatchItem
 from .config import EncoderServerConfig
 from .decode import _init_worker, decode_image
-from .embedding_cache import CachedEmbedding, EmbeddingLRU
+from .embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from .errors import DecodeError, ItemError, invalid
 from .fetch import FetchLimits, Fetcher, MediaSource
 from .models import LoadedVisionModel, load_vision_model
@@ -99,7 +99,10 @@ class EncodePipeline:
         self.preprocess_config = self._preprocess_config()
         self.model_id = self.model.model_id
         self._fingerprint = self.preprocess_config.fingerprint()
-        self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
+        if config.shm_cache_name:
+            self.cache = ShmEmbeddingStore(config.shm_cache_name, config.shm_cache_bytes)
+        else:
+            self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
         policy = UrlPolicy(allow_private=config.allow_private_urls, allowlist=parse_networks(config.url_allowlist))
         self.fetcher = Fetcher(FetchLimits(max_bytes=config.max_item_bytes, timeout_s=config.fetch_timeout_s,
                                            max_redirects=config.max_redirects,

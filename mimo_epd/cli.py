@@ -2,7 +2,7 @@
 
     mimo-epd version                      versions of the stack, and which PIL is active
     mimo-epd encoder [flags]              one encoder server; prints `ready host:port` once serving
-    mimo-epd serve [flags]                the product with its defaults (today: one encoder)
+    mimo-epd serve [flags]                the product on this node: router + N encoders sharing a shm cache
     mimo-epd encode --server A ITEM...    encode files/URLs through a server, one JSON line per item
     mimo-epd health --server A            exit 0 only when the server reports SERVING
 """
@@ -78,8 +78,22 @@ def cmd_encoder(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    # One encoder today; the router, more encoders and the LLM worker join here as they land.
-    return _run_encoder(args)
+    import uvloop
+
+    from encoder_server.config import EncoderServerConfig
+    from mimo_epd.launcher import NodeConfig, serve_node
+
+    try:
+        enc, node = EncoderServerConfig.from_args(args), NodeConfig.from_args(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    setup_logging(enc.log_level)
+    try:
+        return uvloop.run(serve_node(enc, node))
+    except (OSError, RuntimeError, ValueError) as e:
+        logging.getLogger("mimo_epd").error("cannot start: %s", e)
+        return 1
 
 
 def _is_url(item: str) -> bool:
@@ -152,6 +166,7 @@ def cmd_health(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from encoder_server.config import EncoderServerConfig
+    from mimo_epd.launcher import NodeConfig
 
     p = argparse.ArgumentParser(prog="mimo-epd", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -162,8 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     EncoderServerConfig.add_arguments(enc)
     enc.set_defaults(fn=cmd_encoder)
 
-    serve = sub.add_parser("serve", help="start the product with its defaults (one encoder for now)")
+    serve = sub.add_parser("serve", help="the product on this node: N encoders sharing a shm cache behind a router")
     EncoderServerConfig.add_arguments(serve)
+    NodeConfig.add_arguments(serve)
     serve.set_defaults(fn=cmd_serve)
 
     e = sub.add_parser("encode", help="encode image files or URLs through a running server")
@@ -175,6 +191,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--timeout", type=float, default=120.0, help="RPC deadline in seconds (default: 120)")
     e.add_argument("--max-message-mb", type=int, default=256, help="largest reply accepted, MiB (default: 256)")
     e.set_defaults(fn=cmd_encode)
+
+    bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    from mimo_epd.bench import cache_routing
+
+    b = bsub.add_parser("cache-routing", help="cache hit rates: round-robin vs consistent hashing, private vs shared cache")
+    cache_routing.add_arguments(b)
+    b.set_defaults(fn=cache_routing.run)
 
     h = sub.add_parser("health", help="exit 0 only when the server reports SERVING")
     h.add_argument("--server", default="127.0.0.1:50051", help="server address (default: 127.0.0.1:50051)")

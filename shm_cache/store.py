@@ -54,14 +54,17 @@ HEADER_DTYPE = np.dtype([
     ("magic", "S8"), ("version", "<u4"), ("dirty", "<u4"),
     ("total_size", "<u8"), ("data_offset", "<u8"), ("data_size", "<u8"),
     ("max_entries", "<u8"), ("max_pins", "<u8"), ("slots_offset", "<u8"), ("pins_offset", "<u8"),
+    ("keys_offset", "<u8"), ("state_offset", "<u8"),
     ("hand", "<u8"), ("clock", "<u8"), ("generation", "<u8"),
     ("hits", "<u8"), ("misses", "<u8"), ("inserts", "<u8"), ("evictions", "<u8"), ("bytes_used", "<u8"),
     ("recoveries", "<u8"), ("corrupt", "<u8"), ("rejected", "<u8"),
 ])
+# Keys and states live in their own contiguous arrays (struct of arrays): a lookup scans 8 bytes
+# per slot, not a whole record.
 SLOT_DTYPE = np.dtype([
-    ("key_hi", "<u8"), ("key_lo", "<u8"), ("offset", "<u8"), ("length", "<u8"), ("gen", "<u8"),
+    ("offset", "<u8"), ("length", "<u8"), ("gen", "<u8"),
     ("last_access", "<u8"), ("shape", "<i8", (4,)), ("grid", "<i4", (3,)), ("owner", "<i4"), ("checksum", "<u4"),
-    ("state", "u1"), ("dtype", "u1"), ("ndim", "u1"), ("ref", "u1"),
+    ("dtype", "u1"), ("ndim", "u1"), ("ref", "u1"),
 ])
 PIN_DTYPE = np.dtype([("pid", "<i4"), ("slot", "<i4"), ("gen", "<u8")])
 
@@ -78,11 +81,12 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _key_parts(key: bytes | str) -> tuple[int, int]:
+def _key_parts(key: bytes | str) -> tuple[np.uint64, np.uint64]:
     raw = bytes.fromhex(key) if isinstance(key, str) else bytes(key)
     if len(raw) != 16:
         raise ValueError(f"keys are 128-bit (16 bytes / 32 hex digits), got {len(raw)} bytes")
-    return int.from_bytes(raw[:8], "little"), int.from_bytes(raw[8:], "little")
+    # numpy scalars: comparing a uint64 array with a Python int above 2**63 would go through objects.
+    return np.uint64(int.from_bytes(raw[:8], "little")), np.uint64(int.from_bytes(raw[8:], "little"))
 
 
 def pid_alive(pid: int) -> bool:
@@ -147,6 +151,10 @@ class ShmCache:
         h = self._hdr[0]
         self._slots = np.frombuffer(buf, SLOT_DTYPE, int(h["max_entries"]), int(h["slots_offset"]))
         self._pins = np.frombuffer(buf, PIN_DTYPE, int(h["max_pins"]), int(h["pins_offset"]))
+        n = int(h["max_entries"])
+        self._key_lo = np.frombuffer(buf, "<u8", n, int(h["keys_offset"]))
+        self._key_hi = np.frombuffer(buf, "<u8", n, int(h["keys_offset"]) + 8 * n)
+        self._state = np.frombuffer(buf, "u1", n, int(h["state_offset"]))
         self._data_offset = int(h["data_offset"])
         self.data_size = int(h["data_size"])
         self._pid = os.getpid()
@@ -163,7 +171,7 @@ class ShmCache:
              attach_timeout_s: float = 10.0) -> "ShmCache":
         """Creates the segment, or attaches when another process created it first (its size wins)."""
         path = cls.path_of(name)
-        layout_min = HEADER_BYTES + max_entries * SLOT_DTYPE.itemsize + max_pins * PIN_DTYPE.itemsize + ALIGN
+        layout_min = HEADER_BYTES + max_entries * (SLOT_DTYPE.itemsize + 17) + max_pins * PIN_DTYPE.itemsize + 4 * ALIGN
         if size_bytes < layout_min + (1 << 20):
             raise ValueError(f"shm cache size {size_bytes} is too small: at least {layout_min + (1 << 20)} bytes "
                              f"for {max_entries} entries and 1 MiB of data")
@@ -200,7 +208,9 @@ class ShmCache:
                 raise ShmCacheError(f"cannot reserve {size} bytes in /dev/shm for the cache: {e.strerror}") from None
             slots_off = HEADER_BYTES
             pins_off = _align(slots_off + max_entries * SLOT_DTYPE.itemsize)
-            data_off = _align(pins_off + max_pins * PIN_DTYPE.itemsize)
+            keys_off = _align(pins_off + max_pins * PIN_DTYPE.itemsize)
+            state_off = _align(keys_off + 16 * max_entries)
+            data_off = _align(state_off + max_entries)
             mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
             try:
                 hdr = np.frombuffer(mm, HEADER_DTYPE, 1, 0)
@@ -208,6 +218,8 @@ class ShmCache:
                 hdr["total_size"] = size
                 hdr["slots_offset"] = slots_off
                 hdr["pins_offset"] = pins_off
+                hdr["keys_offset"] = keys_off
+                hdr["state_offset"] = state_off
                 hdr["data_offset"] = data_off
                 hdr["data_size"] = (size - data_off) // ALIGN * ALIGN
                 hdr["max_entries"] = max_entries
@@ -239,7 +251,7 @@ class ShmCache:
     def close(self) -> None:
         if self._mm is None:
             return
-        for name in ("_hdr", "_slots", "_pins"):
+        for name in ("_hdr", "_slots", "_pins", "_key_lo", "_key_hi", "_state"):
             setattr(self, name, None)
         self._buf.release()
         try:
@@ -279,27 +291,26 @@ class ShmCache:
 
     def _recover(self) -> None:
         """Called with the lock held when the last holder died (or raised) mid-update."""
-        s = self._slots
-        for i in np.nonzero(s["state"] == WRITING)[0]:
-            if not pid_alive(int(s["owner"][i])):
-                s["state"][i] = EMPTY
-        for i in np.nonzero(s["state"] == READY)[0]:
+        s, state = self._slots, self._state
+        self._reap_dead_writers_locked()
+        for i in np.flatnonzero(state == READY):
             off, n = self._data_offset + int(s["offset"][i]), int(s["length"][i])
             if zlib.crc32(self._buf[off:off + n]) != int(s["checksum"][i]):
-                s["state"][i] = EMPTY
+                state[i] = EMPTY
                 self._hdr["corrupt"] += 1
         for j in np.nonzero(self._pins["pid"] != 0)[0]:
             if not pid_alive(int(self._pins["pid"][j])):
                 self._pins["pid"][j] = 0
-        ready = s["state"] == READY
+        ready = state == READY
         self._hdr["bytes_used"] = int(s["length"][ready].sum())
         self._hdr["recoveries"] += 1
 
     # ------------------------------------------------------------------ lookups
     def _find(self, hi: int, lo: int, state: int) -> int:
-        s = self._slots
-        idx = np.flatnonzero((s["key_lo"] == lo) & (s["key_hi"] == hi) & (s["state"] == state))
-        return int(idx[0]) if len(idx) else -1
+        for i in np.flatnonzero(self._key_lo == lo):
+            if self._key_hi[i] == hi and self._state[i] == state:
+                return int(i)
+        return -1
 
     def contains(self, key: bytes | str) -> bool:
         hi, lo = _key_parts(key)
@@ -331,8 +342,8 @@ class ShmCache:
         if verify and zlib.crc32(self._buf[start:start + n]) != crc:
             self._unpin(pin)
             with self._critical() as h:
-                if int(self._slots["gen"][i]) == gen and self._slots["state"][i] == READY:
-                    self._slots["state"][i] = EMPTY
+                if int(self._slots["gen"][i]) == gen and self._state[i] == READY:
+                    self._state[i] = EMPTY
                     h["bytes_used"] -= n
                 h["corrupt"] += 1
                 h["hits"] -= 1
@@ -398,7 +409,7 @@ class ShmCache:
             self._reap_dead_writers_locked()
             if self._find(hi, lo, WRITING) >= 0:
                 return False  # another (live) process is writing the same content right now
-            free = np.flatnonzero(self._slots["state"] == EMPTY)
+            free = np.flatnonzero(self._state == EMPTY)
             off = self._allocate_locked(max(n, 1)) if len(free) else None
             if off is None:
                 h["rejected"] += 1
@@ -406,13 +417,14 @@ class ShmCache:
             i = int(free[0])
             s = self._slots[i]
             h["generation"] += 1
-            s["key_hi"], s["key_lo"], s["offset"], s["length"] = hi, lo, off, n
+            self._key_hi[i], self._key_lo[i] = hi, lo
+            s["offset"], s["length"] = off, n
             s["gen"], s["owner"], s["ref"] = h["generation"][0], self._pid, 0
             s["dtype"], s["ndim"] = DTYPES.index(name), arr.ndim
             shape = np.zeros(4, np.int64)
             shape[: arr.ndim] = arr.shape
             s["shape"], s["grid"] = shape, np.asarray(grid_thw, np.int32)
-            s["state"] = WRITING  # last: the slot is complete before anyone can see it
+            self._state[i] = WRITING  # last: the slot is complete before anyone can see it
             gen = int(s["gen"])
         # The copy and the checksum run without the lock; no one reads a WRITING slot.
         start = self._data_offset + off
@@ -421,12 +433,12 @@ class ShmCache:
         crc = zlib.crc32(self._buf[start:start + n])
         with self._critical() as h:
             s = self._slots[i]
-            if int(s["state"]) != WRITING or int(s["gen"]) != gen:
+            if int(self._state[i]) != WRITING or int(s["gen"]) != gen:
                 return False  # reclaimed meanwhile (cannot happen while we live; defensive)
             s["checksum"] = crc
             h["clock"] += 1
             s["last_access"] = h["clock"][0]
-            s["state"] = READY
+            self._state[i] = READY
             h["inserts"] += 1
             h["bytes_used"] += n
         return True
@@ -434,9 +446,9 @@ class ShmCache:
     def _reap_dead_writers_locked(self) -> None:
         """Frees WRITING slots whose writer died mid-copy (their bytes were never visible)."""
         s = self._slots
-        for i in np.flatnonzero(s["state"] == WRITING):
+        for i in np.flatnonzero(self._state == WRITING):
             if not pid_alive(int(s["owner"][i])):
-                s["state"][i] = EMPTY
+                self._state[i] = EMPTY
 
     def _allocate_locked(self, length: int) -> int | None:
         """CLOCK over the arena's address space; returns an offset or None."""
@@ -445,7 +457,8 @@ class ShmCache:
         if need > size:
             return None
         s = self._slots
-        live = np.flatnonzero(s["state"] != EMPTY)
+        state = self._state
+        live = np.flatnonzero(state != EMPTY)
         order = live[np.argsort(s["offset"][live], kind="stable")]
         starts = s["offset"][order].astype(np.int64)
         ends = starts + ((s["length"][order].astype(np.int64) + ALIGN - 1) // ALIGN * ALIGN)
@@ -467,10 +480,10 @@ class ShmCache:
             if blocker < 0:
                 for m in range(j, k):
                     i = int(order[m])
-                    if s["state"][i] == READY:
+                    if state[i] == READY:
                         self._hdr["evictions"] += 1
                         self._hdr["bytes_used"] -= int(s["length"][i])
-                    s["state"][i] = EMPTY
+                    state[i] = EMPTY
                 self._hdr["hand"] = pos + need
                 return pos
             pos, j = int(ends[blocker]), blocker + 1
@@ -478,10 +491,10 @@ class ShmCache:
     def _blocks_locked(self, i: int) -> bool:
         """Whether slot i's bytes must not be reused now (and CLOCK's second chance)."""
         s = self._slots
-        if s["state"][i] == WRITING:
+        if self._state[i] == WRITING:
             if pid_alive(int(s["owner"][i])):
                 return True
-            s["state"][i] = EMPTY  # a writer died mid-copy: its bytes were never visible
+            self._state[i] = EMPTY  # a writer died mid-copy: its bytes were never visible
             return False
         p = self._pins
         held = np.flatnonzero((p["pid"] != 0) & (p["slot"] == i) & (p["gen"] == s["gen"][i]))
@@ -498,7 +511,7 @@ class ShmCache:
     def stats(self) -> dict:
         with self._critical() as h:
             self._reap_dead_writers_locked()
-            st = self._slots["state"]
+            st = self._state
             return {
                 "hits": int(h["hits"][0]), "misses": int(h["misses"][0]), "inserts": int(h["inserts"][0]),
                 "evictions": int(h["evictions"][0]), "bytes_used": int(h["bytes_used"][0]),

@@ -127,7 +127,7 @@ def test_corrupted_bytes_are_never_served(name):
     with ShmCache.open(name, 4 * MB, max_entries=64) as c:
         c.put(key(1), value(1, 1024))
         s = c._slots
-        i = int(np.flatnonzero(s["state"] == 2)[0])
+        i = int(np.flatnonzero(c._state == 2)[0])
         off = c._data_offset + int(s["offset"][i])
         c._buf[off] = (c._buf[off] + 1) % 256  # flip a byte behind the cache's back
         assert c.get(key(1)) is None
@@ -176,14 +176,14 @@ def test_stress_four_processes_no_torn_reads_consistent_stats(name):
     with ShmCache.open(name, 64 * MB, max_entries=4096) as c:
         st = c.stats()
         s = c._slots
-        ready = s["state"] == 2
+        ready = c._state == 2
         assert st["hits"] == hits and st["hits"] + st["misses"] == gets
         assert st["bytes_used"] == int(s["length"][ready].sum())
         assert st["entries"] == int(ready.sum()) == st["inserts"] - st["evictions"]
         assert st["pinned"] == 0 and st["writing"] == 0 and st["corrupt_dropped"] == 0
         # every entry left is intact
         for i in np.flatnonzero(ready):
-            k = int(s["key_lo"][i])
+            k = int(c._key_lo[i])
             with c.get(key(k)) as e:
                 np.testing.assert_array_equal(e.array.reshape(-1), value(k, e.array.size).reshape(-1))
 
@@ -215,10 +215,9 @@ def test_writer_killed_mid_put_leaves_no_partial_entry_and_no_deadlock(name):
             assert time.monotonic() < deadline, "writer never started a put"
         os.kill(p.pid, signal.SIGKILL)
         p.join()
-        s = c._slots
-        dead = np.flatnonzero(s["state"] == WRITING)
+        dead = np.flatnonzero(c._state == WRITING)
         assert len(dead) == 1  # the half-written entry is there but invisible
-        k = int(s["key_lo"][dead[0]])
+        k = int(c._key_lo[dead[0]])
         assert c.get(key(k)) is None  # readers never see it
         for i in range(100, k):  # finished ones are intact
             e = c.get(key(i))

@@ -1,0 +1,200 @@
+"""`mimo-epd serve`: the product on one node.
+
+Starts N encoder processes (one per device; on the CPU, N processes) that share one node-local
+shared-memory embedding cache, and the front router (mimo_epd.router) on `--host:--port`, which
+speaks the same Encode API. Prints `ready HOST:PORT` once the router serves.
+
+Supervision: an encoder that exits unexpectedly is restarted on the same port after a short delay
+(`--restart-encoders`); meanwhile the router's health checks route its items to the next live
+encoder, and it rejoins the ring when healthy again. SIGTERM/SIGINT: the router stops accepting and
+drains within the grace period, then the encoders get SIGTERM (and drain too), then the shared-memory
+segment is removed if this launcher created it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+from dataclasses import dataclass, fields
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from encoder_server.config import EncoderServerConfig
+from mimo_epd.router import EncoderRouter, RouterConfig
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class NodeConfig:
+    encoders: int = 1
+    health_interval_s: float = 1.0
+    vnodes: int = 160
+    restart_encoders: bool = True
+    encoder_start_timeout_s: float = 180.0
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        import argparse
+
+        parser.add_argument("--encoders", type=int, default=1,
+                            help="encoder processes on this node, sharing one shm cache (default: 1)")
+        parser.add_argument("--health-interval-s", type=float, default=1.0,
+                            help="seconds between the router's health checks of each encoder (default: 1.0)")
+        parser.add_argument("--vnodes", type=int, default=160, help="virtual nodes per encoder on the hash ring (default: 160)")
+        parser.add_argument("--restart-encoders", action=argparse.BooleanOptionalAction, default=True,
+                            help="restart an encoder process that exits unexpectedly (default: on)")
+        parser.add_argument("--encoder-start-timeout-s", type=float, default=180.0,
+                            help="seconds to wait for an encoder's ready line (default: 180)")
+
+    @classmethod
+    def from_args(cls, args) -> "NodeConfig":
+        cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        if cfg.encoders < 1:
+            raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
+        return cfg
+
+
+def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
+    """The command-line flags that reproduce `cfg` (non-default fields only)."""
+    defaults = EncoderServerConfig()
+    out: list[str] = []
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name in skip or value == getattr(defaults, f.name):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+class EncoderProcess:
+    def __init__(self, index: int, args: list[str], timeout_s: float):
+        self.index, self.args, self.timeout_s = index, args, timeout_s
+        self.port = 0
+        self.proc: asyncio.subprocess.Process | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        cmd = [sys.executable, "-m", "mimo_epd", "encoder", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    line = await self.proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError(f"encoder {self.index} exited with {await self.proc.wait()} before it was ready")
+                    text = line.decode().strip()
+                    if text.startswith("ready "):
+                        self.port = int(text.rsplit(":", 1)[1])
+                        break
+        except TimeoutError:
+            self.proc.kill()
+            raise RuntimeError(f"encoder {self.index} was not ready within {self.timeout_s:g}s") from None
+        asyncio.get_running_loop().create_task(self._drain())
+        log.info("encoder %d (pid %d) serving on %s", self.index, self.proc.pid, self.endpoint)
+
+    async def _drain(self) -> None:
+        proc = self.proc
+        while proc and await proc.stdout.readline():
+            pass
+
+    async def stop(self, grace_s: float) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), grace_s + 5)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
+    from shm_cache import ShmCache
+
+    shm_name = enc.shm_cache_name or f"mimo-epd-{os.getpid()}"
+    shm = ShmCache.open(shm_name, enc.shm_cache_bytes)  # create (or attach) before the encoders do
+    log.info("node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached")
+    child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name"}) + ["--shm-cache-name", shm_name]
+    encoders = [EncoderProcess(i, child_cfg_args, node.encoder_start_timeout_s) for i in range(node.encoders)]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    server = None
+    router = None
+    try:
+        await asyncio.gather(*(e.start() for e in encoders))
+        router = EncoderRouter([e.endpoint for e in encoders],
+                               RouterConfig(max_items_per_request=enc.max_items_per_request,
+                                            health_interval_s=node.health_interval_s, vnodes=node.vnodes,
+                                            max_message_mb=enc.max_message_mb))
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", enc.max_message_mb << 20),
+                                          ("grpc.max_receive_message_length", enc.max_message_mb << 20),
+                                          ("grpc.so_reuseport", 0)])
+        encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
+        health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health, server)
+        service = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
+        reflection.enable_server_reflection((service, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+        port = server.add_insecure_port(f"{enc.host}:{enc.port}")
+        if port == 0:
+            raise OSError(f"cannot listen on {enc.host}:{enc.port}")
+
+        async def on_change(alive: set[str]) -> None:
+            status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
+            for name in ("", service):
+                await health.set(name, status)
+
+        router.on_change = lambda alive: loop.create_task(on_change(alive))
+        router.start()
+        await server.start()
+        await on_change(router.alive)
+        host = f"[{enc.host}]" if ":" in enc.host else enc.host
+        log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
+        print(f"ready {host}:{port}", flush=True)
+
+        async def supervise(e: EncoderProcess) -> None:
+            while not stop.is_set():
+                rc = await e.proc.wait()
+                if stop.is_set() or not node.restart_encoders:
+                    return
+                log.warning("encoder %d (%s) exited with %s; restarting it", e.index, e.endpoint, rc)
+                await asyncio.sleep(1.0)
+                try:
+                    await e.start()
+                except (RuntimeError, OSError) as err:
+                    log.error("restarting encoder %d failed: %s", e.index, err)
+                    return
+
+        supervisors = [loop.create_task(supervise(e)) for e in encoders]
+        await stop.wait()
+        log.info("shutting down: router first (%gs grace), then %d encoders", enc.grace_period_s, len(encoders))
+        await health.enter_graceful_shutdown()
+        await server.stop(enc.grace_period_s)
+        for t in supervisors:
+            t.cancel()
+        return 0
+    finally:
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in encoders), return_exceptions=True)
+        if router is not None:
+            await router.close()
+        if shm.created:
+            shm.unlink()
+        shm.close()

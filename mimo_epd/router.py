@@ -1,0 +1,163 @@
+"""The front router: the same `Encoder/Encode` API, spread over several encoder servers.
+
+Each item is routed by consistent hashing (mimo_epd.hash_ring) of its routing key:
+- the client's `content_hash` when given (the bytes' own hash),
+- else the xxh3-128 of inline `data` (the same bytes always go to the same encoder),
+- else the URL or path string (the router does not download: the owner does).
+Because every encoder of a node shares one shm cache, an item is a hit wherever it lands; routing by
+content makes each encoder's working set (and in-flight de-duplication) cover a slice of the catalog.
+
+A request's items are split by owner, sent concurrently, and merged back in order. An encoder that
+fails health checks, or whose call fails with UNAVAILABLE, leaves the ring's live set and its items go
+to the next live endpoint clockwise; it rejoins as soon as its health check says SERVING again.
+Item errors keep their status; their `item N:` prefix is rewritten to the index in the client's request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from dataclasses import dataclass
+
+import grpc
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mimo_epd.hash_ring import HashRing
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+_ITEM_PREFIX = re.compile(r"^item (\d+): ")
+
+
+def routing_key(item: encoder_pb2.MediaItem) -> str:
+    if item.content_hash:
+        return "h:" + item.content_hash.strip().lower()
+    which = item.WhichOneof("source")
+    if which == "data":
+        return "h:" + xxhash.xxh3_128_hexdigest(item.data)
+    return f"{which}:{getattr(item, which) if which else ''}"
+
+
+@dataclass
+class RouterConfig:
+    max_items_per_request: int = 64
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 1.0
+    vnodes: int = 160
+    max_message_mb: int = 256
+
+
+class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
+    def __init__(self, endpoints: list[str], config: RouterConfig):
+        if not endpoints:
+            raise ValueError("the router needs at least one encoder endpoint")
+        self.config = config
+        self.ring = HashRing(endpoints, vnodes=config.vnodes)
+        self.alive: set[str] = set(endpoints)
+        opts = [("grpc.max_receive_message_length", config.max_message_mb << 20),
+                ("grpc.max_send_message_length", config.max_message_mb << 20)]
+        self._channels = {e: grpc.aio.insecure_channel(e, options=opts) for e in endpoints}
+        self._stubs = {e: encoder_pb2_grpc.EncoderStub(c) for e, c in self._channels.items()}
+        self._health = {e: health_pb2_grpc.HealthStub(c) for e, c in self._channels.items()}
+        self._task: asyncio.Task | None = None
+        self.on_change = None  # optional callback(alive: set[str])
+
+    # ------------------------------------------------------------------ health
+    async def check_all(self) -> None:
+        results = await asyncio.gather(*(self._check(e) for e in self._channels))
+        for endpoint, ok in zip(self._channels, results):
+            self._set_alive(endpoint, ok)
+
+    async def _check(self, endpoint: str) -> bool:
+        try:
+            r = await self._health[endpoint].Check(health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    def _set_alive(self, endpoint: str, ok: bool) -> None:
+        if ok and endpoint not in self.alive:
+            log.info("encoder %s rejoined the ring", endpoint)
+            self.alive.add(endpoint)
+        elif not ok and endpoint in self.alive:
+            log.warning("encoder %s left the ring (unhealthy)", endpoint)
+            self.alive.discard(endpoint)
+        else:
+            return
+        if self.on_change:
+            self.on_change(set(self.alive))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.config.health_interval_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self._channels.values()))
+
+    # ------------------------------------------------------------------ Encode
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
+        items = list(request.items)
+        if not items:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request has no items")
+        if len(items) > self.config.max_items_per_request:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request has {len(items)} items, over the limit of {self.config.max_items_per_request} "
+                                "(--max-items-per-request)")
+        keys = [routing_key(it) for it in items]
+        results: list[encoder_pb2.ItemEmbedding | None] = [None] * len(items)
+        pending = list(range(len(items)))
+        tried: dict[int, set[str]] = {i: set() for i in pending}
+        model = ""
+        timeout = context.time_remaining()
+        while pending:
+            groups: dict[str, list[int]] = {}
+            for i in pending:
+                owner = next((o for o in self.ring.owners(keys[i]) if o in self.alive and o not in tried[i]), None)
+                if owner is None:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        f"item {i}: no live encoder (tried {sorted(tried[i]) or 'none'})")
+                groups.setdefault(owner, []).append(i)
+            outcomes = await asyncio.gather(*(self._forward(e, [items[i] for i in idx], timeout)
+                                              for e, idx in groups.items()))
+            pending = []
+            first_error: tuple[int, grpc.StatusCode, str] | None = None
+            for (endpoint, idx), (resp, err) in zip(groups.items(), outcomes):
+                if resp is not None:
+                    model = resp.model
+                    for j, r in zip(idx, resp.items):
+                        results[j] = r
+                    continue
+                code, details = err
+                if code == grpc.StatusCode.UNAVAILABLE and not _ITEM_PREFIX.match(details or ""):
+                    self._set_alive(endpoint, False)  # the encoder itself is gone: fail over
+                    for j in idx:
+                        tried[j].add(endpoint)
+                    pending.extend(idx)
+                    continue
+                m = _ITEM_PREFIX.match(details or "")
+                if m and int(m.group(1)) < len(idx):  # an item's own error: report the client's index
+                    orig = idx[int(m.group(1))]
+                    msg = _ITEM_PREFIX.sub(f"item {orig}: ", details)
+                else:  # not item-specific (e.g. backpressure): pass through
+                    orig, msg = idx[0], details or code.name
+                if first_error is None or orig < first_error[0]:
+                    first_error = (orig, code, msg)
+            if first_error is not None:
+                await context.abort(first_error[1], first_error[2])
+        return encoder_pb2.EncodeResponse(items=results, model=model)
+
+    async def _forward(self, endpoint: str, items: list, timeout: float | None):
+        try:
+            resp = await self._stubs[endpoint].Encode(encoder_pb2.EncodeRequest(items=items), timeout=timeout)
+            return resp, None
+        except grpc.aio.AioRpcError as e:
+            return None, (e.code(), e.details())

@@ -1,0 +1,24 @@
+"""Each benchmark's --quick form runs and prints one JSON object of the documented shape (no timing asserts)."""
+import json
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def run_bench(*args, timeout=600) -> dict:
+    r = subprocess.run([sys.executable, "-m", "mimo_epd", "bench", *args, "--quick"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stdout
+    return json.loads(lines[0])
+
+
+def test_cache_routing_quick():
+    out = run_bench("cache-routing")
+    assert set(out["hit_rate"]) == {"rr_private", "hash_private", "rr_shared", "hash_shared"}
+    assert all(0 <= v <= 1 for v in out["hit_rate"].values())
+    assert "hash_vs_rr_private" in out["ratios"]
+    # One shared cache of the same total size sees the same stream whatever the placement.
+    assert out["hit_rate"]["rr_shared"] == out["hit_rate"]["hash_shared"]
