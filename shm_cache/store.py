@@ -12,8 +12,10 @@ at creation with a clear error, not later with SIGBUS):
 - A *pin* records that process `pid` holds a zero-copy view of slot `s` (generation `g`). A pinned
   entry is never evicted, so the view stays valid until the reader releases it.
 - The arena is allocated contiguously by a CLOCK hand sweeping the address space: the bytes under the
-  hand are reused if their entries are neither pinned, nor being written, nor recently used (a used
-  entry loses its reference bit and is skipped once: second chance). Eviction is by bytes.
+  hand are reused if their entries are neither pinned, nor being written, nor recently used. Each use
+  adds one to an entry's counter (saturating at 3, "generalised CLOCK"); the hand takes one off and
+  skips the entry while it is above zero, so frequently used entries survive several sweeps (better
+  than plain LRU/CLOCK on Zipf-like traffic). Eviction is by bytes.
 
 Concurrency: every metadata change happens under an exclusive `flock` on the segment (plus a thread
 lock, because flock does not exclude threads sharing a descriptor). Large copies happen outside it:
@@ -49,6 +51,7 @@ MAGIC = b"MIMOSHM1"
 HEADER_BYTES = 4096
 ALIGN = 64
 EMPTY, WRITING, READY = 0, 1, 2
+MAX_REF = 3  # GCLOCK: a saturating use counter; the hand decrements it and evicts at zero
 
 HEADER_DTYPE = np.dtype([
     ("magic", "S8"), ("version", "<u4"), ("dirty", "<u4"),
@@ -331,7 +334,7 @@ class ShmCache:
                 h["hits"] += 1
                 return self._copy_entry_locked(i)
             s = self._slots[i]
-            s["ref"] = 1
+            s["ref"] = min(int(s["ref"]) + 1, MAX_REF)
             h["clock"] += 1
             s["last_access"] = h["clock"][0]
             h["hits"] += 1
@@ -404,7 +407,7 @@ class ShmCache:
         with self._critical() as h:
             i = self._find(hi, lo, READY)
             if i >= 0:
-                self._slots["ref"][i] = 1
+                self._slots["ref"][i] = min(int(self._slots["ref"][i]) + 1, MAX_REF)
                 return True
             self._reap_dead_writers_locked()
             if self._find(hi, lo, WRITING) >= 0:
@@ -468,7 +471,7 @@ class ShmCache:
         while True:
             if pos + need > size:
                 wraps += 1
-                if wraps > 2:
+                if wraps > MAX_REF + 1:  # every counter has reached zero by then: only pins/writers block
                     return None
                 pos, j = 0, 0
             k, blocker = j, -1
@@ -489,7 +492,7 @@ class ShmCache:
             pos, j = int(ends[blocker]), blocker + 1
 
     def _blocks_locked(self, i: int) -> bool:
-        """Whether slot i's bytes must not be reused now (and CLOCK's second chance)."""
+        """Whether slot i's bytes must not be reused now; a used entry spends one unit of its counter."""
         s = self._slots
         if self._state[i] == WRITING:
             if pid_alive(int(s["owner"][i])):
@@ -503,7 +506,7 @@ class ShmCache:
                 return True
             p["pid"][j] = 0
         if s["ref"][i]:
-            s["ref"][i] = 0
+            s["ref"][i] -= 1
             return True
         return False
 

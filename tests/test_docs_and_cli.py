@@ -58,3 +58,21 @@ def test_bad_flag_value_exits_2():
     r = subprocess.run([sys.executable, "-m", "mimo_epd", "encoder", "--resize-backend", "magic"], capture_output=True,
                        text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2 and "--resize-backend" in r.stderr
+
+
+def _subparsers(parser, prefix=()):
+    for action in parser._actions:
+        if action.__class__.__name__ == "_SubParsersAction":
+            for name, sp in action.choices.items():
+                yield (*prefix, name), sp
+                yield from _subparsers(sp, (*prefix, name))
+
+
+def test_every_flag_of_every_command_is_in_the_readme():
+    missing = []
+    for path, sp in _subparsers(build_parser()):
+        for action in sp._actions:
+            for opt in action.option_strings:
+                if opt.startswith("--") and opt != "--help" and not opt.startswith("--no-") and opt not in README:
+                    missing.append(f"{' '.join(path)} {opt}")
+    assert not missing, missing
