@@ -54,12 +54,16 @@ class BatchStats:
 class Batcher:
     def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                  on_done: Callable[[BatchItem, torch.Tensor, float, float], None] | None = None,
-                 max_batch_tokens: int, max_wait_ms: float, queue_depth: int, merge_unit: int = 4):
+                 max_batch_tokens: int, max_wait_ms: float, queue_depth: int, merge_unit: int = 4,
+                 max_batch_items: int | None = None,
+                 on_batch: Callable[[int, int, float], None] | None = None):
         self.forward = forward
         self.on_done = on_done
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1e3
         self.merge_unit = merge_unit
+        self.max_batch_items = max_batch_items  # 1 = no batching (for comparisons)
+        self.on_batch = on_batch
         self.queue: asyncio.Queue[BatchItem] = asyncio.Queue(queue_depth)
         self._next_get: asyncio.Task | None = None  # a pending get survives a timed-out wait: nothing is lost
         self._held: BatchItem | None = None  # did not fit the last batch: heads the next one
@@ -87,7 +91,7 @@ class Batcher:
             first = await self._get(None)
         batch, tokens = [first], first.num_patches
         deadline = time.perf_counter() + self.max_wait_s
-        while tokens < self.max_batch_tokens:
+        while tokens < self.max_batch_tokens and (self.max_batch_items is None or len(batch) < self.max_batch_items):
             item = await self._get(deadline - time.perf_counter())
             if item is None:
                 break
@@ -122,6 +126,8 @@ class Batcher:
             self.stats.items += len(batch)
             self.stats.patches += int(pixel_values.shape[0])
             self.stats.busy_s += end - start
+            if self.on_batch is not None:
+                self.on_batch(len(batch), int(pixel_values.shape[0]), end - start)
             encode_ms = (end - start) * 1e3
             for b, emb in zip(batch, out):
                 if self.on_done is not None:

@@ -42,8 +42,18 @@ class EncoderServerConfig:
                                          "(cloud metadata addresses stay refused)")
     url_allowlist: str = _f("", "comma-separated IPs/CIDRs that may be fetched even though private, e.g. 127.0.0.1/32")
     allowed_local_dir: str = _f("", "directory under which MediaItem.path may read files (empty = paths disabled)")
-    # --- pipeline ------------------------------------------------------------------------------
-    decode_workers: int = _f(2, "decoder processes (0 = decode in a thread of the server process)")
+    # --- pipeline (each optimisation has a switch, so benchmarks can compare them) -----------------
+    pipeline: bool = _f(True, "overlap requests and stages; off = one request at a time, stage after stage")
+    batching: bool = _f(True, "batch items across requests into one forward; off = one item per forward")
+    decode_workers: int = _f(2, "decoder processes, pixels handed back through shared memory (0 = decode in a thread)")
+    decoder: str = _f("pil", "image decoder: pil (pillow-simd when installed), torchvision (decode_jpeg) or dali "
+                             "(NVIDIA DALI, CPU pipeline; needs the dali extra); non-JPEG images always use PIL")
+    jpeg_draft: bool = _f(True, "decode JPEGs at a reduced DCT scale when the target is at most half the source")
+    resize_in: str = _f("auto", "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
+                                "the decode processes) or auto (decoder on a CPU, device on CUDA)")
+    decode_slot_bytes: int = _f(32 << 20, "size of each shared-memory slot for decoded pixels (bigger images come back pickled)")
+    torch_threads: int = _f(0, "intra-op threads for torch in the server process (0 = torch's default)")
+    metrics_port: int = _f(0, "serve Prometheus metrics on this port at /metrics (0 = off)")
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
     max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")
     max_wait_ms: float = _f(5.0, "how long the batcher waits for more items once it has one")
@@ -74,15 +84,19 @@ class EncoderServerConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
+        positive = ["decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
                     "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("decode_workers", "max_redirects", "cache_bytes", "min_pixels", "max_pixels", "max_wait_ms",
+        for name in ("decode_workers", "torch_threads", "metrics_port", "max_redirects", "cache_bytes", "min_pixels", "max_pixels", "max_wait_ms",
                      "fetch_timeout_s", "grace_period_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.decoder not in ("pil", "torchvision", "dali"):
+            raise ValueError(f"--decoder must be pil, torchvision or dali, got {self.decoder!r}")
+        if self.resize_in not in ("auto", "device", "decoder"):
+            raise ValueError(f"--resize-in must be auto, device or decoder, got {self.resize_in!r}")
         if self.resize_backend not in ("auto", "torch", "pil"):
             raise ValueError(f"--resize-backend must be auto, torch or pil, got {self.resize_backend!r}")
         if self.preprocess not in ("auto", "qwen2_5_vl", "mimo_v2_5"):

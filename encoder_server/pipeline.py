@@ -3,7 +3,8 @@
     request ──▶ [fetch_q] fetch workers ──▶ content key ──▶ cache? ──hit──▶ answer
                                                   │ miss (or first of identical in-flight items)
                                                   ▼
-                [decode_q] decode workers (process pool) ──▶ [preprocess_q] preprocess threads
+                [decode_q] decode workers (process pool, pixels back through shm; JPEG draft; optional resize)
+                ──▶ [preprocess_q] preprocess threads (resize/normalize/patchify on --device)
                 ──▶ Batcher (token budget, short wait) ──▶ vision forward (one thread) ──▶ answer + cache
 
 Stages are joined by bounded asyncio queues, so a slow stage pushes back on the one before it and
@@ -13,13 +14,16 @@ later stages skip jobs whose future is already resolved.
 
 Identical items in flight at the same time (same content key) are encoded once: the first is the
 leader, later ones attach to it and get its result (reported as cache hits).
+
+Every optimisation has a switch (see config.py): `--no-pipeline` serialises requests, `--no-batching`
+runs one item per forward, `--decode-workers 0` decodes in a thread, `--no-jpeg-draft`, `--resize-in`.
+With all of them off this is the naive server the benchmark compares against.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
-import multiprocessing
 import time
 from dataclasses import dataclass, field
 
@@ -30,10 +34,11 @@ from mimo_epd.content_key import bytes_digest, content_key, normalize_digest
 
 from .batcher import Batcher, BatchItem
 from .config import EncoderServerConfig
-from .decode import _init_worker, decode_image
+from .decode_pool import DecodeOptions, DecodePool
 from .embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from .errors import DecodeError, ItemError, invalid
 from .fetch import FetchLimits, Fetcher, MediaSource
+from .metrics import EncoderMetrics
 from .models import LoadedVisionModel, load_vision_model
 from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images
 from .url_policy import UrlPolicy, parse_networks
@@ -114,11 +119,24 @@ class EncodePipeline:
         self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
         self.batcher = Batcher(self._forward, on_done=self._on_encoded, max_batch_tokens=config.max_batch_tokens,
                                max_wait_ms=config.max_wait_ms, queue_depth=d,
-                               merge_unit=self.model.module.config.spatial_merge_size ** 2)
+                               merge_unit=self.model.module.config.spatial_merge_size ** 2,
+                               max_batch_items=None if config.batching else 1,
+                               on_batch=self._on_batch)
+        resize_in = config.resize_in
+        if resize_in == "auto":
+            resize_in = "device" if torch.device(config.device).type == "cuda" else "decoder"
+        self.resize_in = resize_in
+        self.decode_pool = DecodePool(config.decode_workers, DecodeOptions(
+            max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
+            resize=resize_in == "decoder", preprocess=self.preprocess_config), slot_bytes=config.decode_slot_bytes)
+        self.metrics = EncoderMetrics()
+        self._serial = None if config.pipeline else asyncio.Lock()
+        self.started_at = time.perf_counter()
+        self.busy_s = dict.fromkeys(("fetch", "decode", "preprocess", "encode"), 0.0)
         self._inflight: dict[str, Job] = {}
         self.pending = 0
+        self.waiting = 0
         self._tasks: list[asyncio.Task] = []
-        self._decode_pool: concurrent.futures.Executor | None = None
         self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
         self.stats = {"requests": 0, "items": 0, "cache_hits": 0, "errors": 0}
 
@@ -142,15 +160,10 @@ class EncodePipeline:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        if self.config.torch_threads > 0:
+            torch.set_num_threads(self.config.torch_threads)
         await self.fetcher.start()
-        if self.config.decode_workers > 0:
-            self._decode_pool = concurrent.futures.ProcessPoolExecutor(
-                self.config.decode_workers, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker, initargs=(self.config.max_image_pixels,))
-            # Start the workers now, not on the first request.
-            loop = asyncio.get_running_loop()
-            await asyncio.gather(*(loop.run_in_executor(self._decode_pool, _init_worker, self.config.max_image_pixels)
-                                   for _ in range(self.config.decode_workers)))
+        await self.decode_pool.start()  # workers start now, not on the first request
         await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
         spawn = asyncio.get_running_loop().create_task
         self._tasks += [spawn(self._worker(self.fetch_q, self._fetch_stage, self.decode_q), name=f"fetch-{i}")
@@ -160,6 +173,18 @@ class EncodePipeline:
         self._tasks += [spawn(self._worker(self.preprocess_q, self._preprocess_stage, None), name=f"preprocess-{i}")
                         for i in range(self.config.preprocess_threads)]
         self._tasks.append(spawn(self.batcher.run(), name="batcher"))
+        m = self.metrics
+        workers = {"fetch": self.config.fetch_concurrency, "decode": max(1, self.config.decode_workers),
+                   "preprocess": self.config.preprocess_threads, "encode": 1}
+        for stage, n in workers.items():
+            m.workers.labels(stage).set(n)
+        for name, q in (("fetch", self.fetch_q), ("decode", self.decode_q), ("preprocess", self.preprocess_q),
+                        ("batch", self.batcher.queue)):
+            m.queue_depth.labels(name).set_function(q.qsize)
+        m.pending.set_function(lambda: self.pending + self.waiting)
+        if self.config.metrics_port:
+            m.serve(self.config.metrics_port, self.config.host)
+        self.started_at = time.perf_counter()
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -168,13 +193,38 @@ class EncodePipeline:
         self._tasks.clear()
         await self.fetcher.close()
         self.batcher.shutdown()
-        if self._decode_pool is not None:
-            self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        self.decode_pool.stop()
         self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.cache, "close"):
+            self.cache.close()
 
     # ------------------------------------------------------------------ entry point
     async def encode(self, items: list[ItemRequest]) -> list[ItemResult]:
         """Encodes a request's items. Raises the `ItemError` of the first failing item (lowest index)."""
+        t0 = time.perf_counter()
+        self.metrics.requests.inc()
+        self.metrics.items.inc(len(items))
+        try:
+            if self._serial is None:
+                return await self._encode(items)
+            self._check_capacity(len(items))
+            self.waiting += len(items)  # requests queued for the lock count against --max-pending too
+            entered = False
+            try:
+                async with self._serial:
+                    self.waiting -= len(items)
+                    entered = True
+                    return await self._encode(items)
+            finally:
+                if not entered:
+                    self.waiting -= len(items)
+        except ItemError as e:
+            self.metrics.errors.labels(e.code.name).inc()
+            raise
+        finally:
+            self.metrics.request_seconds.observe(time.perf_counter() - t0)
+
+    async def _encode(self, items: list[ItemRequest]) -> list[ItemResult]:
         c = self.config
         self.stats["requests"] += 1
         if not items:
@@ -182,9 +232,7 @@ class EncodePipeline:
         if len(items) > c.max_items_per_request:
             raise invalid(f"request has {len(items)} items, over the limit of {c.max_items_per_request} "
                           "(--max-items-per-request)")
-        if self.pending + len(items) > c.max_pending:
-            raise ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"server is at capacity ({self.pending} items pending, --max-pending {c.max_pending}); retry later")
+        self._check_capacity(len(items))
         loop = asyncio.get_running_loop()
         jobs = [Job(i, it, loop.create_future()) for i, it in enumerate(items)]
         self.pending += len(jobs)
@@ -218,6 +266,12 @@ class EncodePipeline:
                 if job.future.done() and not job.future.cancelled():
                     job.future.exception()
 
+    def _check_capacity(self, n: int) -> None:
+        if self.pending + self.waiting + n > self.config.max_pending:
+            raise ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"server is at capacity ({self.pending + self.waiting} items pending, --max-pending "
+                            f"{self.config.max_pending}); retry later")
+
     def _admit(self, job: Job) -> None:
         """Validates an item and answers it from the cache when the client's content_hash allows."""
         req = job.request
@@ -242,8 +296,10 @@ class EncodePipeline:
         hit = self.cache.get(job.key)
         if hit is not None:
             self.stats["cache_hits"] += 1
+            self.metrics.cache.labels("hit").inc()
             job.succeed(hit, cache_hit=True)
             return True
+        self.metrics.cache.labels("miss").inc()
         return False
 
     # ------------------------------------------------------------------ stages
@@ -271,7 +327,7 @@ class EncodePipeline:
         t0 = time.perf_counter()
         job.data = await self.fetcher.fetch(job.request.source)
         digest = bytes_digest(job.data)
-        job.timings_ms["fetch"] = (time.perf_counter() - t0) * 1e3
+        self._account(job, "fetch", t0)
         if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
             raise invalid(f"content_hash {job.request.content_hash} does not match the item's bytes ({digest})")
         job.key = self._key(digest)
@@ -289,17 +345,20 @@ class EncodePipeline:
         t0 = time.perf_counter()
         data, job.data = job.data, None
         try:
-            if self._decode_pool is None:
-                job.pixels = await asyncio.to_thread(decode_image, data, self.config.max_image_pixels)
-            else:
-                job.pixels = await asyncio.get_running_loop().run_in_executor(
-                    self._decode_pool, decode_image, data, self.config.max_image_pixels)
+            job.pixels = await self.decode_pool.decode(data)
         except DecodeError as e:
             raise invalid(e.reason) from None
         except concurrent.futures.process.BrokenProcessPool:
             raise ItemError(grpc.StatusCode.UNAVAILABLE, "a decoder process died; retry") from None
-        job.timings_ms["decode"] = (time.perf_counter() - t0) * 1e3
+        self._account(job, "decode", t0)
         return True
+
+    def _account(self, job: Job, stage: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        job.timings_ms[stage] = dt * 1e3
+        self.busy_s[stage] += dt
+        self.metrics.stage_seconds.labels(stage).observe(dt)
+        self.metrics.busy.labels(stage).inc(dt)
 
     async def _preprocess_stage(self, job: Job) -> bool:
         t0 = time.perf_counter()
@@ -309,7 +368,7 @@ class EncodePipeline:
                 self._preprocess_pool, self._preprocess_one, pixels)
         except ImageSizeError as e:
             raise invalid(str(e).removeprefix("image 0: ")) from None
-        job.timings_ms["preprocess"] = (time.perf_counter() - t0) * 1e3
+        self._account(job, "preprocess", t0)
         await self.batcher.submit(BatchItem(pv, tuple(grid[0].tolist()), job))
         return False
 
@@ -322,18 +381,29 @@ class EncodePipeline:
                                      out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend)
         self.model.module(pv, grid)
 
-    def _preprocess_one(self, pixels):
-        return preprocess_images([pixels], self.preprocess_config, device=self.config.device,
-                                 out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend)
+    def _preprocess_one(self, decoded):
+        # Already resized in the decoder: the target equals its size, so only normalize+patchify run here.
+        backend = "torch" if decoded.resized else self.config.resize_backend
+        return preprocess_images([decoded.pixels], self.preprocess_config, device=self.config.device,
+                                 out_dtype=self.model.module.dtype, resize_backend=backend,
+                                 source_sizes=[decoded.source_size])
 
     # ------------------------------------------------------------------ forward (runs in the batcher's thread)
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.model.module(pixel_values, grid_thw)
 
+    def _on_batch(self, items: int, patches: int, seconds: float) -> None:
+        self.busy_s["encode"] += seconds
+        self.metrics.busy.labels("encode").inc(seconds)
+        self.metrics.batch_items.observe(items)
+        self.metrics.batch_patches.observe(patches)
+
     def _on_encoded(self, item: BatchItem, embedding: torch.Tensor, queue_ms: float, encode_ms: float) -> None:
         job: Job = item.job
         job.timings_ms["queue"] = queue_ms
         job.timings_ms["encode"] = encode_ms
+        self.metrics.stage_seconds.labels("queue").observe(queue_ms / 1e3)
+        self.metrics.stage_seconds.labels("encode").observe(encode_ms / 1e3)
         entry = CachedEmbedding(embedding, item.grid_thw)
         if self.cache is not None:
             self.cache.put(job.key, entry)

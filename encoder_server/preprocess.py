@@ -211,13 +211,23 @@ def _as_hwc_uint8(image, index: int) -> np.ndarray | torch.Tensor:
     return arr
 
 
+def _to_tensor(arr) -> torch.Tensor:
+    if isinstance(arr, torch.Tensor):
+        return arr
+    if not arr.flags.writeable:  # torch wants writable memory; a read-only view (e.g. shared memory) is copied
+        arr = arr.copy()
+    return torch.from_numpy(arr)
+
+
 def preprocess_images(images: Sequence, config: PreprocessConfig | str = "qwen2_5_vl", device=None,
-                      out_dtype: torch.dtype = torch.float32, resize_backend: str = "auto"
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      out_dtype: torch.dtype = torch.float32, resize_backend: str = "auto",
+                      source_sizes: Sequence[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Images (HxWx3 uint8 numpy arrays or tensors) -> (pixel_values, grid_thw), like the HF processor.
 
     resize_backend: "torch" (torchvision on `device`, batched per shape), "pil" (PIL on the CPU,
     pillow-simd when installed), or "auto" (pil on a CPU when pillow-simd is installed, else torch).
+    source_sizes: the (h, w) each image had before it was decoded at a reduced scale (JPEG draft) or
+    already resized; the target size is computed from it, as the reference would from the full image.
     """
     if isinstance(config, str):
         config = PreprocessConfig.preset(config)
@@ -230,8 +240,9 @@ def preprocess_images(images: Sequence, config: PreprocessConfig | str = "qwen2_
     arrays = [_as_hwc_uint8(img, i) for i, img in enumerate(images)]
     targets = []
     for i, arr in enumerate(arrays):
+        h, w = source_sizes[i] if source_sizes is not None else (int(arr.shape[0]), int(arr.shape[1]))
         try:
-            targets.append(target_size(int(arr.shape[0]), int(arr.shape[1]), config))
+            targets.append(target_size(h, w, config))
         except ImageSizeError as e:
             raise ImageSizeError(f"image {i}: {e}") from None
 
@@ -246,7 +257,7 @@ def preprocess_images(images: Sequence, config: PreprocessConfig | str = "qwen2_
         for i, (arr, size) in enumerate(zip(arrays, targets)):
             groups[(tuple(arr.shape), size)].append(i)
         for (_, size), idxs in groups.items():
-            batch = torch.stack([torch.as_tensor(arrays[i]).to(device).permute(2, 0, 1) for i in idxs])
+            batch = torch.stack([_to_tensor(arrays[i]).to(device).permute(2, 0, 1) for i in idxs])
             same = batch.shape[-2:] == torch.Size(size)
             out = batch if same else resize_torch(batch, size)
             for j, i in enumerate(idxs):

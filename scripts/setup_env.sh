@@ -38,4 +38,12 @@ if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
 else
   echo "notice: pillow-simd did not build (see $WHEELS/build.log); using pillow, resizes on the CPU are slower"
 fi
+# --- NVIDIA DALI (optional `dali` extra) for the dev/test environment: best effort -------------------
+if [[ "$EXTRAS" == *dev* ]] && ! "$VENV/bin/python" -c "import nvidia.dali" >/dev/null 2>&1; then
+  if $PIP install -q "nvidia-dali-cuda130" >"$WHEELS/dali.log" 2>&1; then
+    echo "setup: installed NVIDIA DALI (decoder backend --decoder dali)"
+  else
+    echo "notice: NVIDIA DALI did not install (see $WHEELS/dali.log); its tests are skipped"
+  fi
+fi
 "$VENV/bin/mimo-epd" version

@@ -23,11 +23,14 @@ log = logging.getLogger(__name__)
 __all__ = ["Qwen2_5VisionTower", "VisionConfig", "LoadedVisionModel", "load_vision_model", "TINY_VISION_CONFIG",
            "resolve_dtype"]
 
-# Output size 256 = the hidden size of the embedded tiny LLM.
+# The embedded default: the real architecture at a size whose forward on a CPU is cheap next to image
+# decoding (the balance of a GPU deployment, where the CPU side is the bottleneck). Windowed attention
+# in every block keeps the cost linear in the image size; full-attention blocks are exercised by the
+# parity tests' configs. Output size 256 = the hidden size of the embedded tiny LLM.
 TINY_VISION_CONFIG = VisionConfig(
-    depth=4, hidden_size=128, hidden_act="silu", intermediate_size=256, num_heads=4, patch_size=14,
+    depth=4, hidden_size=64, hidden_act="silu", intermediate_size=128, num_heads=2, patch_size=14,
     spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
-    fullatt_block_indexes=[1, 3],
+    fullatt_block_indexes=[],
 )
 TINY_SEED = 0
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -345,3 +345,27 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero():
     with pytest.raises(grpc.RpcError) as ei:
         encode(s.address, pb.MediaItem(data=JPEG), timeout=3)
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_backpressure_resource_exhausted_then_recovers():
+    s = start_server(["--max-pending", "3", "--decode-workers", "1", "--cache-bytes", "0"])
+    try:
+        enc, _ = stub(s.address)
+        big = [encode_image(textured(1200, 1600, seed=500 + i), "JPEG") for i in range(12)]
+        futures = [enc.Encode.future(pb.EncodeRequest(items=[pb.MediaItem(data=b)]), timeout=120) for b in big]
+        codes = []
+        for f in futures:
+            try:
+                f.result()
+                codes.append(grpc.StatusCode.OK)
+            except grpc.RpcError as e:
+                codes.append(e.code())
+                assert "--max-pending" in e.details()
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 1, codes
+        assert codes.count(grpc.StatusCode.OK) >= 3, codes
+        assert set(codes) <= {grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED}
+        # Load gone: everything is served again.
+        for b in big[:4]:
+            assert encode(s.address, pb.MediaItem(data=b)).items[0].num_tokens > 0
+    finally:
+        assert s.stop() == 0

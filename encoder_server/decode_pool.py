@@ -1,0 +1,249 @@
+"""Decoding in worker processes, with pixels handed back through shared memory.
+
+Image decoding holds the GIL and is the encoder's main CPU cost, so it runs in a pool of processes.
+Their output does not travel back pickled through a pipe (a 4K frame is 25 MB: pickle, two kernel
+copies, unpickle): the server owns one shared-memory arena of fixed-size slots; before dispatching a
+job it takes a free slot, the worker writes the pixels straight into it and returns only the shape,
+and the server copies them out and frees the slot. An image bigger than a slot comes back pickled
+(counted in `fallbacks`).
+
+A worker can also resize (PIL / pillow-simd, the preprocessing's CPU path) right after decoding, so on
+a CPU deployment every heavy pixel operation runs in parallel processes and only the small resized image
+crosses back (`--resize-in decoder`).
+
+JPEG draft decode: when the smart_resize target is at most half the source in both dimensions, the
+JPEG is decoded directly at the largest DCT scale (1/2, 1/4, 1/8) whose result is still at least the
+target, and then resized as usual. See `draft_bound` in the README for the measured difference.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import mmap
+import multiprocessing
+import os
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from .decode import SUPPORTED_FORMATS, decode_image
+from .errors import DecodeError
+from .preprocess import PreprocessConfig, target_size
+
+DECODERS = ("pil", "torchvision", "dali")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    max_pixels: int
+    decoder: str = "pil"
+    jpeg_draft: bool = True
+    resize: bool = False  # resize to the smart_resize target in the worker
+    preprocess: PreprocessConfig | None = None
+
+
+@dataclass
+class Decoded:
+    pixels: np.ndarray  # HxWx3 uint8 (resized to the target when `resized`)
+    source_size: tuple[int, int]  # (h, w) after EXIF orientation, before any draft/resize
+    draft_scale: int  # 1 = full decode
+    resized: bool
+
+
+# ------------------------------------------------------------------------------- worker side
+_ARENA: mmap.mmap | None = None
+_SLOT_BYTES = 0
+
+
+def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int) -> None:
+    global _ARENA, _SLOT_BYTES
+    from PIL import Image
+
+    Image.MAX_IMAGE_PIXELS = max_image_pixels
+    if arena_path:
+        fd = os.open(arena_path, os.O_RDWR)
+        _ARENA = mmap.mmap(fd, os.fstat(fd).st_size)
+        os.close(fd)
+        _SLOT_BYTES = slot_bytes
+
+
+def _oriented_size(img) -> tuple[int, int, bool]:
+    """(h, w) as displayed, i.e. after the EXIF orientation is applied, and whether it swaps the axes."""
+    w, h = img.size
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block means no rotation
+        orientation = 1
+    swapped = orientation in (5, 6, 7, 8)
+    return ((w, h) if swapped else (h, w)), swapped
+
+
+def _draft_request(data: bytes, opts: DecodeOptions) -> tuple[tuple[int, int] | None, tuple[int, int]]:
+    """(size to pass to Image.draft or None, oriented source size)."""
+    import io
+
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
+        (oh, ow), swapped = _oriented_size(img)
+        if not opts.jpeg_draft or img.format != "JPEG" or opts.preprocess is None:
+            return None, (oh, ow)
+        try:
+            th, tw = target_size(oh, ow, opts.preprocess)
+        except ValueError:
+            return None, (oh, ow)  # too small / elongated: the full decode reports it
+        if th * 2 > oh or tw * 2 > ow:
+            return None, (oh, ow)
+        # draft() takes (width, height) in the stored orientation, before the EXIF rotation.
+        return ((th, tw) if swapped else (tw, th)), (oh, ow)
+
+
+def decode_job(data: bytes, opts: DecodeOptions, slot: int) -> tuple:
+    """Runs in a worker. Returns ("slot", shape, meta) or ("array", pixels, meta)."""
+    if not data:
+        raise DecodeError("empty item (0 bytes)")
+    try:
+        draft, source = _draft_request(data, opts)
+    except DecodeError:
+        raise
+    except Exception:  # noqa: BLE001 - let the real decode produce the precise error
+        draft, source = None, (0, 0)
+    # JPEG only, and complete (EOI marker present): libjpeg-based decoders may pad a truncated file
+    # with grey where PIL reports it; such files go through PIL for a proper error.
+    is_jpeg = data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]
+    if opts.decoder == "torchvision" and is_jpeg and draft is None:
+        pixels = _decode_torchvision(data, opts.max_pixels)
+    elif opts.decoder == "dali" and is_jpeg and draft is None:
+        pixels = _decode_dali(data, opts.max_pixels)
+    else:  # PIL: every format, and JPEG draft decode
+        pixels = decode_image(data, opts.max_pixels, draft_size=draft)
+    if source == (0, 0):
+        source = pixels.shape[:2]
+    scale = max(1, round(source[0] / pixels.shape[0])) if draft else 1
+    resized = False
+    if opts.resize and opts.preprocess is not None:
+        from .preprocess import resize_pil
+
+        try:
+            th, tw = target_size(source[0], source[1], opts.preprocess)
+        except ValueError as e:
+            raise DecodeError(str(e), "size") from None
+        if (th, tw) != pixels.shape[:2]:
+            pixels = resize_pil(pixels, (th, tw)).permute(1, 2, 0).numpy()
+        resized = True
+    meta = (source, scale, resized)
+    n = pixels.nbytes
+    if _ARENA is not None and 0 <= slot and n <= _SLOT_BYTES:
+        dst = np.frombuffer(_ARENA, np.uint8, n, slot * _SLOT_BYTES)
+        dst[:] = np.ascontiguousarray(pixels).reshape(-1)
+        return ("slot", pixels.shape, meta)
+    return ("array", np.ascontiguousarray(pixels), meta)
+
+
+def _check_header_pixels(data: bytes, max_pixels: int) -> None:
+    import io
+
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+    except Exception:  # noqa: BLE001 - the decoder reports malformed data
+        return
+    if w * h > max_pixels:
+        raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)",
+                          "too_large")
+
+
+def _decode_dali(data: bytes, max_pixels: int) -> np.ndarray:
+    from .dali_decoder import decode_jpeg_dali
+
+    _check_header_pixels(data, max_pixels)
+    try:
+        pixels = decode_jpeg_dali(data)
+    except Exception:  # noqa: BLE001 - CMYK, progressive oddities...: PIL knows them and words its errors
+        return decode_image(data, max_pixels)
+    return pixels if pixels.ndim == 3 and pixels.shape[2] == 3 else decode_image(data, max_pixels)
+
+
+def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
+    import torch
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    _check_header_pixels(data, max_pixels)
+    torch.set_num_threads(1)  # one decode per process; the pool provides the parallelism
+    try:
+        t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                        apply_exif_orientation=True)
+    except RuntimeError:
+        return decode_image(data, max_pixels)  # CMYK, truncated...: PIL knows them and words its errors
+    return t.permute(1, 2, 0).contiguous().numpy()
+
+
+# ------------------------------------------------------------------------------- server side
+class DecodePool:
+    """Runs `decode_job` in `workers` processes (or in a thread when workers == 0)."""
+
+    def __init__(self, workers: int, opts: DecodeOptions, slot_bytes: int = 32 << 20):
+        self.workers = workers
+        self.opts = opts
+        self.slot_bytes = slot_bytes
+        self.fallbacks = 0
+        self._executor: concurrent.futures.Executor | None = None
+        self._arena: mmap.mmap | None = None
+        self._arena_path: str | None = None
+        self._free: asyncio.Queue[int] | None = None
+        if opts.decoder not in DECODERS:
+            raise ValueError(f"--decoder must be one of {DECODERS}, got {opts.decoder!r}")
+        if opts.decoder == "dali":
+            from . import dali_decoder
+
+            dali_decoder.check_available()
+
+    async def start(self) -> None:
+        if self.workers <= 0:
+            return
+        n_slots = self.workers * 2
+        self._arena_path = f"/dev/shm/mimo-epd-decode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(self._arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, n_slots * self.slot_bytes)
+            self._arena = mmap.mmap(fd, n_slots * self.slot_bytes)
+        finally:
+            os.close(fd)
+        self._free = asyncio.Queue()
+        for i in range(n_slots):
+            self._free.put_nowait(i)
+        self._executor = concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+            initargs=(self._arena_path, self.slot_bytes, self.opts.max_pixels))
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)))
+
+    def stop(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        if self._arena_path:
+            try:
+                os.unlink(self._arena_path)
+            except FileNotFoundError:
+                pass
+
+    async def decode(self, data: bytes) -> Decoded:
+        if self._executor is None:
+            kind, payload, meta = await asyncio.to_thread(decode_job, data, self.opts, -1)
+            return Decoded(payload, *meta)
+        slot = await self._free.get()
+        try:
+            kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
+                self._executor, decode_job, data, self.opts, slot)
+            if kind == "slot":
+                n = int(np.prod(payload))
+                pixels = np.frombuffer(self._arena, np.uint8, n, slot * self.slot_bytes).reshape(payload).copy()
+            else:
+                self.fallbacks += 1
+                pixels = payload
+        finally:
+            self._free.put_nowait(slot)
+        return Decoded(pixels, *meta)
