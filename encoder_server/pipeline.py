@@ -378,7 +378,8 @@ class EncodePipeline:
 
         f = self.preprocess_config.factor * 2
         pv, grid = preprocess_images([np.zeros((f, f, 3), np.uint8)], self.preprocess_config, device=self.config.device,
-                                     out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend)
+                                     out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend,
+                                     fold_time=True)
         self.model.module(pv, grid)
 
     def _preprocess_one(self, decoded):
@@ -386,7 +387,7 @@ class EncodePipeline:
         backend = "torch" if decoded.resized else self.config.resize_backend
         return preprocess_images([decoded.pixels], self.preprocess_config, device=self.config.device,
                                  out_dtype=self.model.module.dtype, resize_backend=backend,
-                                 source_sizes=[decoded.source_size])
+                                 source_sizes=[decoded.source_size], fold_time=True)
 
     # ------------------------------------------------------------------ forward (runs in the batcher's thread)
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

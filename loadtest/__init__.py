@@ -1,1 +1,1 @@
-"""Locust users for the gRPC API and trace replay. Lands with the encoder throughput issue."""
+"""Locust load tests for the gRPC API: `locustfile.py` (users), `run.py` (`mimo-epd loadtest ...`)."""

@@ -194,11 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from mimo_epd.bench import cache_routing
+    from mimo_epd.bench import cache_routing, encoder as encoder_bench
 
     b = bsub.add_parser("cache-routing", help="cache hit rates: round-robin vs consistent hashing, private vs shared cache")
     cache_routing.add_arguments(b)
     b.set_defaults(fn=cache_routing.run)
+    b = bsub.add_parser("encoder", help="encoder QPS/latency: naive vs pipelined vs transformers, tiny and large")
+    encoder_bench.add_arguments(b)
+    b.set_defaults(fn=encoder_bench.run)
+
+    lt = sub.add_parser("loadtest", help="headless Locust load tests of the gRPC API")
+    ltsub = lt.add_subparsers(dest="loadtest", required=True)
+    from loadtest import run as loadtest_run
+
+    b = ltsub.add_parser("encoder", help="Locust against an encoder: QPS, P50/P90/P99, failures (JSON)")
+    loadtest_run.add_arguments(b)
+    b.set_defaults(fn=loadtest_run.run)
 
     h = sub.add_parser("health", help="exit 0 only when the server reports SERVING")
     h.add_argument("--server", default="127.0.0.1:50051", help="server address (default: 127.0.0.1:50051)")

@@ -36,3 +36,14 @@ def test_rejects_bad_shapes():
         patchify_triton(torch.zeros(1, 3, 28, 28), cfg)
     with pytest.raises(ValueError, match="multiple"):
         patchify_triton(torch.zeros(1, 3, 30, 28, dtype=torch.uint8), cfg)
+
+
+def test_fold_time_matches_reference():
+    cfg = PreprocessConfig()
+    img = torch.randint(0, 256, (1, 3, 56, 56), dtype=torch.uint8).to(DEVICE)
+    ref = normalize_patchify(img, cfg, fold_time=True)
+    assert ref.shape == (16, 3 * 14 * 14)
+    torch.testing.assert_close(patchify_triton(img, cfg, fold_time=True), ref, atol=1e-6, rtol=1e-6)
+    # the folded layout is the first temporal copy of the full layout
+    full = normalize_patchify(img, cfg).view(16, 3, 2, 14, 14)
+    torch.testing.assert_close(full[:, :, 0].reshape(16, -1), ref)

@@ -137,3 +137,27 @@ def test_low_precision_close_to_fp32(dtype):
     exp = ref(pv, grid)
     rel = ((out - exp).norm() / exp.norm()).item()
     assert out.dtype == torch.float32 and np.isfinite(rel) and rel < 0.05
+
+
+def test_save_checkpoint_loads_in_transformers_and_back(tmp_path):
+    from encoder_server.models import random_model, save_checkpoint
+
+    ours = random_model(TINY_VISION_CONFIG, seed=5)
+    save_checkpoint(ours, tmp_path)
+    hf = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(str(tmp_path), torch_dtype=torch.float32).eval()
+    back = load_vision_model(str(tmp_path))
+    pv, grid = preprocess_images([textured(120, 160)], "qwen2_5_vl", resize_backend="torch")
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    assert (ours(pv, grid) - ref).abs().max().item() <= TOL
+    assert torch.equal(back(pv, grid), ours(pv, grid))
+
+
+def test_folded_still_images_equal_the_hf_layout(pair):
+    """The server's still-image layout (each image once, temporal kernel folded) matches the HF layout."""
+    _, ours, cfg = pair
+    imgs = [textured(h, w, seed=20 + i) for i, (h, w) in enumerate(SIZES)]
+    pv, grid = preprocess_images(imgs, cfg, resize_backend="torch")
+    pv1, grid1 = preprocess_images(imgs, cfg, resize_backend="torch", fold_time=True)
+    assert torch.equal(grid, grid1) and pv1.shape[1] * cfg.temporal_patch_size == pv.shape[1]
+    assert (ours(pv1, grid1) - ours(pv, grid)).abs().max().item() <= 1e-5

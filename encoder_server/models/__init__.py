@@ -21,14 +21,14 @@ from .qwen2_5_vision import Qwen2_5VisionTower, VisionConfig
 log = logging.getLogger(__name__)
 
 __all__ = ["Qwen2_5VisionTower", "VisionConfig", "LoadedVisionModel", "load_vision_model", "TINY_VISION_CONFIG",
-           "resolve_dtype"]
+           "resolve_dtype", "save_checkpoint", "random_model"]
 
 # The embedded default: the real architecture at a size whose forward on a CPU is cheap next to image
 # decoding (the balance of a GPU deployment, where the CPU side is the bottleneck). Windowed attention
 # in every block keeps the cost linear in the image size; full-attention blocks are exercised by the
 # parity tests' configs. Output size 256 = the hidden size of the embedded tiny LLM.
 TINY_VISION_CONFIG = VisionConfig(
-    depth=4, hidden_size=64, hidden_act="silu", intermediate_size=128, num_heads=2, patch_size=14,
+    depth=4, hidden_size=32, hidden_act="silu", intermediate_size=64, num_heads=2, patch_size=14,
     spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
     fullatt_block_indexes=[],
 )
@@ -138,3 +138,26 @@ def load_vision_model(name_or_path: str, device: str | torch.device = "cpu", dty
     model.to(device=device, dtype=torch_dtype).eval()
     info.model_id = f"{info.model_id}/{str(torch_dtype).removeprefix('torch.')}"
     return info if return_info else model
+
+
+def random_model(config: VisionConfig, seed: int = TINY_SEED) -> Qwen2_5VisionTower:
+    """A tower of any config with deterministic random weights."""
+    model = Qwen2_5VisionTower(config)
+    init_random_weights(model, seed)
+    return model.eval()
+
+
+def save_checkpoint(model: Qwen2_5VisionTower, directory: str | Path) -> Path:
+    """Writes `config.json` + `model.safetensors` in the layout transformers saves a
+    `Qwen2_5_VisionTransformerPretrainedModel` in (loadable by transformers and by `load_vision_model`)."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    cfg = model.config.to_dict()
+    rope_theta = cfg.pop("rope_theta")
+    cfg.update(model_type="qwen2_5_vl_vision", num_heads=model.config.num_heads,
+               rope_parameters={"rope_type": "axial", "rope_theta": rope_theta})
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+    return d

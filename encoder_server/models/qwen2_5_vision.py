@@ -83,7 +83,12 @@ class PatchEmbed(nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # Kernel == stride and one output position per patch, so the Conv3d is exactly a matmul with the
         # flattened kernel (same weights, same layout); a GEMM is several times faster than a 3-D conv on a CPU.
-        w = self.proj.weight
+        w = self.proj.weight  # [hidden, C, T, P, P]
+        if pixel_values.shape[-1] == w[0, :, 0].numel():
+            # Still images given once instead of T identical frames (preprocess fold_time=True): the T
+            # temporal slices of the kernel see the same pixels, so they fold into one by summing.
+            # Half the preprocessing output and half the GEMM, same result up to float rounding.
+            w = w.sum(dim=2)
         x = pixel_values.reshape(-1, w[0].numel()).to(w.dtype)
         return x @ w.reshape(w.shape[0], -1).t()
 
@@ -110,17 +115,18 @@ _ACTIVATIONS = {
 }
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [S, H, D]; cos/sin [S, D]. Computed in fp32, cast back, as transformers does."""
+    """x [S, ..., D]; cos/sin [S, D/2] (one half: transformers' tables repeat it twice).
+
+    transformers computes x*[c,c] + rotate_half(x)*[s,s] = [x1*c - x2*s, x2*c + x1*s] in fp32 and
+    casts back; this is the same arithmetic per element (bit for bit) without the duplicated tables,
+    the rotated copy and the negation."""
     dtype = x.dtype
     x = x.float()
-    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    return ((x * cos) + (_rotate_half(x) * sin)).to(dtype)
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[1],)
+    c, s = cos.view(shape), sin.view(shape)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(dtype)
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -152,9 +158,9 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         s = x.shape[0]
-        q, k, v = self.qkv(x).reshape(s, 3, self.num_heads, -1).unbind(1)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        o = varlen_attention(q, k, v, cu_seqlens)
+        qkv = self.qkv(x).reshape(s, 3, self.num_heads, -1)
+        qk = apply_rotary(qkv[:, :2], cos, sin)  # q and k in one pass
+        o = varlen_attention(qk[:, 0], qk[:, 1], qkv[:, 2], cu_seqlens)
         return self.proj(o.reshape(s, -1))
 
 
@@ -277,8 +283,7 @@ class Qwen2_5VisionTower(nn.Module):
 
         x = to_window_order(x)
         freqs = rotary_positions(grid_thw, cfg.spatial_merge_size).to(dev)[..., None].float() * self.inv_freq
-        freqs = freqs.flatten(1)  # [S, head_dim/2]: h-angles then w-angles
-        angles = to_window_order(torch.cat([freqs, freqs], dim=-1))
+        angles = to_window_order(freqs.flatten(1))  # [S, head_dim/2]: h-angles then w-angles
         cos, sin = angles.cos(), angles.sin()
 
         full = set(cfg.fullatt_block_indexes)
