@@ -39,16 +39,17 @@ class DecodeOptions:
     max_pixels: int
     decoder: str = "pil"
     jpeg_draft: bool = True
-    resize: bool = False  # resize to the smart_resize target in the worker
+    resize: bool = False  # resize to the smart_resize target in the worker...
+    patchify: bool = False  # ...and cut it into uint8 still-image patches there (preprocess.patchify_uint8)
     preprocess: PreprocessConfig | None = None
 
 
 @dataclass
 class Decoded:
-    pixels: np.ndarray  # HxWx3 uint8 (resized to the target when `resized`)
+    pixels: np.ndarray  # HxWx3 uint8 (resized to the target when `resized`), or [patches, 3*P*P] uint8
     source_size: tuple[int, int]  # (h, w) after EXIF orientation, before any draft/resize
     draft_scale: int  # 1 = full decode
-    resized: bool
+    resized: bool | str  # False, True, or "patches" (resized and patchified in the worker)
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -132,6 +133,11 @@ def decode_job(data: bytes, opts: DecodeOptions, slot: int) -> tuple:
         if (th, tw) != pixels.shape[:2]:
             pixels = resize_pil(pixels, (th, tw)).permute(1, 2, 0).numpy()
         resized = True
+        if opts.patchify:
+            from .preprocess import patchify_uint8
+
+            pixels = patchify_uint8(pixels, opts.preprocess)
+            resized = "patches"
     meta = (source, scale, resized)
     n = pixels.nbytes
     if _ARENA is not None and 0 <= slot and n <= _SLOT_BYTES:

@@ -40,7 +40,7 @@ from .errors import DecodeError, ItemError, invalid
 from .fetch import FetchLimits, Fetcher, MediaSource
 from .metrics import EncoderMetrics
 from .models import LoadedVisionModel, load_vision_model
-from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images
+from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images, target_size
 from .url_policy import UrlPolicy, parse_networks
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,9 @@ class EncodePipeline:
         self.resize_in = resize_in
         self.decode_pool = DecodePool(config.decode_workers, DecodeOptions(
             max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
-            resize=resize_in == "decoder", preprocess=self.preprocess_config), slot_bytes=config.decode_slot_bytes)
+            resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config),
+            slot_bytes=config.decode_slot_bytes)
+        self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
         self.metrics = EncoderMetrics()
         self._serial = None if config.pipeline else asyncio.Lock()
         self.started_at = time.perf_counter()
@@ -160,8 +162,11 @@ class EncodePipeline:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        if self.config.torch_threads > 0:
-            torch.set_num_threads(self.config.torch_threads)
+        threads = self.config.torch_threads
+        if threads == 0 and torch.device(self.config.device).type == "cpu" and self.config.decode_workers > 0:
+            threads = 1  # the decode processes use the other cores; more torch threads only contend with them
+        if threads > 0:
+            torch.set_num_threads(threads)
         await self.fetcher.start()
         await self.decode_pool.start()  # workers start now, not on the first request
         await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
@@ -383,6 +388,10 @@ class EncodePipeline:
         self.model.module(pv, grid)
 
     def _preprocess_one(self, decoded):
+        if decoded.resized == "patches":  # resized and patchified in the decoder; the tower normalises
+            t, gh, gw = 1, *(s // self.preprocess_config.patch_size for s in
+                             target_size(*decoded.source_size, self.preprocess_config))
+            return torch.from_numpy(decoded.pixels).to(self.config.device), torch.tensor([[t, gh, gw]])
         # Already resized in the decoder: the target equals its size, so only normalize+patchify run here.
         backend = "torch" if decoded.resized else self.config.resize_backend
         return preprocess_images([decoded.pixels], self.preprocess_config, device=self.config.device,

@@ -169,6 +169,18 @@ def normalize_patchify(resized: torch.Tensor, config: PreprocessConfig, out_dtyp
     return x.expand(-1, -1, tp, -1).reshape(n * gh * gw, c * tp * p * p).to(out_dtype)
 
 
+def patchify_uint8(image: np.ndarray, config: PreprocessConfig) -> np.ndarray:
+    """A resized HxWx3 uint8 image -> its still-image patches [gh*gw, 3*P*P] uint8, in the same order and
+    layout as `normalize_patchify(..., fold_time=True)` but not normalised: the vision tower applies
+    rescale + normalize inside its patch embedding (`PatchEmbed.set_input_normalization`). Runs in
+    the decode processes on a CPU deployment, so the server process receives ready patches."""
+    h, w, c = image.shape
+    p, m = config.patch_size, config.merge_size
+    gh, gw = h // p, w // p
+    x = image.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
+    return np.ascontiguousarray(x).reshape(gh * gw, c * p * p)
+
+
 def patchify_frames(frames: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Normalized frames [T, 3, H, W] float -> patches [gt*gh*gw, 3*T'*P*P] (T padded with its last frame)."""
     t, c, h, w = frames.shape

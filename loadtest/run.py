@@ -32,9 +32,9 @@ def _aggregated(stats_csv: Path) -> dict:
 
 
 def run(args) -> int:
-    try:
-        import locust  # noqa: F401
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
         print("error: locust is not installed: pip install 'mimo-epd[loadtest]'", file=sys.stderr)
         return 2
     from mimo_epd.bench.common import start_server

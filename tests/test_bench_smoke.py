@@ -22,3 +22,17 @@ def test_cache_routing_quick():
     assert "hash_vs_rr_private" in out["ratios"]
     # One shared cache of the same total size sees the same stream whatever the placement.
     assert out["hit_rate"]["rr_shared"] == out["hit_rate"]["hash_shared"]
+
+
+def test_encoder_bench_quick():
+    out = run_bench("encoder")
+    for section in (out, out["large"]):
+        assert set(section["modes"]) == {"naive", "pipelined", "transformers"}
+        for mode in section["modes"].values():
+            assert {"qps", "avg_ms", "p50_ms", "p90_ms", "p99_ms"} <= set(mode) and mode["qps"] > 0
+        for mode in ("naive", "pipelined"):
+            m = section["modes"][mode]
+            assert m["failures"] == 0
+            assert set(m["stage_busy"]) == {"fetch", "decode", "preprocess", "encode"}
+            assert m["bottleneck_stage"] in m["stage_busy"] and 0 <= m["bottleneck_busy"] <= 1.5
+        assert {"qps_vs_naive", "p90_vs_naive", "avg_vs_naive", "qps_vs_transformers"} <= set(section["ratios"])

@@ -161,3 +161,20 @@ def test_folded_still_images_equal_the_hf_layout(pair):
     pv1, grid1 = preprocess_images(imgs, cfg, resize_backend="torch", fold_time=True)
     assert torch.equal(grid, grid1) and pv1.shape[1] * cfg.temporal_patch_size == pv.shape[1]
     assert (ours(pv1, grid1) - ours(pv, grid)).abs().max().item() <= 1e-5
+
+
+def test_uint8_patches_with_folded_normalization(pair):
+    """The CPU deployment path: uint8 patches cut in the decoder, normalisation folded into the patch embed."""
+    from encoder_server.preprocess import patchify_uint8, resize_torch, target_size
+
+    _, ours, cfg = pair
+    img = textured(230, 310, seed=9)
+    th, tw = target_size(230, 310, cfg)
+    resized = resize_torch(torch.from_numpy(img).permute(2, 0, 1)[None], (th, tw))[0].permute(1, 2, 0).numpy()
+    pv, grid = preprocess_images([resized], cfg, resize_backend="torch", fold_time=True)
+    raw = torch.from_numpy(patchify_uint8(resized, cfg))
+    assert raw.dtype == torch.uint8 and raw.shape == pv.shape
+    with pytest.raises(ValueError, match="set_input_normalization"):
+        load_vision_model("tiny")(torch.zeros(16, 588, dtype=torch.uint8), torch.tensor([[1, 4, 4]]))
+    ours.patch_embed.set_input_normalization(cfg.mean, cfg.std)
+    assert (ours(raw, grid) - ours(pv, grid)).abs().max().item() <= 1e-5

@@ -80,6 +80,11 @@ class PatchEmbed(nn.Module):
         k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
         self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
 
+    def set_input_normalization(self, mean, std) -> None:
+        """Per-channel mean/std (of 0..1 pixels) for raw uint8 patch input: normalisation is folded into the
+        projection, (x - 255 m) / (255 s) @ W = x @ (W / 255 s) - (255 m / 255 s) @ W."""
+        self._norm = (torch.tensor(mean, dtype=torch.float32) * 255.0, torch.tensor(std, dtype=torch.float32) * 255.0)
+
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # Kernel == stride and one output position per patch, so the Conv3d is exactly a matmul with the
         # flattened kernel (same weights, same layout); a GEMM is several times faster than a 3-D conv on a CPU.
@@ -89,6 +94,17 @@ class PatchEmbed(nn.Module):
             # temporal slices of the kernel see the same pixels, so they fold into one by summing.
             # Half the preprocessing output and half the GEMM, same result up to float rounding.
             w = w.sum(dim=2)
+        w = w.reshape(w.shape[0], self.cfg.in_channels, -1)  # [hidden, C, k]
+        if pixel_values.dtype == torch.uint8:
+            norm = getattr(self, "_norm", None)
+            if norm is None:
+                raise ValueError("uint8 patches need set_input_normalization(mean, std) first")
+            mean, std = (t.to(w.device, torch.float32).view(1, -1, 1) for t in norm)
+            w32 = w.float() / std
+            bias = -(w32 * mean).sum(dim=(1, 2))
+            x = pixel_values.reshape(-1, w[0].numel()).to(torch.float32)
+            out = torch.addmm(bias, x, w32.reshape(w.shape[0], -1).t())
+            return out.to(w.dtype)
         x = pixel_values.reshape(-1, w[0].numel()).to(w.dtype)
         return x @ w.reshape(w.shape[0], -1).t()
 
