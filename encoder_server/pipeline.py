@@ -162,11 +162,8 @@ class EncodePipeline:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        threads = self.config.torch_threads
-        if threads == 0 and torch.device(self.config.device).type == "cpu" and self.config.decode_workers > 0:
-            threads = 1  # the decode processes use the other cores; more torch threads only contend with them
-        if threads > 0:
-            torch.set_num_threads(threads)
+        if self.config.torch_threads > 0:
+            torch.set_num_threads(self.config.torch_threads)
         await self.fetcher.start()
         await self.decode_pool.start()  # workers start now, not on the first request
         await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
