@@ -34,6 +34,16 @@ class EncoderServerConfig:
     max_image_pixels: int = _f(8192 * 8192, "decoded pixels of one image (decompression-bomb guard)")
     max_pending: int = _f(1024, "items admitted and not yet answered; beyond it requests get RESOURCE_EXHAUSTED")
     queue_depth: int = _f(256, "capacity of each bounded queue between pipeline stages")
+    # --- video ---------------------------------------------------------------------------------
+    max_video_bytes: int = _f(1 << 30, "bytes of one video item")
+    max_video_seconds: float = _f(4 * 3600.0, "duration of one video")
+    max_video_frames_total: int = _f(1_000_000, "frames in one video's stream (checked while probing)")
+    video_fps: float = _f(2.0, "default frames sampled per second of video (per item: VideoOptions.fps)")
+    video_max_frames: int = _f(768, "default and largest number of frames sampled from one video")
+    video_min_frames: int = _f(4, "default fewest frames sampled from one video")
+    video_decode_workers: int = _f(2, "parallel decoders per video")
+    video_decode_mode: str = _f("process", "video decoders as processes or threads")
+    max_concurrent_videos: int = _f(1, "videos encoded at once (each uses --video-decode-workers decoders)")
     # --- fetching ------------------------------------------------------------------------------
     fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
     fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
@@ -84,7 +94,8 @@ class EncoderServerConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
+        positive = ["max_video_bytes", "max_video_seconds", "max_video_frames_total", "video_decode_workers",
+                    "max_concurrent_videos", "decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
                     "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -93,6 +104,10 @@ class EncoderServerConfig:
                      "fetch_timeout_s", "grace_period_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.video_decode_mode not in ("process", "thread"):
+            raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
+        if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:
+            raise ValueError("need --video-fps > 0 and 1 <= --video-min-frames <= --video-max-frames")
         if self.decoder not in ("pil", "torchvision", "dali"):
             raise ValueError(f"--decoder must be pil, torchvision or dali, got {self.decoder!r}")
         if self.resize_in not in ("auto", "device", "decoder"):

@@ -10,6 +10,7 @@ Entries are immutable: content keys name the bytes and everything that shaped th
 from __future__ import annotations
 
 from collections import OrderedDict
+import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch
 class CachedEmbedding:
     embedding: torch.Tensor  # [num_tokens, hidden], on the CPU
     grid_thw: tuple[int, int, int]
+    meta: dict | None = None  # videos: timestamps and what was sampled
 
     @property
     def nbytes(self) -> int:
@@ -79,6 +81,12 @@ class ShmEmbeddingStore:
         self.cache = ShmCache.open(name, size_bytes)
         self.name = name
 
+    @staticmethod
+    def _meta_key(key: str) -> str:
+        import xxhash
+
+        return xxhash.xxh3_128_hexdigest(f"{key}:meta".encode())
+
     def get(self, key: str) -> CachedEmbedding | None:
         entry = self.cache.get(key)
         if entry is None:
@@ -89,10 +97,17 @@ class ShmEmbeddingStore:
             if entry.dtype == "bfloat16":
                 t = t.view(torch.bfloat16)
             grid = entry.grid_thw
-        return CachedEmbedding(t, grid)
+        meta = None
+        side = self.cache.get(self._meta_key(key))
+        if side is not None:
+            with side:
+                meta = json.loads(bytes(side.array))
+        return CachedEmbedding(t, grid, meta)
 
     def put(self, key: str, entry: CachedEmbedding) -> bool:
         t = entry.embedding.contiguous()
+        if entry.meta is not None:  # a small side entry; written first so a visible embedding finds it
+            self.cache.put(self._meta_key(key), np.frombuffer(json.dumps(entry.meta).encode(), np.uint8))
         if t.dtype == torch.bfloat16:
             return self.cache.put(key, t.view(torch.uint16).numpy(), entry.grid_thw, dtype="bfloat16")
         return self.cache.put(key, t.numpy(), entry.grid_thw)

@@ -45,7 +45,7 @@ class FetchLimits:
 
 
 def _too_large(limit: int) -> ItemError:
-    return invalid(f"item is larger than the limit of {limit} bytes (--max-item-bytes)")
+    return invalid(f"item is larger than the limit of {limit} bytes (--max-item-bytes / --max-video-bytes)")
 
 
 def parse_data_uri(uri: str, max_bytes: int) -> bytes:
@@ -93,27 +93,27 @@ class Fetcher:
             await self._session.close()
             self._session = None
 
-    async def fetch(self, source: MediaSource) -> bytes:
+    async def fetch(self, source: MediaSource, max_bytes: int | None = None) -> bytes:
+        limit = max_bytes or self.limits.max_bytes
         if source.kind == "data":
             data = bytes(source.value)
-            if len(data) > self.limits.max_bytes:
-                raise _too_large(self.limits.max_bytes)
+            if len(data) > limit:
+                raise _too_large(limit)
             return data
         if source.kind == "path":
-            return await asyncio.to_thread(self._read_local, str(source.value))
+            return await asyncio.to_thread(self._read_local, str(source.value), limit)
         url = str(source.value)
         if url[:5].lower() == "data:":
-            return parse_data_uri(url, self.limits.max_bytes)
+            return parse_data_uri(url, limit)
         try:
             async with asyncio.timeout(self.limits.timeout_s):
-                return await self._fetch_url(url)
+                return await self._fetch_url(url, limit)
         except TimeoutError:
             raise ItemError(grpc.StatusCode.DEADLINE_EXCEEDED,
                             f"fetching {url} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)") from None
 
-    async def _fetch_url(self, url: str) -> bytes:
+    async def _fetch_url(self, url: str, limit: int) -> bytes:
         assert self._session is not None, "Fetcher.start() was not called"
-        limit = self.limits.max_bytes
         for _ in range(self.limits.max_redirects + 1):
             self.policy.check_url(url)
             try:
@@ -138,7 +138,7 @@ class Fetcher:
                 raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
         raise invalid(f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)")
 
-    def _read_local(self, path: str) -> bytes:
+    def _read_local(self, path: str, limit: int) -> bytes:
         if self._local_root is None:
             raise denied("local paths are disabled on this server (start it with --allowed-local-dir DIR)")
         real = os.path.realpath(path)
@@ -148,8 +148,8 @@ class Fetcher:
         if not p.is_file():
             raise ItemError(grpc.StatusCode.NOT_FOUND, f"no such file: {path}")
         size = p.stat().st_size
-        if size > self.limits.max_bytes:
-            raise _too_large(self.limits.max_bytes)
+        if size > limit:
+            raise _too_large(limit)
         return p.read_bytes()
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +43,9 @@ from .metrics import EncoderMetrics
 from .models import LoadedVisionModel, load_vision_model
 from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images, target_size
 from .url_policy import UrlPolicy, parse_networks
+from .video.decode import VideoError
+from .video.encode import encode_video
+from .video.sampling import VideoSampling
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +57,10 @@ class ItemRequest:
     source: MediaSource
     modality: str = "image"
     content_hash: str = ""
+    # VIDEO: per-item overrides of the server's sampling defaults (0 = default)
+    video_fps: float = 0.0
+    video_max_frames: int = 0
+    video_min_frames: int = 0
 
 
 @dataclass
@@ -62,6 +70,7 @@ class ItemResult:
     grid_thw: tuple[int, int, int]
     cache_hit: bool
     timings_ms: dict[str, float]
+    meta: dict | None = None  # videos: timestamps_s and the sampled video's description
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +87,7 @@ class Job:
     key: str = ""
     pixels: object = None  # decoded HxWx3 uint8
     followers: list["Job"] = field(default_factory=list)
+    sampling: object = None  # VideoSampling for video items
     abandoned: bool = False  # its request already failed; finish only if others wait on it
 
     @property
@@ -91,10 +101,10 @@ class Job:
 
     def succeed(self, emb: CachedEmbedding, cache_hit: bool) -> None:
         if not self.future.done():
-            self.future.set_result(ItemResult(self.key, emb.embedding, emb.grid_thw, cache_hit, self.timings_ms))
+            self.future.set_result(ItemResult(self.key, emb.embedding, emb.grid_thw, cache_hit, self.timings_ms, emb.meta))
         for f in self.followers:
             if not f.future.done():
-                f.future.set_result(ItemResult(f.key, emb.embedding, emb.grid_thw, True, f.timings_ms))
+                f.future.set_result(ItemResult(f.key, emb.embedding, emb.grid_thw, True, f.timings_ms, emb.meta))
 
 
 class EncodePipeline:
@@ -136,6 +146,8 @@ class EncodePipeline:
         self.started_at = time.perf_counter()
         self.busy_s = dict.fromkeys(("fetch", "decode", "preprocess", "encode"), 0.0)
         self._inflight: dict[str, Job] = {}
+        self._video_sem = asyncio.Semaphore(config.max_concurrent_videos)
+        self._video_tasks: set[asyncio.Task] = set()
         self.pending = 0
         self.waiting = 0
         self._tasks: list[asyncio.Task] = []
@@ -189,7 +201,7 @@ class EncodePipeline:
         self.started_at = time.perf_counter()
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._video_tasks]:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
@@ -277,7 +289,13 @@ class EncodePipeline:
     def _admit(self, job: Job) -> None:
         """Validates an item and answers it from the cache when the client's content_hash allows."""
         req = job.request
-        if req.modality != "image":
+        if req.modality == "video":
+            try:
+                job.sampling = self._video_sampling(req)
+            except ValueError as e:
+                job.fail(invalid(str(e)))
+                return
+        elif req.modality != "image":
             job.fail(ItemError(grpc.StatusCode.UNIMPLEMENTED, f"modality {req.modality} is not supported by this server"))
             return
         if req.content_hash:
@@ -286,11 +304,24 @@ class EncodePipeline:
             except ValueError as e:
                 job.fail(invalid(str(e)))
                 return
-            job.key = self._key(digest)
+            job.key = self._key(digest, job)
             self._lookup(job)
 
-    def _key(self, digest: str) -> str:
-        return content_key(digest, self.model_id, self._fingerprint)
+    def _video_sampling(self, req: ItemRequest) -> VideoSampling:
+        c = self.config
+        if req.video_max_frames > c.video_max_frames:
+            raise ValueError(f"max_frames {req.video_max_frames} is over the server's limit of {c.video_max_frames} "
+                             "(--video-max-frames)")
+        if req.video_fps < 0 or req.video_min_frames < 0 or req.video_max_frames < 0:
+            raise ValueError("video options must not be negative")
+        s = VideoSampling(fps=req.video_fps or c.video_fps, max_frames=req.video_max_frames or c.video_max_frames,
+                          min_frames=req.video_min_frames or c.video_min_frames)
+        s.validate()
+        return s
+
+    def _key(self, digest: str, job: Job | None = None) -> str:
+        extra = f"video:{job.sampling.fingerprint()}" if job is not None and job.sampling is not None else ""
+        return content_key(digest, self.model_id, self._fingerprint, extra)
 
     def _lookup(self, job: Job) -> bool:
         if self.cache is None:
@@ -327,12 +358,13 @@ class EncodePipeline:
 
     async def _fetch_stage(self, job: Job) -> bool:
         t0 = time.perf_counter()
-        job.data = await self.fetcher.fetch(job.request.source)
+        video = job.request.modality == "video"
+        job.data = await self.fetcher.fetch(job.request.source, self.config.max_video_bytes if video else None)
         digest = bytes_digest(job.data)
         self._account(job, "fetch", t0)
         if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
             raise invalid(f"content_hash {job.request.content_hash} does not match the item's bytes ({digest})")
-        job.key = self._key(digest)
+        job.key = self._key(digest, job)
         if self._lookup(job):
             return False
         leader = self._inflight.get(job.key)
@@ -341,7 +373,50 @@ class EncodePipeline:
             return False
         self._inflight[job.key] = job
         job.future.add_done_callback(lambda _f, j=job: self._inflight.pop(j.key, None) if self._inflight.get(j.key) is j else None)
+        if video:  # videos take their own path: parallel decode streaming into the tower
+            task = asyncio.get_running_loop().create_task(self._video_job(job))
+            self._video_tasks.add(task)
+            task.add_done_callback(self._video_tasks.discard)
+            return False
         return True
+
+    async def _video_job(self, job: Job) -> None:
+        """Decodes and encodes one video (in a worker thread; the decoders are processes or threads)."""
+        import tempfile
+
+        async with self._video_sem:
+            if not job.wanted:
+                return
+            data, job.data = job.data, None
+            tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            try:
+                with tempfile.NamedTemporaryFile(dir=tmpdir, prefix="mimo-epd-video-", suffix=".bin") as f:
+                    f.write(data)
+                    f.flush()
+                    del data
+                    c = self.config
+                    result = await asyncio.to_thread(
+                        encode_video, f.name, self.model.module, self.preprocess_config, job.sampling,
+                        workers=c.video_decode_workers, mode=c.video_decode_mode, max_batch_tokens=c.max_batch_tokens,
+                        max_frames_total=c.max_video_frames_total, device=c.device,
+                        max_duration_s=c.max_video_seconds)
+            except VideoError as e:
+                job.fail(invalid(f"video: {e}"))
+                return
+            except Exception as e:  # noqa: BLE001 - a bug, not bad input
+                log.exception("video item %d failed", job.index)
+                job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+                return
+            sec = result.seconds
+            job.timings_ms.update(decode=sec["wait_decode"] * 1e3, preprocess=sec["patchify"] * 1e3,
+                                  encode=sec["encode"] * 1e3)
+            meta = {"timestamps_s": result.timestamps_s, "video": {
+                "duration_s": result.info.duration_s, "fps": result.info.fps, "frames_total": result.info.frames,
+                "frames_sampled": result.frames_sampled, "width": result.info.width, "height": result.info.height}}
+            entry = CachedEmbedding(result.embedding, result.grid_thw, meta)
+            if self.cache is not None:
+                self.cache.put(job.key, entry)
+            job.succeed(entry, cache_hit=False)
 
     async def _decode_stage(self, job: Job) -> bool:
         t0 = time.perf_counter()

@@ -53,16 +53,23 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
     modality = _MODALITIES.get(item.modality)
     if modality is None:
         raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown modality {item.modality}", index)
-    return ItemRequest(source, modality, item.content_hash)
+    v = item.video
+    return ItemRequest(source, modality, item.content_hash, video_fps=v.fps, video_max_frames=v.max_frames,
+                       video_min_frames=v.min_frames)
 
 
 def result_to_proto(r: ItemResult) -> encoder_pb2.ItemEmbedding:
     t = r.timings_ms
-    return encoder_pb2.ItemEmbedding(
+    out = encoder_pb2.ItemEmbedding(
         content_key=r.content_key, embedding=tensor_to_proto(r.embedding), grid_thw=list(r.grid_thw),
         num_tokens=r.num_tokens, cache_hit=r.cache_hit,
         timings=encoder_pb2.StageTimings(fetch_ms=t["fetch"], decode_ms=t["decode"], preprocess_ms=t["preprocess"],
                                          queue_ms=t["queue"], encode_ms=t["encode"]))
+    if r.meta:
+        out.timestamps_s.extend(r.meta.get("timestamps_s", []))
+        if "video" in r.meta:
+            out.video.CopyFrom(encoder_pb2.VideoInfo(**r.meta["video"]))
+    return out
 
 
 class EncoderService(encoder_pb2_grpc.EncoderServicer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -96,6 +97,9 @@ def cmd_serve(args) -> int:
         return 1
 
 
+VIDEO_SUFFIXES = {".mp4", ".mkv", ".webm", ".mov", ".avi", ".ts", ".m4v", ".flv"}
+
+
 def _is_url(item: str) -> bool:
     return item.split(":", 1)[0].lower() in ("http", "https", "data")
 
@@ -108,13 +112,17 @@ def cmd_encode(args) -> int:
 
     items = []
     for it in args.items:
+        video = args.video or Path(it.split("?")[0]).suffix.lower() in VIDEO_SUFFIXES
+        kw = {"modality": encoder_pb2.VIDEO if video else encoder_pb2.IMAGE}
+        if video:
+            kw["video"] = encoder_pb2.VideoOptions(fps=args.fps, max_frames=args.max_frames)
         if _is_url(it):
-            items.append(encoder_pb2.MediaItem(url=it, modality=encoder_pb2.IMAGE))
+            items.append(encoder_pb2.MediaItem(url=it, **kw))
         elif args.as_path:
-            items.append(encoder_pb2.MediaItem(path=str(Path(it).resolve()), modality=encoder_pb2.IMAGE))
+            items.append(encoder_pb2.MediaItem(path=str(Path(it).resolve()), **kw))
         else:
             try:
-                items.append(encoder_pb2.MediaItem(data=Path(it).read_bytes(), modality=encoder_pb2.IMAGE))
+                items.append(encoder_pb2.MediaItem(data=Path(it).read_bytes(), **kw))
             except OSError as e:
                 print(f"error: cannot read {it}: {e.strerror}", file=sys.stderr)
                 return 2
@@ -135,6 +143,9 @@ def cmd_encode(args) -> int:
             "dim": int(emb.shape[-1]) if emb.shape else 0, "dtype": emb.dtype, "grid_thw": list(r.grid_thw),
             "cache_hit": r.cache_hit,
             "timings_ms": {k: round(getattr(r.timings, f"{k}_ms"), 3) for k in ("fetch", "decode", "preprocess", "queue", "encode")},
+            **({"video": {"duration_s": r.video.duration_s, "frames_total": r.video.frames_total,
+                          "frames_sampled": r.video.frames_sampled, "temporal_groups": len(r.timestamps_s)}}
+               if r.HasField("video") else {}),
         }))
         if args.out:
             dtype = getattr(torch, emb.dtype)
@@ -146,6 +157,99 @@ def cmd_encode(args) -> int:
         save_file(tensors, args.out, metadata={"model": resp.model, "items": json.dumps(args.items)})
         print(f"saved {len(tensors)} embeddings to {args.out}", file=sys.stderr)
     return 0
+
+
+def _sampling_from_args(args):
+    from encoder_server.video.sampling import VideoSampling
+
+    return VideoSampling(fps=args.fps, max_frames=args.max_frames, min_frames=args.min_frames,
+                         min_pixels=args.video_min_pixels, max_pixels=args.video_max_pixels,
+                         total_pixels=args.video_total_pixels)
+
+
+def cmd_encode_video(args) -> int:
+    import torch
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    from encoder_server.models import load_vision_model
+    from encoder_server.preprocess import PreprocessConfig
+    from encoder_server.video.decode import VideoError
+    from encoder_server.video.encode import encode_video
+
+    setup_logging("warning")
+    try:
+        sampling = _sampling_from_args(args)
+        sampling.validate()
+        info = load_vision_model(args.model, args.device, args.dtype, return_info=True)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not Path(args.video).is_file():
+        print(f"error: no such file: {args.video}", file=sys.stderr)
+        return 2
+    tower = info.module.config
+    pre = PreprocessConfig.from_hf_dict(info.preprocessor_config) if info.preprocessor_config else \
+        PreprocessConfig.preset("mimo_v2_5" if tower.patch_size == 16 else "qwen2_5_vl")
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+    columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rate]}"),
+               TimeElapsedColumn(), TimeRemainingColumn()]
+    with Progress(*columns, console=None, transient=False, disable=args.no_progress) as bar:
+        dec = bar.add_task("decoded", total=None, rate="")
+        enc = bar.add_task("encoded", total=None, rate="")
+        start = __import__("time").perf_counter()
+
+        def progress(decoded: int, encoded: int, total: int) -> None:
+            el = max(__import__("time").perf_counter() - start, 1e-6)
+            bar.update(dec, completed=decoded, total=total, rate=f"{decoded / el:6.1f} frames/s")
+            bar.update(enc, completed=encoded, total=total, rate=f"{encoded / el:6.1f} frames/s")
+
+        try:
+            result = encode_video(args.video, info.module, pre, sampling, workers=args.workers, mode=args.decode_mode,
+                                  max_batch_tokens=args.max_batch_tokens, progress=progress, device=args.device)
+        except VideoError as e:
+            print(f"error: {args.video}: {e}", file=sys.stderr)
+            return 1
+        progress(result.frames_sampled, result.frames_sampled, result.frames_sampled)
+    summary = {"video": args.video, "model": info.model_id, "sampling": {"fps": sampling.fps, "min_frames": sampling.min_frames,
+               "max_frames": sampling.max_frames}, **result.summary()}
+    if args.out:
+        from safetensors.torch import save_file
+
+        save_file({"embedding": result.embedding.contiguous(), "grid_thw": torch.tensor(result.grid_thw),
+                   "timestamps_s": torch.tensor(result.timestamps_s, dtype=torch.float64)}, args.out,
+                  metadata={"summary": json.dumps(summary)})
+        summary["out"] = args.out
+    print(json.dumps(summary))
+    return 0
+
+
+def cmd_make_test_video(args) -> int:
+    from mimo_epd.video_gen import make_test_video
+
+    seconds = args.seconds if args.seconds else args.minutes * 60
+    try:
+        info = make_test_video(args.out, seconds, width=args.width, height=args.height, fps=args.fps, gop=args.gop,
+                               preset=args.preset, progress=lambda i, n: print(f"\r{i}/{n} frames", end="", file=sys.stderr))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(file=sys.stderr)
+    print(json.dumps(info))
+    return 0
+
+
+def add_sampling_arguments(p) -> None:
+    from encoder_server.video.sampling import VideoSampling
+
+    d = VideoSampling()
+    p.add_argument("--fps", type=float, default=d.fps, help=f"frames sampled per second of video (default: {d.fps})")
+    p.add_argument("--max-frames", type=int, default=d.max_frames, help=f"most frames sampled (default: {d.max_frames})")
+    p.add_argument("--min-frames", type=int, default=d.min_frames, help=f"fewest frames sampled (default: {d.min_frames})")
+    p.add_argument("--video-min-pixels", type=int, default=d.min_pixels, help=f"min pixels per frame (default: {d.min_pixels})")
+    p.add_argument("--video-max-pixels", type=int, default=d.max_pixels, help=f"max pixels per frame (default: {d.max_pixels})")
+    p.add_argument("--video-total-pixels", type=int, default=d.total_pixels,
+                   help=f"pixel budget of all sampled frames together (default: {d.total_pixels})")
 
 
 def cmd_health(args) -> int:
@@ -188,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default="", help="save the embeddings to this .safetensors file, keyed by content key")
     e.add_argument("--as-path", action="store_true",
                    help="send file items as server-side paths instead of their bytes (needs --allowed-local-dir there)")
-    e.add_argument("--timeout", type=float, default=120.0, help="RPC deadline in seconds (default: 120)")
+    e.add_argument("--video", action="store_true",
+                   help=f"send every item as a VIDEO (default: by extension: {' '.join(sorted(VIDEO_SUFFIXES))})")
+    e.add_argument("--fps", type=float, default=0.0, help="videos: frames sampled per second (0 = server default)")
+    e.add_argument("--max-frames", type=int, default=0, help="videos: most frames sampled (0 = server default)")
+    e.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds (default: 600)")
     e.add_argument("--max-message-mb", type=int, default=256, help="largest reply accepted, MiB (default: 256)")
     e.set_defaults(fn=cmd_encode)
 
@@ -202,6 +310,32 @@ def build_parser() -> argparse.ArgumentParser:
     b = bsub.add_parser("encoder", help="encoder QPS/latency: naive vs pipelined vs transformers, tiny and large")
     encoder_bench.add_arguments(b)
     b.set_defaults(fn=encoder_bench.run)
+
+    ev = sub.add_parser("encode-video", help="encode a video file in-process, with a progress bar and a JSON summary")
+    ev.add_argument("video", help="video file (any container/codec FFmpeg reads)")
+    add_sampling_arguments(ev)
+    ev.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (default: tiny)")
+    ev.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    ev.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
+    ev.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="parallel decoders (default: all cores)")
+    ev.add_argument("--decode-mode", choices=["process", "thread"], default="process",
+                    help="decoders as processes or threads (default: process)")
+    ev.add_argument("--max-batch-tokens", type=int, default=16384, help="patches per forward (default: 16384)")
+    ev.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = default) (default: 0)")
+    ev.add_argument("--out", default="", help="save embedding, grid_thw and timestamps to this .safetensors file")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.set_defaults(fn=cmd_encode_video)
+
+    mv = sub.add_parser("make-test-video", help="write a realistic H.264 test video with PyAV")
+    mv.add_argument("--minutes", type=float, default=2.0, help="length in minutes (default: 2)")
+    mv.add_argument("--seconds", type=float, default=0.0, help="length in seconds; overrides --minutes (default: 0)")
+    mv.add_argument("--out", required=True, help="output file (.mp4)")
+    mv.add_argument("--width", type=int, default=640, help="width (default: 640)")
+    mv.add_argument("--height", type=int, default=360, help="height (default: 360)")
+    mv.add_argument("--fps", type=int, default=30, help="frame rate (default: 30)")
+    mv.add_argument("--gop", type=int, default=250, help="keyframe interval in frames (default: 250)")
+    mv.add_argument("--preset", default="veryfast", help="x264 preset (default: veryfast)")
+    mv.set_defaults(fn=cmd_make_test_video)
 
     lt = sub.add_parser("loadtest", help="headless Locust load tests of the gRPC API")
     ltsub = lt.add_subparsers(dest="loadtest", required=True)

@@ -28,5 +28,5 @@ def test_stubs_import_and_describe_the_contract():
     item = encoder_pb2.MediaItem(url="http://x/y.jpg", modality=encoder_pb2.VIDEO, content_hash="ab")
     assert item.WhichOneof("source") == "url"
     fields = {f.name for f in encoder_pb2.ItemEmbedding.DESCRIPTOR.fields}
-    assert fields == {"content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings"}
+    assert fields == {"content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video"}
     assert hasattr(encoder_pb2_grpc, "EncoderStub")

@@ -17,18 +17,46 @@ IMAGE: Modality
 VIDEO: Modality
 
 class MediaItem(_message.Message):
-    __slots__ = ("url", "data", "path", "modality", "content_hash")
+    __slots__ = ("url", "data", "path", "modality", "content_hash", "video")
     URL_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MODALITY_FIELD_NUMBER: _ClassVar[int]
     CONTENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     url: str
     data: bytes
     path: str
     modality: Modality
     content_hash: str
-    def __init__(self, url: _Optional[str] = ..., data: _Optional[bytes] = ..., path: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., content_hash: _Optional[str] = ...) -> None: ...
+    video: VideoOptions
+    def __init__(self, url: _Optional[str] = ..., data: _Optional[bytes] = ..., path: _Optional[str] = ..., modality: _Optional[_Union[Modality, str]] = ..., content_hash: _Optional[str] = ..., video: _Optional[_Union[VideoOptions, _Mapping]] = ...) -> None: ...
+
+class VideoOptions(_message.Message):
+    __slots__ = ("fps", "max_frames", "min_frames")
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    MIN_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    fps: float
+    max_frames: int
+    min_frames: int
+    def __init__(self, fps: _Optional[float] = ..., max_frames: _Optional[int] = ..., min_frames: _Optional[int] = ...) -> None: ...
+
+class VideoInfo(_message.Message):
+    __slots__ = ("duration_s", "fps", "frames_total", "frames_sampled", "width", "height")
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    FPS_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FRAMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_FIELD_NUMBER: _ClassVar[int]
+    HEIGHT_FIELD_NUMBER: _ClassVar[int]
+    duration_s: float
+    fps: float
+    frames_total: int
+    frames_sampled: int
+    width: int
+    height: int
+    def __init__(self, duration_s: _Optional[float] = ..., fps: _Optional[float] = ..., frames_total: _Optional[int] = ..., frames_sampled: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
     __slots__ = ("items", "request_id")
@@ -63,20 +91,24 @@ class StageTimings(_message.Message):
     def __init__(self, fetch_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
-    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings")
+    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video")
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
+    VIDEO_FIELD_NUMBER: _ClassVar[int]
     content_key: str
     embedding: Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     cache_hit: bool
     timings: StageTimings
-    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    timestamps_s: _containers.RepeatedScalarFieldContainer[float]
+    video: VideoInfo
+    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("items", "model")

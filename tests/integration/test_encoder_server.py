@@ -253,7 +253,6 @@ BAD_CASES = [
     ("path-outside", lambda: pb.MediaItem(path="/etc/passwd"), grpc.StatusCode.PERMISSION_DENIED, "outside"),
     ("path-missing", lambda: pb.MediaItem(path="/nonexistent/x.jpg"), grpc.StatusCode.PERMISSION_DENIED, "outside"),
     ("bad-scheme", lambda: pb.MediaItem(url="file:///etc/passwd"), grpc.StatusCode.INVALID_ARGUMENT, "scheme"),
-    ("video", lambda: pb.MediaItem(data=JPEG, modality=pb.VIDEO), grpc.StatusCode.UNIMPLEMENTED, "video"),
 ]
 
 
@@ -332,15 +331,15 @@ def test_reflection_lists_the_encoder_service(server):
 
 # ----------------------------------------------------------------------------------- shutdown
 def test_sigterm_finishes_in_flight_work_and_exits_zero():
-    s = start_server(["--decode-workers", "1", "--grace-period-s", "30"])
-    big = [pb.MediaItem(data=encode_image(textured(1500, 2000, seed=40 + i), "JPEG")) for i in range(6)]
+    s = start_server(["--decode-workers", "1", "--grace-period-s", "60", "--no-pipeline", "--no-jpeg-draft"])
+    big = [pb.MediaItem(data=encode_image(textured(1500, 2000, seed=40 + i), "JPEG")) for i in range(24)]
     enc, _ = stub(s.address)
     fut = enc.Encode.future(pb.EncodeRequest(items=big), timeout=120)
-    time.sleep(0.5)
+    time.sleep(0.3)
     assert not fut.done()
     rc = s.stop()
     resp = fut.result()
-    assert len(resp.items) == 6 and all(it.num_tokens > 0 for it in resp.items)
+    assert len(resp.items) == 24 and all(it.num_tokens > 0 for it in resp.items)
     assert rc == 0, "".join(s.stderr_lines)[-2000:]
     with pytest.raises(grpc.RpcError) as ei:
         encode(s.address, pb.MediaItem(data=JPEG), timeout=3)
@@ -369,3 +368,48 @@ def test_backpressure_resource_exhausted_then_recovers():
             assert encode(s.address, pb.MediaItem(data=b)).items[0].num_tokens > 0
     finally:
         assert s.stop() == 0
+
+
+# ----------------------------------------------------------------------------------- video
+@pytest.fixture(scope="module")
+def video_bytes(tmp_path_factory):
+    from mimo_epd.video_gen import make_test_video
+
+    path = tmp_path_factory.mktemp("v") / "two_minutes.mp4"
+    make_test_video(str(path), 120, width=320, height=180, preset="ultrafast")
+    return path.read_bytes()
+
+
+def test_video_item_through_grpc_with_timestamps_and_cache(server, video_bytes):
+    item = pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=64))
+    r = encode(server.address, item, pb.MediaItem(data=JPEG), timeout=300)
+    v, img = r.items
+    assert v.video.frames_total == 3600 and v.video.frames_sampled == 64 and v.video.duration_s == 120
+    assert v.grid_thw[0] == 32 and len(v.timestamps_s) == 32
+    assert v.num_tokens == v.grid_thw[0] * v.grid_thw[1] * v.grid_thw[2] // 4
+    assert list(v.embedding.shape) == [v.num_tokens, 256] and img.num_tokens == 391
+    assert v.timestamps_s[0] == 0 and 118 < v.timestamps_s[-1] <= 120
+    again = encode(server.address, item, timeout=300).items[0]
+    assert again.cache_hit and again.embedding.data == v.embedding.data and list(again.timestamps_s) == list(v.timestamps_s)
+    other = encode(server.address, pb.MediaItem(data=video_bytes, modality=pb.VIDEO,
+                                                video=pb.VideoOptions(max_frames=32)), timeout=300).items[0]
+    assert not other.cache_hit and other.content_key != v.content_key  # sampling is part of the key
+    assert other.grid_thw[0] == 16
+
+
+@pytest.mark.parametrize("name,make,fragment", [
+    ("empty", lambda vb: b"", "empty"),
+    ("truncated", lambda vb: vb[: len(vb) // 50], "video"),
+    ("corrupted", lambda vb: b"\x00" * 4096 + vb[4096:], "video"),
+    ("not-a-video", lambda vb: JPEG, "video"),
+])
+def test_bad_videos_get_clear_errors_and_server_keeps_serving(server, video_bytes, name, make, fragment):
+    details = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, fragment,
+                           pb.MediaItem(data=JPEG), pb.MediaItem(data=make(video_bytes), modality=pb.VIDEO))
+    assert details.startswith("item 1: ")
+    assert_serving(server.address)
+
+
+def test_video_limits(server, video_bytes):
+    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "--video-max-frames",
+                 pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=5000)))

@@ -90,3 +90,18 @@ def test_killing_an_encoder_keeps_requests_succeeding_and_it_rejoins(node):
     else:
         pytest.fail("the killed encoder was not restarted and re-added: " + "".join(node.stderr_lines[-20:]))
     assert encode(victim_ep, pb.MediaItem(data=encode_image(textured(90, 90, seed=5), "PNG"))).items[0].num_tokens > 0
+
+
+def test_video_through_the_router_keeps_timestamps_on_a_shared_cache_hit(node):
+    from mimo_epd.video_gen import make_test_video
+
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        make_test_video(f"{d}/v.mp4", 10, width=160, height=120, preset="ultrafast")
+        data = open(f"{d}/v.mp4", "rb").read()
+    item = pb.MediaItem(data=data, modality=pb.VIDEO)
+    a = encode(node.address, item, timeout=300).items[0]
+    b = encode(node.address, item, timeout=300).items[0]
+    assert not a.cache_hit and b.cache_hit
+    assert a.video.frames_sampled == 20 and list(b.timestamps_s) == list(a.timestamps_s) and len(a.timestamps_s) == 10
+    assert b.video.frames_total == a.video.frames_total == 300
