@@ -55,6 +55,10 @@ def encode_video(path: str, model: torch.nn.Module, pre: PreprocessConfig, sampl
     """Encodes one video file. `progress(decoded, encoded, total)` is called as frames advance."""
     sampling.validate()
     t0 = time.perf_counter()
+    import os
+
+    if os.path.getsize(path) == 0:
+        raise VideoError("empty item (0 bytes)")
     info = probe(path, max_frames_total)
     if max_duration_s and info.duration_s > max_duration_s:
         raise VideoError(f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)")
