@@ -302,11 +302,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from mimo_epd.bench import cache_routing, encoder as encoder_bench
+    from mimo_epd.bench import cache_routing, encoder as encoder_bench, video as video_bench
 
     b = bsub.add_parser("cache-routing", help="cache hit rates: round-robin vs consistent hashing, private vs shared cache")
     cache_routing.add_arguments(b)
     b.set_defaults(fn=cache_routing.run)
+    b = bsub.add_parser("video", help="a long video: naive vs parallel vs the decode floor, and worker scaling")
+    video_bench.add_arguments(b)
+    b.set_defaults(fn=video_bench.run)
     b = bsub.add_parser("encoder", help="encoder QPS/latency: naive vs pipelined vs transformers, tiny and large")
     encoder_bench.add_arguments(b)
     b.set_defaults(fn=encoder_bench.run)

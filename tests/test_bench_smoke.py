@@ -36,3 +36,11 @@ def test_encoder_bench_quick():
             assert set(m["stage_busy"]) == {"fetch", "decode", "preprocess", "encode"}
             assert m["bottleneck_stage"] in m["stage_busy"] and 0 <= m["bottleneck_busy"] <= 1.5
         assert {"qps_vs_naive", "p90_vs_naive", "avg_vs_naive", "qps_vs_transformers"} <= set(section["ratios"])
+
+
+def test_video_bench_quick(tmp_path):
+    out = run_bench("video", "--cache-dir", str(tmp_path))
+    assert out["video"]["frames_total"] == 900 and out["video"]["frames_sampled"] == 60
+    assert set(out["seconds"]) >= {"naive", "parallel", "floor"} and all(v > 0 for v in out["seconds"].values())
+    assert set(out["ratios"]) >= {"naive_vs_parallel", "parallel_vs_floor"}
+    assert list(out["scaling"]) == [str(w) for w in range(1, out["cores"] + 1)]
