@@ -1,8 +1,8 @@
 """`mimo-epd make-test-video`: a realistic H.264 test video written with PyAV.
 
-Moving textured content (a large photo-like texture panned across the frame, plus a moving object and
-slow brightness drift), so motion estimation, B-frames and CABAC work as on real footage; 30 fps,
-keyframe interval 250, x264 `veryfast` (B-frames on), yuv420p.
+Moving textured content (a large photo-like texture panned across the frame, a moving object, slow
+brightness drift and per-frame sensor noise), so motion estimation, B-frames and CABAC work as on real
+footage at a realistic bitrate; 30 fps, keyframe interval 250, x264 `veryfast` (B-frames on), yuv420p.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mimo_epd.media_server import photo_like
 
 
 def make_test_video(out: str, seconds: float, width: int = 640, height: int = 360, fps: int = 30, gop: int = 250,
-                    preset: str = "veryfast", crf: int = 23, seed: int = 0, progress=None) -> dict:
+                    preset: str = "veryfast", crf: int = 23, seed: int = 0, noise: int = 12, progress=None) -> dict:
     import av
 
     if width % 2 or height % 2:
@@ -25,6 +25,10 @@ def make_test_video(out: str, seconds: float, width: int = 640, height: int = 36
     if n < 1:
         raise ValueError("the video must last at least one frame")
     tex = photo_like(height * 2, width * 2, seed=seed)
+    # Fresh sensor noise every frame (cycled from a bank, never repeating within x264's reference window):
+    # real footage is never a perfectly motion-compensated pan, and noise sets a realistic bitrate.
+    rng = np.random.default_rng(seed + 1)
+    noise_bank = [rng.integers(-noise, noise + 1, (height, width, 3), dtype=np.int16) for _ in range(17)] if noise else []
     t0 = time.perf_counter()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with av.open(out, "w") as c:
@@ -37,6 +41,8 @@ def make_test_video(out: str, seconds: float, width: int = 640, height: int = 36
             frame = tex[oy:oy + height, ox:ox + width].copy()
             bx, by = int((i * 3) % (width - 40)), int((height - 40) * (0.5 + 0.4 * math.sin(i / 60.0)))
             frame[by:by + 40, bx:bx + 40] = (230, 40, 40)
+            if noise_bank:
+                frame = np.clip(frame.astype(np.int16) + noise_bank[i % len(noise_bank)], 0, 255).astype(np.uint8)
             if i % 90 == 0:
                 drift = np.int16(20 * math.sin(i / 900.0))
                 tex = np.clip(tex.astype(np.int16) + drift // 10, 0, 255).astype(np.uint8)

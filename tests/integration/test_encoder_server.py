@@ -397,7 +397,26 @@ def test_video_item_through_grpc_with_timestamps_and_cache(server, video_bytes):
     assert other.grid_thw[0] == 16
 
 
+def audio_only_bytes() -> bytes:
+    import tempfile
+
+    import av
+
+    with tempfile.NamedTemporaryFile(suffix=".m4a") as f:
+        with av.open(f.name, "w", format="mp4") as c:
+            st = c.add_stream("aac", rate=44100)
+            for i in range(10):
+                frame = av.AudioFrame.from_ndarray(np.zeros((1, 1024), np.float32), format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = 44100, i * 1024
+                for pkt in st.encode(frame):
+                    c.mux(pkt)
+            for pkt in st.encode():
+                c.mux(pkt)
+        return open(f.name, "rb").read()
+
+
 @pytest.mark.parametrize("name,make,fragment", [
+    ("audio-only", lambda vb: audio_only_bytes(), "no video stream"),
     ("empty", lambda vb: b"", "empty"),
     ("truncated", lambda vb: vb[: len(vb) // 50], "video"),
     ("corrupted", lambda vb: b"\x00" * 4096 + vb[4096:], "video"),

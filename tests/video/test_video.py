@@ -124,7 +124,7 @@ def bad_files(tmp_path, two_minute_video):
             "corrupted": str(tmp_path / "corrupted.mp4")}
 
 
-@pytest.mark.parametrize("kind,fragment", [("audio", "no video stream"), ("empty", "not a readable"),
+@pytest.mark.parametrize("kind,fragment", [("audio", "no video stream"), ("empty", "empty"),
                                            ("truncated", ""), ("corrupted", "")])
 def test_bad_files_get_a_clear_error(bad_files, kind, fragment):
     model = load_vision_model("tiny")
