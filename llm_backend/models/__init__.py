@@ -1,0 +1,90 @@
+"""LLM model definitions and their loader (the embedded `tiny` default, or a transformers checkpoint)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .mimo_v2_flash import ContiguousKV, KVStore, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+
+__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "KVStore", "ContiguousKV", "TINY_LLM_CONFIG", "load_llm",
+           "init_random_weights"]
+
+# The embedded default: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2,
+# hidden 256 (= the tiny vision tower's output), a byte-level vocabulary (256 bytes + specials).
+TINY_LLM_CONFIG = MiMoV2FlashConfig(
+    vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=64, v_head_dim=32, sliding_window=129, moe_intermediate_size=128,
+    num_experts_per_tok=2, n_routed_experts=8, bos_token_id=256, eos_token_id=257,
+)
+TINY_SEED = 0
+
+
+def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
+    """Deterministic dummy weights (norms at one, correction bias small, everything else N(0, std))."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("sinks"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for name, b in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.01)
+
+
+def _to_packed_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoints store MoE experts one by one (`experts.N.{gate,up,down}_proj.weight`) and sinks as
+    `attention_sink_bias` (the MiMo release layout, which transformers also writes); the model keeps them
+    packed (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) and as `sinks`."""
+    import re
+
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for k, v in state.items():
+        m = re.match(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$", k)
+        if m:
+            experts.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = v
+        elif k.endswith(".self_attn.attention_sink_bias"):
+            out[k.replace("attention_sink_bias", "sinks")] = v
+        else:
+            out[k] = v
+    for prefix, by_id in experts.items():
+        ids = sorted(by_id)
+        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_id[i]["gate_proj"], by_id[i]["up_proj"]]) for i in ids])
+        out[f"{prefix}.down_proj"] = torch.stack([by_id[i]["down_proj"] for i in ids])
+    return out
+
+
+def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> MiMoV2FlashForCausalLM:
+    if name_or_path == "tiny":
+        model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
+        init_random_weights(model, TINY_SEED)
+    else:
+        d = Path(name_or_path)
+        if not (d / "config.json").is_file():
+            raise FileNotFoundError(f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json")
+        cfg_dict = json.loads((d / "config.json").read_text())
+        if cfg_dict.get("model_type") != "mimo_v2_flash":
+            raise ValueError(f"model {name_or_path!r}: model_type {cfg_dict.get('model_type')!r} is not mimo_v2_flash")
+        model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig.from_hf_dict(cfg_dict))
+        from safetensors.torch import load_file
+
+        state = {}
+        for f in sorted(d.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        state = _to_packed_layout({k: v for k, v in state.items() if not k.startswith("model.mtp.")})
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+        if missing:
+            raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+    # The router stays in fp32 (as transformers keeps it), whatever the model dtype.
+    model.to(device=device, dtype=dtype)
+    for layer in model.model.layers:
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.float()
+    return model.eval()

@@ -1,0 +1,326 @@
+"""MiMo-V2-Flash, written to match transformers' `mimo_v2_flash` parameter for parameter (so a checkpoint
+saved by transformers loads unchanged) and op for op (parity tests in tests/llm/).
+
+Architecture (reference.md §4):
+- per-layer `full_attention` / `sliding_attention`; sliding layers have twice the KV heads, a learnable
+  per-head attention sink (one extra softmax column, then dropped) and their own rope theta;
+- q/k head_dim != v_head_dim; partial rotary (the first `partial_rotary_factor * head_dim` dims);
+- values scaled by `attention_value_scale`;
+- layer 0 a dense SwiGLU MLP, the others MoE: sigmoid scores, `e_score_correction_bias` only for the
+  choice of experts, normalised top-k weights times `routed_scaling_factor`.
+
+Attention here is the torch reference over explicit positions: queries at `q_pos` attend to cached
+keys at `k_pos` with a causal mask and, in sliding layers, `q_pos - k_pos < sliding_window`
+(transformers stores window + 1). The serving engine supplies the keys/values from its KV pools.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class MiMoV2FlashConfig:
+    vocab_size: int = 152576
+    hidden_size: int = 4096
+    intermediate_size: int = 16384
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 4
+    head_dim: int = 192
+    v_head_dim: int = 128
+    hidden_act: str = "silu"
+    rms_norm_eps: float = 1e-5
+    sliding_window: int = 129  # transformers' convention: the window (128) + 1
+    layer_types: list[str] = field(default_factory=list)
+    mlp_layer_types: list[str] = field(default_factory=list)
+    rope_parameters: dict = field(default_factory=dict)
+    attention_value_scale: float = 0.707
+    attention_bias: bool = False
+    moe_intermediate_size: int = 2048
+    num_experts_per_tok: int = 8
+    n_routed_experts: int = 256
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self):
+        n = self.num_hidden_layers
+        if not self.layer_types:
+            self.layer_types = ["full_attention" if (i == 0 or (i + 1) % 6 == 0) else "sliding_attention" for i in range(n)]
+        if not self.mlp_layer_types:
+            self.mlp_layer_types = ["dense"] + ["sparse"] * (n - 1)
+        if not self.rope_parameters:
+            self.rope_parameters = {
+                "full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0, "partial_rotary_factor": 0.334},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0, "partial_rotary_factor": 0.334},
+            }
+        if self.attention_value_scale is None:
+            self.attention_value_scale = 1.0
+        if self.routed_scaling_factor is None:
+            self.routed_scaling_factor = 1.0
+
+    @property
+    def window(self) -> int:
+        """Tokens a sliding layer sees before the current one (the model's W)."""
+        return self.sliding_window - 1
+
+    def kv_heads(self, layer: int) -> int:
+        return self.num_key_value_heads * (2 if self.layer_types[layer] == "sliding_attention" else 1)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "MiMoV2FlashConfig":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known and v is not None}
+        if "num_local_experts" in d and "n_routed_experts" not in d:
+            kw["n_routed_experts"] = d["num_local_experts"]
+        if d.get("sliding_window_size") is not None:
+            kw["sliding_window"] = d["sliding_window_size"] + 1
+        return cls(**kw)
+
+    def to_hf_dict(self) -> dict:
+        return {"model_type": "mimo_v2_flash", **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k], expert ids [T, k])."""
+        c = self.cfg
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias  # the bias picks experts; it never weighs them
+        if c.n_group > 1:
+            grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(c.topk_group, dim=-1, sorted=False)[1], 1)
+            mask = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, c.n_routed_experts)
+            choice = choice.masked_fill(~mask.bool(), float("-inf"))
+        ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Reference grouped GEMM: tokens sorted by expert, one matmul pair per expert that has tokens."""
+        out = torch.zeros_like(x)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // ids.shape[1]
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            sel = order[start:start + n]
+            tok = token_of[start:start + n]
+            start += n
+            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e])
+            y = y * weights.reshape(-1)[sel, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        self.experts = Experts(cfg)
+        self.gate = TopkRouter(cfg)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(x)
+        return self.experts(x, weights, ids).view(shape)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial rotary on the first cos.shape[-1] dims. x [T, H, D]; cos/sin [T, R]."""
+    r = cos.shape[-1]
+    xr, xp = x[..., :r], x[..., r:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return torch.cat(((xr * c) + (rotated * s), xp), dim=-1)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+                        scale: float, sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; positions per token. Causal (+ window) mask,
+    GQA, optional per-head sink logit. Returns [Tq, Hq, Dv]."""
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    k = k.repeat_interleave(rep, dim=1)
+    v = v.repeat_interleave(rep, dim=1)
+    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
+    diff = q_pos[:, None] - k_pos[None, :]
+    allowed = diff >= 0
+    if sliding_window is not None:
+        allowed &= diff < sliding_window
+    logits = logits.masked_fill(~allowed[None], float("-inf"))
+    if sinks is not None:
+        logits = torch.cat([logits, sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1).to(logits.dtype)], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.sliding = cfg.layer_types[layer] == "sliding_attention"
+        hq, hkv = cfg.num_attention_heads, cfg.kv_heads(layer)
+        self.q_proj = nn.Linear(cfg.hidden_size, hq * cfg.head_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * cfg.head_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * cfg.v_head_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(hq * cfg.v_head_dim, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.empty(hq)) if self.sliding else None
+        self.scale = cfg.head_dim ** -0.5
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [T, hidden] -> rotated q [T, Hq, D], rotated k [T, Hkv, D], scaled v [T, Hkv, Dv]."""
+        c = self.cfg
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, -1, c.head_dim)
+        k = self.k_proj(x).view(t, -1, c.head_dim)
+        v = self.v_proj(x).view(t, -1, c.v_head_dim) * c.attention_value_scale
+        return rotate(q, cos, sin), rotate(k, cos, sin), v
+
+    def attend(self, q, k, v, q_pos, k_pos) -> torch.Tensor:
+        o = attention_reference(q, k, v, q_pos, k_pos, self.scale, self.cfg.sliding_window if self.sliding else None,
+                                self.sinks)
+        return self.o_proj(o.reshape(o.shape[0], -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer)
+        self.mlp = MoE(cfg) if cfg.mlp_layer_types[layer] == "sparse" else DenseMLP(cfg, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Rotary(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        for kind in sorted(set(cfg.layer_types)):
+            p = cfg.rope_parameters[kind]
+            dim = int(cfg.head_dim * p.get("partial_rotary_factor", 0.334))
+            inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            self.register_buffer(f"{kind}_inv_freq", inv, persistent=False)
+
+    def forward(self, positions: torch.Tensor, kind: str, dtype: torch.dtype):
+        freqs = positions[:, None].float() * getattr(self, f"{kind}_inv_freq")
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class Model(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = Rotary(cfg)
+
+
+class KVStore:
+    """Where a forward reads and writes keys/values. The serving engine implements it over its dual KV
+    pools; `ContiguousKV` below is the simple reference (one growing tensor per layer)."""
+
+    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        """Stores this step's k/v (at `positions`) and returns (k, v, k_positions) to attend over."""
+        raise NotImplementedError
+
+
+class ContiguousKV(KVStore):
+    def __init__(self, num_layers: int):
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.pos: list[torch.Tensor | None] = [None] * num_layers
+
+    def write_and_read(self, layer, k, v, positions):
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer], self.pos[layer] = k, v, positions
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k])
+            self.v[layer] = torch.cat([self.v[layer], v])
+            self.pos[layer] = torch.cat([self.pos[layer], positions])
+        return self.k[layer], self.v[layer], self.pos[layer]
+
+
+class MiMoV2FlashForCausalLM(nn.Module):
+    def __init__(self, cfg: MiMoV2FlashConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, kv: KVStore,
+                inputs_embeds: torch.Tensor | None = None, logits_for: str = "all") -> torch.Tensor:
+        """One sequence's new tokens [T] at `positions` [T] (media embeddings may replace token
+        embeddings through `inputs_embeds`); returns logits [T, vocab] ("all") or [1, vocab] ("last")."""
+        m = self.model
+        x = m.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = {kind: m.rotary_emb(positions, kind, x.dtype) for kind in set(self.config.layer_types)}
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
+            keys, values, key_pos = kv.write_and_read(i, k, v, positions)
+            x = x + attn.attend(q, keys, values, positions, key_pos)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = m.norm(x if logits_for == "all" else x[-1:])
+        return self.lm_head(x).float()
