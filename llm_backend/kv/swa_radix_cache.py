@@ -1,0 +1,290 @@
+"""SWA-aware radix prefix cache (reference.md §5).
+
+A radix tree over token ids. Each node holds, per token, a full-pool slot (always) and an SWA-pool slot
+or None (released: the token left every window that could still see it). A node whose SWA slots are
+all None is a *tombstone*: its full KV still serves full-attention layers and leads to deeper nodes.
+
+Hit rule (window-safe length): a cached prefix of length n is reusable only if its tokens match and the
+SWA slots of the W tokens before n are all live (all of them when n < W) — that is exactly what a
+sliding layer needs to compute token n. `match_prefix` returns the longest such n (rounded down to the
+page size); everything after is recomputed.
+
+Ownership: slots in the tree belong to the tree; a running request owns the slots of the tokens it
+computed itself until it inserts them (duplicates are freed at insert; an insert whose SWA slot is live
+where the tree's is None *repairs* the tree node). Locks: a running request locks the full KV of its
+whole matched path, and the SWA KV only of the nodes covering its last W matched tokens.
+
+Eviction: the two pools are evicted separately, least recently used first. Evicting SWA tombstones a
+node (its full KV stays); evicting full KV removes a leaf. A tombstone that is (or becomes) a leaf is
+removed, since no window-safe match can end in it. Locked KV is never evicted.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+
+from .pools import SlotPool
+
+
+class Node:
+    __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_locks", "last_access", "id")
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], full: list[int], swa: list[int | None], parent: "Node | None"):
+        self.key, self.full, self.swa = key, full, swa
+        self.children: dict[int, Node] = {}
+        self.parent = parent
+        self.full_locks = 0
+        self.swa_locks = 0
+        self.last_access = 0
+        self.id = next(Node._ids)
+
+    @property
+    def live_swa(self) -> int:
+        return sum(s is not None for s in self.swa)
+
+    @property
+    def tombstone(self) -> bool:
+        return self.live_swa == 0
+
+
+@dataclass
+class Match:
+    length: int  # window-safe reusable tokens
+    full: list[int]  # full slots of tokens [0, length)
+    swa: list[int | None]  # SWA slots of tokens [0, length) (live over the last W)
+    node: Node  # the tree node whose span ends at `length` (lock handle)
+    raw_length: int = 0  # tokens that matched before the window-safe cut
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hit_tokens: int = 0
+    raw_hit_tokens: int = 0
+    swa_evicted: int = 0
+    full_evicted: int = 0
+    repairs: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class SWARadixCache:
+    def __init__(self, full_pool: SlotPool, swa_pool: SlotPool, window: int, page_size: int = 1):
+        if window < 0 or page_size < 1:
+            raise ValueError("window must be >= 0 and page_size >= 1")
+        self.full_pool, self.swa_pool = full_pool, swa_pool
+        self.window, self.page_size = window, page_size
+        self.root = Node([], [], [], None)
+        self.root.full_locks = 1  # the root is never evicted
+        self._clock = itertools.count(1)
+        self.stats = CacheStats()
+
+    # ----------------------------------------------------------------------------------- structure
+    def _split(self, node: Node, at: int) -> Node:
+        """Splits `node` so that its first `at` tokens become a new parent; returns that parent."""
+        parent = node.parent
+        head = Node(node.key[:at], node.full[:at], node.swa[:at], parent)
+        head.full_locks, head.swa_locks, head.last_access = node.full_locks, node.swa_locks, node.last_access
+        parent.children[node.key[0]] = head
+        node.key, node.full, node.swa = node.key[at:], node.full[at:], node.swa[at:]
+        node.parent = head
+        head.children[node.key[0]] = node
+        return head
+
+    def _walk(self, tokens: list[int]) -> tuple[list[Node], int]:
+        """Follows `tokens` from the root, splitting a node where the match ends inside it."""
+        node, i, path = self.root, 0, []
+        while i < len(tokens):
+            child = node.children.get(tokens[i])
+            if child is None:
+                break
+            k = 0
+            limit = min(len(child.key), len(tokens) - i)
+            while k < limit and child.key[k] == tokens[i + k]:
+                k += 1
+            if k < len(child.key):
+                child = self._split(child, k)
+            path.append(child)
+            i += k
+            node = child
+        return path, i
+
+    def _window_safe(self, swa: list[int | None], m: int) -> int:
+        best, last_none = 0, -1
+        for p in range(m):
+            if swa[p] is None:
+                last_none = p
+            n = p + 1
+            if last_none < max(0, n - self.window):
+                best = n
+        return best - best % self.page_size
+
+    def _node_ending_at(self, path: list[Node], n: int) -> Node:
+        """The node whose span ends exactly at token n of `path` (splitting if n falls inside one)."""
+        pos = 0
+        for node in path:
+            end = pos + len(node.key)
+            if end == n:
+                return node
+            if end > n:
+                return self._split(node, n - pos)
+            pos = end
+        return self.root
+
+    # ----------------------------------------------------------------------------------- lookups
+    def match_prefix(self, tokens: list[int]) -> Match:
+        self.stats.lookups += 1
+        path, m = self._walk(list(tokens))
+        full = [s for node in path for s in node.full]
+        swa = [s for node in path for s in node.swa]
+        n = self._window_safe(swa, m)
+        node = self._node_ending_at(path, n) if n else self.root
+        stamp = next(self._clock)
+        walker = node
+        while walker is not None and walker is not self.root:
+            walker.last_access = stamp
+            walker = walker.parent
+        self.stats.hit_tokens += n
+        self.stats.raw_hit_tokens += m
+        return Match(n, full[:n], swa[:n], node, m)
+
+    # ----------------------------------------------------------------------------------- locks
+    def _swa_nodes(self, node: Node):
+        """Nodes covering the last `window` tokens ending at `node`."""
+        need = self.window
+        while node is not self.root and need > 0:
+            yield node
+            need -= len(node.key)
+            node = node.parent
+
+    def lock(self, node: Node) -> None:
+        n = node
+        while n is not None:
+            n.full_locks += 1
+            n = n.parent
+        for s in self._swa_nodes(node):
+            s.swa_locks += 1
+
+    def unlock(self, node: Node) -> None:
+        n = node
+        while n is not None:
+            if n.full_locks <= 0:
+                raise RuntimeError("radix cache: full lock underflow")
+            n.full_locks -= 1
+            n = n.parent
+        for s in self._swa_nodes(node):
+            if s.swa_locks <= 0:
+                raise RuntimeError("radix cache: SWA lock underflow")
+            s.swa_locks -= 1
+        self.root.full_locks = max(self.root.full_locks, 1)
+
+    # ----------------------------------------------------------------------------------- insertion
+    def insert(self, tokens: list[int], full: list[int], swa: list[int | None]) -> int:
+        """Takes ownership of a finished (or chunk-prefilled) sequence's slots. Slots duplicating what the
+        tree already has are freed; a live SWA slot where the tree has None repairs the tree node.
+        Returns how many tokens were already cached."""
+        if not (len(tokens) == len(full) == len(swa)):
+            raise ValueError("tokens, full and swa slots must have the same length")
+        tokens = list(tokens)
+        path, i = self._walk(tokens)
+        pos = 0
+        dup_full, dup_swa = [], []
+        for node in path:
+            for j in range(len(node.key)):
+                p = pos + j
+                if full[p] != node.full[j]:
+                    dup_full.append(full[p])
+                mine, theirs = swa[p], node.swa[j]
+                if mine is not None and mine != theirs:
+                    if theirs is None:
+                        node.swa[j] = mine  # repair a released / tombstoned token
+                        self.stats.repairs += 1
+                    else:
+                        dup_swa.append(mine)
+            pos += len(node.key)
+        self.full_pool.free(dup_full)
+        self.swa_pool.free(dup_swa)
+        parent = path[-1] if path else self.root
+        if i < len(tokens):
+            leaf = Node(tokens[i:], list(full[i:]), list(swa[i:]), parent)
+            parent.children[tokens[i]] = leaf
+            leaf.last_access = next(self._clock)
+        return i
+
+    def path_to(self, tokens: list[int]) -> tuple[Node, list[int], list[int | None]]:
+        """For tokens fully in the tree: (node ending at their end, their full slots, their SWA slots)."""
+        path, i = self._walk(list(tokens))
+        if i != len(tokens):
+            raise KeyError("tokens are not all in the tree")
+        node = path[-1] if path else self.root
+        return node, [s for n in path for s in n.full], [s for n in path for s in n.swa]
+
+    # ----------------------------------------------------------------------------------- eviction
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def _remove_leaf(self, node: Node) -> int:
+        self.full_pool.free(node.full)
+        self.swa_pool.free([s for s in node.swa if s is not None])
+        del node.parent.children[node.key[0]]
+        return len(node.full)
+
+    def _prune_tombstone_leaves(self, start: Node) -> None:
+        n = start
+        while n is not self.root and not n.children and n.tombstone and n.full_locks == 0 and n.swa_locks == 0:
+            parent = n.parent
+            self.stats.full_evicted += self._remove_leaf(n)
+            n = parent
+
+    def evict_swa(self, num: int) -> int:
+        """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA)."""
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.swa_locks == 0 and n.live_swa]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num:
+            _, _, node = heapq.heappop(heap)
+            live = [s for s in node.swa if s is not None]
+            self.swa_pool.free(live)
+            node.swa = [None] * len(node.swa)
+            freed += len(live)
+            self._prune_tombstone_leaves(node)
+        self.stats.swa_evicted += freed
+        return freed
+
+    def evict_full(self, num: int) -> int:
+        """Frees at least `num` full slots if it can (LRU over unlocked leaves; parents follow)."""
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.full_locks == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num:
+            _, _, node = heapq.heappop(heap)
+            if node.children or node.full_locks or node.parent is None or node.parent.children.get(node.key[0]) is not node:
+                continue
+            parent = node.parent
+            freed += self._remove_leaf(node)
+            if parent is not self.root and not parent.children and parent.full_locks == 0:
+                if parent.tombstone and parent.swa_locks == 0:  # a tombstone leaf is useless: goes now
+                    before = self.full_pool.available()
+                    self._prune_tombstone_leaves(parent)
+                    freed += self.full_pool.available() - before
+                else:
+                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        self.stats.full_evicted += freed
+        return freed
+
+    # ----------------------------------------------------------------------------------- accounting
+    def accounting(self) -> dict[str, dict[str, int]]:
+        """Slots the tree holds, split into evictable and protected (locked), per pool."""
+        out = {"full": {"evictable": 0, "protected": 0}, "swa": {"evictable": 0, "protected": 0}}
+        for n in self._nodes():
+            out["full"]["protected" if n.full_locks else "evictable"] += len(n.full)
+            out["swa"]["protected" if n.swa_locks else "evictable"] += n.live_swa
+        return out
+
+    def token_count(self) -> int:
+        return sum(len(n.key) for n in self._nodes())

@@ -1,0 +1,270 @@
+"""The SWA-aware radix cache: the cases of reference.md §5, the known failure modes of peer systems, and a
+property-based test of the pool accounting invariant with a no-pseudo-hit check.
+
+Every slot handed out is tagged with the token prefix whose KV it would hold; a match must return
+slots whose tags equal the query's prefixes (a wrong slot = a pseudo-hit = wrong attention)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_backend.kv import RequestKV, SlotPool, SWARadixCache
+
+W = 8
+
+
+class Harness:
+    """Pools + cache + slot tags + the requests in flight."""
+
+    def __init__(self, full=400, swa=120, window=W, page=1):
+        self.full_pool, self.swa_pool = SlotPool("full", full), SlotPool("swa", swa)
+        self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, page)
+        self.tag_full: dict[int, tuple] = {}
+        self.tag_swa: dict[int, tuple] = {}
+        self.running: list[RequestKV] = []
+
+    def start(self, tokens):
+        r = RequestKV(self.cache, tokens, release_interval=4)
+        self.check_match(tokens, r)
+        self.running.append(r)
+        return r
+
+    def compute(self, r: RequestKV, new_tokens):
+        full, swa = r.extend(list(new_tokens))
+        for k, (f, s) in enumerate(zip(full, swa)):
+            prefix = tuple(r.tokens[: len(r.tokens) - len(new_tokens) + k + 1])
+            self.tag_full[f] = prefix
+            self.tag_swa[s] = prefix
+
+    def check_match(self, tokens, r: RequestKV):
+        n = r.cached_tokens
+        for p in range(n):
+            assert self.tag_full[r.full[p]] == tuple(tokens[: p + 1]), "pseudo-hit in the full pool"
+        for p in range(max(0, n - self.cache.window), n):
+            assert r.swa[p] is not None, "window-unsafe match"
+            assert self.tag_swa[r.swa[p]] == tuple(tokens[: p + 1]), "pseudo-hit in the SWA pool"
+
+    def finish(self, r: RequestKV, cache_result=True):
+        r.finish(cache_result)
+        self.running.remove(r)
+
+    def check_accounting(self):
+        acc = self.cache.accounting()
+        inflight_full = sum(len(r.full) - r.owned_from for r in self.running)
+        inflight_swa = sum(r.own_swa_live() for r in self.running)
+        for name, pool, inflight in (("full", self.full_pool, inflight_full), ("swa", self.swa_pool, inflight_swa)):
+            total = pool.available() + acc[name]["evictable"] + acc[name]["protected"] + inflight
+            assert total == pool.size, (name, pool.available(), acc[name], inflight)
+
+
+def toks(n, seed=0, vocab=50):
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def test_case1_evicted_last_window_cuts_the_match_back():
+    h = Harness()
+    a, b = toks(30), toks(10, seed=99)
+    r = h.start(a)
+    h.compute(r, a)
+    h.finish(r)
+    # Everything before the last W tokens was released at finish; the last W are live: a full hit.
+    assert h.cache.match_prefix(a).length == 30
+    r = h.start(a + b)
+    assert r.cached_tokens == 30
+    h.compute(r, b)
+    h.finish(r)
+    assert h.cache.evict_swa(1) == W  # LRU: the node of `a` (internal now) loses its SWA: a tombstone
+    m = h.cache.match_prefix(a)
+    assert m.raw_length == 30 and m.length == 0  # its last W tokens have no SWA: nothing window-safe
+    assert h.cache.match_prefix(a + b).length == 40  # the deeper node still holds the window it needs
+    h.check_accounting()
+
+
+def test_case2_shared_system_prompt_while_running_and_after():
+    h = Harness()
+    system = toks(24, seed=1)
+    first = h.start(system + toks(5, seed=2))
+    h.compute(first, system + toks(5, seed=2))
+    first.checkpoint()  # chunked prefill puts what it computed into the tree while it keeps running
+    second = h.start(system + toks(6, seed=3))
+    assert second.cached_tokens == 24
+    h.compute(second, toks(6, seed=3))
+    h.check_accounting()
+    h.finish(first)
+    third = h.start(system + toks(7, seed=4))
+    assert third.cached_tokens == 24
+    for r in list(h.running):
+        h.finish(r)
+    h.check_accounting()
+
+
+def test_case3_prefix_shorter_than_window_with_live_slots_hits():
+    h = Harness()
+    a = toks(W - 3, seed=5)
+    r = h.start(a)
+    h.compute(r, a)
+    h.finish(r)
+    assert h.cache.match_prefix(a + [1, 2]).length == W - 3
+
+
+def test_case4_locked_nodes_survive_eviction_then_become_evictable():
+    h = Harness()
+    a = toks(20, seed=6)
+    r = h.start(a)
+    h.compute(r, a)
+    h.finish(r)
+    holder = h.start(a + [7])  # locks the prefix (full: whole path, SWA: last W)
+    assert holder.cached_tokens == 20
+    h.cache.evict_full(10 ** 6)
+    h.cache.evict_swa(10 ** 6)
+    assert h.cache.match_prefix(a).length == 20
+    h.finish(holder, cache_result=False)
+    h.cache.evict_full(10 ** 6)
+    assert h.cache.match_prefix(a).length == 0 and h.cache.token_count() == 0
+    h.check_accounting()
+
+
+def test_case5_swa_eviction_of_internal_node_keeps_children_reachable():
+    h = Harness()
+    base = toks(12, seed=7)
+    x, y = base + toks(10, seed=8), base + toks(10, seed=9)
+    for seq in (x, y):
+        r = h.start(seq)
+        h.compute(r, seq[r.cached_tokens:])
+        h.finish(r)
+    internal = h.cache.root.children[base[0]]
+    assert len(internal.key) == 12 and len(internal.children) == 2
+    # Tombstone the shared internal node only (the leaves hold each sequence's last window).
+    h.cache.swa_pool.free([s for s in internal.swa if s is not None])
+    internal.swa = [None] * len(internal.swa)
+    for seq in (x, y):
+        m = h.cache.match_prefix(seq)
+        assert m.length == 22  # the leaf covers the last W=8 tokens: still window-safe
+        r = h.start(seq)
+        h.finish(r, cache_result=False)
+    assert h.cache.match_prefix(base).length == 0  # ending inside the tombstone is not window-safe
+
+
+def test_case6_long_decode_keeps_swa_bounded():
+    h = Harness(full=2000, swa=200)
+    prompt = toks(20, seed=10)
+    r = h.start(prompt)
+    h.compute(r, prompt)
+    r.release_out_of_window()
+    peak = 0
+    for i in range(10 * W):
+        h.compute(r, [i % 50])
+        r.step()
+        r.window_slots()  # every in-window token still has its SWA slot
+        peak = max(peak, r.own_swa_live())
+    assert peak <= W + r.release_interval + 1
+    h.finish(r)
+    h.check_accounting()
+
+
+def test_repair_of_tombstoned_node_serves_the_fresh_slots():
+    h = Harness()
+    a, b = toks(20, seed=11), toks(10, seed=12)
+    for seq in (a, a + b):
+        r = h.start(seq)
+        h.compute(r, seq[r.cached_tokens:])
+        h.finish(r)
+    h.cache.evict_swa(1)  # tombstones the internal node of `a`
+    assert h.cache.match_prefix(a).length == 0
+    r2 = h.start(a)  # recomputes everything
+    h.compute(r2, a)
+    h.finish(r2)
+    assert h.cache.stats.repairs > 0
+    again = h.start(a + [3])
+    assert again.cached_tokens == 20  # repaired, and check_match verified the slot tags (no stale mapping)
+    h.finish(again)
+    h.check_accounting()
+
+
+def test_lock_underflow_is_an_error_not_silent():
+    h = Harness()
+    a = toks(10, seed=12)
+    r = h.start(a)
+    h.compute(r, a)
+    h.finish(r)
+    with pytest.raises(RuntimeError, match="underflow"):
+        h.cache.unlock(h.cache.match_prefix(a).node)
+
+
+def test_double_free_is_caught():
+    p = SlotPool("full", 4)
+    s = p.alloc(2)
+    p.free(s)
+    with pytest.raises(RuntimeError, match="freed twice"):
+        p.free(s)
+
+
+def test_page_size_rounds_matches_down():
+    h = Harness(page=4)
+    a = toks(14, seed=13)
+    r = h.start(a)
+    h.compute(r, a)
+    h.finish(r)
+    assert h.cache.match_prefix(a).length == 12
+
+
+class _AsMatch:
+    """A running request's whole sequence seen as a match (to check its slots after a checkpoint)."""
+
+    def __init__(self, r: RequestKV):
+        self.full, self.cached_tokens = r.full, len(r.tokens)
+        self.swa = [s if s is not None else None for s in r.swa]
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["start", "compute", "decode", "finish", "abort", "evict_swa", "evict_full"]),
+                         st.integers(0, 10 ** 6)), min_size=5, max_size=60)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS)
+def test_property_accounting_invariant_and_no_pseudo_hits(ops):
+    """free + evictable + protected + in-flight == total for both pools after every operation, and every
+    match returns slots holding exactly the query's prefixes — under a tiny SWA pool and heavy eviction."""
+    h = Harness(full=300, swa=60)
+    prefixes = [toks(10, seed=s, vocab=6) for s in range(3)]  # few, short vocab: lots of sharing
+    for op, x in ops:
+        rng = random.Random(x)
+        try:
+            if op == "start" and len(h.running) < 4:
+                seq = prefixes[x % 3][: rng.randrange(1, 11)] + toks(rng.randrange(0, 12), seed=x, vocab=6)
+                r = h.start(seq)
+                if len(seq) > r.cached_tokens:
+                    h.compute(r, seq[r.cached_tokens:])
+                r.release_out_of_window()
+            elif op == "compute" and h.running:
+                r = h.running[x % len(h.running)]
+                h.compute(r, toks(rng.randrange(1, 6), seed=x, vocab=6))
+                r.release_out_of_window()
+                if x % 3 == 0:
+                    r.checkpoint()
+                    h.check_match(r.tokens, _AsMatch(r))
+            elif op == "decode" and h.running:
+                r = h.running[x % len(h.running)]
+                for i in range(rng.randrange(1, 10)):
+                    h.compute(r, [i % 6])
+                    r.step()
+            elif op in ("finish", "abort") and h.running:
+                h.finish(h.running[x % len(h.running)], cache_result=(op == "finish"))
+            elif op == "evict_swa":
+                h.cache.evict_swa(x % 40)
+            elif op == "evict_full":
+                h.cache.evict_full(x % 80)
+        except Exception as e:  # only pool exhaustion may interrupt an operation
+            from llm_backend.kv import PoolExhausted
+
+            assert isinstance(e, PoolExhausted), e
+            h.cache.evict_swa(10 ** 6)
+            h.cache.evict_full(10 ** 6)
+        h.check_accounting()
+    for r in list(h.running):
+        h.finish(r)
+    h.check_accounting()
