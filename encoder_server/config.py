@@ -62,7 +62,8 @@ class EncoderServerConfig:
     resize_in: str = _f("auto", "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
                                 "the decode processes) or auto (decoder on a CPU, device on CUDA)")
     decode_slot_bytes: int = _f(32 << 20, "size of each shared-memory slot for decoded pixels (bigger images come back pickled)")
-    torch_threads: int = _f(0, "intra-op threads for torch in the server process (0 = torch's default: all cores)")
+    torch_threads: int = _f(0, "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, "
+                               "whichever of one thread or every core measures more throughput, re-checked as load changes)")
     metrics_port: int = _f(0, "serve Prometheus metrics on this port at /metrics (0 = off)")
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
     max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")

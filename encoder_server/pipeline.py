@@ -145,6 +145,7 @@ class EncodePipeline:
         self._serial = None if config.pipeline else asyncio.Lock()
         self.started_at = time.perf_counter()
         self.busy_s = dict.fromkeys(("fetch", "decode", "preprocess", "encode"), 0.0)
+        self.forward_threads = config.torch_threads or 0  # 0 = torch's default; the balancer may change it
         self._inflight: dict[str, Job] = {}
         self._video_sem = asyncio.Semaphore(config.max_concurrent_videos)
         self._video_tasks: set[asyncio.Task] = set()
@@ -187,6 +188,8 @@ class EncodePipeline:
         self._tasks += [spawn(self._worker(self.preprocess_q, self._preprocess_stage, None), name=f"preprocess-{i}")
                         for i in range(self.config.preprocess_threads)]
         self._tasks.append(spawn(self.batcher.run(), name="batcher"))
+        if self.config.torch_threads == 0 and self.config.decode_workers > 0 and torch.device(self.config.device).type == "cpu":
+            self._tasks.append(spawn(self._balance_threads(), name="thread-balancer"))
         m = self.metrics
         workers = {"fetch": self.config.fetch_concurrency, "decode": max(1, self.config.decode_workers),
                    "preprocess": self.config.preprocess_threads, "encode": 1}
@@ -472,7 +475,39 @@ class EncodePipeline:
 
     # ------------------------------------------------------------------ forward (runs in the batcher's thread)
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        want = self.forward_threads
+        if want and want != torch.get_num_threads():
+            torch.set_num_threads(want)  # OpenMP's thread count is per calling thread: set it here
         return self.model.module(pixel_values, grid_thw)
+
+    async def _balance_threads(self, window_s: float = 1.5, explore_every: int = 8) -> None:
+        """On a CPU the vision forward and the decode processes share the cores, and which split is best
+        depends on the model and the load: a small tower runs best on one core next to busy decoders, a
+        large one needs every core. So measure it: run each setting (1 thread, all cores) for a window,
+        keep the one that encoded more patches per second, and re-check the other now and then."""
+        cores = os.cpu_count() or 1
+        if cores < 2:
+            return
+        options = [1, cores]
+        rate = {1: None, cores: None}
+        current, windows = 1, 0
+        self.forward_threads = current
+        while True:
+            before = self.batcher.stats.patches
+            await asyncio.sleep(window_s)
+            done = self.batcher.stats.patches - before
+            if done == 0:
+                continue  # idle: nothing to learn
+            rate[current] = done / window_s
+            windows += 1
+            other = options[1 - options.index(current)]
+            if rate[other] is None or windows % explore_every == 0:
+                nxt = other  # explore
+            else:
+                nxt = max(options, key=lambda o: rate[o] or 0.0)  # exploit the better one
+            if nxt != current:
+                log.debug("forward threads %d -> %d (patches/s: %s)", current, nxt, rate)
+                current = self.forward_threads = nxt
 
     def _on_batch(self, items: int, patches: int, seconds: float) -> None:
         self.busy_s["encode"] += seconds
