@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimo_epd.layers import RMSNorm
+
 
 @dataclass
 class VisionConfig:
@@ -55,20 +57,6 @@ class VisionConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in fp32 whatever the activation dtype, as transformers does.
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class PatchEmbed(nn.Module):

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mimo_epd.layers import RMSNorm
+
 
 @dataclass
 class MiMoV2FlashConfig:
@@ -87,19 +89,6 @@ class MiMoV2FlashConfig:
 
     def to_hf_dict(self) -> dict:
         return {"model_type": "mimo_v2_flash", **{f.name: getattr(self, f.name) for f in fields(self)}}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
 
 
 class DenseMLP(nn.Module):
