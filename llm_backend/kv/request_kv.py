@@ -23,8 +23,16 @@ class RequestKV:
         self.full: list[int] = list(self.match.full)
         self.swa: list[int | None] = list(self.match.swa)
         self.owned_from = self.match.length  # tokens before this belong to the tree
+        self._forget_unprotected_swa()
         self._steps = 0
         self.finished = False
+
+    def _forget_unprotected_swa(self) -> None:
+        """Drops references to tree-owned SWA slots outside this request's locked window. The tree may evict
+        (and the pool hand out again) those slots at any time; keeping them would be a stale mapping that a
+        later insert could "repair" a node with — a slot owned by someone else."""
+        for p in range(0, max(0, self.owned_from - self.cache.window)):
+            self.swa[p] = None
 
     @property
     def cached_tokens(self) -> int:
@@ -86,6 +94,7 @@ class RequestKV:
         self.cache.unlock(self.match.node)
         self.match.node = node
         self.owned_from = len(self.tokens)
+        self._forget_unprotected_swa()
 
     def finish(self, cache_result: bool = True) -> None:
         """Ends the request: its tokens go into the tree (or are freed), its locks are released."""

@@ -268,3 +268,27 @@ def test_property_accounting_invariant_and_no_pseudo_hits(ops):
     for r in list(h.running):
         h.finish(r)
     h.check_accounting()
+
+
+def test_no_stale_swa_mapping_after_the_tree_evicts_unlocked_prefix_slots():
+    """A running request must not keep (and later "repair" the tree with) SWA slots of its matched prefix
+    that lie outside its locked window: the tree may evict them and the pool hand them to another request."""
+    h = Harness(full=400, swa=60)
+    a = toks(30, seed=21)
+    r = h.start(a)
+    h.compute(r, a)
+    r.checkpoint()  # the tree owns all 30 tokens with live SWA
+    h.finish(r)
+    holder = h.start(a + [1])  # matches 30; locks SWA only over the last W
+    assert holder.cached_tokens == 30
+    assert all(s is None for s in holder.swa[: 30 - W])
+    h.cache.evict_swa(10 ** 6)  # frees every unlocked SWA slot of the prefix
+    other = h.start(toks(25, seed=22))
+    h.compute(other, other.tokens[other.cached_tokens:] or toks(25, seed=22))  # reuses the freed slots
+    h.compute(holder, [2, 3])
+    h.finish(holder)  # must not hand the tree slots that `other` now owns
+    h.finish(other)
+    h.check_accounting()
+    h.cache.evict_swa(10 ** 6)
+    h.cache.evict_full(10 ** 6)
+    h.check_accounting()

@@ -1,0 +1,301 @@
+"""A small offline engine over the dual KV pools and the SWA-aware radix cache (the vLLM-like API:
+`LLM(...).generate(prompts, SamplingParams(...))`).
+
+Each step serves every running request once: a prefill chunk (at most `chunk_size` tokens) or one decode
+token. Admission takes the waiting request with the fewest uncached tokens, with a penalty that grows
+with waiting time so nothing starves (`--fcfs` order by flag). A request's KV lives in two pools: the
+full pool (every token, for full-attention layers) and the SWA pool (only the last W tokens plus the
+current chunk and the release interval). When a pool runs out, the cache is evicted first (SWA and full
+separately, LRU), then the youngest running request is preempted (its KV freed, recomputed later).
+
+This engine runs one sequence per forward (the torch reference attention is per sequence); the batched
+ragged kernels are the next step (issue #8).
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from .models import KVStore, MiMoV2FlashForCausalLM, load_llm
+
+
+# ------------------------------------------------------------------------------------------ API types
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False  # logprob of each chosen token
+    prompt_logprobs: bool = False
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ValueError("need temperature >= 0, 0 < top_p <= 1, top_k >= 0")
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    usage: Usage
+    finish_reason: str
+
+
+class ByteTokenizer:
+    """The tiny model's tokenizer: one token per UTF-8 byte; 256 = BOS, 257 = EOS."""
+
+    bos_token_id, eos_token_id = 256, 257
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_token_id, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+# ------------------------------------------------------------------------------------------ KV tensors
+class KVPools:
+    """The KV tensors: per full-attention layer [full_slots, Hkv, D] (+ values), per sliding layer
+    [swa_slots, 2*Hkv, D]; slot bookkeeping is `SlotPool`/`SWARadixCache`."""
+
+    def __init__(self, model: MiMoV2FlashForCausalLM, full_slots: int, swa_slots: int):
+        cfg = model.config
+        p = next(model.parameters())
+        self.k, self.v = {}, {}
+        for i, kind in enumerate(cfg.layer_types):
+            n = full_slots if kind == "full_attention" else swa_slots
+            self.k[i] = torch.zeros(n, cfg.kv_heads(i), cfg.head_dim, dtype=p.dtype, device=p.device)
+            self.v[i] = torch.zeros(n, cfg.kv_heads(i), cfg.v_head_dim, dtype=p.dtype, device=p.device)
+        self.sliding = [k == "sliding_attention" for k in cfg.layer_types]
+        self.window = cfg.window
+
+
+class PooledKV(KVStore):
+    """One request's view of the pools for one forward of tokens [start, start + n)."""
+
+    def __init__(self, pools: KVPools, req: RequestKV, start: int, n: int):
+        self.pools, self.req, self.start, self.n = pools, req, start, n
+
+    def write_and_read(self, layer, k, v, positions):
+        end = self.start + self.n
+        if self.pools.sliding[layer]:
+            slots = self.req.swa
+            lo = max(0, self.start - self.pools.window)
+        else:
+            slots = self.req.full
+            lo = 0
+        new = torch.tensor(slots[self.start:end], dtype=torch.long)
+        self.pools.k[layer][new] = k
+        self.pools.v[layer][new] = v
+        span = slots[lo:end]
+        if any(s is None for s in span):
+            raise RuntimeError(f"layer {layer}: a KV slot the window needs was released")
+        idx = torch.tensor(span, dtype=torch.long)
+        return self.pools.k[layer][idx], self.pools.v[layer][idx], torch.arange(lo, end)
+
+
+# ------------------------------------------------------------------------------------------ requests
+@dataclass(eq=False)
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    kv: RequestKV | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    generator: torch.Generator | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def computed(self) -> int:
+        return len(self.kv.tokens) if self.kv else 0
+
+
+class LLM:
+    def __init__(self, model: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,
+                 kv_cache_tokens: int = 16384, swa_cache_tokens: int = 4096, page_size: int = 1,
+                 chunk_size: int = 512, enable_prefix_cache: bool = True, release_interval: int = 16,
+                 max_running: int = 16, fcfs: bool = False, wait_penalty_tokens_per_s: float = 2048.0):
+        self.model = load_llm(model, device, dtype) if isinstance(model, str) else model
+        cfg = self.model.config
+        self.tokenizer = ByteTokenizer()
+        self.full_pool = SlotPool("full", kv_cache_tokens)
+        self.swa_pool = SlotPool("swa", swa_cache_tokens)
+        self.cache = SWARadixCache(self.full_pool, self.swa_pool, cfg.window, page_size)
+        self.pools = KVPools(self.model, kv_cache_tokens, swa_cache_tokens)
+        self.chunk_size, self.enable_prefix_cache = chunk_size, enable_prefix_cache
+        self.release_interval, self.max_running = release_interval, max_running
+        self.fcfs, self.wait_penalty = fcfs, wait_penalty_tokens_per_s
+        self._ids = itertools.count()
+        self.preemptions = 0
+        self.peak_swa_per_request = 0
+
+    # ----------------------------------------------------------------------------------- public
+    def generate(self, prompts: list[str] | str | None = None, sampling_params: SamplingParams | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        params.validate()
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("give prompts or prompt_token_ids")
+            prompt_token_ids = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        vocab = self.model.config.vocab_size
+        now = time.monotonic()
+        reqs = []
+        for ids in prompt_token_ids:
+            if not ids or any(not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
+            r = Request(next(self._ids), list(ids), params, now)
+            if params.seed is not None:
+                r.generator = torch.Generator().manual_seed(params.seed + r.id)
+            reqs.append(r)
+        self._run(reqs)
+        return [self._output(r) for r in reqs]
+
+    # ----------------------------------------------------------------------------------- scheduling
+    def _priority(self, r: Request, now: float) -> float:
+        if self.fcfs:
+            return r.arrival
+        uncached = len(r.tokens) - (self.cache.match_prefix(r.tokens).length if self.enable_prefix_cache else 0)
+        return uncached - self.wait_penalty * (now - r.arrival)
+
+    def _run(self, reqs: list[Request]) -> None:
+        waiting = list(reqs)
+        running: list[Request] = []
+        while waiting or running:
+            now = time.monotonic()
+            waiting.sort(key=lambda r: self._priority(r, now))
+            while waiting and len(running) < self.max_running:
+                r = waiting[0]
+                if not self._admit(r):
+                    break
+                waiting.pop(0)
+                running.append(r)
+            if not running:
+                raise PoolExhausted("a request does not fit in the KV pools; raise kv_cache_tokens / swa_cache_tokens")
+            for r in list(running):
+                try:
+                    self._step(r)
+                except PoolExhausted:
+                    victim = running[-1]
+                    self._preempt(victim)
+                    running.remove(victim)
+                    waiting.append(victim)
+                    continue
+                if r.finish_reason:
+                    running.remove(r)
+                    r.kv.finish(cache_result=self.enable_prefix_cache)
+
+    def _admit(self, r: Request) -> bool:
+        tokens = r.tokens
+        # Match at most len-1 tokens: the last one is always computed, its logits give the next token.
+        # Prompt logprobs need every prompt position computed, so such requests match nothing.
+        use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
+        kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
+        first = min(self.chunk_size, len(tokens) - kv.cached_tokens)
+        if not self._ensure(first, first):
+            kv.finish(cache_result=False)
+            return False
+        r.kv = kv
+        if not r.output:  # a preempted request keeps its first admission's figure
+            r.cached_tokens = kv.cached_tokens
+        return True
+
+    def _ensure(self, full: int, swa: int) -> bool:
+        if self.full_pool.available() < full:
+            self.cache.evict_full(full - self.full_pool.available())
+        if self.swa_pool.available() < swa:
+            self.cache.evict_swa(swa - self.swa_pool.available())
+        return self.full_pool.available() >= full and self.swa_pool.available() >= swa
+
+    def _preempt(self, r: Request) -> None:
+        self.preemptions += 1
+        r.kv.finish(cache_result=False)
+        r.kv = None
+
+    # ----------------------------------------------------------------------------------- one step
+    def _step(self, r: Request) -> None:
+        """One prefill chunk, or one decode token."""
+        kv, tokens = r.kv, r.tokens
+        start = len(kv.tokens)
+        n = min(self.chunk_size, len(tokens) - start)
+        if not self._ensure(n, n):
+            raise PoolExhausted("KV pools are full")
+        new = tokens[start:start + n]
+        kv.extend(new)
+        prompt_part = start < len(r.prompt) and r.params.prompt_logprobs
+        logits = self.model(torch.tensor(new), torch.arange(start, start + n), PooledKV(self.pools, kv, start, n),
+                            logits_for="all" if prompt_part else "last")
+        if prompt_part:
+            lp = torch.log_softmax(logits, dim=-1)
+            for j in range(n):
+                if start + j + 1 < len(r.prompt):
+                    r.prompt_logprobs.append(float(lp[j, tokens[start + j + 1]]))
+        if self.enable_prefix_cache and start + n <= len(r.prompt):
+            kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
+        else:
+            kv.release_out_of_window()  # after every chunk
+        if start + n == len(tokens):
+            self._sample(r, logits[-1])
+            kv.step()  # every `release_interval` decode steps
+        self.peak_swa_per_request = max(self.peak_swa_per_request, kv.own_swa_live())
+
+    def _sample(self, r: Request, logits: torch.Tensor) -> None:
+        p = r.params
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        if p.temperature == 0:
+            tok = int(torch.argmax(logits))
+        else:
+            scores = logits.float() / p.temperature
+            if p.top_k:
+                kth = torch.topk(scores, min(p.top_k, scores.numel())).values[-1]
+                scores = scores.masked_fill(scores < kth, float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            if p.top_p < 1:
+                sp, si = torch.sort(probs, descending=True)
+                keep = torch.cumsum(sp, 0) - sp < p.top_p
+                probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+                probs = probs / probs.sum()
+            tok = int(torch.multinomial(probs, 1, generator=r.generator))
+        r.output.append(tok)
+        if p.logprobs:
+            r.logprobs.append(float(logprobs[tok]))
+        if tok in p.stop_token_ids:
+            r.finish_reason = "stop"
+        elif len(r.output) >= p.max_tokens:
+            r.finish_reason = "length"
+
+    def _output(self, r: Request) -> RequestOutput:
+        p = r.params
+        return RequestOutput(
+            request_id=r.id, prompt_token_ids=r.prompt, output_token_ids=r.output,
+            text=self.tokenizer.decode(r.output), logprobs=r.logprobs if p.logprobs else None,
+            prompt_logprobs=([None] + r.prompt_logprobs) if p.prompt_logprobs else None,
+            usage=Usage(len(r.prompt), r.cached_tokens, len(r.output)), finish_reason=r.finish_reason)
