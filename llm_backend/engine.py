@@ -14,6 +14,8 @@ ragged kernels are the next step (issue #8).
 from __future__ import annotations
 
 import itertools
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -21,6 +23,8 @@ import torch
 
 from .kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
 from .models import KVStore, MiMoV2FlashForCausalLM, load_llm
+
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------ API types
@@ -128,6 +132,11 @@ class Request:
     cached_tokens: int = 0
     finish_reason: str = ""
     generator: torch.Generator | None = None
+    media: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt position -> embedding row
+    on_token: object = None  # callable(request, token_id, logprob | None), from the engine thread
+    on_finish: object = None  # callable(request)
+    aborted: bool = False
+    first_token_at: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
@@ -154,6 +163,10 @@ class LLM:
         self.release_interval, self.max_running = release_interval, max_running
         self.fcfs, self.wait_penalty = fcfs, wait_penalty_tokens_per_s
         self._ids = itertools.count()
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
         self.preemptions = 0
         self.peak_swa_per_request = 0
 
@@ -166,18 +179,49 @@ class LLM:
             if prompts is None:
                 raise ValueError("give prompts or prompt_token_ids")
             prompt_token_ids = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        reqs = [self.add_request(ids, params) for ids in prompt_token_ids]
+        while any(not r.finish_reason for r in reqs):
+            self.step()
+        return [self.output(r) for r in reqs]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, media: dict[int, torch.Tensor] | None = None,
+                    on_token=None, on_finish=None) -> Request:
+        """Queues a request. `media` maps prompt positions to embedding rows (their token ids are
+        placeholders >= vocab_size derived from the media's content key, so equal media share prefixes)."""
+        params.validate()
         vocab = self.model.config.vocab_size
-        now = time.monotonic()
-        reqs = []
-        for ids in prompt_token_ids:
-            if not ids or any(not 0 <= t < vocab for t in ids):
-                raise ValueError(f"prompt token ids must be non-empty and in [0, {vocab})")
-            r = Request(next(self._ids), list(ids), params, now)
-            if params.seed is not None:
-                r.generator = torch.Generator().manual_seed(params.seed + r.id)
-            reqs.append(r)
-        self._run(reqs)
-        return [self._output(r) for r in reqs]
+        media = media or {}
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        for p, t in enumerate(prompt_ids):
+            if not (0 <= t < vocab or (p in media and t >= vocab)):
+                raise ValueError(f"prompt token {p} = {t} is outside the vocabulary [0, {vocab})")
+        r = Request(next(self._ids), list(prompt_ids), params, time.monotonic(), media=media,
+                    on_token=on_token, on_finish=on_finish)
+        if params.seed is not None:
+            r.generator = torch.Generator().manual_seed(params.seed)
+        with self._lock:
+            self.waiting.append(r)
+            self._wake.notify()
+        return r
+
+    def abort(self, r: Request) -> None:
+        """Stops a request; its KV is freed at the next step (nothing it computed is cached)."""
+        r.aborted = True
+        with self._lock:
+            self._wake.notify()
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def run_forever(self, stop) -> None:
+        """The serving loop (one thread): steps while there is work, sleeps otherwise."""
+        while not stop.is_set():
+            with self._lock:
+                if not self.has_work():
+                    self._wake.wait(0.1)
+                    continue
+            self.step()
 
     # ----------------------------------------------------------------------------------- scheduling
     def _priority(self, r: Request, now: float) -> float:
@@ -186,32 +230,52 @@ class LLM:
         uncached = len(r.tokens) - (self.cache.match_prefix(r.tokens).length if self.enable_prefix_cache else 0)
         return uncached - self.wait_penalty * (now - r.arrival)
 
-    def _run(self, reqs: list[Request]) -> None:
-        waiting = list(reqs)
-        running: list[Request] = []
-        while waiting or running:
-            now = time.monotonic()
-            waiting.sort(key=lambda r: self._priority(r, now))
-            while waiting and len(running) < self.max_running:
-                r = waiting[0]
+    def step(self) -> None:
+        """One round: drop aborted requests, admit waiting ones, run one chunk/token of every running one."""
+        now = time.monotonic()
+        with self._lock:
+            for r in [r for r in self.waiting if r.aborted]:
+                self.waiting.remove(r)
+                self._finish(r, "abort")
+            for r in [r for r in self.running if r.aborted]:
+                self.running.remove(r)
+                self._finish(r, "abort")
+            self.waiting.sort(key=lambda r: self._priority(r, now))
+            while self.waiting and len(self.running) < self.max_running:
+                r = self.waiting[0]
                 if not self._admit(r):
                     break
-                waiting.pop(0)
-                running.append(r)
-            if not running:
-                raise PoolExhausted("a request does not fit in the KV pools; raise kv_cache_tokens / swa_cache_tokens")
-            for r in list(running):
-                try:
-                    self._step(r)
-                except PoolExhausted:
-                    victim = running[-1]
+                self.waiting.pop(0)
+                self.running.append(r)
+            if self.waiting and not self.running:
+                r = self.waiting.pop(0)
+                self._finish(r, "error: the request does not fit in the KV pools; raise kv_cache_tokens / swa_cache_tokens")
+            running = list(self.running)
+        for r in running:
+            try:
+                self._step(r)
+            except PoolExhausted:
+                with self._lock:
+                    victim = self.running[-1]
                     self._preempt(victim)
-                    running.remove(victim)
-                    waiting.append(victim)
-                    continue
-                if r.finish_reason:
-                    running.remove(r)
-                    r.kv.finish(cache_result=self.enable_prefix_cache)
+                    self.running.remove(victim)
+                    self.waiting.append(victim)
+                continue
+            if r.finish_reason:
+                with self._lock:
+                    self.running.remove(r)
+                self._finish(r, r.finish_reason)
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        if r.kv is not None and reason == "abort":
+            log.info("request %d aborted: freeing %d full and %d SWA slots it owned", r.id,
+                     len(r.kv.full) - r.kv.owned_from, r.kv.own_swa_live())
+        if r.kv is not None:
+            r.kv.finish(cache_result=self.enable_prefix_cache and reason in ("stop", "length"))
+            r.kv = None
+        if r.on_finish:
+            r.on_finish(r)
 
     def _admit(self, r: Request) -> bool:
         tokens = r.tokens
@@ -251,8 +315,17 @@ class LLM:
         new = tokens[start:start + n]
         kv.extend(new)
         prompt_part = start < len(r.prompt) and r.params.prompt_logprobs
-        logits = self.model(torch.tensor(new), torch.arange(start, start + n), PooledKV(self.pools, kv, start, n),
-                            logits_for="all" if prompt_part else "last")
+        ids = torch.tensor(new)
+        embeds = None
+        if r.media and any(p in r.media for p in range(start, start + n)):
+            vocab = self.model.config.vocab_size
+            embeds = self.model.model.embed_tokens(ids.clamp(max=vocab - 1))
+            for j in range(n):
+                row = r.media.get(start + j)
+                if row is not None:
+                    embeds[j] = row.to(embeds.dtype)
+        logits = self.model(ids, torch.arange(start, start + n), PooledKV(self.pools, kv, start, n),
+                            inputs_embeds=embeds, logits_for="all" if prompt_part else "last")
         if prompt_part:
             lp = torch.log_softmax(logits, dim=-1)
             for j in range(n):
@@ -287,12 +360,16 @@ class LLM:
         r.output.append(tok)
         if p.logprobs:
             r.logprobs.append(float(logprobs[tok]))
+        if len(r.output) == 1:
+            r.first_token_at = time.monotonic()
+        if r.on_token:
+            r.on_token(r, tok, float(logprobs[tok]) if p.logprobs else None)
         if tok in p.stop_token_ids:
             r.finish_reason = "stop"
         elif len(r.output) >= p.max_tokens:
             r.finish_reason = "length"
 
-    def _output(self, r: Request) -> RequestOutput:
+    def output(self, r: Request) -> RequestOutput:
         p = r.params
         return RequestOutput(
             request_id=r.id, prompt_token_ids=r.prompt, output_token_ids=r.output,

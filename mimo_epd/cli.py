@@ -252,6 +252,57 @@ def add_sampling_arguments(p) -> None:
                    help=f"pixel budget of all sampled frames together (default: {d.total_pixels})")
 
 
+def cmd_llm(args) -> int:
+    import uvloop
+
+    from llm_backend import LLM
+    from llm_backend.service import serve_llm
+
+    setup_logging(args.log_level)
+    try:
+        engine = LLM(args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+                     swa_cache_tokens=args.swa_cache_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
+                     enable_prefix_cache=args.prefix_cache, release_interval=args.release_interval,
+                     max_running=args.max_running, fcfs=args.fcfs)
+        return uvloop.run(serve_llm(engine, args.host, args.port, args.encoder or None))
+    except (OSError, ValueError) as e:
+        logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", e)
+        return 1
+
+
+def cmd_generate(args) -> int:
+    import grpc
+
+    from mimo_epd.v1 import encoder_pb2, generator_pb2, generator_pb2_grpc
+
+    media = []
+    for path in args.image:
+        try:
+            media.append(encoder_pb2.MediaItem(data=Path(path).read_bytes(), modality=encoder_pb2.IMAGE))
+        except OSError as e:
+            print(f"error: cannot read {path}: {e.strerror}", file=sys.stderr)
+            return 2
+    req = generator_pb2.GenerateRequest(prompt=args.prompt, media=media, sampling=generator_pb2.SamplingOptions(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, has_seed=args.seed is not None))
+    with grpc.insecure_channel(args.server) as ch:
+        try:
+            for msg in generator_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=args.timeout):
+                if msg.HasField("delta"):
+                    sys.stdout.write(msg.delta.text)
+                    sys.stdout.flush()
+                else:
+                    f = msg.final
+                    print()
+                    print(json.dumps({"prompt_tokens": f.prompt_tokens, "media_tokens": f.media_tokens,
+                                      "cached_tokens": f.cached_tokens, "completion_tokens": f.completion_tokens,
+                                      "ttft_ms": round(f.ttft_ms, 2), "finish_reason": f.finish_reason}), file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
 def cmd_health(args) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -339,6 +390,36 @@ def build_parser() -> argparse.ArgumentParser:
     mv.add_argument("--gop", type=int, default=250, help="keyframe interval in frames (default: 250)")
     mv.add_argument("--preset", default="veryfast", help="x264 preset (default: veryfast)")
     mv.set_defaults(fn=cmd_make_test_video)
+
+    llm = sub.add_parser("llm", help="run an LLM worker (Generator/Generate, streaming)")
+    llm.add_argument("--model", default="tiny", help="'tiny' or a mimo_v2_flash checkpoint directory (default: tiny)")
+    llm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    llm.add_argument("--port", type=int, default=50061, help="gRPC port, 0 = any (default: 50061)")
+    llm.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    llm.add_argument("--encoder", default="", help="encoder (or router) address for media items (default: none)")
+    llm.add_argument("--kv-cache-tokens", type=int, default=16384, help="full-attention KV pool, tokens (default: 16384)")
+    llm.add_argument("--swa-cache-tokens", type=int, default=4096, help="sliding-window KV pool, tokens (default: 4096)")
+    llm.add_argument("--page-size", type=int, default=1, help="prefix-cache match granularity (default: 1)")
+    llm.add_argument("--chunk-size", type=int, default=512, help="prefill chunk, tokens (default: 512)")
+    llm.add_argument("--release-interval", type=int, default=16, help="decode steps between SWA releases (default: 16)")
+    llm.add_argument("--max-running", type=int, default=16, help="requests running at once (default: 16)")
+    llm.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                     help="SWA-aware radix prefix cache (default: on)")
+    llm.add_argument("--fcfs", action="store_true", help="first come first served instead of fewest uncached tokens first")
+    llm.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    llm.set_defaults(fn=cmd_llm)
+
+    g = sub.add_parser("generate", help="stream a generation from an LLM worker")
+    g.add_argument("--server", default="127.0.0.1:50061", help="LLM worker address (default: 127.0.0.1:50061)")
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--image", action="append", default=[], help="an image file (repeatable); needs a worker with --encoder")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none)")
+    g.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds (default: 600)")
+    g.set_defaults(fn=cmd_generate)
 
     lt = sub.add_parser("loadtest", help="headless Locust load tests of the gRPC API")
     ltsub = lt.add_subparsers(dest="loadtest", required=True)
