@@ -1,8 +1,9 @@
 """`mimo-epd serve`: the product on one node.
 
 Starts N encoder processes (one per device; on the CPU, N processes) that share one node-local
-shared-memory embedding cache, and the front router (mimo_epd.router) on `--host:--port`, which
-speaks the same Encode API. Prints `ready HOST:PORT` once the router serves.
+shared-memory embedding cache, the front router (mimo_epd.router) on `--host:--port`, which speaks the
+same Encode API, and an LLM worker (`--llm`) whose Generate API the router also serves (the worker sends
+media back through the router). Prints `ready HOST:PORT` once everything serves.
 
 Supervision: an encoder that exits unexpectedly is restarted on the same port after a short delay
 (`--restart-encoders`); meanwhile the router's health checks route its items to the next live
@@ -25,8 +26,8 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from encoder_server.config import EncoderServerConfig
-from mimo_epd.router import EncoderRouter, RouterConfig
-from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+from mimo_epd.router import EncoderRouter, GeneratorProxy, RouterConfig
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,10 @@ class NodeConfig:
     vnodes: int = 160
     restart_encoders: bool = True
     encoder_start_timeout_s: float = 180.0
+    llm: bool = True
+    llm_model: str = "tiny"
+    llm_kv_cache_tokens: int = 16384
+    llm_swa_cache_tokens: int = 4096
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -51,7 +56,14 @@ class NodeConfig:
         parser.add_argument("--restart-encoders", action=argparse.BooleanOptionalAction, default=True,
                             help="restart an encoder process that exits unexpectedly (default: on)")
         parser.add_argument("--encoder-start-timeout-s", type=float, default=180.0,
-                            help="seconds to wait for an encoder's ready line (default: 180)")
+                            help="seconds to wait for an encoder's (or the LLM worker's) ready line (default: 180)")
+        parser.add_argument("--llm", action=argparse.BooleanOptionalAction, default=True,
+                            help="start an LLM worker and serve Generate through the router (default: on)")
+        parser.add_argument("--llm-model", default="tiny", help="the LLM worker's model (default: tiny)")
+        parser.add_argument("--llm-kv-cache-tokens", type=int, default=16384,
+                            help="the LLM worker's full-attention KV pool, tokens (default: 16384)")
+        parser.add_argument("--llm-swa-cache-tokens", type=int, default=4096,
+                            help="the LLM worker's sliding-window KV pool, tokens (default: 4096)")
 
     @classmethod
     def from_args(cls, args) -> "NodeConfig":
@@ -77,9 +89,11 @@ def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
     return out
 
 
-class EncoderProcess:
-    def __init__(self, index: int, args: list[str], timeout_s: float):
-        self.index, self.args, self.timeout_s = index, args, timeout_s
+class ChildProcess:
+    """A `mimo-epd <subcommand>` server process on 127.0.0.1 (an encoder, or the LLM worker)."""
+
+    def __init__(self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder"):
+        self.index, self.args, self.timeout_s, self.subcommand = index, args, timeout_s, subcommand
         self.port = 0
         self.proc: asyncio.subprocess.Process | None = None
 
@@ -88,23 +102,23 @@ class EncoderProcess:
         return f"127.0.0.1:{self.port}"
 
     async def start(self) -> None:
-        cmd = [sys.executable, "-m", "mimo_epd", "encoder", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
                     line = await self.proc.stdout.readline()
                     if not line:
-                        raise RuntimeError(f"encoder {self.index} exited with {await self.proc.wait()} before it was ready")
+                        raise RuntimeError(f"{self.subcommand} {self.index} exited with {await self.proc.wait()} before it was ready")
                     text = line.decode().strip()
                     if text.startswith("ready "):
                         self.port = int(text.rsplit(":", 1)[1])
                         break
         except TimeoutError:
             self.proc.kill()
-            raise RuntimeError(f"encoder {self.index} was not ready within {self.timeout_s:g}s") from None
+            raise RuntimeError(f"{self.subcommand} {self.index} was not ready within {self.timeout_s:g}s") from None
         asyncio.get_running_loop().create_task(self._drain())
-        log.info("encoder %d (pid %d) serving on %s", self.index, self.proc.pid, self.endpoint)
+        log.info("%s %d (pid %d) serving on %s", self.subcommand, self.index, self.proc.pid, self.endpoint)
 
     async def _drain(self) -> None:
         proc = self.proc
@@ -129,7 +143,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     shm = ShmCache.open(shm_name, enc.shm_cache_bytes)  # create (or attach) before the encoders do
     log.info("node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached")
     child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name"}) + ["--shm-cache-name", shm_name]
-    encoders = [EncoderProcess(i, child_cfg_args, node.encoder_start_timeout_s) for i in range(node.encoders)]
+    encoders = [ChildProcess(i, child_cfg_args, node.encoder_start_timeout_s) for i in range(node.encoders)]
+    llm: ChildProcess | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,10 +164,16 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                                           ("grpc.max_receive_message_length", enc.max_message_mb << 20),
                                           ("grpc.so_reuseport", 0)])
         encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
+        proxy = GeneratorProxy() if node.llm else None
+        if proxy is not None:
+            generator_pb2_grpc.add_GeneratorServicer_to_server(proxy, server)
         health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health, server)
         service = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-        reflection.enable_server_reflection((service, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+        names = [service, "grpc.health.v1.Health", reflection.SERVICE_NAME]
+        if proxy is not None:
+            names.append(generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name)
+        reflection.enable_server_reflection(names, server)
         port = server.add_insecure_port(f"{enc.host}:{enc.port}")
         if port == 0:
             raise OSError(f"cannot listen on {enc.host}:{enc.port}")
@@ -167,10 +188,17 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         await server.start()
         await on_change(router.alive)
         host = f"[{enc.host}]" if ":" in enc.host else enc.host
+        if proxy is not None:  # the LLM worker sends media through this router
+            llm = ChildProcess(0, ["--model", node.llm_model, "--encoder", f"127.0.0.1:{port}",
+                                   "--kv-cache-tokens", str(node.llm_kv_cache_tokens),
+                                   "--swa-cache-tokens", str(node.llm_swa_cache_tokens)],
+                               node.encoder_start_timeout_s, subcommand="llm")
+            await llm.start()
+            proxy.connect(llm.endpoint)
         log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
         print(f"ready {host}:{port}", flush=True)
 
-        async def supervise(e: EncoderProcess) -> None:
+        async def supervise(e: ChildProcess) -> None:
             while not stop.is_set():
                 rc = await e.proc.wait()
                 if stop.is_set() or not node.restart_encoders:
@@ -183,7 +211,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                     log.error("restarting encoder %d failed: %s", e.index, err)
                     return
 
-        supervisors = [loop.create_task(supervise(e)) for e in encoders]
+        supervisors = [loop.create_task(supervise(e)) for e in [*encoders, *([llm] if llm else [])]]
         await stop.wait()
         log.info("shutting down: router first (%gs grace), then %d encoders", enc.grace_period_s, len(encoders))
         await health.enter_graceful_shutdown()
@@ -192,7 +220,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
             t.cancel()
         return 0
     finally:
-        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in encoders), return_exceptions=True)
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *([llm] if llm else [])]),
+                             return_exceptions=True)
         if router is not None:
             await router.close()
         if shm.created:

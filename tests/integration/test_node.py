@@ -105,3 +105,16 @@ def test_video_through_the_router_keeps_timestamps_on_a_shared_cache_hit(node):
     assert not a.cache_hit and b.cache_hit
     assert a.video.frames_sampled == 20 and list(b.timestamps_s) == list(a.timestamps_s) and len(a.timestamps_s) == 10
     assert b.video.frames_total == a.video.frames_total == 300
+
+
+def test_generate_with_an_image_through_the_node_router(node):
+    from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(node.address))
+    img = encode_image(textured(140, 196, seed=11), "JPEG")
+    req = generator_pb2.GenerateRequest(prompt="What is it?", media=[pb.MediaItem(data=img)],
+                                        sampling=generator_pb2.SamplingOptions(max_tokens=5))
+    msgs = list(stub.Generate(req, timeout=120))
+    final = msgs[-1].final
+    assert sum(len(m.delta.token_ids) for m in msgs[:-1]) == 5 and final.completion_tokens == 5
+    assert final.media_tokens == 35  # 140x196 -> grid 10x14 -> 35 tokens
