@@ -65,6 +65,29 @@ class RequestOutput:
     finish_reason: str
 
 
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json`, through the `tokenizers` library."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def load_tokenizer(model: str):
+    """`tiny` uses bytes; a checkpoint directory its `tokenizer.json` (bytes when it has none)."""
+    import os
+
+    path = os.path.join(model, "tokenizer.json") if model != "tiny" else ""
+    return HFTokenizer(path) if path and os.path.isfile(path) else ByteTokenizer()
+
+
 class ByteTokenizer:
     """The tiny model's tokenizer: one token per UTF-8 byte; 256 = BOS, 257 = EOS."""
 
@@ -151,10 +174,11 @@ class LLM:
     def __init__(self, model: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,
                  kv_cache_tokens: int = 16384, swa_cache_tokens: int = 4096, page_size: int = 1,
                  chunk_size: int = 512, enable_prefix_cache: bool = True, release_interval: int = 16,
-                 max_running: int = 16, fcfs: bool = False, wait_penalty_tokens_per_s: float = 2048.0):
+                 max_running: int = 16, fcfs: bool = False, wait_penalty_tokens_per_s: float = 2048.0,
+                 length_buckets: tuple[int, ...] = (65536, 262144)):
         self.model = load_llm(model, device, dtype) if isinstance(model, str) else model
         cfg = self.model.config
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = load_tokenizer(model) if isinstance(model, str) else ByteTokenizer()
         self.full_pool = SlotPool("full", kv_cache_tokens)
         self.swa_pool = SlotPool("swa", swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, cfg.window, page_size)
@@ -162,6 +186,9 @@ class LLM:
         self.chunk_size, self.enable_prefix_cache = chunk_size, enable_prefix_cache
         self.release_interval, self.max_running = release_interval, max_running
         self.fcfs, self.wait_penalty = fcfs, wait_penalty_tokens_per_s
+        self.length_buckets = tuple(sorted(length_buckets))
+        self._next_bucket = 0
+        self.admitted: list[int] = []  # request ids in admission order (observability, tests)
         self._ids = itertools.count()
         self.waiting: list[Request] = []
         self.running: list[Request] = []
@@ -240,13 +267,13 @@ class LLM:
             for r in [r for r in self.running if r.aborted]:
                 self.running.remove(r)
                 self._finish(r, "abort")
-            self.waiting.sort(key=lambda r: self._priority(r, now))
             while self.waiting and len(self.running) < self.max_running:
-                r = self.waiting[0]
+                r = self._pick(now)
                 if not self._admit(r):
                     break
-                self.waiting.pop(0)
+                self.waiting.remove(r)
                 self.running.append(r)
+                self.admitted.append(r.id)
             if self.waiting and not self.running:
                 r = self.waiting.pop(0)
                 self._finish(r, "error: the request does not fit in the KV pools; raise kv_cache_tokens / swa_cache_tokens")
@@ -276,6 +303,22 @@ class LLM:
             r.kv = None
         if r.on_finish:
             r.on_finish(r)
+
+    def _bucket(self, r: Request) -> int:
+        n = len(r.tokens)
+        return next((i for i, bound in enumerate(self.length_buckets) if n < bound), len(self.length_buckets))
+
+    def _pick(self, now: float) -> Request:
+        """The next request to admit: length buckets take turns (so one bucket's requests never block
+        another's), and inside a bucket the fewest uncached tokens win, minus a wait-time penalty."""
+        buckets: dict[int, list[Request]] = {}
+        for r in self.waiting:
+            buckets.setdefault(self._bucket(r), []).append(r)
+        order = sorted(buckets)
+        start = next((i for i, b in enumerate(order) if b >= self._next_bucket), 0)
+        chosen = order[start]
+        self._next_bucket = chosen + 1 if chosen + 1 <= max(order) else 0
+        return min(buckets[chosen], key=lambda r: self._priority(r, now))
 
     def _admit(self, r: Request) -> bool:
         tokens = r.tokens

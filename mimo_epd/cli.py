@@ -263,7 +263,8 @@ def cmd_llm(args) -> int:
         engine = LLM(args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
                      swa_cache_tokens=args.swa_cache_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
                      enable_prefix_cache=args.prefix_cache, release_interval=args.release_interval,
-                     max_running=args.max_running, fcfs=args.fcfs)
+                     max_running=args.max_running, fcfs=args.fcfs, wait_penalty_tokens_per_s=args.wait_penalty,
+                     length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x.strip()))
         return uvloop.run(serve_llm(engine, args.host, args.port, args.encoder or None))
     except (OSError, ValueError) as e:
         logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", e)
@@ -406,6 +407,10 @@ def build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                      help="SWA-aware radix prefix cache (default: on)")
     llm.add_argument("--fcfs", action="store_true", help="first come first served instead of fewest uncached tokens first")
+    llm.add_argument("--wait-penalty", type=float, default=2048.0,
+                     help="uncached tokens forgiven per second of waiting, so nothing starves (default: 2048)")
+    llm.add_argument("--length-buckets", default="65536,262144",
+                     help="prompt-length bucket bounds; buckets take turns at admission (default: 65536,262144)")
     llm.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
     llm.set_defaults(fn=cmd_llm)
 

@@ -91,3 +91,39 @@ def test_sampling_params_logprobs_and_text():
     assert len(stop.output_token_ids) == 1 and stop.finish_reason == "stop"
     with pytest.raises(ValueError):
         llm.generate(["x"], SamplingParams(max_tokens=0))
+
+
+@pytest.mark.parametrize("buckets,long_position", [((20,), "early"), ((), "last")])
+def test_length_buckets_keep_long_requests_from_waiting_behind_short_ones(buckets, long_position):
+    model = small_model(8, 1)
+    llm = LLM(model, max_running=1, length_buckets=buckets, wait_penalty_tokens_per_s=0.0, chunk_size=64)
+    long = llm.add_request(list(range(1, 51)), SamplingParams(max_tokens=1))
+    shorts = [llm.add_request([1, 2, 3, 4, i], SamplingParams(max_tokens=1)) for i in range(6)]
+    while llm.has_work():
+        llm.step()
+    pos = llm.admitted.index(long.id)
+    if long_position == "early":
+        assert pos <= 1  # its bucket gets a turn right away
+    else:
+        assert pos == len(shorts)  # uncached-tokens-first alone puts it behind every short request
+
+
+def test_fcfs_order():
+    llm = LLM(small_model(8, 1), max_running=1, fcfs=True)
+    ids = [llm.add_request(list(range(1, n)), SamplingParams(max_tokens=1)).id for n in (40, 5, 20)]
+    while llm.has_work():
+        llm.step()
+    assert llm.admitted == ids
+
+
+def test_checkpoint_tokenizer_json_is_used(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from llm_backend.engine import ByteTokenizer, HFTokenizer, load_tokenizer
+
+    tok = Tokenizer(models.WordLevel({"hello": 5, "world": 7, "[UNK]": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    t = load_tokenizer(str(tmp_path))
+    assert isinstance(t, HFTokenizer) and t.encode("hello world") == [5, 7] and t.decode([5, 7]) == "hello world"
+    assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
