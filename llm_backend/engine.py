@@ -8,8 +8,8 @@ full pool (every token, for full-attention layers) and the SWA pool (only the la
 current chunk and the release interval). When a pool runs out, the cache is evicted first (SWA and full
 separately, LRU), then the youngest running request is preempted (its KV freed, recomputed later).
 
-This engine runs one sequence per forward (the torch reference attention is per sequence); the batched
-ragged kernels are the next step (issue #8).
+Every step is one forward over all running requests (`forward_batch`: GEMMs over all their tokens at
+once, attention per sequence with the torch reference); the paged Triton kernels are issue #8.
 """
 from __future__ import annotations
 
@@ -278,16 +278,26 @@ class LLM:
                 r = self.waiting.pop(0)
                 self._finish(r, "error: the request does not fit in the KV pools; raise kv_cache_tokens / swa_cache_tokens")
             running = list(self.running)
-        for r in running:
+        # One forward for every running request: a prefill chunk or a decode token each. The oldest get
+        # slots first; when the pools run dry, the request that could not be served and every younger one
+        # are preempted (their KV freed, recomputed later).
+        batch = []
+        for k, r in enumerate(running):
             try:
-                self._step(r)
+                batch.append(self._prepare(r))
             except PoolExhausted:
                 with self._lock:
-                    victim = self.running[-1]
-                    self._preempt(victim)
-                    self.running.remove(victim)
-                    self.waiting.append(victim)
-                continue
+                    for victim in running[k:]:
+                        self._preempt(victim)
+                        self.running.remove(victim)
+                        self.waiting.append(victim)
+                break
+        if not batch:
+            return
+        logits = self.model.forward_batch([(ids, pos, store, emb) for _, _, _, ids, pos, store, emb, _ in batch],
+                                          [mode for *_, mode in batch])
+        for (r, start, n, *_), lg in zip(batch, logits):
+            self._finish_step(r, start, n, lg)
             if r.finish_reason:
                 with self._lock:
                     self.running.remove(r)
@@ -348,8 +358,8 @@ class LLM:
         r.kv = None
 
     # ----------------------------------------------------------------------------------- one step
-    def _step(self, r: Request) -> None:
-        """One prefill chunk, or one decode token."""
+    def _prepare(self, r: Request):
+        """Reserves slots for r's next chunk (prefill) or token (decode) and builds its forward segment."""
         kv, tokens = r.kv, r.tokens
         start = len(kv.tokens)
         n = min(self.chunk_size, len(tokens) - start)
@@ -357,7 +367,6 @@ class LLM:
             raise PoolExhausted("KV pools are full")
         new = tokens[start:start + n]
         kv.extend(new)
-        prompt_part = start < len(r.prompt) and r.params.prompt_logprobs
         ids = torch.tensor(new)
         embeds = None
         if r.media and any(p in r.media for p in range(start, start + n)):
@@ -367,9 +376,12 @@ class LLM:
                 row = r.media.get(start + j)
                 if row is not None:
                     embeds[j] = row.to(embeds.dtype)
-        logits = self.model(ids, torch.arange(start, start + n), PooledKV(self.pools, kv, start, n),
-                            inputs_embeds=embeds, logits_for="all" if prompt_part else "last")
-        if prompt_part:
+        mode = "all" if start < len(r.prompt) and r.params.prompt_logprobs else "last"
+        return r, start, n, ids, torch.arange(start, start + n), PooledKV(self.pools, kv, start, n), embeds, mode
+
+    def _finish_step(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
+        kv, tokens = r.kv, r.tokens
+        if start < len(r.prompt) and r.params.prompt_logprobs:
             lp = torch.log_softmax(logits, dim=-1)
             for j in range(n):
                 if start + j + 1 < len(r.prompt):

@@ -301,15 +301,34 @@ class MiMoV2FlashForCausalLM(nn.Module):
                 inputs_embeds: torch.Tensor | None = None, logits_for: str = "all") -> torch.Tensor:
         """One sequence's new tokens [T] at `positions` [T] (media embeddings may replace token
         embeddings through `inputs_embeds`); returns logits [T, vocab] ("all") or [1, vocab] ("last")."""
+        return self.forward_batch([(input_ids, positions, kv, inputs_embeds)], [logits_for])[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, segments: list, logits_for: list[str]) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one pass: segments = [(input_ids, positions, kv, inputs_embeds)].
+        Projections, MLPs and experts run once over all tokens (one GEMM each); attention runs per
+        sequence over its own KV. Returns each segment's logits ("all" tokens or the "last" one)."""
         m = self.model
-        x = m.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        xs = [m.embed_tokens(ids) if emb is None else emb for ids, _, _, emb in segments]
+        x = torch.cat(xs) if len(xs) > 1 else xs[0]
+        positions = torch.cat([seg[1] for seg in segments]) if len(segments) > 1 else segments[0][1]
+        bounds = [0]
+        for seg_x in xs:
+            bounds.append(bounds[-1] + seg_x.shape[0])
         rope = {kind: m.rotary_emb(positions, kind, x.dtype) for kind in set(self.config.layer_types)}
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
-            keys, values, key_pos = kv.write_and_read(i, k, v, positions)
-            x = x + attn.attend(q, keys, values, positions, key_pos)
+            outs = []
+            for j, (_, pos, kv, _) in enumerate(segments):
+                a, b = bounds[j], bounds[j + 1]
+                keys, values, key_pos = kv.write_and_read(i, k[a:b], v[a:b], pos)
+                outs.append(attn.attend(q[a:b], keys, values, pos, key_pos))
+            x = x + (torch.cat(outs) if len(outs) > 1 else outs[0])
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        x = m.norm(x if logits_for == "all" else x[-1:])
-        return self.lm_head(x).float()
+        results = []
+        for j, mode in enumerate(logits_for):
+            a, b = bounds[j], bounds[j + 1]
+            results.append(self.lm_head(m.norm(x[a:b] if mode == "all" else x[b - 1:b])).float())
+        return results

@@ -36,7 +36,7 @@ def test_engine_equals_reference_model(window, kv_heads, page, chunk):
     model = small_model(window, kv_heads)
     rng = random.Random(window)
     prompts = [[rng.randrange(61) for _ in range(n)] for n in (window - 1, 10 * window, 3 * window + 1)]
-    steps = 5 * window
+    steps = 10 * window  # ten windows of decoding
     llm = LLM(model, kv_cache_tokens=4096, swa_cache_tokens=1024, page_size=page, chunk_size=chunk, release_interval=4)
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=steps))
     for p, o in zip(prompts, outs):

@@ -100,3 +100,24 @@ def test_tiny_default_loads_into_transformers():
                         **{k: v for k, v in ours.named_buffers() if "e_score_correction_bias" in k}})
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
     assert (ours(ids, torch.arange(40), ContiguousKV(8)) - hf_logits(hf, ids)).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("page,chunk_vs_window", [(1, "smaller"), (4, "larger"), (16, "smaller")])
+def test_engine_prompt_logprobs_and_mixed_batch_match_transformers(pair, page, chunk_vs_window):
+    """Through the serving engine (dual pools, radix cache, chunked prefill, a batch of mixed lengths)."""
+    from llm_backend import LLM, SamplingParams
+
+    hf, ours = pair
+    w = ours.config.window
+    chunk = max(1, w - 1) if chunk_vs_window == "smaller" else w + 3
+    gen = torch.Generator().manual_seed(page)
+    prompts = [torch.randint(0, ours.config.vocab_size, (n,), generator=gen).tolist() for n in (w - 1, 10 * w, 3)]
+    llm = LLM(ours, page_size=page, chunk_size=chunk, kv_cache_tokens=4096, swa_cache_tokens=1024)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=True))
+    for p, o in zip(prompts, outs):
+        lp = torch.log_softmax(hf_logits(hf, torch.tensor(p)), dim=-1)
+        want = [lp[j, p[j + 1]].item() for j in range(len(p) - 1)]
+        got = o.prompt_logprobs[1:]
+        assert len(got) == len(want)
+        assert max(abs(a - b) for a, b in zip(got, want)) <= TOL if want else True
+        assert o.output_token_ids == [int(lp[-1].argmax())]
