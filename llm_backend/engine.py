@@ -179,10 +179,10 @@ class LLM:
         self.model = load_llm(model, device, dtype) if isinstance(model, str) else model
         cfg = self.model.config
         self.tokenizer = load_tokenizer(model) if isinstance(model, str) else ByteTokenizer()
-        self.full_pool = SlotPool("full", kv_cache_tokens)
+        self.full_pool = SlotPool("full", kv_cache_tokens, page_size)
         self.swa_pool = SlotPool("swa", swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, cfg.window, page_size)
-        self.pools = KVPools(self.model, kv_cache_tokens, swa_cache_tokens)
+        self.pools = KVPools(self.model, self.full_pool.size, swa_cache_tokens)
         self.chunk_size, self.enable_prefix_cache = chunk_size, enable_prefix_cache
         self.release_interval, self.max_running = release_interval, max_running
         self.fcfs, self.wait_penalty = fcfs, wait_penalty_tokens_per_s
@@ -307,7 +307,7 @@ class LLM:
         r.finish_reason = reason
         if r.kv is not None and reason == "abort":
             log.info("request %d aborted: freeing %d full and %d SWA slots it owned", r.id,
-                     len(r.kv.full) - r.kv.owned_from, r.kv.own_swa_live())
+                     r.kv.own_full_slots(), r.kv.own_swa_live())
         if r.kv is not None:
             r.kv.finish(cache_result=self.enable_prefix_cache and reason in ("stop", "length"))
             r.kv = None
@@ -337,7 +337,7 @@ class LLM:
         use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
         kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
         first = min(self.chunk_size, len(tokens) - kv.cached_tokens)
-        if not self._ensure(first, first):
+        if not self._ensure(first + self.full_pool.page_size, first):
             kv.finish(cache_result=False)
             return False
         r.kv = kv
@@ -363,7 +363,7 @@ class LLM:
         kv, tokens = r.kv, r.tokens
         start = len(kv.tokens)
         n = min(self.chunk_size, len(tokens) - start)
-        if not self._ensure(n, n):
+        if not self._ensure(n + self.full_pool.page_size, n):  # a new page at most beyond n
             raise PoolExhausted("KV pools are full")
         new = tokens[start:start + n]
         kv.extend(new)

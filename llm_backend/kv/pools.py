@@ -4,6 +4,10 @@ Hybrid SWA keeps two pools (reference.md §4-5): the *full* pool holds every tok
 full-attention layers (O(N) per sequence); the *SWA* pool holds the KV of the sliding-window layers,
 but only while a token can still be seen by some query (O(W) per running sequence). A slot is an index
 into the pool's KV tensors; this module only does the bookkeeping, the tensors live with the engine.
+
+The full pool is paged: it hands out whole pages of `page_size` consecutive slots (slot = page * P +
+offset), and takes whole pages back. The SWA pool is token-granular (page size 1): its slots are
+released one by one as tokens leave the window.
 """
 from __future__ import annotations
 
@@ -13,30 +17,53 @@ class PoolExhausted(RuntimeError):
 
 
 class SlotPool:
-    """A fixed number of slots; `alloc` hands out free ones, `free` takes them back."""
-
-    def __init__(self, name: str, size: int):
-        if size <= 0:
-            raise ValueError(f"{name} pool needs at least one slot, got {size}")
+    def __init__(self, name: str, size: int, page_size: int = 1):
+        if size <= 0 or page_size <= 0:
+            raise ValueError(f"{name} pool needs a positive size and page size, got {size} and {page_size}")
         self.name = name
-        self.size = size
-        self._free = list(range(size - 1, -1, -1))  # a stack: recently freed slots are reused first
-        self._used = bytearray(size)
+        self.page_size = page_size
+        self.pages = size // page_size
+        if self.pages == 0:
+            raise ValueError(f"{name} pool of {size} slots holds no page of {page_size}")
+        self.size = self.pages * page_size
+        self._free = list(range(self.pages - 1, -1, -1))  # a stack: recently freed pages are reused first
+        self._used = bytearray(self.pages)
 
     def available(self) -> int:
-        return len(self._free)
+        """Free slots (whole free pages)."""
+        return len(self._free) * self.page_size
 
-    def alloc(self, n: int) -> list[int]:
+    def alloc_pages(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise PoolExhausted(f"{self.name} pool: {n} slots wanted, {len(self._free)} free of {self.size}")
+            raise PoolExhausted(f"{self.name} pool: {n} pages wanted, {len(self._free)} free of {self.pages}")
         out = [self._free.pop() for _ in range(n)]
-        for s in out:
-            self._used[s] = 1
+        for p in out:
+            self._used[p] = 1
         return out
 
+    def free_pages(self, pages) -> None:
+        for p in pages:
+            if not self._used[p]:
+                raise RuntimeError(f"{self.name} pool: page {p} freed twice")  # a double free corrupts the cache
+            self._used[p] = 0
+            self._free.append(p)
+
+    def page_slots(self, page: int) -> list[int]:
+        return list(range(page * self.page_size, (page + 1) * self.page_size))
+
+    # token-granular API (page size 1)
+    def alloc(self, n: int) -> list[int]:
+        if self.page_size != 1:
+            raise RuntimeError(f"{self.name} pool is paged: allocate pages")
+        return self.alloc_pages(n)
+
     def free(self, slots) -> None:
-        for s in slots:
-            if not self._used[s]:
-                raise RuntimeError(f"{self.name} pool: slot {s} freed twice")  # a double free corrupts the cache
-            self._used[s] = 0
-            self._free.append(s)
+        """Frees slots; on a paged pool they must cover whole pages."""
+        if self.page_size == 1:
+            self.free_pages(slots)
+            return
+        slots = list(slots)
+        pages = sorted({s // self.page_size for s in slots})
+        if len(slots) != len(pages) * self.page_size:
+            raise RuntimeError(f"{self.name} pool: freeing {len(slots)} slots that are not whole pages")
+        self.free_pages(pages)

@@ -1,11 +1,12 @@
 """The KV slots of one running request, on top of the radix cache (reference.md §5, "Releasing").
 
 A request starts from a cache match (full slots of the whole prefix, SWA slots of its last W tokens,
-both locked in the tree), then allocates one full and one SWA slot per token it computes. SWA slots of
-its *own* tokens that left the window are released after each prefill chunk, every
-`release_interval` decode steps and at the end, so a running request holds about W + chunk + interval
-SWA slots whatever its length. At the end its tokens go into the tree (which frees duplicates and repairs
-tombstones) and its locks are released.
+both locked in the tree), then takes full-pool *pages* for the tokens it computes (its tokens fill a page
+before it takes the next) and one SWA slot per token. SWA slots of its *own* tokens that left the window
+are released after each prefill chunk, every `release_interval` decode steps and at the end, so a running
+request holds about W + chunk + interval SWA slots whatever its length. Whole pages of its tokens go into
+the tree at a checkpoint or at the end (the tree frees duplicates and repairs tombstones); the partial
+last page is freed at the end; its locks are then released.
 """
 from __future__ import annotations
 
@@ -15,14 +16,15 @@ from .swa_radix_cache import Match, SWARadixCache
 class RequestKV:
     def __init__(self, cache: SWARadixCache, tokens: list[int], release_interval: int = 16):
         self.cache = cache
-        self.tokens: list[int] = []
+        self.page = cache.full_pool.page_size
         self.release_interval = release_interval
         self.match: Match = cache.match_prefix(tokens)
         cache.lock(self.match.node)
         self.tokens = list(tokens[: self.match.length])
         self.full: list[int] = list(self.match.full)
         self.swa: list[int | None] = list(self.match.swa)
-        self.owned_from = self.match.length  # tokens before this belong to the tree
+        self.owned_from = self.match.length  # tokens before this belong to the tree (a page boundary)
+        self.own_pages: list[int] = []  # full-pool pages of tokens [owned_from, ...), in order
         self._forget_unprotected_swa()
         self._steps = 0
         self.finished = False
@@ -38,26 +40,38 @@ class RequestKV:
     def cached_tokens(self) -> int:
         return self.match.length
 
+    def own_full_slots(self) -> int:
+        """Full-pool slots this request holds outside the tree (whole pages, the last one maybe part used)."""
+        return len(self.own_pages) * self.page
+
     def own_swa_live(self) -> int:
         return sum(s is not None for s in self.swa[self.owned_from:])
 
     def extend(self, new_tokens: list[int]) -> tuple[list[int], list[int]]:
-        """Allocates slots for tokens about to be computed; returns (full slots, swa slots)."""
+        """Takes slots for tokens about to be computed; returns (their full slots, their swa slots)."""
         n = len(new_tokens)
-        full = self.cache.full_pool.alloc(n)
+        end = len(self.tokens) + n
+        need_pages = -(-(end - self.owned_from) // self.page) - len(self.own_pages)
+        pages = self.cache.full_pool.alloc_pages(need_pages) if need_pages > 0 else []
         try:
             swa = self.cache.swa_pool.alloc(n)
         except Exception:
-            self.cache.full_pool.free(full)
+            self.cache.full_pool.free_pages(pages)
             raise
+        self.own_pages.extend(pages)
+        full = []
+        for p in range(len(self.tokens), end):
+            rel = p - self.owned_from
+            full.append(self.own_pages[rel // self.page] * self.page + rel % self.page)
         self.tokens.extend(new_tokens)
         self.full.extend(full)
         self.swa.extend(swa)
         return full, swa
 
-    def release_out_of_window(self) -> int:
-        """Frees the SWA slots of own tokens no future query can see (older than the last W)."""
-        cut = len(self.tokens) - self.cache.window
+    def release_out_of_window(self, end: int | None = None) -> int:
+        """Frees the SWA slots of own tokens no future query can see: older than the last W before `end`
+        (default: all tokens)."""
+        cut = (len(self.tokens) if end is None else end) - self.cache.window
         freed = []
         for p in range(self.owned_from, max(self.owned_from, cut)):
             if self.swa[p] is not None:
@@ -79,33 +93,42 @@ class RequestKV:
             raise RuntimeError("SWA slot of an in-window token was released")
         return w
 
+    def _insert_whole_pages(self) -> int:
+        """Gives the tree every whole page of own tokens; returns the new page-aligned boundary."""
+        aligned = len(self.tokens) - len(self.tokens) % self.page
+        if aligned <= self.owned_from:
+            return self.owned_from
+        self.cache.insert(self.tokens[:aligned], self.full[:aligned], self.swa[:aligned])
+        del self.own_pages[: (aligned - self.owned_from) // self.page]  # now the tree's (or freed as duplicates)
+        return aligned
+
     def checkpoint(self) -> None:
-        """Chunked prefill: puts the tokens computed so far into the tree, so requests arriving meanwhile
-        share them, and moves this request's locks to the new end. The tree may already hold some of these
-        tokens (another request inserted them first): then ours were freed as duplicates and this request
-        continues with the tree's slots (never with a freed one)."""
-        if len(self.tokens) <= self.owned_from:
+        """Chunked prefill: puts the whole pages computed so far into the tree, so requests arriving
+        meanwhile share them, and moves this request's locks to the new end. The tree may already hold some
+        of these tokens (another request inserted them first): then ours were freed as duplicates and this
+        request continues with the tree's slots (never with a freed one)."""
+        aligned = self._insert_whole_pages()
+        if aligned == self.owned_from:
             return
-        # No release first: what goes into the tree keeps its SWA slots until the tree evicts them, so a
-        # request arriving now can resume anywhere in this prefix (e.g. right after a shared system prompt).
-        self.cache.insert(self.tokens, self.full, self.swa)
-        node, self.full, self.swa = self.cache.path_to(self.tokens)
+        node, full, swa = self.cache.path_to(self.tokens[:aligned])
+        self.full[:aligned], self.swa[:aligned] = full, swa
         self.cache.lock(node)
         self.cache.unlock(self.match.node)
         self.match.node = node
-        self.owned_from = len(self.tokens)
+        self.owned_from = aligned
         self._forget_unprotected_swa()
 
     def finish(self, cache_result: bool = True) -> None:
-        """Ends the request: its tokens go into the tree (or are freed), its locks are released."""
+        """Ends the request: its whole pages go into the tree (or are freed), the rest is freed, its locks
+        are released."""
         if self.finished:
             return
         self.finished = True
-        self.release_out_of_window()
-        own = slice(self.owned_from, len(self.tokens))
-        if cache_result and len(self.tokens) > self.owned_from:
-            self.cache.insert(self.tokens, self.full, self.swa)
-        else:
-            self.cache.full_pool.free(self.full[own])
-            self.cache.swa_pool.free([s for s in self.swa[own] if s is not None])
+        # Keep the window before the last page boundary: that is where the cached prefix will end, and a
+        # later request can only resume there if those W tokens still have their SWA slots.
+        self.release_out_of_window(len(self.tokens) - len(self.tokens) % self.page if cache_result else None)
+        start = self._insert_whole_pages() if cache_result else self.owned_from
+        self.cache.swa_pool.free([s for s in self.swa[start:] if s is not None])
+        self.cache.full_pool.free_pages(self.own_pages)
+        self.own_pages = []
         self.cache.unlock(self.match.node)

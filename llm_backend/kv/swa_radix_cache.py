@@ -14,6 +14,9 @@ computed itself until it inserts them (duplicates are freed at insert; an insert
 where the tree's is None *repairs* the tree node). Locks: a running request locks the full KV of its
 whole matched path, and the SWA KV only of the nodes covering its last W matched tokens.
 
+Pages: with a paged full pool (page size P) children are keyed by their first page, nodes start and end
+on page boundaries, and only whole pages are inserted; matches are rounded down to whole pages.
+
 Eviction: the two pools are evicted separately, least recently used first. Evicting SWA tombstones a
 node (its full KV stays); evicting full KV removes a leaf. A tombstone that is (or becomes) a leaf is
 removed, since no window-safe match can end in it. Locked KV is never evicted.
@@ -86,23 +89,29 @@ class SWARadixCache:
         parent = node.parent
         head = Node(node.key[:at], node.full[:at], node.swa[:at], parent)
         head.full_locks, head.swa_locks, head.last_access = node.full_locks, node.swa_locks, node.last_access
-        parent.children[node.key[0]] = head
+        parent.children[self._edge(node.key)] = head
         node.key, node.full, node.swa = node.key[at:], node.full[at:], node.swa[at:]
         node.parent = head
-        head.children[node.key[0]] = node
+        head.children[self._edge(node.key)] = node
         return head
+
+    def _edge(self, key) -> tuple:
+        """Children are keyed by their first page: two children never share a first page."""
+        return tuple(key[: self.page_size])
 
     def _walk(self, tokens: list[int]) -> tuple[list[Node], int]:
         """Follows `tokens` from the root, splitting a node where the match ends inside it."""
         node, i, path = self.root, 0, []
-        while i < len(tokens):
-            child = node.children.get(tokens[i])
+        P = self.page_size
+        while i + P <= len(tokens):
+            child = node.children.get(tuple(tokens[i:i + P]))
             if child is None:
                 break
             k = 0
             limit = min(len(child.key), len(tokens) - i)
             while k < limit and child.key[k] == tokens[i + k]:
                 k += 1
+            k -= k % P  # nodes start and end on page boundaries
             if k < len(child.key):
                 child = self._split(child, k)
             path.append(child)
@@ -186,6 +195,8 @@ class SWARadixCache:
         Returns how many tokens were already cached."""
         if not (len(tokens) == len(full) == len(swa)):
             raise ValueError("tokens, full and swa slots must have the same length")
+        if len(tokens) % self.page_size:
+            raise ValueError(f"inserts cover whole pages of {self.page_size} tokens, got {len(tokens)}")
         tokens = list(tokens)
         path, i = self._walk(tokens)
         pos = 0
@@ -208,7 +219,7 @@ class SWARadixCache:
         parent = path[-1] if path else self.root
         if i < len(tokens):
             leaf = Node(tokens[i:], list(full[i:]), list(swa[i:]), parent)
-            parent.children[tokens[i]] = leaf
+            parent.children[self._edge(leaf.key)] = leaf
             leaf.last_access = next(self._clock)
         return i
 
@@ -231,7 +242,7 @@ class SWARadixCache:
     def _remove_leaf(self, node: Node) -> int:
         self.full_pool.free(node.full)
         self.swa_pool.free([s for s in node.swa if s is not None])
-        del node.parent.children[node.key[0]]
+        del node.parent.children[self._edge(node.key)]
         return len(node.full)
 
     def _prune_tombstone_leaves(self, start: Node) -> None:
@@ -263,7 +274,8 @@ class SWARadixCache:
         freed = 0
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
-            if node.children or node.full_locks or node.parent is None or node.parent.children.get(node.key[0]) is not node:
+            if node.children or node.full_locks or node.parent is None or \
+                    node.parent.children.get(self._edge(node.key)) is not node:
                 continue
             parent = node.parent
             freed += self._remove_leaf(node)

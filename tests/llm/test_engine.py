@@ -57,9 +57,10 @@ def test_shared_prefix_is_cached_and_gives_the_cold_output():
     assert second.output_token_ids == cold.output_token_ids
 
 
-def test_no_pseudo_hits_under_heavy_eviction():
+@pytest.mark.parametrize("page", [1, 4])
+def test_no_pseudo_hits_under_heavy_eviction(page):
     """200 randomized requests over shared prefixes with a tiny SWA pool: outputs with the cache equal
-    outputs without it."""
+    outputs without it (paged full pool of page size 1 and 4)."""
     model = small_model(4, 1, seed=3)
     rng = random.Random(0)
     bases = [[rng.randrange(61) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
@@ -67,7 +68,7 @@ def test_no_pseudo_hits_under_heavy_eviction():
                for _ in range(200)]
     prompts = [p or [1] for p in prompts]
     params = SamplingParams(max_tokens=4)
-    cached = LLM(model, kv_cache_tokens=600, swa_cache_tokens=64, chunk_size=8, max_running=4)
+    cached = LLM(model, kv_cache_tokens=600, swa_cache_tokens=64, chunk_size=8, max_running=4, page_size=page)
     plain = LLM(model, kv_cache_tokens=600, swa_cache_tokens=64, chunk_size=8, max_running=4, enable_prefix_cache=False)
     got, want = [], []
     for i in range(0, 200, 20):  # in waves, so later waves hit what earlier ones cached
