@@ -14,10 +14,8 @@ import time
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
@@ -92,22 +90,15 @@ async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None
                         stop: asyncio.Event | None = None, announce: bool = True) -> int:
     pipeline = EncodePipeline(config)
     await pipeline.start()
-    max_bytes = config.max_message_mb << 20
-    server = grpc.aio.server(options=[("grpc.max_send_message_length", max_bytes),
-                                      ("grpc.max_receive_message_length", max_bytes),
-                                      ("grpc.so_reuseport", 0)])
+    server = new_server(config.max_message_mb)
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderService(pipeline), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         await pipeline.stop()
         raise OSError(f"cannot listen on {config.host}:{config.port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health, [SERVICE_NAME])
     host = f"[{config.host}]" if ":" in config.host else config.host
     log.info("encoder serving model %s on %s:%d (device %s, preprocessing %s)", pipeline.model_id, host, port,
              config.device, pipeline.preprocess_config)

@@ -16,10 +16,8 @@ import time
 
 import grpc
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 from .engine import LLM, SamplingParams
@@ -116,17 +114,14 @@ async def serve_llm(engine: LLM, host: str, port: int, encoder_address: str | No
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     thread.start()
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 << 20), ("grpc.so_reuseport", 0)])
+    server = new_server(256)
     generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(engine, encoder_address), server)
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    reflection.enable_server_reflection((SERVICE_NAME, "grpc.health.v1.Health", reflection.SERVICE_NAME), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    await set_serving(health, [SERVICE_NAME])
     print(f"ready {host}:{bound}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

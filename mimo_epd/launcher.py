@@ -20,12 +20,8 @@ import signal
 import sys
 from dataclasses import dataclass, fields
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
-
 from encoder_server.config import EncoderServerConfig
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
 from mimo_epd.router import EncoderRouter, GeneratorProxy, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
@@ -160,28 +156,22 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                                RouterConfig(max_items_per_request=enc.max_items_per_request,
                                             health_interval_s=node.health_interval_s, vnodes=node.vnodes,
                                             max_message_mb=enc.max_message_mb))
-        server = grpc.aio.server(options=[("grpc.max_send_message_length", enc.max_message_mb << 20),
-                                          ("grpc.max_receive_message_length", enc.max_message_mb << 20),
-                                          ("grpc.so_reuseport", 0)])
+        server = new_server(enc.max_message_mb)
         encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
         proxy = GeneratorProxy() if node.llm else None
         if proxy is not None:
             generator_pb2_grpc.add_GeneratorServicer_to_server(proxy, server)
-        health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health, server)
         service = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-        names = [service, "grpc.health.v1.Health", reflection.SERVICE_NAME]
+        names = [service]
         if proxy is not None:
             names.append(generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name)
-        reflection.enable_server_reflection(names, server)
+        health = add_health_and_reflection(server, names)
         port = server.add_insecure_port(f"{enc.host}:{enc.port}")
         if port == 0:
             raise OSError(f"cannot listen on {enc.host}:{enc.port}")
 
         async def on_change(alive: set[str]) -> None:
-            status = health_pb2.HealthCheckResponse.SERVING if alive else health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in ("", service):
-                await health.set(name, status)
+            await set_serving(health, names, serving=bool(alive))
 
         router.on_change = lambda alive: loop.create_task(on_change(alive))
         router.start()
