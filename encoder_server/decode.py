@@ -91,9 +91,3 @@ def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | Non
         raise DecodeError(f"decoded to an unexpected shape {arr.shape}")
     return np.ascontiguousarray(arr)
 
-
-def _init_worker(max_image_pixels: int) -> None:
-    from PIL import Image
-
-    # PIL's own bomb guard: warn above the limit, error above twice it. Our explicit check is the limit.
-    Image.MAX_IMAGE_PIXELS = max_image_pixels

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import sys
 import time
 
 import grpc
 import torch
 
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
@@ -109,12 +108,7 @@ async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None
         ready.set()
 
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):  # not the main thread (tests)
-            pass
+    stop_on_signals(stop)
     await stop.wait()
     log.info("shutting down: refusing new requests, %gs grace for in-flight ones", config.grace_period_s)
     await health.enter_graceful_shutdown()

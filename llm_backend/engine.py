@@ -165,10 +165,6 @@ class Request:
     def tokens(self) -> list[int]:
         return self.prompt + self.output
 
-    @property
-    def computed(self) -> int:
-        return len(self.kv.tokens) if self.kv else 0
-
 
 class LLM:
     def __init__(self, model: str = "tiny", device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import threading
 import time
 
 import grpc
 import torch
 
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 from .engine import LLM, SamplingParams
@@ -124,12 +123,7 @@ async def serve_llm(engine: LLM, host: str, port: int, encoder_address: str | No
     await set_serving(health, [SERVICE_NAME])
     print(f"ready {host}:{bound}", flush=True)
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    stop_on_signals(stop)
     await stop.wait()
     await health.enter_graceful_shutdown()
     await server.stop(grace_s)

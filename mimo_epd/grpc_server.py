@@ -1,6 +1,9 @@
 """What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection."""
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
@@ -28,3 +31,13 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ("", *services):
         await health.set(name, status)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM / SIGINT set `stop` (graceful shutdown); silently skipped off the main thread."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass

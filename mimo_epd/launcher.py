@@ -21,7 +21,7 @@ import sys
 from dataclasses import dataclass, fields
 
 from encoder_server.config import EncoderServerConfig
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
+from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
 from mimo_epd.router import EncoderRouter, GeneratorProxy, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
@@ -143,11 +143,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     llm: ChildProcess | None = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    stop_on_signals(stop)
     server = None
     router = None
     try:

@@ -3,12 +3,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -50,44 +44,11 @@ def encode_image(arr: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **
     return buf.getvalue()
 
 
-@dataclass
-class ServerProc:
-    address: str
-    proc: subprocess.Popen
-    stderr_lines: list[str] = field(default_factory=list)
+def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 120):
+    """The product's own launcher helper, run from the project root."""
+    from mimo_epd.bench.common import start_server as _start
 
-    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 120) -> ServerProc:
-    """Starts `mimo-epd <subcommand> --port 0 ARGS` and waits for its `ready host:port` line."""
-    cmd = [sys.executable, "-m", "mimo_epd", subcommand, "--port", "0", *args]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stderr_lines: list[str] = []
-    threading.Thread(target=lambda: [stderr_lines.append(line) for line in proc.stderr], daemon=True).start()
-    deadline = time.monotonic() + timeout
-    address = None
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            if proc.poll() is not None:
-                break
-            continue
-        if line.startswith("ready "):
-            address = line.split()[1]
-            break
-    if address is None:
-        proc.kill()
-        raise RuntimeError(f"server did not become ready: {''.join(stderr_lines)[-3000:]}")
-    threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-    return ServerProc(address, proc, stderr_lines)
+    return _start(args, subcommand, timeout, cwd=ROOT)
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,7 @@ import numpy as np
 class ServerProcess:
     address: str
     proc: subprocess.Popen
-    log: list[str] = field(default_factory=list)
+    stderr_lines: list[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -30,9 +30,11 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 180) -> ServerProcess:
-    """Starts `mimo-epd <subcommand> --port 0 ARGS` and waits for its ready line."""
-    proc = subprocess.Popen([sys.executable, "-m", "mimo_epd", subcommand, "--port", "0", *args],
+def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 180, cwd: str | None = None
+                 ) -> ServerProcess:
+    """Starts `mimo-epd <subcommand> --port 0 ARGS` and waits for its ready line (the benchmarks and the
+    integration tests start every server this way)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mimo_epd", subcommand, "--port", "0", *args], cwd=cwd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
     threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()

@@ -217,7 +217,7 @@ class _AsMatch:
 
     def __init__(self, r: RequestKV):
         self.full, self.cached_tokens = r.full, len(r.tokens)
-        self.swa = [s if s is not None else None for s in r.swa]
+        self.swa = r.swa
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["start", "compute", "decode", "finish", "abort", "evict_swa", "evict_full"]),
