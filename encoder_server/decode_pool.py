@@ -57,16 +57,45 @@ _ARENA: mmap.mmap | None = None
 _SLOT_BYTES = 0
 
 
+def exit_with_parent(interval_s: float = 1.0) -> None:
+    """Makes a worker process exit when the process that started it dies (even by SIGKILL): a pool worker
+    otherwise blocks on its task queue forever, and every crash of a server would leave its workers behind."""
+    import threading
+    import time
+
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(interval_s)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
+
+
 def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int) -> None:
     global _ARENA, _SLOT_BYTES
     from PIL import Image
 
+    exit_with_parent()
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     if arena_path:
-        fd = os.open(arena_path, os.O_RDWR)
+        try:
+            fd = os.open(arena_path, os.O_RDWR)
+        except FileNotFoundError:  # started after the arena's name was removed: pixels come back pickled
+            return
         _ARENA = mmap.mmap(fd, os.fstat(fd).st_size)
         os.close(fd)
         _SLOT_BYTES = slot_bytes
+
+
+def _started(hold_s: float) -> int:
+    """Keeps a worker busy briefly, so that the pool starts every worker (it spawns on demand)."""
+    import time
+
+    time.sleep(hold_s)
+    return os.getpid()
 
 
 def _oriented_size(img) -> tuple[int, int, bool]:
@@ -225,7 +254,12 @@ class DecodePool:
             self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
             initargs=(self._arena_path, self.slot_bytes, self.opts.max_pixels))
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(loop.run_in_executor(self._executor, os.getpid) for _ in range(self.workers)))
+        pids = await asyncio.gather(*(loop.run_in_executor(self._executor, _started, 0.2) for _ in range(self.workers)))
+        if len(set(pids)) == self.workers:
+            # Every worker has mapped the arena: remove its name, so nothing is left in /dev/shm however this
+            # process ends (SIGKILL included); the mappings stay valid until the processes exit.
+            os.unlink(self._arena_path)
+            self._arena_path = None
 
     def stop(self) -> None:
         if self._executor is not None:

@@ -174,6 +174,10 @@ _DONE = ("done", None)
 
 
 def _worker(path, gops, size, q, threads):
+    if multiprocessing.current_process().name != "MainProcess":  # a process, not a thread
+        from ..decode_pool import exit_with_parent
+
+        exit_with_parent()
     try:
         decode_gops(path, gops, size, lambda i, a: q.put(("frame", (i, a))), threads)
         q.put(_DONE)

@@ -11,6 +11,7 @@ import base64
 import concurrent.futures
 import io
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -336,8 +337,10 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero():
     enc, _ = stub(s.address)
     fut = enc.Encode.future(pb.EncodeRequest(items=big), timeout=120)
     time.sleep(0.3)
-    assert not fut.done()
-    rc = s.stop()
+    try:
+        assert not fut.done()
+    finally:
+        rc = s.stop()  # never leave the server behind, even when the assertion fails
     resp = fut.result()
     assert len(resp.items) == 24 and all(it.num_tokens > 0 for it in resp.items)
     assert rc == 0, "".join(s.stderr_lines)[-2000:]
@@ -432,3 +435,26 @@ def test_bad_videos_get_clear_errors_and_server_keeps_serving(server, video_byte
 def test_video_limits(server, video_bytes):
     expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "--video-max-frames",
                  pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=5000)))
+
+
+def test_sigkilled_encoder_leaves_no_shm_arena_and_no_decode_workers():
+    import glob
+    import signal as _signal
+
+    s = start_server(["--decode-workers", "2"])
+    pid = s.proc.pid
+    try:
+        assert encode(s.address, pb.MediaItem(data=JPEG)).items[0].num_tokens == 391  # through the shm slots
+        assert not glob.glob(f"/dev/shm/mimo-epd-decode-{pid}-*")
+        children = [int(c) for c in open(f"/proc/{pid}/task/{pid}/children").read().split()]
+        assert len(children) >= 2  # the decode workers
+    finally:
+        s.proc.send_signal(_signal.SIGKILL)
+        s.proc.wait(30)
+    assert not glob.glob(f"/dev/shm/mimo-epd-decode-{pid}-*")
+    deadline = time.monotonic() + 15
+    alive = children
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.3)
+        alive = [c for c in alive if os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read().split()[2]]
+    assert not alive, f"decode workers outlived their server: {alive}"
