@@ -9,7 +9,7 @@ current chunk and the release interval). When a pool runs out, the cache is evic
 separately, LRU), then the youngest running request is preempted (its KV freed, recomputed later).
 
 Every step is one forward over all running requests (`forward_batch`: GEMMs over all their tokens at
-once, attention per sequence with the torch reference); the paged Triton kernels are issue #8.
+once; attention over the paged pools through `PagedBatch`: Triton kernels on CUDA, torch on the CPU).
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
-from .models import KVStore, MiMoV2FlashForCausalLM, load_llm
+from .models import load_llm
+from .paged_attention import KVPools, PagedBatch
 
 log = logging.getLogger(__name__)
 
@@ -100,47 +101,6 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-# ------------------------------------------------------------------------------------------ KV tensors
-class KVPools:
-    """The KV tensors: per full-attention layer [full_slots, Hkv, D] (+ values), per sliding layer
-    [swa_slots, 2*Hkv, D]; slot bookkeeping is `SlotPool`/`SWARadixCache`."""
-
-    def __init__(self, model: MiMoV2FlashForCausalLM, full_slots: int, swa_slots: int):
-        cfg = model.config
-        p = next(model.parameters())
-        self.k, self.v = {}, {}
-        for i, kind in enumerate(cfg.layer_types):
-            n = full_slots if kind == "full_attention" else swa_slots
-            self.k[i] = torch.zeros(n, cfg.kv_heads(i), cfg.head_dim, dtype=p.dtype, device=p.device)
-            self.v[i] = torch.zeros(n, cfg.kv_heads(i), cfg.v_head_dim, dtype=p.dtype, device=p.device)
-        self.sliding = [k == "sliding_attention" for k in cfg.layer_types]
-        self.window = cfg.window
-
-
-class PooledKV(KVStore):
-    """One request's view of the pools for one forward of tokens [start, start + n)."""
-
-    def __init__(self, pools: KVPools, req: RequestKV, start: int, n: int):
-        self.pools, self.req, self.start, self.n = pools, req, start, n
-
-    def write_and_read(self, layer, k, v, positions):
-        end = self.start + self.n
-        if self.pools.sliding[layer]:
-            slots = self.req.swa
-            lo = max(0, self.start - self.pools.window)
-        else:
-            slots = self.req.full
-            lo = 0
-        new = torch.tensor(slots[self.start:end], dtype=torch.long)
-        self.pools.k[layer][new] = k
-        self.pools.v[layer][new] = v
-        span = slots[lo:end]
-        if any(s is None for s in span):
-            raise RuntimeError(f"layer {layer}: a KV slot the window needs was released")
-        idx = torch.tensor(span, dtype=torch.long)
-        return self.pools.k[layer][idx], self.pools.v[layer][idx], torch.arange(lo, end)
-
-
 # ------------------------------------------------------------------------------------------ requests
 @dataclass(eq=False)
 class Request:
@@ -178,7 +138,8 @@ class LLM:
         self.full_pool = SlotPool("full", kv_cache_tokens, page_size)
         self.swa_pool = SlotPool("swa", swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, cfg.window, page_size)
-        self.pools = KVPools(self.model, self.full_pool.size, swa_cache_tokens)
+        p = next(self.model.parameters())
+        self.pools = KVPools(cfg, self.full_pool.size, swa_cache_tokens, p.dtype, p.device)
         self.chunk_size, self.enable_prefix_cache = chunk_size, enable_prefix_cache
         self.release_interval, self.max_running = release_interval, max_running
         self.fcfs, self.wait_penalty = fcfs, wait_penalty_tokens_per_s
@@ -290,8 +251,9 @@ class LLM:
                 break
         if not batch:
             return
-        logits = self.model.forward_batch([(ids, pos, store, emb) for _, _, _, ids, pos, store, emb, _ in batch],
-                                          [mode for *_, mode in batch])
+        paged = PagedBatch(self.pools, [(r.kv.full, r.kv.swa, start, n) for r, start, n, *_ in batch])
+        logits = self.model.forward_batch([(ids, pos, None, emb) for _, _, _, ids, pos, emb, _ in batch],
+                                          [mode for *_, mode in batch], paged)
         for (r, start, n, *_), lg in zip(batch, logits):
             self._finish_step(r, start, n, lg)
             if r.finish_reason:
@@ -363,7 +325,8 @@ class LLM:
             raise PoolExhausted("KV pools are full")
         new = tokens[start:start + n]
         kv.extend(new)
-        ids = torch.tensor(new)
+        device = self.pools.k[0].device
+        ids = torch.tensor(new, device=device)
         embeds = None
         if r.media and any(p in r.media for p in range(start, start + n)):
             vocab = self.model.config.vocab_size
@@ -373,7 +336,7 @@ class LLM:
                 if row is not None:
                     embeds[j] = row.to(embeds.dtype)
         mode = "all" if start < len(r.prompt) and r.params.prompt_logprobs else "last"
-        return r, start, n, ids, torch.arange(start, start + n), PooledKV(self.pools, kv, start, n), embeds, mode
+        return r, start, n, ids, torch.arange(start, start + n, device=device), embeds, mode
 
     def _finish_step(self, r: Request, start: int, n: int, logits: torch.Tensor) -> None:
         kv, tokens = r.kv, r.tokens

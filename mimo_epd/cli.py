@@ -354,17 +354,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="benchmarks; each prints one JSON object")
     bsub = bench.add_subparsers(dest="bench", required=True)
-    from mimo_epd.bench import cache_routing, encoder as encoder_bench, video as video_bench
+    from mimo_epd.bench import cache_routing, encoder as encoder_bench, engine as engine_bench, kv_capacity, prefix_cache, \
+        video as video_bench
 
-    b = bsub.add_parser("cache-routing", help="cache hit rates: round-robin vs consistent hashing, private vs shared cache")
-    cache_routing.add_arguments(b)
-    b.set_defaults(fn=cache_routing.run)
-    b = bsub.add_parser("video", help="a long video: naive vs parallel vs the decode floor, and worker scaling")
-    video_bench.add_arguments(b)
-    b.set_defaults(fn=video_bench.run)
-    b = bsub.add_parser("encoder", help="encoder QPS/latency: naive vs pipelined vs transformers, tiny and large")
-    encoder_bench.add_arguments(b)
-    b.set_defaults(fn=encoder_bench.run)
+    for name, module, help_text in (
+        ("cache-routing", cache_routing, "cache hit rates: round-robin vs consistent hashing, private vs shared cache"),
+        ("video", video_bench, "a long video: naive vs parallel vs the decode floor, and worker scaling"),
+        ("encoder", encoder_bench, "encoder QPS/latency: naive vs pipelined vs transformers, tiny and large"),
+        ("kv", kv_capacity, "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
+        ("prefix-cache", prefix_cache, "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
+        ("engine", engine_bench, "LLM engine output tokens/s and TTFT vs transformers generate (tiny, CPU)"),
+    ):
+        b = bsub.add_parser(name, help=help_text)
+        module.add_arguments(b)
+        b.set_defaults(fn=module.run)
 
     ev = sub.add_parser("encode-video", help="encode a video file in-process, with a progress bar and a JSON summary")
     ev.add_argument("video", help="video file (any container/codec FFmpeg reads)")

@@ -44,3 +44,42 @@ def test_video_bench_quick(tmp_path):
     assert set(out["seconds"]) >= {"naive", "parallel", "floor"} and all(v > 0 for v in out["seconds"].values())
     assert set(out["ratios"]) >= {"naive_vs_parallel", "parallel_vs_floor"}
     assert list(out["scaling"]) == [str(w) for w in range(1, out["cores"] + 1)]
+
+
+def test_kv_bench_quick():
+    out = run_bench("kv")
+    assert [r["context"] for r in out["contexts"]] == [8192, 32768]
+    for r in out["contexts"]:
+        assert {"context", "seqs_hybrid", "seqs_full", "measured_ratio", "theoretical_ratio",
+                "fraction_of_theoretical"} <= set(r)
+        assert r["seqs_full"] >= 1 and r["seqs_hybrid"] > r["seqs_full"]  # the dual pool holds more sequences
+        assert r["measured_ratio"] <= r["theoretical_ratio"] * 1.001  # nothing beats the formula
+        assert r["decode"]["seqs_hybrid"] <= r["seqs_hybrid"]  # W + N slots per sequence fit no more than W
+
+
+def test_prefix_cache_bench_quick():
+    import os
+
+    from tests.conftest import ROOT as root
+
+    trace = os.path.join(os.path.dirname(root), "shared", "traces", "conversation_trace.jsonl")
+    if not os.path.isfile(trace):
+        import pytest
+
+        pytest.skip(f"the public trace is not at {trace}")
+    out = run_bench("prefix-cache", "--trace", trace)
+    rates = out["hit_token_rate"]
+    assert set(rates) == {"swa_aware", "full_kv", "unbounded"}
+    assert 0 <= rates["full_kv"] <= rates["unbounded"] and 0 <= rates["swa_aware"] <= rates["unbounded"] <= 1
+    assert rates["unbounded"] > 0  # the trace's requests share prefixes
+    assert {"swa_aware_vs_full_kv", "swa_aware_vs_unbounded"} <= set(out["ratios"])
+
+
+def test_engine_bench_quick():
+    out = run_bench("engine")
+    for name in ("ours", "transformers"):
+        e = out["engines"][name]
+        assert e["output_tokens"] == out["config"]["total_output_tokens"]
+        assert e["output_tokens_per_s"] > 0 and 0 < e["ttft_p50_ms"] <= e["ttft_p90_ms"]
+    assert "tokens_per_s" in out["ratios"]
+    assert out["greedy_agreement"] >= 0.5  # same weights, greedy: the engines produce the same tokens

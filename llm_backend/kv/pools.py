@@ -36,9 +36,14 @@ class SlotPool:
     def alloc_pages(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(f"{self.name} pool: {n} pages wanted, {len(self._free)} free of {self.pages}")
-        out = [self._free.pop() for _ in range(n)]
+        if n <= 0:
+            return []
+        out = self._free[-n:]
+        del self._free[-n:]
+        out.reverse()  # the stack's top first
+        used = self._used
         for p in out:
-            self._used[p] = 1
+            used[p] = 1
         return out
 
     def free_pages(self, pages) -> None:

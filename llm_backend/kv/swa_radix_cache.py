@@ -252,11 +252,30 @@ class SWARadixCache:
             self.stats.full_evicted += self._remove_leaf(n)
             n = parent
 
+    def _trimmable(self, node: Node) -> int:
+        return sum(s is not None for s in node.swa[: max(0, len(node.swa) - self.window)])
+
     def evict_swa(self, num: int) -> int:
-        """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA)."""
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.swa_locks == 0 and n.live_swa]
-        heapq.heapify(heap)
+        """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA), in two passes:
+        1. trim: free the SWA of tokens outside the last W of a node. A match can only end where the W tokens
+           before it are live; node ends (where prompts ended or diverged) keep that window, so their hits
+           survive — only hits ending in the middle of a node are lost. Locked nodes are trimmed too: a lock
+           always ends at a node end (a match ending inside a node splits it), so the window it protects is a
+           suffix of at most W tokens of each node it covers, which trimming keeps;
+        2. tombstone: free whole unlocked nodes' SWA, least recently used first."""
         freed = 0
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._trimmable(n)]
+        heapq.heapify(heap)
+        while heap and freed < num:
+            _, _, node = heapq.heappop(heap)
+            tail = max(0, len(node.swa) - self.window)
+            live = [s for s in node.swa[:tail] if s is not None]
+            self.swa_pool.free(live)
+            node.swa[:tail] = [None] * tail
+            freed += len(live)
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.swa_locks == 0 and n.live_swa] \
+            if freed < num else []
+        heapq.heapify(heap)
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
             live = [s for s in node.swa if s is not None]

@@ -8,8 +8,8 @@ import torch
 
 from .mimo_v2_flash import ContiguousKV, KVStore, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "KVStore", "ContiguousKV", "TINY_LLM_CONFIG", "load_llm",
-           "init_random_weights"]
+__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "KVStore", "ContiguousKV", "TINY_LLM_CONFIG", "PRO_SHAPE_CONFIG", "load_llm",
+           "init_random_weights", "transformers_twin"]
 
 # The embedded default: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2,
 # hidden 256 (= the tiny vision tower's output), a byte-level vocabulary (256 bytes + specials).
@@ -19,6 +19,15 @@ TINY_LLM_CONFIG = MiMoV2FlashConfig(
     num_experts_per_tok=2, n_routed_experts=8, bos_token_id=256, eos_token_id=257,
 )
 TINY_SEED = 0
+
+# MiMo-V2.5-Pro's attention shape (reference.md §4), for KV capacity accounting only (never instantiated with
+# weights): 70 layers, 10 of them full attention, 8 KV heads in both layer types, head dims 192/128, window 128.
+PRO_FULL_LAYERS = (0, 7, 15, 23, 31, 39, 47, 55, 62, 69)
+PRO_SHAPE_CONFIG = MiMoV2FlashConfig(
+    hidden_size=6144, num_hidden_layers=70, num_attention_heads=128, num_key_value_heads=8, swa_num_key_value_heads=8,
+    head_dim=192, v_head_dim=128, sliding_window=129,
+    layer_types=["full_attention" if i in PRO_FULL_LAYERS else "sliding_attention" for i in range(70)],
+)
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
@@ -88,3 +97,18 @@ def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.float()
     return model.eval()
+
+
+def transformers_twin(model: MiMoV2FlashForCausalLM):
+    """The same weights in transformers' own `MiMoV2FlashForCausalLM` (baselines and parity checks)."""
+    from transformers import MiMoV2FlashConfig as HFConfig, MiMoV2FlashForCausalLM as HFModel
+
+    cfg = {k: v for k, v in model.config.to_hf_dict().items() if k != "model_type" and v is not None}
+    p = next(model.parameters())
+    hf = HFModel(HFConfig(**cfg)).to(dtype=p.dtype, device=p.device).eval()
+    state = {**hf.state_dict(), **model.state_dict()}
+    missing = set(hf.state_dict()) - set(model.state_dict())
+    if [k for k in missing if not k.endswith("e_score_correction_bias")]:
+        raise ValueError(f"transformers expects weights the model lacks: {sorted(missing)[:5]}")
+    hf.load_state_dict(state)
+    return hf

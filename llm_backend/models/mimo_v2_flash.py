@@ -23,6 +23,9 @@ from torch import nn
 
 from mimo_epd.layers import RMSNorm
 
+from ..kernels import triton_enabled
+from ..kernels.moe import fused_moe, topk_routing
+
 
 @dataclass
 class MiMoV2FlashConfig:
@@ -50,6 +53,9 @@ class MiMoV2FlashConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    # Not in transformers' config (its port always gives sliding layers twice the KV heads): set it for shapes
+    # whose sliding layers have their own KV head count, e.g. MiMo-V2.5-Pro (8 and 8), used for capacity accounting.
+    swa_num_key_value_heads: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = None
 
@@ -75,7 +81,9 @@ class MiMoV2FlashConfig:
         return self.sliding_window - 1
 
     def kv_heads(self, layer: int) -> int:
-        return self.num_key_value_heads * (2 if self.layer_types[layer] == "sliding_attention" else 1)
+        if self.layer_types[layer] != "sliding_attention":
+            return self.num_key_value_heads
+        return self.swa_num_key_value_heads or 2 * self.num_key_value_heads
 
     @classmethod
     def from_hf_dict(cls, d: dict) -> "MiMoV2FlashConfig":
@@ -164,6 +172,12 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        c = self.gate.cfg
+        if c.n_group == 1 and triton_enabled(x.device):  # fused routing + grouped expert GEMMs (kernels/moe.py)
+            logits = F.linear(x.float(), self.gate.weight.float())
+            weights, ids = topk_routing(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok,
+                                        c.norm_topk_prob, c.routed_scaling_factor)
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids).view(shape)
 
@@ -304,10 +318,12 @@ class MiMoV2FlashForCausalLM(nn.Module):
         return self.forward_batch([(input_ids, positions, kv, inputs_embeds)], [logits_for])[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segments: list, logits_for: list[str]) -> list[torch.Tensor]:
+    def forward_batch(self, segments: list, logits_for: list[str], paged=None) -> list[torch.Tensor]:
         """Several sequences' new tokens in one pass: segments = [(input_ids, positions, kv, inputs_embeds)].
-        Projections, MLPs and experts run once over all tokens (one GEMM each); attention runs per
-        sequence over its own KV. Returns each segment's logits ("all" tokens or the "last" one)."""
+        Projections, MLPs and experts run once over all tokens (one GEMM each). Attention runs either per
+        sequence over its own `KVStore`, or, when `paged` (the engine's `PagedBatch`) is given, over the
+        paged KV pools for all sequences at once (the segments' kv is then unused).
+        Returns each segment's logits ("all" tokens or the "last" one)."""
         m = self.model
         xs = [m.embed_tokens(ids) if emb is None else emb for ids, _, _, emb in segments]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
@@ -320,6 +336,12 @@ class MiMoV2FlashForCausalLM(nn.Module):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
+            if paged is not None:
+                o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None,
+                                 attn.sinks)
+                x = x + attn.o_proj(o.reshape(o.shape[0], -1))
+                x = x + layer.mlp(layer.post_attention_layernorm(x))
+                continue
             outs = []
             for j, (_, pos, kv, _) in enumerate(segments):
                 a, b = bounds[j], bounds[j + 1]

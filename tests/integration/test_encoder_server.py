@@ -332,12 +332,24 @@ def test_reflection_lists_the_encoder_service(server):
 
 # ----------------------------------------------------------------------------------- shutdown
 def test_sigterm_finishes_in_flight_work_and_exits_zero():
-    s = start_server(["--decode-workers", "1", "--grace-period-s", "60", "--no-pipeline", "--no-jpeg-draft"])
+    import socket
+
+    from mimo_epd.bench.common import scrape
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        metrics_port = sock.getsockname()[1]
+    s = start_server(["--decode-workers", "1", "--grace-period-s", "60", "--no-pipeline", "--no-jpeg-draft",
+                      "--metrics-port", str(metrics_port)])
     big = [pb.MediaItem(data=encode_image(textured(1500, 2000, seed=40 + i), "JPEG")) for i in range(24)]
     enc, _ = stub(s.address)
     fut = enc.Encode.future(pb.EncodeRequest(items=big), timeout=120)
-    time.sleep(0.3)
     try:
+        # SIGTERM only once the server has admitted the request (a request still being uploaded when the
+        # server stops is refused by gRPC, which is not what this test is about).
+        deadline = time.monotonic() + 30
+        while scrape(metrics_port).get("encoder_pending_items", 0) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert not fut.done()
     finally:
         rc = s.stop()  # never leave the server behind, even when the assertion fails

@@ -293,3 +293,23 @@ def test_no_stale_swa_mapping_after_the_tree_evicts_unlocked_prefix_slots():
     h.cache.evict_swa(10 ** 6)
     h.cache.evict_full(10 ** 6)
     h.check_accounting()
+
+
+def test_swa_eviction_trims_to_node_ends_first_even_under_a_lock():
+    """Pass 1 of SWA eviction keeps the last W tokens of every node: a checkpointed chunk locked by its running
+    request loses the SWA it no longer needs, the request's window and the cached prompt's end stay hittable."""
+    h = Harness(full=400, swa=120)
+    a = toks(40, seed=31)
+    r = h.start(a)
+    h.compute(r, a)
+    r.checkpoint()  # the chunk goes into the tree with all 40 SWA slots live; r locks it
+    assert h.cache.accounting()["swa"]["protected"] == 40
+    freed = h.cache.evict_swa(1)
+    assert freed == 40 - W  # trimmed to its last W, though locked; nothing tombstoned
+    h.check_accounting()
+    h.compute(r, [5, 6])  # the running request continues over its intact window
+    h.finish(r)
+    again = h.start(a + [9])
+    assert again.cached_tokens == 40  # the prompt's end is still window-safe
+    h.finish(again)
+    h.check_accounting()
