@@ -56,8 +56,9 @@ class EncoderServerConfig:
     pipeline: bool = _f(True, "overlap requests and stages; off = one request at a time, stage after stage")
     batching: bool = _f(True, "batch items across requests into one forward; off = one item per forward")
     decode_workers: int = _f(2, "decoder processes, pixels handed back through shared memory (0 = decode in a thread)")
-    decoder: str = _f("pil", "image decoder: pil (pillow-simd when installed), torchvision (decode_jpeg) or dali "
-                             "(NVIDIA DALI, CPU pipeline; needs the dali extra); non-JPEG images always use PIL")
+    decoder: str = _f("turbo", "image decoder: turbo (libjpeg-turbo straight into numpy via simplejpeg, pixels identical "
+                               "to pil), pil (pillow-simd when installed), torchvision (decode_jpeg) or dali (NVIDIA "
+                               "DALI, CPU pipeline; needs the dali extra); non-JPEG images always use PIL")
     jpeg_draft: bool = _f(True, "decode JPEGs at a reduced DCT scale when the target is at most half the source")
     resize_in: str = _f("auto", "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
                                 "the decode processes) or auto (decoder on a CPU, device on CUDA)")
@@ -109,8 +110,8 @@ class EncoderServerConfig:
             raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
         if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:
             raise ValueError("need --video-fps > 0 and 1 <= --video-min-frames <= --video-max-frames")
-        if self.decoder not in ("pil", "torchvision", "dali"):
-            raise ValueError(f"--decoder must be pil, torchvision or dali, got {self.decoder!r}")
+        if self.decoder not in ("turbo", "pil", "torchvision", "dali"):
+            raise ValueError(f"--decoder must be turbo, pil, torchvision or dali, got {self.decoder!r}")
         if self.resize_in not in ("auto", "device", "decoder"):
             raise ValueError(f"--resize-in must be auto, device or decoder, got {self.resize_in!r}")
         if self.resize_backend not in ("auto", "torch", "pil"):

@@ -8,6 +8,12 @@ Normalisation applied to every image, so the tower always sees what a person see
 - every mode becomes RGB: palette and alpha images are composited on white, CMYK/YCbCr/LAB
   converted, 16-bit and 32-bit integer images scaled (not clipped) to 8 bits, floats clipped to 0..1;
 - the pixel count is checked from the header before pixels are decoded (decompression bombs).
+
+Fast path: baseline/progressive RGB and greyscale JPEGs are decoded by libjpeg-turbo straight into a numpy
+array (`simplejpeg`) — the same library and settings pillow uses, so the pixels are identical (tested), at
+about 1.7x the speed (no PIL image object, no copy out of it). The same DCT scale PIL's `draft` would pick
+is requested, and the EXIF orientation applied with numpy. Anything else — other formats, CMYK JPEGs,
+damaged files — goes through PIL, which also words the errors. It is the `turbo` decoder (`--decoder`).
 """
 from __future__ import annotations
 
@@ -17,6 +23,11 @@ import warnings
 import numpy as np
 
 from .errors import DecodeError
+
+try:
+    import simplejpeg as _simplejpeg
+except ImportError:  # pragma: no cover - optional: PIL decodes everything
+    _simplejpeg = None
 
 SUPPORTED_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 
@@ -49,9 +60,62 @@ def _to_rgb(img):
     return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
 
 
-def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None) -> np.ndarray:
+def turbo_jpeg_available() -> bool:
+    return _simplejpeg is not None
+
+
+def _draft_scale(size: tuple[int, int], draft_size: tuple[int, int] | None) -> int:
+    """The DCT scale denominator PIL's JPEG `draft` picks: the largest of 8/4/2/1 not above the ratio."""
+    if not draft_size:
+        return 1
+    ratio = min(size[0] // max(draft_size[0], 1), size[1] // max(draft_size[1], 1))
+    return next(s for s in (8, 4, 2, 1) if ratio >= s)
+
+
+def _exif_orient(arr: np.ndarray, orientation: int) -> np.ndarray:
+    """The numpy equivalent of `ImageOps.exif_transpose` for EXIF orientations 2-8."""
+    if orientation == 2:
+        return arr[:, ::-1]
+    if orientation == 3:
+        return arr[::-1, ::-1]
+    if orientation == 4:
+        return arr[::-1]
+    if orientation == 5:
+        return arr.transpose(1, 0, 2)
+    if orientation == 6:
+        return np.rot90(arr, -1)
+    if orientation == 7:
+        return arr[::-1, ::-1].transpose(1, 0, 2)
+    if orientation == 8:
+        return np.rot90(arr, 1)
+    return arr
+
+
+def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None) -> np.ndarray | None:
+    """libjpeg-turbo into numpy for a plain RGB/greyscale JPEG; None when PIL should decode it."""
+    if _simplejpeg is None or img.format != "JPEG" or img.mode not in ("RGB", "L"):
+        return None
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:  # noqa: BLE001 - a broken EXIF block: PIL's exif_transpose ignores it too
+        orientation = 1
+    w, h = img.size
+    s = _draft_scale((w, h), draft_size)
+    try:
+        arr = _simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=(w + s - 1) // s, min_height=(h + s - 1) // s,
+                                      strict=True)
+    except Exception:  # noqa: BLE001 - damaged or unusual file: PIL decodes it or reports the precise error
+        return None
+    if arr.shape[:2] != ((h + s - 1) // s, (w + s - 1) // s):
+        return None
+    return _exif_orient(arr, orientation if orientation in range(1, 9) else 1)
+
+
+def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None,
+                 turbo: bool = False) -> np.ndarray:
     """Decodes one image. `draft_size` (w, h), when set, lets JPEG decode at a reduced DCT scale
-    no smaller than that size (see the JPEG draft decode in the README)."""
+    no smaller than that size (see the JPEG draft decode in the README). `turbo` takes the libjpeg-turbo
+    fast path for the JPEGs it handles (same pixels)."""
     from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
     ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -73,6 +137,9 @@ def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | Non
         raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)", "too_large")
     if w == 0 or h == 0:
         raise DecodeError(f"image has an empty size {w}x{h}")
+    fast = _decode_turbo_jpeg(img, data, draft_size) if turbo else None
+    if fast is not None:
+        return np.ascontiguousarray(fast)
     try:
         if draft_size is not None and img.format == "JPEG":
             img.draft("RGB", draft_size)

@@ -31,13 +31,13 @@ from .decode import SUPPORTED_FORMATS, decode_image
 from .errors import DecodeError
 from .preprocess import PreprocessConfig, target_size
 
-DECODERS = ("pil", "torchvision", "dali")
+DECODERS = ("turbo", "pil", "torchvision", "dali")
 
 
 @dataclass(frozen=True)
 class DecodeOptions:
     max_pixels: int
-    decoder: str = "pil"
+    decoder: str = "turbo"
     jpeg_draft: bool = True
     resize: bool = False  # resize to the smart_resize target in the worker...
     patchify: bool = False  # ...and cut it into uint8 still-image patches there (preprocess.patchify_uint8)
@@ -146,8 +146,8 @@ def decode_job(data: bytes, opts: DecodeOptions, slot: int) -> tuple:
         pixels = _decode_torchvision(data, opts.max_pixels)
     elif opts.decoder == "dali" and is_jpeg and draft is None:
         pixels = _decode_dali(data, opts.max_pixels)
-    else:  # PIL: every format, and JPEG draft decode
-        pixels = decode_image(data, opts.max_pixels, draft_size=draft)
+    else:  # turbo / PIL: every format, and JPEG draft decode
+        pixels = decode_image(data, opts.max_pixels, draft_size=draft, turbo=opts.decoder == "turbo")
     if source == (0, 0):
         source = pixels.shape[:2]
     scale = max(1, round(source[0] / pixels.shape[0])) if draft else 1

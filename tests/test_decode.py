@@ -103,3 +103,48 @@ def test_decode_error_is_picklable():
 
     e = pickle.loads(pickle.dumps(DecodeError("x", "too_large")))
     assert e.reason == "x" and e.kind == "too_large"
+
+
+def _jpeg_cases():
+    arr = textured(333, 517, seed=3)
+    cases = {"rgb-420": save(Image.fromarray(arr), "JPEG", quality=90),
+             "rgb-444": save(Image.fromarray(arr), "JPEG", quality=95, subsampling=0),
+             "progressive": save(Image.fromarray(arr), "JPEG", quality=85, progressive=True),
+             "grey": save(Image.fromarray(arr[..., 1], "L"), "JPEG", quality=90)}
+    for o in range(1, 9):
+        exif = Image.Exif()
+        exif[0x0112] = o
+        cases[f"exif-{o}"] = save(Image.fromarray(arr), "JPEG", quality=90, exif=exif.tobytes())
+    return cases
+
+
+JPEG_CASES = _jpeg_cases()
+
+
+@pytest.mark.parametrize("draft", [None, (258, 166), (129, 83), (60, 40)], ids=["full", "half", "quarter", "eighth"])
+@pytest.mark.parametrize("case", sorted(JPEG_CASES))
+def test_turbo_jpeg_path_is_pixel_identical_to_pil(case, draft):
+    """The libjpeg-turbo fast path gives exactly PIL's pixels: subsampling, progressive, greyscale, every EXIF
+    orientation, and PIL's own DCT scale for each draft size."""
+    from encoder_server import decode
+
+    if not decode.turbo_jpeg_available():
+        pytest.skip("simplejpeg is not installed: PIL decodes every JPEG")
+    data = JPEG_CASES[case]
+    with Image.open(io.BytesIO(data)) as img:
+        assert decode._decode_turbo_jpeg(img, data, draft) is not None  # the fast path really runs
+    fast = decode_image(data, LIMIT, draft_size=draft, turbo=True)
+    slow = decode_image(data, LIMIT, draft_size=draft, turbo=False)
+    assert fast.shape == slow.shape and fast.flags.c_contiguous
+    np.testing.assert_array_equal(fast, slow)
+
+
+def test_turbo_jpeg_path_leaves_cmyk_and_truncated_files_to_pil():
+    from encoder_server import decode
+
+    cmyk = encode_image(textured(40, 60), "JPEG", mode="CMYK")
+    with Image.open(io.BytesIO(cmyk)) as img:
+        assert decode._decode_turbo_jpeg(img, cmyk, None) is None
+    data = encode_image(textured(200, 200), "JPEG")
+    with Image.open(io.BytesIO(data[: len(data) // 2])) as img:
+        assert decode._decode_turbo_jpeg(img, data[: len(data) // 2], None) is None

@@ -1,7 +1,7 @@
 """Every combination of the encoder's optimisation switches returns the same embeddings.
 
 Switches: --pipeline, --batching, --decode-workers (thread vs process + shm handoff), --jpeg-draft,
---resize-in (device vs decoder), --decoder (pil, torchvision, dali when installed). Pipelines run
+--resize-in (device vs decoder), --decoder (turbo, pil, torchvision, dali when installed). Pipelines run
 in-process (no gRPC), several requests at once so batches really form.
 
 Pixels are identical across switches; embeddings agree within 1e-5 (fp32: a batched matmul may sum in
@@ -66,7 +66,7 @@ def config(**kw) -> EncoderServerConfig:
 def reference():
     datas = images()
     ref_full = asyncio.run(run_pipeline(config(pipeline=False, batching=False, decode_workers=0, jpeg_draft=False,
-                                                resize_in="device"), datas))
+                                                resize_in="device", decoder="pil"), datas))
     return datas, ref_full
 
 
@@ -84,7 +84,7 @@ def test_switches_give_identical_embeddings(reference, pipeline, batching, worke
         assert (a - b).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("decoder", ["torchvision", "dali"])
+@pytest.mark.parametrize("decoder", ["turbo", "torchvision", "dali"])
 def test_decoders_give_identical_embeddings(reference, decoder):
     if decoder == "dali":
         pytest.importorskip("nvidia.dali", reason="the dali extra is not installed")

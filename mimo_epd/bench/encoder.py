@@ -7,9 +7,11 @@ no in-flight de-duplication, the full cost every time. Servers run with `--cache
 Modes, each against the same closed-loop load (`--concurrency` clients, `--requests` requests, after
 a warm-up) on a fresh server process:
 - `naive`: the same server with every switch off (`--no-pipeline --no-batching --decode-workers 0
-  --no-jpeg-draft --resize-in device`): one request at a time through fetch -> decode -> preprocess -> forward;
+  --no-jpeg-draft --resize-in device --decoder pil`): one request at a time through fetch -> decode ->
+  preprocess -> forward; `naive_turbo` (tiny only) is the same with the default `turbo` JPEG decoder, so the
+  decoder's share of the gain can be told apart from the pipeline's;
 - `pipelined`: the defaults (overlapped stages, cross-request batching, decode processes with shm
-  handoff, JPEG draft decode, resize in the decoders);
+  handoff, libjpeg-turbo decode, JPEG draft decode, resize in the decoders);
 - `transformers`: what a user would write: per request, download, PIL decode, `Qwen2VLImageProcessor`,
   transformers' vision model with the same weights, in this process, one request at a time.
 Stage busy fractions come from the server's Prometheus counters: busy seconds / (wall x workers).
@@ -40,7 +42,7 @@ from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 LARGE_VISION_CONFIG = VisionConfig(depth=6, hidden_size=192, intermediate_size=384, num_heads=3, patch_size=14,
                                    window_size=112, out_hidden_size=256, fullatt_block_indexes=[5])
 NAIVE_FLAGS = ["--no-pipeline", "--no-batching", "--decode-workers", "0", "--no-jpeg-draft", "--resize-in", "device",
-               "--resize-backend", "torch"]
+               "--resize-backend", "torch", "--decoder", "pil"]
 PIPELINED_FLAGS: list[str] = []
 STAGES = ("fetch", "decode", "preprocess", "encode")
 
@@ -165,22 +167,27 @@ def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
     tf_names = names[: max(len(mix), min(len(names), args.transformers_requests))]
     modes["transformers"] = run_transformers(ckpt, media, tf_names, warmup[: len(mix)])
     result = {"requests": n, "modes": modes, "ratios": ratios(modes)}
+    if size == "tiny":
+        nt = run_server_mode(model_arg, [f for f in NAIVE_FLAGS if f not in ("--decoder", "pil")], media, names,
+                             warmup, args.concurrency)
+        result["naive_turbo"] = {k: nt[k] for k in ("qps", "avg_ms", "p90_ms", "avg_stage_ms")}
+        result["ratios"]["qps_vs_naive_turbo"] = round(modes["pipelined"]["qps"] / nt["qps"], 3)
     if size == "tiny" and args.decoders:
         decoders = {}
-        for dec in ("pil", "torchvision", "dali"):
+        for dec in ("turbo", "pil", "torchvision", "dali"):
             if dec == "dali":
                 try:
                     import nvidia.dali  # noqa: F401
                 except ImportError:
                     decoders[dec] = "not installed"
                     continue
-            flags = ["--decoder", dec] if dec != "pil" else []
-            if dec != "pil":
-                flags += ["--no-jpeg-draft"]  # draft decode is a PIL feature; compare decoders like for like
+            flags = ["--decoder", dec]
+            if dec not in ("turbo", "pil"):
+                flags += ["--no-jpeg-draft"]  # draft decode is a libjpeg-turbo/PIL feature here
             r = run_server_mode(model_arg, flags, media, names[: max(8, n // 2)], warmup, args.concurrency)
             decoders[dec] = {k: r[k] for k in ("qps", "avg_ms", "p90_ms", "avg_stage_ms")}
         decoders["pil_no_draft"] = {k: v for k, v in run_server_mode(
-            model_arg, ["--no-jpeg-draft"], media, names[: max(8, n // 2)], warmup, args.concurrency).items()
+            model_arg, ["--decoder", "pil", "--no-jpeg-draft"], media, names[: max(8, n // 2)], warmup, args.concurrency).items()
             if k in ("qps", "avg_ms", "p90_ms", "avg_stage_ms")}
         result["decoders"] = decoders
     return result
@@ -231,7 +238,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model-size", choices=["tiny", "large", "both"], default="both",
                    help="tiny runs always; large adds the forward-bound config (default: both)")
     p.add_argument("--decoders", action=__import__("argparse").BooleanOptionalAction, default=True,
-                   help="also compare decoder backends (pil, torchvision, dali) on tiny (default: on)")
+                   help="also compare decoder backends (turbo, pil, torchvision, dali) on tiny (default: on)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
 
 

@@ -167,8 +167,8 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=0, help="replay only the first N requests, 0 = all (default: 0)")
     p.add_argument("--budget-fraction", type=float, default=0.05,
                    help="KV bytes as a fraction of the trace's unique full-attention KV bytes (default: 0.05)")
-    p.add_argument("--swa-share", type=float, default=0.2,
-                   help="share of the budget for the SWA pool in the SWA-aware cache (default: 0.2)")
+    p.add_argument("--swa-share", type=float, default=0.3,
+                   help="share of the budget for the SWA pool in the SWA-aware cache (default: 0.3)")
     p.add_argument("--page-size", type=int, default=128, help="full-pool page, tokens (default: 128)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk, tokens (default: 8192)")
     p.add_argument("--token-unit", type=int, default=128, help="tokens per simulated slot (default: 128)")
