@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import mmap
 import multiprocessing
 import os
@@ -31,6 +32,7 @@ from .decode import SUPPORTED_FORMATS, decode_image
 from .errors import DecodeError
 from .preprocess import PreprocessConfig, target_size
 
+log = logging.getLogger(__name__)
 DECODERS = ("turbo", "pil", "torchvision", "dali")
 
 
@@ -254,12 +256,22 @@ class DecodePool:
             self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
             initargs=(self._arena_path, self.slot_bytes, self.opts.max_pixels))
         loop = asyncio.get_running_loop()
-        pids = await asyncio.gather(*(loop.run_in_executor(self._executor, _started, 0.2) for _ in range(self.workers)))
-        if len(set(pids)) == self.workers:
+        # Each call holds its worker a while, so the next call lands on another one; a worker that is slow to
+        # spawn (a loaded machine) is waited for with longer holds. Workers live as long as the pool.
+        seen: set[int] = set()
+        for hold in (0.2, 0.5, 1.0, 2.0, 4.0):
+            seen.update(await asyncio.gather(*(loop.run_in_executor(self._executor, _started, hold)
+                                              for _ in range(self.workers))))
+            if len(seen) >= self.workers:
+                break
+        if len(seen) >= self.workers:
             # Every worker has mapped the arena: remove its name, so nothing is left in /dev/shm however this
             # process ends (SIGKILL included); the mappings stay valid until the processes exit.
             os.unlink(self._arena_path)
             self._arena_path = None
+        else:
+            log.warning("only %d of %d decode workers started in time: %s stays in /dev/shm until a clean stop",
+                        len(seen), self.workers, self._arena_path)
 
     def stop(self) -> None:
         if self._executor is not None:

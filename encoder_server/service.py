@@ -28,12 +28,15 @@ SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
 _MODALITIES = {encoder_pb2.MODALITY_UNSPECIFIED: "image", encoder_pb2.IMAGE: "image", encoder_pb2.VIDEO: "video"}
 
 
-def tensor_to_proto(t: torch.Tensor) -> encoder_pb2.Tensor:
+def fill_tensor(out: encoder_pb2.Tensor, t: torch.Tensor) -> None:
+    """Writes `t` into a message field in place. Embeddings are megabytes: building a message and passing it
+    to a parent's constructor copies it once per level, so responses are filled where they live."""
     t = t.detach().to("cpu").contiguous()
-    data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
         raise RuntimeError("big-endian hosts are not supported")
-    return encoder_pb2.Tensor(data=data, shape=list(t.shape), dtype=str(t.dtype).removeprefix("torch."))
+    out.data = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    out.shape.extend(t.shape)
+    out.dtype = str(t.dtype).removeprefix("torch.")
 
 
 def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
@@ -55,18 +58,18 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
                        video_min_frames=v.min_frames)
 
 
-def result_to_proto(r: ItemResult) -> encoder_pb2.ItemEmbedding:
+def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
     t = r.timings_ms
-    out = encoder_pb2.ItemEmbedding(
-        content_key=r.content_key, embedding=tensor_to_proto(r.embedding), grid_thw=list(r.grid_thw),
-        num_tokens=r.num_tokens, cache_hit=r.cache_hit,
-        timings=encoder_pb2.StageTimings(fetch_ms=t["fetch"], decode_ms=t["decode"], preprocess_ms=t["preprocess"],
-                                         queue_ms=t["queue"], encode_ms=t["encode"]))
+    out.content_key = r.content_key
+    fill_tensor(out.embedding, r.embedding)
+    out.grid_thw.extend(r.grid_thw)
+    out.num_tokens, out.cache_hit = r.num_tokens, r.cache_hit
+    out.timings.fetch_ms, out.timings.decode_ms, out.timings.preprocess_ms = t["fetch"], t["decode"], t["preprocess"]
+    out.timings.queue_ms, out.timings.encode_ms = t["queue"], t["encode"]
     if r.meta:
         out.timestamps_s.extend(r.meta.get("timestamps_s", []))
         if "video" in r.meta:
             out.video.CopyFrom(encoder_pb2.VideoInfo(**r.meta["video"]))
-    return out
 
 
 class EncoderService(encoder_pb2_grpc.EncoderServicer):
@@ -82,7 +85,10 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
             log.info("Encode %s failed: %s %s", request.request_id or "-", e.code.name, e)
             await context.abort(e.code, str(e))
         log.debug("Encode %s: %d items in %.1f ms", request.request_id or "-", len(results), (time.perf_counter() - t0) * 1e3)
-        return encoder_pb2.EncodeResponse(items=[result_to_proto(r) for r in results], model=self.pipeline.model_id)
+        response = encoder_pb2.EncodeResponse(model=self.pipeline.model_id)
+        for r in results:
+            fill_item(response.items.add(), r)
+        return response
 
 
 async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None = None,

@@ -210,7 +210,7 @@ def main(args) -> dict:
         "load": "closed loop, one image per request by URL, unique bytes per request, cache off"}}
     with tempfile.TemporaryDirectory() as workdir, MediaServer(images) as media:
         tiny = run_size("tiny", media, mix, args, workdir)
-        out.update(modes=tiny["modes"], ratios=tiny["ratios"])
+        out.update(modes=tiny["modes"], ratios=tiny["ratios"], naive_turbo=tiny["naive_turbo"])
         if "decoders" in tiny:
             out["decoders"] = tiny["decoders"]
         if args.model_size in ("both", "large"):
