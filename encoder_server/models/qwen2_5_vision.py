@@ -136,20 +136,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Non-causal attention within each segment [cu[i], cu[i+1]) of a packed sequence.
 
-    q, k, v: [S, H, D]. Segments of equal length are gathered into one batched SDPA call, so a
-    large image with hundreds of windows costs a handful of kernel launches, not hundreds.
+    q, k, v: [S, H, D]. Consecutive segments of equal length (the full windows of a row of windows, in
+    window order) are one zero-copy view [n, L, H, D] and one batched SDPA call: no gather and no scatter
+    of q/k/v, which on a CPU cost more than the attention itself for the small windowed heads.
     """
-    starts = cu_seqlens[:-1].long()
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    out = torch.empty_like(q)
-    for length in torch.unique(lengths).tolist():
-        if length == 0:
-            continue
-        seg_starts = starts[lengths == length]
-        idx = seg_starts[:, None] + torch.arange(length, device=q.device)[None, :]  # [n, L]
-        qb, kb, vb = (t[idx].transpose(1, 2) for t in (q, k, v))  # [n, H, L, D]
-        ob = F.scaled_dot_product_attention(qb, kb, vb)
-        out[idx] = ob.transpose(1, 2)
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    starts = cu_seqlens[:-1].tolist()
+    s, h, d = q.shape
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    i, n = 0, len(lengths)
+    while i < n:
+        j = i
+        while j + 1 < n and lengths[j + 1] == lengths[i]:
+            j += 1
+        length, a = lengths[i], starts[i]
+        b = a + length * (j - i + 1)
+        if length:
+            qb, kb, vb = (t[a:b].view(j - i + 1, length, h, -1).transpose(1, 2) for t in (q, k, v))
+            out[a:b] = F.scaled_dot_product_attention(qb, kb, vb).transpose(1, 2).reshape(b - a, h, -1)
+        i = j + 1
     return out
 
 
