@@ -183,7 +183,7 @@ class LLM:
         r = Request(next(self._ids), list(prompt_ids), params, time.monotonic(), media=media,
                     on_token=on_token, on_finish=on_finish)
         if params.seed is not None:
-            r.generator = torch.Generator().manual_seed(params.seed)
+            r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
         with self._lock:
             self.waiting.append(r)
             self._wake.notify()

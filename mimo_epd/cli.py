@@ -253,6 +253,7 @@ def add_sampling_arguments(p) -> None:
 
 
 def cmd_llm(args) -> int:
+    import torch
     import uvloop
 
     from llm_backend import LLM
@@ -260,7 +261,10 @@ def cmd_llm(args) -> int:
 
     setup_logging(args.log_level)
     try:
-        engine = LLM(args.model, device=args.device, kv_cache_tokens=args.kv_cache_tokens,
+        dtype = args.dtype if args.dtype != "auto" else ("bfloat16" if args.device.startswith("cuda") else "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {args.dtype!r}")
+        engine = LLM(args.model, device=args.device, dtype=getattr(torch, dtype), kv_cache_tokens=args.kv_cache_tokens,
                      swa_cache_tokens=args.swa_cache_tokens, page_size=args.page_size, chunk_size=args.chunk_size,
                      enable_prefix_cache=args.prefix_cache, release_interval=args.release_interval,
                      max_running=args.max_running, fcfs=args.fcfs, wait_penalty_tokens_per_s=args.wait_penalty,
@@ -400,6 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     llm.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     llm.add_argument("--port", type=int, default=50061, help="gRPC port, 0 = any (default: 50061)")
     llm.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    llm.add_argument("--dtype", default="auto",
+                     help="weights, activations and KV: float32, bfloat16, float16 or auto (bfloat16 on CUDA, else "
+                          "float32) (default: auto)")
     llm.add_argument("--encoder", default="", help="encoder (or router) address for media items (default: none)")
     llm.add_argument("--kv-cache-tokens", type=int, default=16384, help="full-attention KV pool, tokens (default: 16384)")
     llm.add_argument("--swa-cache-tokens", type=int, default=4096, help="sliding-window KV pool, tokens (default: 4096)")

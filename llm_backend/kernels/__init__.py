@@ -12,6 +12,7 @@ import os
 import torch
 
 from .attention import decode_attention, decode_attention_torch, extend_attention, extend_attention_torch
+from ._triton import triton
 from .moe import align_by_expert, fused_moe, fused_moe_torch, grouped_gemm, topk_routing, topk_routing_torch
 
 # "triton" forces the Triton kernels (tests run them on the CPU under TRITON_INTERPRET=1); "torch" forces
@@ -22,6 +23,10 @@ KERNELS_ENV = "MIMO_EPD_LLM_KERNELS"
 def triton_enabled(device) -> bool:
     """Whether the engine should call the Triton kernels for tensors on `device`."""
     forced = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if triton is None:
+        if forced == "triton":
+            raise RuntimeError(f"{KERNELS_ENV}=triton, but this torch build has no Triton")
+        return False
     if forced == "triton":
         return True
     if forced == "torch":

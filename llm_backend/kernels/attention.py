@@ -26,10 +26,22 @@ The torch twins (`*_torch`) have the same signatures; they are the tests' oracle
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+from ._triton import jit, tl, triton
 
 _MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16 on the GPU
+_TILE_BYTES = 48 * 1024  # one K + V key block; two pipeline stages of it stay well inside shared memory
+
+
+def _blocks(d: int, dv: int, dtype: torch.dtype) -> dict:
+    """Head-dim blocks (powers of two, masked) and the key block: as many keys as fit `_TILE_BYTES` (at the
+    real shape, D=192 -> 256 and Dv=128, that is 64 keys in bf16 and 32 in fp32), two stages."""
+    block_d = max(_MIN_DOT_ROWS, triton.next_power_of_2(d))
+    block_dv = max(_MIN_DOT_ROWS, triton.next_power_of_2(dv))
+    per_key = (block_d + block_dv) * torch.tensor([], dtype=dtype).element_size()
+    block_n = 64
+    while block_n > _MIN_DOT_ROWS and block_n * per_key > _TILE_BYTES:
+        block_n //= 2
+    return {"BLOCK_D": block_d, "BLOCK_DV": block_dv, "BLOCK_N": block_n, "num_stages": 2}
 
 
 def _check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
@@ -82,7 +94,7 @@ def _softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None,
 # ---------------------------------------------------------------------------------------------- decode
 
 
-@triton.jit
+@jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
                    scale, window,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
@@ -162,8 +174,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         slot_table.stride(0), out.stride(0), out.stride(1),
         REP=rep, D=d, DV=dv,
-        BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(rep)), BLOCK_N=64,
-        BLOCK_D=max(_MIN_DOT_ROWS, triton.next_power_of_2(d)), BLOCK_DV=max(_MIN_DOT_ROWS, triton.next_power_of_2(dv)),
+        BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(rep)), **_blocks(d, dv, q.dtype),
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4)
     return out
@@ -204,7 +215,7 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 # ---------------------------------------------------------------------------------------------- extend
 
 
-@triton.jit
+@jit
 def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstarts_ptr, block_seq_ptr, block_idx_ptr, sinks_ptr,
                    out_ptr, scale, window,
                    stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ot, stride_oh,
@@ -323,8 +334,7 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         float(scale), int(sliding_window or 0),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         slot_table.stride(0), out.stride(0), out.stride(1),
-        REP=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=64,
-        BLOCK_D=max(_MIN_DOT_ROWS, triton.next_power_of_2(d)), BLOCK_DV=max(_MIN_DOT_ROWS, triton.next_power_of_2(dv)),
+        REP=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, **_blocks(d, dv, q.dtype),
         HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=4)
     return out

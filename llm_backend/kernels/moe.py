@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
+from ._triton import jit, tl, triton
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on the GPU
 
@@ -35,7 +34,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # --------------------------------------------------------------------------------------------- routing
 
 
-@triton.jit
+@jit
 def _topk_routing_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stride_lt, scaling,
                          TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                          NORMALIZE: tl.constexpr):
@@ -146,7 +145,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
     return sorted_rows, block_expert, counts
 
 
-@triton.jit
+@jit
 def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, scale_ptr,
                          num_rows, N, K, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,

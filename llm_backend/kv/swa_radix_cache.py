@@ -31,7 +31,7 @@ from .pools import SlotPool
 
 
 class Node:
-    __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_locks", "last_access", "id")
+    __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_need", "last_access", "id")
     _ids = itertools.count()
 
     def __init__(self, key: list[int], full: list[int], swa: list[int | None], parent: "Node | None"):
@@ -39,9 +39,15 @@ class Node:
         self.children: dict[int, Node] = {}
         self.parent = parent
         self.full_locks = 0
-        self.swa_locks = 0
+        # SWA locks on this node, keyed by how many window tokens the lock still needed when it reached this
+        # node: a split must know which locks reach back into the new head (see `_split`).
+        self.swa_need: dict[int, int] = {}
         self.last_access = 0
         self.id = next(Node._ids)
+
+    @property
+    def swa_locks(self) -> int:
+        return sum(self.swa_need.values())
 
     @property
     def live_swa(self) -> int:
@@ -88,7 +94,13 @@ class SWARadixCache:
         """Splits `node` so that its first `at` tokens become a new parent; returns that parent."""
         parent = node.parent
         head = Node(node.key[:at], node.full[:at], node.swa[:at], parent)
-        head.full_locks, head.swa_locks, head.last_access = node.full_locks, node.swa_locks, node.last_access
+        head.full_locks, head.last_access = node.full_locks, node.last_access  # every path through node passes head
+        # An SWA lock that needed r tokens at `node` now gets len(tail) of them from the tail and reaches the head
+        # only if r exceeds that; copying the count would leave locks on the head that no unlock ever reaches.
+        tail_len = len(node.key) - at
+        for need, count in node.swa_need.items():
+            if need > tail_len:
+                head.swa_need[need - tail_len] = head.swa_need.get(need - tail_len, 0) + count
         parent.children[self._edge(node.key)] = head
         node.key, node.full, node.swa = node.key[at:], node.full[at:], node.swa[at:]
         node.parent = head
@@ -160,10 +172,11 @@ class SWARadixCache:
 
     # ----------------------------------------------------------------------------------- locks
     def _swa_nodes(self, node: Node):
-        """Nodes covering the last `window` tokens ending at `node`."""
+        """(node, window tokens still needed on reaching it) for the nodes covering the last `window` tokens
+        ending at `node`."""
         need = self.window
         while node is not self.root and need > 0:
-            yield node
+            yield node, need
             need -= len(node.key)
             node = node.parent
 
@@ -172,8 +185,8 @@ class SWARadixCache:
         while n is not None:
             n.full_locks += 1
             n = n.parent
-        for s in self._swa_nodes(node):
-            s.swa_locks += 1
+        for s, need in self._swa_nodes(node):
+            s.swa_need[need] = s.swa_need.get(need, 0) + 1
 
     def unlock(self, node: Node) -> None:
         n = node
@@ -182,10 +195,14 @@ class SWARadixCache:
                 raise RuntimeError("radix cache: full lock underflow")
             n.full_locks -= 1
             n = n.parent
-        for s in self._swa_nodes(node):
-            if s.swa_locks <= 0:
+        for s, need in self._swa_nodes(node):
+            left = s.swa_need.get(need, 0)
+            if left <= 0:
                 raise RuntimeError("radix cache: SWA lock underflow")
-            s.swa_locks -= 1
+            if left == 1:
+                del s.swa_need[need]
+            else:
+                s.swa_need[need] = left - 1
         self.root.full_locks = max(self.root.full_locks, 1)
 
     # ----------------------------------------------------------------------------------- insertion

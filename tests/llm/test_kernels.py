@@ -229,3 +229,29 @@ def test_half_precision():
     ref = fused_moe_torch(x, w_gate_up, w_down, weights, ids)
     assert out.dtype == torch.float16
     torch.testing.assert_close(out, ref, atol=1e-2, rtol=1e-2)
+
+
+def test_real_head_dims_and_key_blocks():
+    """MiMo's head dims (q/k 192 -> a masked 256 block, v 128) with the key block sized for them (32 keys in
+    fp32): decode and extend cross several key blocks, with a window and sinks."""
+    from llm_backend.kernels.attention import _blocks
+
+    assert _blocks(192, 128, torch.float32)["BLOCK_N"] == 32 and _blocks(192, 128, torch.bfloat16)["BLOCK_N"] == 64
+    gen = torch.Generator().manual_seed(7)
+    d, dv, hkv, rep, slots = 192, 128, 1, 2, 160
+    k_cache = torch.randn(slots, hkv, d, generator=gen).to(DEVICE)
+    v_cache = torch.randn(slots, hkv, dv, generator=gen).to(DEVICE)
+    table = torch.randperm(slots, generator=gen)[:140].view(2, 70).to(torch.int32).to(DEVICE)
+    lens = torch.tensor([70, 45], dtype=torch.int32, device=DEVICE)
+    sinks = torch.randn(hkv * rep, generator=gen).to(DEVICE)
+    scale = d ** -0.5
+    q = torch.randn(2, hkv * rep, d, generator=gen).to(DEVICE)
+    for window in (None, 41):
+        torch.testing.assert_close(decode_attention(q, k_cache, v_cache, table, lens, scale, window, sinks),
+                                   decode_attention_torch(q, k_cache, v_cache, table, lens, scale, window, sinks),
+                                   atol=1e-5, rtol=1e-5)
+    q_starts = torch.tensor([0, 37, 40], dtype=torch.int32, device=DEVICE)  # 37 new of 70, 3 new of 45
+    qx = torch.randn(40, hkv * rep, d, generator=gen).to(DEVICE)
+    torch.testing.assert_close(extend_attention(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
+                               extend_attention_torch(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
+                               atol=1e-5, rtol=1e-5)

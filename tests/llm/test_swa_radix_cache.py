@@ -313,3 +313,24 @@ def test_swa_eviction_trims_to_node_ends_first_even_under_a_lock():
     assert again.cached_tokens == 40  # the prompt's end is still window-safe
     h.finish(again)
     h.check_accounting()
+
+
+def test_split_of_a_locked_node_leaves_no_swa_lock_behind():
+    """A request's checkpointed chunk is split by a second request matching part of it: after both finish no
+    node keeps an SWA lock (a copied count would stay on the head forever and block its eviction)."""
+    h = Harness(full=400, swa=120)
+    a = toks(20, seed=41)
+    r1 = h.start(a)
+    h.compute(r1, a)
+    r1.checkpoint()  # the 20 tokens are one tree node, SWA-locked by r1 over its last W
+    r2 = h.start(a[:6] + [1, 2])  # matches 6: the node splits into 6 + 14, the lock stays on the 14-token tail
+    assert r2.cached_tokens == 6
+    locks = {len(n.key): n.swa_locks for n in h.cache._nodes()}
+    assert locks == {6: 1, 14: 1}  # head: r2's lock only; tail: r1's (its 14 tokens cover r1's window of W)
+    h.finish(r2)
+    h.finish(r1)
+    assert all(n.swa_locks == 0 and n.full_locks == 0 for n in h.cache._nodes())
+    h.cache.evict_swa(10 ** 6)
+    h.cache.evict_full(10 ** 6)
+    assert h.cache.token_count() == 0  # nothing pinned: everything could be evicted
+    h.check_accounting()
