@@ -371,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         b = bsub.add_parser(name, help=help_text)
         module.add_arguments(b)
-        b.set_defaults(fn=module.run)
+        b.set_defaults(fn=lambda args, main=module.main: print(json.dumps(main(args))) or 0)  # one JSON object
 
     ev = sub.add_parser("encode-video", help="encode a video file in-process, with a progress bar and a JSON summary")
     ev.add_argument("video", help="video file (any container/codec FFmpeg reads)")

@@ -14,7 +14,6 @@ not on how long a forward takes.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
@@ -158,8 +157,3 @@ def add_arguments(p) -> None:
     p.add_argument("--vnodes", type=int, default=160, help="virtual nodes per encoder (default: 160)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0

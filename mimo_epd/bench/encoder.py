@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import json
 import os
 import socket
 import tempfile
@@ -240,8 +239,3 @@ def add_arguments(p) -> None:
     p.add_argument("--decoders", action=__import__("argparse").BooleanOptionalAction, default=True,
                    help="also compare decoder backends (turbo, pil, torchvision, dali) on tiny (default: on)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0

@@ -16,7 +16,6 @@ near-tie may differ).
 """
 from __future__ import annotations
 
-import json
 import random
 import time
 
@@ -144,8 +143,3 @@ def add_arguments(p) -> None:
                    help="transformers generate batch size (default: 8, its fastest of 4/8/16/64 here)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0

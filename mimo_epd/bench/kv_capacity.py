@@ -20,7 +20,6 @@ token-level run gives, at a fraction of the bookkeeping.
 """
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import replace
@@ -171,8 +170,3 @@ def add_arguments(p) -> None:
                    help="fixed share of the bytes for the SWA pool (default: sized for each context)")
     p.add_argument("--token-unit", type=int, default=16, help="tokens per simulated slot (default: 16)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0

@@ -175,8 +175,3 @@ def add_arguments(p) -> None:
     p.add_argument("--evict-fraction", type=float, default=0.01,
                    help="evict at least this fraction of a pool at a time (default: 0.01)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): the first 1000 requests")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0

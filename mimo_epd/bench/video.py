@@ -11,7 +11,6 @@ The test video is generated once (`make-test-video`, 640x360 H.264 30 fps, GOP 2
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -112,8 +111,3 @@ def add_arguments(p) -> None:
     p.add_argument("--workers", type=int, default=0, help="parallel decoders (0 = every core) (default: 0)")
     p.add_argument("--model", default="tiny", help="vision model (default: tiny)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): a 30-second video")
-
-
-def run(args) -> int:
-    print(json.dumps(main(args)))
-    return 0
