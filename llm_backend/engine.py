@@ -295,20 +295,13 @@ class LLM:
         use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
         kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
         first = min(self.chunk_size, len(tokens) - kv.cached_tokens)
-        if not self._ensure(first + self.full_pool.page_size, first):
+        if not self.cache.make_room(first + self.full_pool.page_size, first):
             kv.finish(cache_result=False)
             return False
         r.kv = kv
         if not r.output:  # a preempted request keeps its first admission's figure
             r.cached_tokens = kv.cached_tokens
         return True
-
-    def _ensure(self, full: int, swa: int) -> bool:
-        if self.full_pool.available() < full:
-            self.cache.evict_full(full - self.full_pool.available())
-        if self.swa_pool.available() < swa:
-            self.cache.evict_swa(swa - self.swa_pool.available())
-        return self.full_pool.available() >= full and self.swa_pool.available() >= swa
 
     def _preempt(self, r: Request) -> None:
         self.preemptions += 1
@@ -321,7 +314,7 @@ class LLM:
         kv, tokens = r.kv, r.tokens
         start = len(kv.tokens)
         n = min(self.chunk_size, len(tokens) - start)
-        if not self._ensure(n + self.full_pool.page_size, n):  # a new page at most beyond n
+        if not self.cache.make_room(n + self.full_pool.page_size, n):  # a new page at most beyond n
             raise PoolExhausted("KV pools are full")
         new = tokens[start:start + n]
         kv.extend(new)

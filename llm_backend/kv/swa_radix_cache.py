@@ -303,6 +303,15 @@ class SWARadixCache:
         self.stats.swa_evicted += freed
         return freed
 
+    def make_room(self, full: int, swa: int, min_full: int = 0, min_swa: int = 0) -> bool:
+        """Evicts what is needed (at least `min_*` at a time when it must evict: a low watermark amortises the
+        LRU scan) so that `full` and `swa` slots are free; returns whether they are."""
+        if self.full_pool.available() < full:
+            self.evict_full(max(full - self.full_pool.available(), min_full))
+        if self.swa_pool.available() < swa:
+            self.evict_swa(max(swa - self.swa_pool.available(), min_swa))
+        return self.full_pool.available() >= full and self.swa_pool.available() >= swa
+
     def evict_full(self, num: int) -> int:
         """Frees at least `num` full slots if it can (LRU over unlocked leaves; parents follow)."""
         heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.full_locks == 0]

@@ -76,13 +76,6 @@ class Replay:
         self.prompt_tokens = 0
         self.skipped = 0
 
-    def _ensure(self, full: int, swa: int) -> bool:
-        if self.full_pool.available() < full:
-            self.cache.evict_full(max(full - self.full_pool.available(), self.evict_full_min))
-        if self.swa_pool.available() < swa:
-            self.cache.evict_swa(max(swa - self.swa_pool.available(), self.evict_swa_min))
-        return self.full_pool.available() >= full and self.swa_pool.available() >= swa
-
     def request(self, units: list[int], input_length: int, unit: int) -> None:
         kv = RequestKV(self.cache, units, NEVER_RELEASE)
         self.prompt_tokens += input_length
@@ -91,7 +84,7 @@ class Replay:
         try:
             while done < len(units):
                 n = min(self.chunk, len(units) - done)
-                if not self._ensure(n + self.full_pool.page_size, n):
+                if not self.cache.make_room(n + self.full_pool.page_size, n, self.evict_full_min, self.evict_swa_min):
                     raise PoolExhausted("pools full")
                 kv.extend(units[done:done + n])
                 kv.checkpoint()  # as the engine: each prompt chunk goes into the tree at once (shareable at once)
