@@ -95,6 +95,17 @@ def _softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None,
 
 
 @jit
+def _key_block(table_row, start, end, k_base, stride_ks, d, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Columns [start, start + BLOCK_N) of one sequence, clipped at `end`: (cols, valid, pool slots, keys
+    transposed [BLOCK_D, BLOCK_N]) — keys are gathered through the slot table, so pages need not be contiguous."""
+    cols = start + tl.arange(0, BLOCK_N)
+    col_ok = cols < end
+    slots = tl.load(table_row + cols, mask=col_ok, other=0).to(tl.int64)
+    k = tl.load(k_base + slots[None, :] * stride_ks + d[:, None], mask=col_ok[None, :] & (d[:, None] < D), other=0.0)
+    return cols, col_ok, slots, k
+
+
+@jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
                    scale, window,
                    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
@@ -129,11 +140,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     for start in range(lo, kv_len, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_len
-        slots = tl.load(table_ptr + b * stride_tb + cols, mask=col_ok, other=0).to(tl.int64)
-        k = tl.load(k_base + slots[None, :] * stride_ks + d[:, None],
-                    mask=col_ok[None, :] & (d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+        cols, col_ok, slots, k = _key_block(table_ptr + b * stride_tb, start, kv_len, k_base, stride_ks, d, D, BLOCK_N)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         s = tl.where(col_ok[None, :], s, float("-inf"))
         # Every block has >= 1 valid column, so m_new is finite and no -inf - -inf can appear.
@@ -260,11 +267,7 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstarts_ptr, block_
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_vh
     for start in range(lo, hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < hi
-        slots = tl.load(table_ptr + b * stride_tb + cols, mask=col_ok, other=0).to(tl.int64)
-        k = tl.load(k_base + slots[None, :] * stride_ks + d[:, None],
-                    mask=col_ok[None, :] & (d[:, None] < D), other=0.0)  # [BLOCK_D, BLOCK_N]
+        cols, col_ok, slots, k = _key_block(table_ptr + b * stride_tb, start, hi, k_base, stride_ks, d, D, BLOCK_N)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale
         visible = row_ok[:, None] & col_ok[None, :] & (cols[None, :] <= q_col[:, None])
         if HAS_WINDOW:
