@@ -95,7 +95,7 @@ async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None
                         stop: asyncio.Event | None = None, announce: bool = True) -> int:
     pipeline = EncodePipeline(config)
     await pipeline.start()
-    server = new_server(config.max_message_mb)
+    server, drain = new_server(config.max_message_mb)
     encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderService(pipeline), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -117,8 +117,7 @@ async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None
     stop_on_signals(stop)
     await stop.wait()
     log.info("shutting down: refusing new requests, %gs grace for in-flight ones", config.grace_period_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(config.grace_period_s)
+    await drain.stop(server, health, config.grace_period_s)
     await pipeline.stop()
     log.info("stopped")
     return 0

@@ -113,7 +113,7 @@ async def serve_llm(engine: LLM, host: str, port: int, encoder_address: str | No
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     thread.start()
-    server = new_server(256)
+    server, drain = new_server(256)
     generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(engine, encoder_address), server)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
@@ -125,8 +125,7 @@ async def serve_llm(engine: LLM, host: str, port: int, encoder_address: str | No
     stop = asyncio.Event()
     stop_on_signals(stop)
     await stop.wait()
-    await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    await drain.stop(server, health, grace_s)
     stop_engine.set()
     thread.join(5)
     return 0

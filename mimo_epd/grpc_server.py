@@ -1,21 +1,103 @@
-"""What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection."""
+"""What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection, and a
+graceful shutdown that never cuts a response short."""
 from __future__ import annotations
 
 import asyncio
+import inspect
+import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+log = logging.getLogger(__name__)
+
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Health checks and reflection are answered to the end and are not waited for (a health Watch never ends).
+_NOT_DRAINED = (f"/{HEALTH_SERVICE}/", f"/{reflection.SERVICE_NAME}/")
+# After the last response's status is written, the connections stay open this long before the server stops.
+_LINGER_S = 0.2
 
 
-def new_server(max_message_mb: int) -> grpc.aio.Server:
+class Drain(grpc.aio.ServerInterceptor):
+    """Counts the RPCs in flight and refuses new ones once shutdown begins.
+
+    Why not just `server.stop(grace)`: it sends GOAWAY and closes each connection as soon as its last stream
+    ends. If the client's flow-control frames are still unread in the socket at that moment, the kernel
+    answers the close with a reset and drops what it had not yet sent: the tail of the last response.
+    The client then sees UNAVAILABLE "Stream removed" for a request the server finished. So `stop` first
+    refuses new RPCs (UNAVAILABLE, which clients and the router retry elsewhere) and waits until every RPC in
+    flight has had its status written, then waits `_LINGER_S` more, and only then stops the server.
+    """
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(_NOT_DRAINED):
+            return handler
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                await self._enter(context)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                await self._enter(context)
+                async for message in inner_stream(request, context):
+                    yield message
+
+            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
+                                                        handler.response_serializer)
+        raise TypeError(f"{details.method}: only unary and async-generator server-streaming RPCs can be drained")
+
+    async def _enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down; retry on another one")
+        self.in_flight += 1
+        self._idle.clear()
+        context.add_done_callback(self._leave)  # runs once the status has been sent (or the call was cancelled)
+
+    def _leave(self, _context) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def stop(self, server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float) -> None:
+        """Graceful shutdown: NOT_SERVING, refuse new RPCs, let those in flight finish within `grace_s`, stop."""
+        deadline = time.monotonic() + grace_s
+        await health.enter_graceful_shutdown()
+        self.draining = True
+        if self.in_flight:
+            log.info("draining %d RPCs in flight (%gs grace)", self.in_flight, grace_s)
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+            await asyncio.sleep(min(_LINGER_S, max(0.0, deadline - time.monotonic())))
+        except TimeoutError:
+            log.warning("grace period over with %d RPCs still in flight; cancelling them", self.in_flight)
+        await server.stop(max(0.0, deadline - time.monotonic()))
+
+
+def new_server(max_message_mb: int) -> tuple[grpc.aio.Server, Drain]:
+    """A server with our message limits, and the `Drain` that stops it gracefully."""
     limit = max_message_mb << 20
-    return grpc.aio.server(options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                                    ("grpc.so_reuseport", 0)])  # never share a port with another process
+    drain = Drain()
+    server = grpc.aio.server(interceptors=[drain],
+                             options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
+                                      ("grpc.so_reuseport", 0)])  # never share a port with another process
+    return server, drain
 
 
 def add_health_and_reflection(server: grpc.aio.Server, services: list[str]) -> health_aio.HealthServicer:

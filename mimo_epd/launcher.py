@@ -144,7 +144,6 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     stop_on_signals(stop)
-    server = None
     router = None
     try:
         await asyncio.gather(*(e.start() for e in encoders))
@@ -152,7 +151,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                                RouterConfig(max_items_per_request=enc.max_items_per_request,
                                             health_interval_s=node.health_interval_s, vnodes=node.vnodes,
                                             max_message_mb=enc.max_message_mb))
-        server = new_server(enc.max_message_mb)
+        server, drain = new_server(enc.max_message_mb)
         encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
         proxy = GeneratorProxy() if node.llm else None
         if proxy is not None:
@@ -200,8 +199,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         supervisors = [loop.create_task(supervise(e)) for e in [*encoders, *([llm] if llm else [])]]
         await stop.wait()
         log.info("shutting down: router first (%gs grace), then %d encoders", enc.grace_period_s, len(encoders))
-        await health.enter_graceful_shutdown()
-        await server.stop(enc.grace_period_s)
+        await drain.stop(server, health, enc.grace_period_s)
         for t in supervisors:
             t.cancel()
         return 0

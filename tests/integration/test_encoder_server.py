@@ -353,7 +353,11 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero():
         assert not fut.done()
     finally:
         rc = s.stop()  # never leave the server behind, even when the assertion fails
-    resp = fut.result()
+    try:
+        resp = fut.result()
+    except grpc.RpcError as e:
+        pytest.fail(f"the in-flight request failed ({e.code()}: {e.details()}); server exit code {rc}; its log:\n"
+                    + "".join(s.stderr_lines)[-3000:])
     assert len(resp.items) == 24 and all(it.num_tokens > 0 for it in resp.items)
     assert rc == 0, "".join(s.stderr_lines)[-2000:]
     with pytest.raises(grpc.RpcError) as ei:
