@@ -91,8 +91,10 @@ def _exif_orient(arr: np.ndarray, orientation: int) -> np.ndarray:
     return arr
 
 
-def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None) -> np.ndarray | None:
-    """libjpeg-turbo into numpy for a plain RGB/greyscale JPEG; None when PIL should decode it."""
+def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None, rgbx: bool = False) -> np.ndarray | None:
+    """libjpeg-turbo into numpy for a plain RGB/greyscale JPEG; None when PIL should decode it. `rgbx`: four
+    bytes per pixel (the fourth is padding), the layout PIL keeps RGB images in, so `preprocess.pil_image`
+    wraps it without a copy."""
     if _simplejpeg is None or img.format != "JPEG" or img.mode not in ("RGB", "L"):
         return None
     try:
@@ -102,7 +104,7 @@ def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None) -> 
     w, h = img.size
     s = _draft_scale((w, h), draft_size)
     try:
-        arr = _simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=(w + s - 1) // s, min_height=(h + s - 1) // s,
+        arr = _simplejpeg.decode_jpeg(data, colorspace="RGBX" if rgbx else "RGB", min_width=(w + s - 1) // s, min_height=(h + s - 1) // s,
                                       strict=True)
     except Exception:  # noqa: BLE001 - damaged or unusual file: PIL decodes it or reports the precise error
         return None
@@ -112,10 +114,11 @@ def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None) -> 
 
 
 def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None,
-                 turbo: bool = False) -> np.ndarray:
-    """Decodes one image. `draft_size` (w, h), when set, lets JPEG decode at a reduced DCT scale
+                 turbo: bool = False, rgbx: bool = False) -> np.ndarray:
+    """Decodes one image to HxWx3 uint8. `draft_size` (w, h), when set, lets JPEG decode at a reduced DCT scale
     no smaller than that size (see the JPEG draft decode in the README). `turbo` takes the libjpeg-turbo
-    fast path for the JPEGs it handles (same pixels)."""
+    fast path for the JPEGs it handles (same pixels); with `rgbx` that path returns HxWx4 (RGB + padding)
+    for a caller that resizes with PIL next."""
     from PIL import Image, ImageFile, ImageOps, UnidentifiedImageError
 
     ImageFile.LOAD_TRUNCATED_IMAGES = False
@@ -137,7 +140,7 @@ def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | Non
         raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)", "too_large")
     if w == 0 or h == 0:
         raise DecodeError(f"image has an empty size {w}x{h}")
-    fast = _decode_turbo_jpeg(img, data, draft_size) if turbo else None
+    fast = _decode_turbo_jpeg(img, data, draft_size, rgbx) if turbo else None
     if fast is not None:
         return np.ascontiguousarray(fast)
     try:

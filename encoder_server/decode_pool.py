@@ -1,11 +1,11 @@
-"""Decoding in worker processes, with pixels handed back through shared memory.
+"""Decoding in worker processes, with the bytes and pixels handed over through shared memory.
 
 Image decoding holds the GIL and is the encoder's main CPU cost, so it runs in a pool of processes.
-Their output does not travel back pickled through a pipe (a 4K frame is 25 MB: pickle, two kernel
+Neither the file nor the pixels travel pickled through a pipe (a 4K frame is 25 MB: pickle, two kernel
 copies, unpickle): the server owns one shared-memory arena of fixed-size slots; before dispatching a
-job it takes a free slot, the worker writes the pixels straight into it and returns only the shape,
-and the server copies them out and frees the slot. An image bigger than a slot comes back pickled
-(counted in `fallbacks`).
+job it takes a free slot and writes the file's bytes into it, the worker reads them, writes the pixels
+over them and returns only the shape, and the server copies the pixels out and frees the slot. An image
+bigger than a slot comes back pickled (counted in `fallbacks`).
 
 A worker can also resize (PIL / pillow-simd, the preprocessing's CPU path) right after decoding, so on
 a CPU deployment every heavy pixel operation runs in parallel processes and only the small resized image
@@ -131,8 +131,13 @@ def _draft_request(data: bytes, opts: DecodeOptions) -> tuple[tuple[int, int] | 
         return ((th, tw) if swapped else (tw, th)), (oh, ow)
 
 
-def decode_job(data: bytes, opts: DecodeOptions, slot: int) -> tuple:
-    """Runs in a worker. Returns ("slot", shape, meta) or ("array", pixels, meta)."""
+def decode_job(data: bytes | None, opts: DecodeOptions, slot: int, size: int = 0) -> tuple:
+    """Runs in a worker. `data` None: the item's `size` bytes are in `slot` (read before the pixels overwrite
+    them). Returns ("slot", shape, meta) or ("array", pixels, meta)."""
+    if data is None:
+        if _ARENA is None:  # cannot happen: the server unlinks the arena only once every worker has mapped it
+            raise RuntimeError("decode worker without the shared arena was handed an item through it")
+        data = _ARENA[slot * _SLOT_BYTES:slot * _SLOT_BYTES + size]
     if not data:
         raise DecodeError("empty item (0 bytes)")
     try:
@@ -149,20 +154,20 @@ def decode_job(data: bytes, opts: DecodeOptions, slot: int) -> tuple:
     elif opts.decoder == "dali" and is_jpeg and draft is None:
         pixels = _decode_dali(data, opts.max_pixels)
     else:  # turbo / PIL: every format, and JPEG draft decode
-        pixels = decode_image(data, opts.max_pixels, draft_size=draft, turbo=opts.decoder == "turbo")
+        pixels = decode_image(data, opts.max_pixels, draft_size=draft, turbo=opts.decoder == "turbo",
+                              rgbx=opts.resize and opts.preprocess is not None)
     if source == (0, 0):
         source = pixels.shape[:2]
     scale = max(1, round(source[0] / pixels.shape[0])) if draft else 1
     resized = False
     if opts.resize and opts.preprocess is not None:
-        from .preprocess import resize_pil
+        from .preprocess import resize_pil_hwc
 
         try:
             th, tw = target_size(source[0], source[1], opts.preprocess)
         except ValueError as e:
             raise DecodeError(str(e), "size") from None
-        if (th, tw) != pixels.shape[:2]:
-            pixels = resize_pil(pixels, (th, tw)).permute(1, 2, 0).numpy()
+        pixels = resize_pil_hwc(pixels, (th, tw)) if (th, tw) != pixels.shape[:2] else pixels[..., :3]
         resized = True
         if opts.patchify:
             from .preprocess import patchify_uint8
@@ -288,8 +293,13 @@ class DecodePool:
             return Decoded(payload, *meta)
         slot = await self._free.get()
         try:
+            size = 0
+            if len(data) <= self.slot_bytes:  # the bytes go in through the slot too, not pickled through a pipe
+                size = len(data)
+                self._arena[slot * self.slot_bytes:slot * self.slot_bytes + size] = data
+                data = None
             kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
-                self._executor, decode_job, data, self.opts, slot)
+                self._executor, decode_job, data, self.opts, slot, size)
             if kind == "slot":
                 n = int(np.prod(payload))
                 pixels = np.frombuffer(self._arena, np.uint8, n, slot * self.slot_bytes).reshape(payload).copy()

@@ -137,6 +137,14 @@ def test_turbo_jpeg_path_is_pixel_identical_to_pil(case, draft):
     slow = decode_image(data, LIMIT, draft_size=draft, turbo=False)
     assert fast.shape == slow.shape and fast.flags.c_contiguous
     np.testing.assert_array_equal(fast, slow)
+    # The decode workers' resize path: RGBX straight into PIL, resized, equals PIL's RGB decode resized.
+    from encoder_server.preprocess import resize_pil_hwc
+
+    fast4 = decode_image(data, LIMIT, draft_size=draft, turbo=True, rgbx=True)
+    assert fast4.shape == (*slow.shape[:2], 4) and fast4.flags.c_contiguous
+    np.testing.assert_array_equal(fast4[..., :3], slow)
+    size = (slow.shape[0] * 3 // 5, slow.shape[1] * 2 // 3)
+    np.testing.assert_array_equal(resize_pil_hwc(fast4, size), resize_pil_hwc(slow, size))
 
 
 def test_turbo_jpeg_path_leaves_cmyk_and_truncated_files_to_pil():
@@ -148,3 +156,35 @@ def test_turbo_jpeg_path_leaves_cmyk_and_truncated_files_to_pil():
     data = encode_image(textured(200, 200), "JPEG")
     with Image.open(io.BytesIO(data[: len(data) // 2])) as img:
         assert decode._decode_turbo_jpeg(img, data[: len(data) // 2], None) is None
+
+
+@pytest.mark.parametrize("slot_bytes", [64 << 20, "input-only", 1024], ids=["both-fit", "input-fits", "neither-fits"])
+def test_decode_pool_shared_memory_handoff_and_pickled_fallback(slot_bytes):
+    """Real worker processes: the file goes in through the slot and the patches come back through it; what
+    does not fit a slot travels pickled instead (counted in `fallbacks`), with the same result either way."""
+    import asyncio
+
+    from encoder_server.decode_pool import DecodeOptions, DecodePool, decode_job
+    from encoder_server.preprocess import PreprocessConfig
+
+    data = JPEG_CASES["rgb-420"]
+    opts = DecodeOptions(max_pixels=LIMIT, resize=True, patchify=True, preprocess=PreprocessConfig())
+    _, expected, meta = decode_job(data, opts, -1)  # in this process, nothing shared
+    if slot_bytes == "input-only":
+        slot_bytes = len(data) + 1
+        assert expected.nbytes > slot_bytes
+
+    async def run():
+        pool = DecodePool(1, opts, slot_bytes=slot_bytes)
+        await pool.start()
+        try:
+            out = [await pool.decode(data) for _ in range(3)]
+        finally:
+            pool.stop()
+        return out, pool.fallbacks
+
+    out, fallbacks = asyncio.run(run())
+    for d in out:
+        np.testing.assert_array_equal(d.pixels, expected)
+        assert (d.source_size, d.draft_scale, d.resized) == meta
+    assert fallbacks == (0 if slot_bytes == 64 << 20 else 3)

@@ -56,16 +56,19 @@ class LoadedVisionModel:
 
 
 def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    """Deterministic "dummy weights": the same seed gives the same weights on every machine."""
+    """Deterministic "dummy weights": the same seed gives the same weights on every machine. They are drawn
+    in the checkpoint's layout and loaded like a checkpoint (the tower reorders some rows on load)."""
     gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(model.named_parameters()):
-            if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_q.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * std * 0.1)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    state = {}
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_q.weight"):
+            state[name] = torch.ones(p.shape)
+        elif name.endswith("bias"):
+            state[name] = torch.randn(p.shape, generator=gen) * std * 0.1
+        else:
+            state[name] = torch.randn(p.shape, generator=gen) * std
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and not set(missing) & set(state), (missing, unexpected)
 
 
 def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
