@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-_PIPE = None
+_PIPES: dict = {}  # "cpu" / "mixed" -> a built pipeline (one per process, used by one thread at a time)
 
 
 def check_available() -> None:
@@ -28,13 +28,31 @@ def _pipeline(device: str):
     return p
 
 
-def decode_jpeg_dali(data: bytes, device: str = "cpu") -> np.ndarray:
-    """JPEG bytes -> HxWx3 uint8 RGB (EXIF orientation applied by DALI's decoder)."""
-    global _PIPE
-    if _PIPE is None:
-        _PIPE = _pipeline(device)
-    _PIPE.feed_input("encoded", [np.frombuffer(data, np.uint8)])
-    (out,) = _PIPE.run()
-    if device == "mixed":
-        out = out.as_cpu()
-    return np.array(out.as_array()[0])
+def _run(data: bytes, device: str):
+    pipe = _PIPES.get(device)
+    if pipe is None:
+        pipe = _PIPES[device] = _pipeline(device)
+    pipe.feed_input("encoded", [np.frombuffer(data, np.uint8)])
+    (out,) = pipe.run()
+    return out
+
+
+def decode_jpeg_dali(data: bytes) -> np.ndarray:
+    """JPEG bytes -> HxWx3 uint8 RGB on the CPU (EXIF orientation applied by DALI's decoder)."""
+    return np.array(_run(data, "cpu").as_array()[0])
+
+
+def decode_jpeg_dali_tensor(data: bytes, device):
+    """JPEG bytes -> HxWx3 uint8 RGB torch tensor on `device`: the `mixed` pipeline (nvJPEG) on CUDA, whose
+    output is copied device to device into the tensor; the CPU pipeline otherwise."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.from_numpy(decode_jpeg_dali(data))
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+    image = _run(data, "mixed")[0]
+    out = torch.empty(tuple(image.shape()), dtype=torch.uint8, device=device)
+    feed_ndarray(image, out, cuda_stream=torch.cuda.current_stream(device))
+    return out

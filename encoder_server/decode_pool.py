@@ -44,6 +44,12 @@ class DecodeOptions:
     resize: bool = False  # resize to the smart_resize target in the worker...
     patchify: bool = False  # ...and cut it into uint8 still-image patches there (preprocess.patchify_uint8)
     preprocess: PreprocessConfig | None = None
+    device: str = "cpu"  # the server's --device: with cuda, `torchvision` and `dali` decode there (nvJPEG)
+
+
+def decodes_on_device(opts: DecodeOptions) -> bool:
+    """GPU decoders on a CUDA server decode in the server process and leave the pixels on the GPU."""
+    return opts.decoder in ("torchvision", "dali") and opts.device.startswith("cuda")
 
 
 @dataclass
@@ -209,6 +215,36 @@ def _decode_dali(data: bytes, max_pixels: int) -> np.ndarray:
     return pixels if pixels.ndim == 3 and pixels.shape[2] == 3 else decode_image(data, max_pixels)
 
 
+def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
+    """`--decoder torchvision|dali` with `--device cuda`: the JPEG is decoded on the GPU (nvJPEG through
+    torchvision's `decode_jpeg`, or DALI's `mixed` decoder) into an HxWx3 uint8 tensor that stays there for
+    the device-side resize: no pixels cross PCIe, and no draft decode is needed. Other formats and JPEGs
+    the GPU decoder refuses (CMYK...) are decoded by PIL on the CPU. Also runs with a CPU `opts.device`
+    (the same code on the CPU decoders), which is how it is tested without a GPU."""
+    import torch
+
+    if not data:
+        raise DecodeError("empty item (0 bytes)")
+    if data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]:
+        _check_header_pixels(data, opts.max_pixels)
+        try:
+            if opts.decoder == "dali":
+                from .dali_decoder import decode_jpeg_dali_tensor
+
+                pixels = decode_jpeg_dali_tensor(data, opts.device)
+            else:
+                from torchvision.io import ImageReadMode, decode_jpeg
+
+                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                                     apply_exif_orientation=True, device=opts.device).permute(1, 2, 0)
+        except Exception:  # noqa: BLE001 - PIL decodes what the GPU decoder refuses, or words the error
+            pixels = None
+        if pixels is not None and pixels.ndim == 3 and pixels.shape[2] == 3:
+            return Decoded(pixels, (int(pixels.shape[0]), int(pixels.shape[1])), 1, False)
+    pixels = decode_image(data, opts.max_pixels)
+    return Decoded(pixels, pixels.shape[:2], 1, False)
+
+
 def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -242,8 +278,17 @@ class DecodePool:
             from . import dali_decoder
 
             dali_decoder.check_available()
+        self.on_device = decodes_on_device(opts)
+        if self.on_device and opts.resize:
+            raise ValueError(f"--decoder {opts.decoder} decodes on {opts.device}: resize there too "
+                             "(--resize-in device or auto)")
 
     async def start(self) -> None:
+        if self.on_device:  # one thread drives the GPU decoder; the decode processes are not needed
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "gpu-decode")
+            log.info("decoding JPEGs on %s with %s (nvJPEG); --decode-workers unused", self.opts.device,
+                     self.opts.decoder)
+            return
         if self.workers <= 0:
             return
         n_slots = self.workers * 2
@@ -288,6 +333,8 @@ class DecodePool:
                 pass
 
     async def decode(self, data: bytes) -> Decoded:
+        if self.on_device:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, decode_on_device, data, self.opts)
         if self._executor is None:
             kind, payload, meta = await asyncio.to_thread(decode_job, data, self.opts, -1)
             return Decoded(payload, *meta)

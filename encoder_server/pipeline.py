@@ -138,7 +138,8 @@ class EncodePipeline:
         self.resize_in = resize_in
         self.decode_pool = DecodePool(config.decode_workers, DecodeOptions(
             max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
-            resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config),
+            resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config,
+            device=str(config.device)),
             slot_bytes=config.decode_slot_bytes)
         self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
         self.metrics = EncoderMetrics()

@@ -188,3 +188,46 @@ def test_decode_pool_shared_memory_handoff_and_pickled_fallback(slot_bytes):
         np.testing.assert_array_equal(d.pixels, expected)
         assert (d.source_size, d.draft_scale, d.resized) == meta
     assert fallbacks == (0 if slot_bytes == 64 << 20 else 3)
+
+
+@pytest.mark.parametrize("decoder", ["torchvision", "dali"])
+@pytest.mark.parametrize("case", ["rgb-420", "grey", "exif-6", "progressive"])
+def test_device_decode_path_gives_the_decoders_pixels_as_a_tensor(decoder, case):
+    """The GPU decode path (`--decoder torchvision|dali --device cuda`, in the server process) run with a CPU
+    device: the same pixels as that decoder in a worker process, as an HxWx3 tensor, with the oriented size."""
+    import torch
+
+    from encoder_server.decode_pool import DecodeOptions, decode_job, decode_on_device
+
+    if decoder == "dali":
+        pytest.importorskip("nvidia.dali")
+    data = JPEG_CASES[case]
+    opts = DecodeOptions(max_pixels=LIMIT, decoder=decoder, jpeg_draft=False)
+    d = decode_on_device(data, opts)
+    _, expected, meta = decode_job(data, opts, -1)
+    assert isinstance(d.pixels, torch.Tensor) and d.pixels.dtype == torch.uint8
+    np.testing.assert_array_equal(d.pixels.numpy(), expected)
+    assert d.source_size == tuple(expected.shape[:2]) == meta[0] and (d.draft_scale, d.resized) == (1, False)
+
+
+def test_device_decode_path_falls_back_to_pil_and_keeps_the_limits():
+    from encoder_server.decode_pool import DecodeOptions, DecodePool, decode_on_device, decodes_on_device
+    from encoder_server.preprocess import PreprocessConfig
+
+    opts = DecodeOptions(max_pixels=LIMIT, decoder="torchvision")
+    png = encode_image(textured(40, 60), "PNG")
+    np.testing.assert_array_equal(decode_on_device(png, opts).pixels, decode_image(png, LIMIT))  # not a JPEG
+    cmyk = save(Image.fromarray(textured(40, 60)).convert("CMYK"), "JPEG")
+    np.testing.assert_array_equal(decode_on_device(cmyk, opts).pixels, decode_image(cmyk, LIMIT))
+    with pytest.raises(DecodeError, match="empty"):
+        decode_on_device(b"", opts)
+    with pytest.raises(DecodeError, match="over the limit") as ei:
+        decode_on_device(JPEG_CASES["rgb-420"], DecodeOptions(max_pixels=1000, decoder="torchvision"))
+    assert ei.value.kind == "too_large"
+    # Which configurations decode on the GPU, and the one that cannot work.
+    assert decodes_on_device(DecodeOptions(max_pixels=1, decoder="dali", device="cuda:0"))
+    assert not decodes_on_device(DecodeOptions(max_pixels=1, decoder="turbo", device="cuda"))
+    assert not decodes_on_device(DecodeOptions(max_pixels=1, decoder="torchvision", device="cpu"))
+    with pytest.raises(ValueError, match="--resize-in device"):
+        DecodePool(2, DecodeOptions(max_pixels=1, decoder="torchvision", device="cuda", resize=True,
+                                    preprocess=PreprocessConfig()))
