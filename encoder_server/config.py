@@ -62,6 +62,8 @@ class EncoderServerConfig:
     jpeg_draft: bool = _f(True, "decode JPEGs at a reduced DCT scale when the target is at most half the source")
     resize_in: str = _f("auto", "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
                                 "the decode processes) or auto (decoder on a CPU, device on CUDA)")
+    decode_inflight: int = _f(2, "decode jobs in flight per decoder process: one decoding, the next already "
+                                 "queued, so a process never waits on the server between images")
     decode_slot_bytes: int = _f(32 << 20, "size of each shared-memory slot for decoded pixels (bigger images come back pickled)")
     torch_threads: int = _f(0, "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, "
                                "whichever of one thread or every core measures more throughput, re-checked as load changes)")
@@ -97,7 +99,7 @@ class EncoderServerConfig:
 
     def validate(self) -> None:
         positive = ["max_video_bytes", "max_video_seconds", "max_video_frames_total", "video_decode_workers",
-                    "max_concurrent_videos", "decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
+                    "max_concurrent_videos", "decode_inflight", "decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
                     "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -263,10 +263,11 @@ def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
 class DecodePool:
     """Runs `decode_job` in `workers` processes (or in a thread when workers == 0)."""
 
-    def __init__(self, workers: int, opts: DecodeOptions, slot_bytes: int = 32 << 20):
+    def __init__(self, workers: int, opts: DecodeOptions, slot_bytes: int = 32 << 20, inflight: int = 2):
         self.workers = workers
         self.opts = opts
         self.slot_bytes = slot_bytes
+        self.inflight = inflight
         self.fallbacks = 0
         self._executor: concurrent.futures.Executor | None = None
         self._arena: mmap.mmap | None = None
@@ -291,7 +292,7 @@ class DecodePool:
             return
         if self.workers <= 0:
             return
-        n_slots = self.workers * 2
+        n_slots = self.max_inflight
         self._arena_path = f"/dev/shm/mimo-epd-decode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         fd = os.open(self._arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -322,6 +323,12 @@ class DecodePool:
         else:
             log.warning("only %d of %d decode workers started in time: %s stays in /dev/shm until a clean stop",
                         len(seen), self.workers, self._arena_path)
+
+    @property
+    def max_inflight(self) -> int:
+        """How many `decode` calls the pipeline should keep running (one slot each): `inflight` per process,
+        so each process has its next image queued while it decodes one; one when decoding in a thread."""
+        return self.workers * self.inflight if self.workers > 0 and not self.on_device else 1
 
     def stop(self) -> None:
         if self._executor is not None:

@@ -140,7 +140,7 @@ class EncodePipeline:
             max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
             resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config,
             device=str(config.device)),
-            slot_bytes=config.decode_slot_bytes)
+            slot_bytes=config.decode_slot_bytes, inflight=config.decode_inflight)
         self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
         self.metrics = EncoderMetrics()
         self._serial = None if config.pipeline else asyncio.Lock()
@@ -185,7 +185,7 @@ class EncodePipeline:
         self._tasks += [spawn(self._worker(self.fetch_q, self._fetch_stage, self.decode_q), name=f"fetch-{i}")
                         for i in range(self.config.fetch_concurrency)]
         self._tasks += [spawn(self._worker(self.decode_q, self._decode_stage, self.preprocess_q), name=f"decode-{i}")
-                        for i in range(max(1, self.config.decode_workers))]
+                        for i in range(self.decode_pool.max_inflight)]
         self._tasks += [spawn(self._worker(self.preprocess_q, self._preprocess_stage, None), name=f"preprocess-{i}")
                         for i in range(self.config.preprocess_threads)]
         self._tasks.append(spawn(self.batcher.run(), name="batcher"))
