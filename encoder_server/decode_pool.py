@@ -260,6 +260,46 @@ def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
 
 
 # ------------------------------------------------------------------------------- server side
+ARENA_PREFIX = "mimo-epd-decode-"
+
+
+def remove_stale_arenas(shm_dir: str = "/dev/shm", min_age_s: float = 60.0) -> list[str]:
+    """Removes the decode arenas of servers that died before unlinking theirs (killed while their workers were
+    still starting: the name is only removed once every worker has mapped it). A name carries its server's pid;
+    an arena whose pid is alive is left alone, and so is one younger than `min_age_s` (a server in another pid
+    namespace may still be starting workers that need the name). Returns the names removed."""
+    import time
+
+    removed = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        pid = name[len(ARENA_PREFIX):].split("-", 1)[0] if name.startswith(ARENA_PREFIX) else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or someone else's process: not ours to judge)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if os.stat(path).st_mtime > time.time() - min_age_s:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+    if removed:
+        log.warning("removed %d decode arenas left in %s by servers that died while starting: %s", len(removed),
+                    shm_dir, removed)
+    return removed
+
+
 class DecodePool:
     """Runs `decode_job` in `workers` processes (or in a thread when workers == 0)."""
 
@@ -293,7 +333,8 @@ class DecodePool:
         if self.workers <= 0:
             return
         n_slots = self.max_inflight
-        self._arena_path = f"/dev/shm/mimo-epd-decode-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        remove_stale_arenas()
+        self._arena_path = f"/dev/shm/{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         fd = os.open(self._arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             os.ftruncate(fd, n_slots * self.slot_bytes)

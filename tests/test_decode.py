@@ -231,3 +231,24 @@ def test_device_decode_path_falls_back_to_pil_and_keeps_the_limits():
     with pytest.raises(ValueError, match="--resize-in device"):
         DecodePool(2, DecodeOptions(max_pixels=1, decoder="torchvision", device="cuda", resize=True,
                                     preprocess=PreprocessConfig()))
+
+
+def test_stale_decode_arenas_of_dead_servers_are_removed(tmp_path):
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from encoder_server.decode_pool import ARENA_PREFIX, remove_stale_arenas
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    old = time.time() - 3600
+    names = {"dead": f"{ARENA_PREFIX}{dead_pid}-aaaa", "alive": f"{ARENA_PREFIX}{os.getppid()}-bbbb",
+             "young": f"{ARENA_PREFIX}{dead_pid}-cccc", "other": "someone-elses-segment"}
+    for key, name in names.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "young":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_stale_arenas(str(tmp_path)) == [names["dead"]]
+    assert sorted(os.listdir(tmp_path)) == sorted(n for k, n in names.items() if k != "dead")
