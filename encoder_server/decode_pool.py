@@ -152,9 +152,7 @@ def decode_job(data: bytes | None, opts: DecodeOptions, slot: int, size: int = 0
         raise
     except Exception:  # noqa: BLE001 - let the real decode produce the precise error
         draft, source = None, (0, 0)
-    # JPEG only, and complete (EOI marker present): libjpeg-based decoders may pad a truncated file
-    # with grey where PIL reports it; such files go through PIL for a proper error.
-    is_jpeg = data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]
+    is_jpeg = _complete_jpeg(data)
     if opts.decoder == "torchvision" and is_jpeg and draft is None:
         pixels = _decode_torchvision(data, opts.max_pixels)
     elif opts.decoder == "dali" and is_jpeg and draft is None:
@@ -221,11 +219,9 @@ def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
     the device-side resize: no pixels cross PCIe, and no draft decode is needed. Other formats and JPEGs
     the GPU decoder refuses (CMYK...) are decoded by PIL on the CPU. Also runs with a CPU `opts.device`
     (the same code on the CPU decoders), which is how it is tested without a GPU."""
-    import torch
-
     if not data:
         raise DecodeError("empty item (0 bytes)")
-    if data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]:
+    if _complete_jpeg(data):
         _check_header_pixels(data, opts.max_pixels)
         try:
             if opts.decoder == "dali":
@@ -233,10 +229,7 @@ def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
 
                 pixels = decode_jpeg_dali_tensor(data, opts.device)
             else:
-                from torchvision.io import ImageReadMode, decode_jpeg
-
-                pixels = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                                     apply_exif_orientation=True, device=opts.device).permute(1, 2, 0)
+                pixels = _torchvision_jpeg(data, opts.device)
         except Exception:  # noqa: BLE001 - PIL decodes what the GPU decoder refuses, or words the error
             pixels = None
         if pixels is not None and pixels.ndim == 3 and pixels.shape[2] == 3:
@@ -245,18 +238,31 @@ def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
     return Decoded(pixels, pixels.shape[:2], 1, False)
 
 
-def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
+def _complete_jpeg(data: bytes) -> bool:
+    """A JPEG with its end marker: libjpeg-based decoders pad a truncated file with grey where PIL reports it,
+    so anything else goes through PIL."""
+    return data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]
+
+
+def _torchvision_jpeg(data: bytes, device="cpu"):
+    """JPEG bytes -> HxWx3 uint8 tensor (a view) on `device` with torchvision's `decode_jpeg` (nvJPEG on CUDA)."""
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
+
+    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
+                       apply_exif_orientation=True, device=device).permute(1, 2, 0)
+
+
+def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
+    import torch
 
     _check_header_pixels(data, max_pixels)
     torch.set_num_threads(1)  # one decode per process; the pool provides the parallelism
     try:
-        t = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                        apply_exif_orientation=True)
+        t = _torchvision_jpeg(data)
     except RuntimeError:
         return decode_image(data, max_pixels)  # CMYK, truncated...: PIL knows them and words its errors
-    return t.permute(1, 2, 0).contiguous().numpy()
+    return t.contiguous().numpy()
 
 
 # ------------------------------------------------------------------------------- server side

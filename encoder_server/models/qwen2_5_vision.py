@@ -176,9 +176,6 @@ class VisionAttention(nn.Module):
         rows = torch.arange(3 * cfg.hidden_size).view(3, cfg.num_heads, -1)
         rows[:2] = rows[:2][..., interleave_halves(cfg.head_dim)]
         self.register_buffer("_rows", rows.reshape(-1), persistent=False)
-        with torch.no_grad():  # fresh weights count as transformers' layout too
-            self.qkv.weight.copy_(self.qkv.weight[self._rows])
-            self.qkv.bias.copy_(self.qkv.bias[self._rows])
         self.register_load_state_dict_pre_hook(self._rows_from_checkpoint)
         self.register_state_dict_post_hook(self._rows_to_checkpoint)
 
