@@ -1,4 +1,4 @@
-"""Embedding caches keyed by content key (see mimo_epd.content_key), with one interface:
+"""Embedding caches keyed by content key (see mimo_epd.common.content_key), with one interface:
 `get(key) -> CachedEmbedding | None`, `put(key, CachedEmbedding) -> bool`, `stats() -> dict`.
 
 - `EmbeddingLRU`: in-process, LRU bounded by bytes; what a lone encoder uses.

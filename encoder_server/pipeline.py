@@ -31,18 +31,17 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
-from mimo_epd.content_key import bytes_digest, content_key, normalize_digest
+from mimo_epd.common.content_key import bytes_digest, content_key, normalize_digest
 
 from .batcher import Batcher, BatchItem
 from .config import EncoderServerConfig
 from .decode_pool import DecodeOptions, DecodePool
 from .embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from .errors import DecodeError, ItemError, invalid
-from .fetch import FetchLimits, Fetcher, MediaSource
+from .fetch import FetchLimits, Fetcher, MediaSource, UrlPolicy, parse_networks
 from .metrics import EncoderMetrics
 from .models import LoadedVisionModel, load_vision_model
 from .preprocess import ImageSizeError, PreprocessConfig, preprocess_images, target_size
-from .url_policy import UrlPolicy, parse_networks
 from .video.decode import VideoError
 from .video.encode import encode_video
 from .video.sampling import VideoSampling

@@ -16,7 +16,7 @@ import time
 import grpc
 import torch
 
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 from .engine import LLM, SamplingParams

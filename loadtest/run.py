@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mimo_epd.media_server import MediaServer, generate_pool
+from mimo_epd.testing.media_server import MediaServer, generate_pool
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 

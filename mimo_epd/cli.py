@@ -225,7 +225,7 @@ def cmd_encode_video(args) -> int:
 
 
 def cmd_make_test_video(args) -> int:
-    from mimo_epd.video_gen import make_test_video
+    from mimo_epd.testing.video_gen import make_test_video
 
     seconds = args.seconds if args.seconds else args.minutes * 60
     try:

@@ -21,8 +21,8 @@ import sys
 from dataclasses import dataclass, fields
 
 from encoder_server.config import EncoderServerConfig
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
-from mimo_epd.router import EncoderRouter, GeneratorProxy, RouterConfig
+from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.router.encoder import EncoderRouter, GeneratorProxy, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 import pytest
 
-from mimo_epd.content_key import bytes_digest, content_key, normalize_digest
+from mimo_epd.common.content_key import bytes_digest, content_key, normalize_digest
 
 
 def test_key_depends_on_bytes_model_and_preprocessing():

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from mimo_epd.hash_ring import HashRing
+from mimo_epd.router.hash_ring import HashRing
 
 NODES = [f"127.0.0.1:{5000 + i}" for i in range(5)]
 KEYS = [f"key-{i}" for i in range(20_000)]

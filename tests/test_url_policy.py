@@ -6,7 +6,7 @@ import pytest
 
 from encoder_server.errors import ItemError
 from encoder_server.fetch import parse_data_uri
-from encoder_server.url_policy import PolicyResolver, UrlPolicy, parse_networks
+from encoder_server.fetch.url_policy import PolicyResolver, UrlPolicy, parse_networks
 
 REFUSED = ["http://127.0.0.1/a", "http://127.8.9.10/a", "http://10.0.0.1/a", "http://172.16.5.4/a", "http://192.168.0.1/a",
            "http://169.254.169.254/latest", "http://169.254.1.1/", "http://[::1]/a", "http://[fe80::1]/a",

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimo_epd.layers import RMSNorm
+from mimo_epd.common.layers import RMSNorm
 
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, topk_routing

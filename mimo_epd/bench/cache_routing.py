@@ -5,7 +5,7 @@ A catalog of distinct images (realistic sizes -> realistic embedding sizes) is r
 popularity; each request carries 1-4 items. The same request stream is replayed through:
 
 - `rr_private`:   round-robin request placement, each encoder with its own in-process LRU (EmbeddingLRU);
-- `hash_private`: items placed by the hash ring (mimo_epd.hash_ring), private LRUs;
+- `hash_private`: items placed by the hash ring (mimo_epd.router.hash_ring), private LRUs;
 - `rr_shared` / `hash_shared`: the same placements, one shm_cache.ShmCache (real shared memory) of
   the same total bytes as the private caches together.
 
@@ -22,7 +22,7 @@ import torch
 
 from encoder_server.embedding_cache import CachedEmbedding, EmbeddingLRU
 from encoder_server.preprocess import PreprocessConfig, grid_for
-from mimo_epd.hash_ring import HashRing
+from mimo_epd.router.hash_ring import HashRing
 
 SIZES = [(480, 640), (720, 1280), (1080, 1920), (2160, 3840), (800, 800), (1024, 768)]
 

@@ -35,7 +35,7 @@ import torch
 
 from encoder_server.models import TINY_VISION_CONFIG, VisionConfig, random_model, save_checkpoint
 from mimo_epd.bench.common import closed_loop, latency_stats, scrape, start_server
-from mimo_epd.media_server import MediaServer, generate_pool
+from mimo_epd.testing.media_server import MediaServer, generate_pool
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 LARGE_VISION_CONFIG = VisionConfig(depth=6, hidden_size=192, intermediate_size=384, num_heads=3, patch_size=14,

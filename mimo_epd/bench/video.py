@@ -23,7 +23,7 @@ from encoder_server.preprocess import PreprocessConfig, patchify_frames, resize_
 from encoder_server.video.decode import decode_floor, probe
 from encoder_server.video.encode import encode_video
 from encoder_server.video.sampling import VideoSampling, frame_size, sample_indices
-from mimo_epd.video_gen import make_test_video
+from mimo_epd.testing.video_gen import make_test_video
 
 
 def naive(path: str, model, pre: PreprocessConfig, sampling: VideoSampling) -> float:

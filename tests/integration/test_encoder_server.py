@@ -24,7 +24,7 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from PIL import Image
 
-from mimo_epd.content_key import bytes_digest
+from mimo_epd.common.content_key import bytes_digest
 from mimo_epd.v1 import encoder_pb2 as pb
 from mimo_epd.v1 import encoder_pb2_grpc
 
@@ -392,7 +392,7 @@ def test_backpressure_resource_exhausted_then_recovers():
 # ----------------------------------------------------------------------------------- video
 @pytest.fixture(scope="module")
 def video_bytes(tmp_path_factory):
-    from mimo_epd.video_gen import make_test_video
+    from mimo_epd.testing.video_gen import make_test_video
 
     path = tmp_path_factory.mktemp("v") / "two_minutes.mp4"
     make_test_video(str(path), 120, width=320, height=180, preset="ultrafast")

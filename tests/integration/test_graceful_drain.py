@@ -1,4 +1,4 @@
-"""The shared graceful shutdown (`mimo_epd.grpc_server.Drain`) on a real aio server on a loopback port."""
+"""The shared graceful shutdown (`mimo_epd.common.grpc_server.Drain`) on a real aio server on a loopback port."""
 from __future__ import annotations
 
 import asyncio
@@ -7,7 +7,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mimo_epd.grpc_server import add_health_and_reflection, new_server, set_serving
+from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving
 from mimo_epd.v1 import encoder_pb2 as pb
 from mimo_epd.v1 import encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 

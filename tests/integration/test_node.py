@@ -93,7 +93,7 @@ def test_killing_an_encoder_keeps_requests_succeeding_and_it_rejoins(node):
 
 
 def test_video_through_the_router_keeps_timestamps_on_a_shared_cache_hit(node):
-    from mimo_epd.video_gen import make_test_video
+    from mimo_epd.testing.video_gen import make_test_video
 
     import tempfile
     with tempfile.TemporaryDirectory() as d:

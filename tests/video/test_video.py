@@ -16,7 +16,7 @@ from encoder_server.preprocess import PreprocessConfig, patchify_frames
 from encoder_server.video.decode import VideoError, decode_gops, decode_parallel, plan, probe
 from encoder_server.video.encode import encode_video, patchify_frames_uint8
 from encoder_server.video.sampling import VideoSampling, frame_size, sample_indices
-from mimo_epd.video_gen import make_test_video
+from mimo_epd.testing.video_gen import make_test_video
 from tests.conftest import ROOT
 
 

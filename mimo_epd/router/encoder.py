@@ -1,6 +1,6 @@
 """The front router: the same `Encoder/Encode` API, spread over several encoder servers.
 
-Each item is routed by consistent hashing (mimo_epd.hash_ring) of its routing key:
+Each item is routed by consistent hashing (mimo_epd.router.hash_ring) of its routing key:
 - the client's `content_hash` when given (the bytes' own hash),
 - else the xxh3-128 of inline `data` (the same bytes always go to the same encoder),
 - else the URL or path string (the router does not download: the owner does).
@@ -23,7 +23,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from mimo_epd.hash_ring import HashRing
+from mimo_epd.router.hash_ring import HashRing
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2_grpc
 
 log = logging.getLogger(__name__)

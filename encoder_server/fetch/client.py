@@ -16,7 +16,7 @@ from urllib.parse import unquote_to_bytes, urljoin
 import aiohttp
 import grpc
 
-from .errors import ItemError, denied, invalid
+from ..errors import ItemError, denied, invalid
 from .url_policy import PolicyResolver, UrlPolicy
 
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)

@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import ThreadedResolver
 
-from .errors import denied, invalid
+from ..errors import denied, invalid
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mimo_epd.media_server import photo_like
+from mimo_epd.testing.media_server import photo_like
 
 
 def make_test_video(out: str, seconds: float, width: int = 640, height: int = 360, fps: int = 30, gop: int = 250,

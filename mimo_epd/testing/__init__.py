@@ -1,0 +1,2 @@
+"""Fixtures the CLI exposes (`make-test-video`, load tests, benchmarks): a local media server with photo-like
+JPEGs and a realistic test-video generator. Nothing in the servers imports this."""
