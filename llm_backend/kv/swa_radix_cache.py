@@ -19,7 +19,12 @@ on page boundaries, and only whole pages are inserted; matches are rounded down 
 
 Eviction: the two pools are evicted separately, least recently used first. Evicting SWA tombstones a
 node (its full KV stays); evicting full KV removes a leaf. A tombstone that is (or becomes) a leaf is
-removed, since no window-safe match can end in it. Locked KV is never evicted.
+removed, since no window-safe match can end in it (an insert never creates one). Locked KV is never evicted.
+
+LRU order: a lookup or an insert stamps every node of the path it used with one stamp, and a split gives the
+head its node's stamp, so a child is never older than its parent; among equal stamps the parent goes first
+(ties are broken by a pre-order walk of the tree). So SWA eviction tombstones an ancestor (keeping its full
+KV as a path) before the leaf under it, never a leaf (which would lose its full KV too) before its parent.
 """
 from __future__ import annotations
 
@@ -170,6 +175,28 @@ class SWARadixCache:
         self.stats.raw_hit_tokens += m
         return Match(n, full[:n], swa[:n], node, m)
 
+    def peek_prefix_length(self, tokens: list[int]) -> int:
+        """The window-safe length `match_prefix(tokens)` would return, read-only: no split, no LRU refresh, no
+        statistics (a scheduler scores waiting requests with it without reordering eviction)."""
+        node, i, swa = self.root, 0, []
+        P = self.page_size
+        tokens = list(tokens)
+        while i + P <= len(tokens):
+            child = node.children.get(tuple(tokens[i:i + P]))
+            if child is None:
+                break
+            k = 0
+            limit = min(len(child.key), len(tokens) - i)
+            while k < limit and child.key[k] == tokens[i + k]:
+                k += 1
+            k -= k % P
+            swa.extend(child.swa[:k])
+            i += k
+            if k < len(child.key):
+                break
+            node = child
+        return self._window_safe(swa, i)
+
     # ----------------------------------------------------------------------------------- locks
     def _swa_nodes(self, node: Node):
         """(node, window tokens still needed on reaching it) for the nodes covering the last `window` tokens
@@ -233,11 +260,19 @@ class SWARadixCache:
             pos += len(node.key)
         self.full_pool.free(dup_full)
         self.swa_pool.free(dup_swa)
+        stamp = next(self._clock)
+        for node in path:  # the path was used: it is as recent as the new leaf (parent-first among equals)
+            node.last_access = stamp
         parent = path[-1] if path else self.root
         if i < len(tokens):
-            leaf = Node(tokens[i:], list(full[i:]), list(swa[i:]), parent)
-            parent.children[self._edge(leaf.key)] = leaf
-            leaf.last_access = next(self._clock)
+            if self.window > 0 and all(s is None for s in swa[i:]):
+                # Every SWA slot already released: the leaf would be a tombstone no window-safe match can end
+                # in (and an insert below it would need a live window of its own anyway). Not kept.
+                self.full_pool.free(full[i:])
+            else:
+                leaf = Node(tokens[i:], list(full[i:]), list(swa[i:]), parent)
+                parent.children[self._edge(leaf.key)] = leaf
+                leaf.last_access = stamp
         return i
 
     def path_to(self, tokens: list[int]) -> tuple[Node, list[int], list[int | None]]:
@@ -250,11 +285,24 @@ class SWARadixCache:
 
     # ----------------------------------------------------------------------------------- eviction
     def _nodes(self):
+        """Every node but the root, in pre-order: a parent always comes before its descendants."""
         stack = list(self.root.children.values())
         while stack:
             n = stack.pop()
             yield n
             stack.extend(n.children.values())
+
+    def _lru_heap(self, keep) -> tuple[list, dict[int, int]]:
+        """A heap of (stamp, pre-order rank, node) over the nodes `keep` accepts, and every node's rank: equal
+        stamps pop parent first (a path refresh and a split give a parent and its child the same stamp)."""
+        rank = {}
+        heap = []
+        for k, n in enumerate(self._nodes()):
+            rank[n.id] = k
+            if keep(n):
+                heap.append((n.last_access, k, n))
+        heapq.heapify(heap)
+        return heap, rank
 
     def _remove_leaf(self, node: Node) -> int:
         self.full_pool.free(node.full)
@@ -262,12 +310,15 @@ class SWARadixCache:
         del node.parent.children[self._edge(node.key)]
         return len(node.full)
 
-    def _prune_tombstone_leaves(self, start: Node) -> None:
-        n = start
+    def _prune_tombstone_leaves(self, start: Node) -> int:
+        """Removes `start` and then its ancestors while each is an unlocked tombstone leaf; returns the full
+        slots freed (the caller counts them in `stats.full_evicted`, once)."""
+        n, freed = start, 0
         while n is not self.root and not n.children and n.tombstone and n.full_locks == 0 and n.swa_locks == 0:
             parent = n.parent
-            self.stats.full_evicted += self._remove_leaf(n)
+            freed += self._remove_leaf(n)
             n = parent
+        return freed
 
     def _trimmable(self, node: Node) -> int:
         return sum(s is not None for s in node.swa[: max(0, len(node.swa) - self.window)])
@@ -281,8 +332,7 @@ class SWARadixCache:
            suffix of at most W tokens of each node it covers, which trimming keeps;
         2. tombstone: free whole unlocked nodes' SWA, least recently used first."""
         freed = 0
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if self._trimmable(n)]
-        heapq.heapify(heap)
+        heap, _ = self._lru_heap(self._trimmable)
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
             tail = max(0, len(node.swa) - self.window)
@@ -290,16 +340,14 @@ class SWARadixCache:
             self.swa_pool.free(live)
             node.swa[:tail] = [None] * tail
             freed += len(live)
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if n.swa_locks == 0 and n.live_swa] \
-            if freed < num else []
-        heapq.heapify(heap)
+        heap = self._lru_heap(lambda n: n.swa_locks == 0 and n.live_swa)[0] if freed < num else []
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
             live = [s for s in node.swa if s is not None]
             self.swa_pool.free(live)
             node.swa = [None] * len(node.swa)
             freed += len(live)
-            self._prune_tombstone_leaves(node)
+            self.stats.full_evicted += self._prune_tombstone_leaves(node)
         self.stats.swa_evicted += freed
         return freed
 
@@ -314,8 +362,7 @@ class SWARadixCache:
 
     def evict_full(self, num: int) -> int:
         """Frees at least `num` full slots if it can (LRU over unlocked leaves; parents follow)."""
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.full_locks == 0]
-        heapq.heapify(heap)
+        heap, rank = self._lru_heap(lambda n: not n.children and n.full_locks == 0)
         freed = 0
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
@@ -326,11 +373,9 @@ class SWARadixCache:
             freed += self._remove_leaf(node)
             if parent is not self.root and not parent.children and parent.full_locks == 0:
                 if parent.tombstone and parent.swa_locks == 0:  # a tombstone leaf is useless: goes now
-                    before = self.full_pool.available()
-                    self._prune_tombstone_leaves(parent)
-                    freed += self.full_pool.available() - before
+                    freed += self._prune_tombstone_leaves(parent)
                 else:
-                    heapq.heappush(heap, (parent.last_access, parent.id, parent))
+                    heapq.heappush(heap, (parent.last_access, rank[parent.id], parent))
         self.stats.full_evicted += freed
         return freed
 

@@ -334,3 +334,99 @@ def test_split_of_a_locked_node_leaves_no_swa_lock_behind():
     h.cache.evict_full(10 ** 6)
     assert h.cache.token_count() == 0  # nothing pinned: everything could be evicted
     h.check_accounting()
+
+
+# --------------------------------------------------------------------------- LRU order, tombstones, statistics
+def _insert_fresh(h: Harness, tokens, live_from: int = 0):
+    """Inserts `tokens` with fresh slots (SWA live from `live_from` on) straight into the tree."""
+    full = h.full_pool.alloc(len(tokens))
+    swa = [None] * live_from + h.swa_pool.alloc(len(tokens) - live_from)
+    return h.cache.insert(list(tokens), full, swa)
+
+
+def test_split_orders_the_head_before_its_tail_in_swa_eviction():
+    """A split leaves head and tail with the same stamp; the parent must still be evicted first, or SWA eviction
+    tombstones the leaf and removes it (with its full KV) while its equally old parent keeps its SWA."""
+    h = Harness()
+    a = list(range(100, 120))
+    _insert_fresh(h, a, live_from=12)  # one 20-token leaf, SWA live over its last W = 8
+    m = h.cache.match_prefix(a[:15] + [1])  # the walk splits it 15 + 5; the window-safe cut is 0: no refresh
+    assert m.raw_length == 15 and m.length == 0
+    head = h.cache.root.children[(100,)]
+    assert len(head.key) == 15 and head.last_access == next(iter(head.children.values())).last_access
+    h.cache.evict_swa(1)
+    assert head.tombstone and h.cache.token_count() == 20  # the parent went first; the leaf keeps its full KV
+    assert h.cache.stats.full_evicted == 0
+    h.check_accounting()
+
+
+def test_insert_refreshes_the_stamps_of_the_path_it_walks():
+    h = Harness()
+    a, b = list(range(100, 120)), list(range(200, 220))
+    _insert_fresh(h, a, live_from=12)
+    _insert_fresh(h, b, live_from=12)
+    assert _insert_fresh(h, a, live_from=12) == 20  # a again (recomputed): duplicates freed, the path is used
+    h.cache.evict_full(1)  # the least recently used leaf goes: b
+    h.cache.path_to(a)
+    with pytest.raises(KeyError):
+        h.cache.path_to(b)
+    h.check_accounting()
+
+
+def test_inserting_a_fully_released_sequence_leaves_no_tombstone_leaf():
+    h = Harness()
+    a = list(range(100, 120))
+    _insert_fresh(h, a[:10], live_from=2)
+    before = h.full_pool.available()
+    assert _insert_fresh(h, a, live_from=20) == 10  # the new 10 tokens come with no SWA at all
+    assert h.cache.token_count() == 10  # no leaf that no window-safe match could end in
+    assert h.full_pool.available() == before  # its full slots were freed, not leaked
+    assert all(not n.tombstone for n in h.cache._nodes())
+    h.check_accounting()
+
+
+def test_full_eviction_counts_cascaded_tombstone_removals_once():
+    h = Harness()
+    base, x = list(range(100, 112)), list(range(200, 210))
+    _insert_fresh(h, base, live_from=4)
+    _insert_fresh(h, base + x, live_from=12)  # base becomes the parent of a 10-token leaf
+    parent = h.cache.root.children[(100,)]
+    h.cache.swa_pool.free([s for s in parent.swa if s is not None])
+    parent.swa = [None] * len(parent.swa)  # an internal tombstone: removed as soon as it becomes a leaf
+    before = h.full_pool.available()
+    freed = h.cache.evict_full(1)
+    assert freed == 22 == h.full_pool.available() - before  # the leaf, then its tombstone parent
+    assert h.cache.stats.full_evicted == 22 and h.cache.token_count() == 0
+    h.check_accounting()
+
+
+def _tree_state(cache: SWARadixCache):
+    return sorted((tuple(n.key), tuple(n.full), tuple(n.swa), n.last_access, n.full_locks, n.swa_locks)
+                  for n in cache._nodes())
+
+
+@pytest.mark.parametrize("page", [1, 2, 4])
+def test_peek_prefix_length_is_read_only_and_equals_match_prefix(page):
+    h = Harness(page=page)
+    rng = random.Random(page)
+    prefixes = [toks(16, seed=s, vocab=5) for s in range(3)]
+    for k in range(12):  # a tree with splits, trimmed and tombstoned nodes
+        seq = prefixes[k % 3][: rng.randrange(4, 17)] + toks(rng.randrange(0, 10), seed=100 + k, vocab=5)
+        r = h.start(seq)
+        if len(seq) > r.cached_tokens:
+            h.compute(r, seq[r.cached_tokens:])
+        h.finish(r)
+        if k % 4 == 3:
+            h.cache.evict_swa(15)
+    queries = [prefixes[q % 3][: rng.randrange(0, 17)] + toks(rng.randrange(0, 8), seed=500 + q, vocab=5)
+               for q in range(60)]
+    nonzero = 0
+    for q in queries:
+        before, stats_before = _tree_state(h.cache), (h.cache.stats.lookups, h.cache.stats.hit_tokens)
+        peeked = h.cache.peek_prefix_length(q)
+        assert _tree_state(h.cache) == before  # no split, no stamp, no lock
+        assert (h.cache.stats.lookups, h.cache.stats.hit_tokens) == stats_before
+        assert peeked == h.cache.match_prefix(q).length
+        nonzero += peeked > 0
+    assert nonzero > 5  # the comparison covered real hits, not only misses
+    h.check_accounting()
