@@ -91,7 +91,9 @@ def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int)
     if arena_path:
         try:
             fd = os.open(arena_path, os.O_RDWR)
-        except FileNotFoundError:  # started after the arena's name was removed: pixels come back pickled
+        except OSError:  # the server's /proc entry is not readable here: pixels come back pickled
+            log.warning("decode worker %d cannot open the shared arena %s: pixels travel pickled", os.getpid(),
+                        arena_path)
             return
         _ARENA = mmap.mmap(fd, os.fstat(fd).st_size)
         os.close(fd)
@@ -307,7 +309,11 @@ def remove_stale_arenas(shm_dir: str = "/dev/shm", min_age_s: float = 60.0) -> l
 
 
 class DecodePool:
-    """Runs `decode_job` in `workers` processes (or in a thread when workers == 0)."""
+    """Runs `decode_job` in `workers` processes (or in a thread when workers == 0).
+
+    A decode process that dies (the OOM killer, a crash in a codec library) breaks a `ProcessPoolExecutor`
+    for good: every later job fails with `BrokenProcessPool`. So the pool replaces its executor when that
+    happens (fresh processes, the same arena) and runs the jobs that were in flight again, once each."""
 
     def __init__(self, workers: int, opts: DecodeOptions, slot_bytes: int = 32 << 20, inflight: int = 2):
         self.workers = workers
@@ -315,9 +321,12 @@ class DecodePool:
         self.slot_bytes = slot_bytes
         self.inflight = inflight
         self.fallbacks = 0
+        self.respawns = 0  # how many times dead decode processes were replaced
         self._executor: concurrent.futures.Executor | None = None
+        self._generation = 0  # bumped on each replacement, so concurrent failures replace the executor once
+        self._replacing: asyncio.Lock | None = None
         self._arena: mmap.mmap | None = None
-        self._arena_path: str | None = None
+        self._arena_fd: int | None = None
         self._free: asyncio.Queue[int] | None = None
         if opts.decoder not in DECODERS:
             raise ValueError(f"--decoder must be one of {DECODERS}, got {opts.decoder!r}")
@@ -340,19 +349,24 @@ class DecodePool:
             return
         n_slots = self.max_inflight
         remove_stale_arenas()
-        self._arena_path = f"/dev/shm/{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        fd = os.open(self._arena_path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        path = f"/dev/shm/{ARENA_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        # The name is removed at once, so nothing is left in /dev/shm however this process ends (SIGKILL
+        # included). The server keeps the descriptor open for as long as the pool lives: every worker, the
+        # first ones and any that replace a dead one, maps the arena through /proc/<server pid>/fd/<fd>.
+        os.unlink(path)
         try:
             os.ftruncate(fd, n_slots * self.slot_bytes)
             self._arena = mmap.mmap(fd, n_slots * self.slot_bytes)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
+        self._arena_fd = fd
         self._free = asyncio.Queue()
         for i in range(n_slots):
             self._free.put_nowait(i)
-        self._executor = concurrent.futures.ProcessPoolExecutor(
-            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-            initargs=(self._arena_path, self.slot_bytes, self.opts.max_pixels))
+        self._replacing = asyncio.Lock()
+        self._executor = self._new_executor()
         loop = asyncio.get_running_loop()
         # Each call holds its worker a while, so the next call lands on another one; a worker that is slow to
         # spawn (a loaded machine) is waited for with longer holds. Workers live as long as the pool.
@@ -362,14 +376,31 @@ class DecodePool:
                                               for _ in range(self.workers))))
             if len(seen) >= self.workers:
                 break
-        if len(seen) >= self.workers:
-            # Every worker has mapped the arena: remove its name, so nothing is left in /dev/shm however this
-            # process ends (SIGKILL included); the mappings stay valid until the processes exit.
-            os.unlink(self._arena_path)
-            self._arena_path = None
-        else:
-            log.warning("only %d of %d decode workers started in time: %s stays in /dev/shm until a clean stop",
-                        len(seen), self.workers, self._arena_path)
+        if len(seen) < self.workers:
+            log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen),
+                        self.workers)
+
+    def _new_executor(self) -> concurrent.futures.ProcessPoolExecutor:
+        return concurrent.futures.ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
+            initargs=(f"/proc/{os.getpid()}/fd/{self._arena_fd}", self.slot_bytes, self.opts.max_pixels))
+
+    async def _replace_executor(self, generation: int) -> None:
+        """Replaces a broken executor (once, however many jobs saw it break). The old one's surviving
+        workers are joined first (the executor terminates them when it breaks): one of them could otherwise
+        still be writing pixels into a slot that the retried job is about to reuse."""
+        async with self._replacing:
+            if generation != self._generation or self._executor is None:
+                return  # another job already replaced it, or the pool is stopping
+            old = self._executor
+            await asyncio.to_thread(old.shutdown, wait=True, cancel_futures=True)
+            if self._executor is not old:  # stopped meanwhile
+                return
+            self._executor = self._new_executor()
+            self._generation += 1
+            self.respawns += 1
+            log.warning("a decode process died; replaced the decode processes (%d so far) and retrying the "
+                        "images that were in flight", self.respawns)
 
     @property
     def max_inflight(self) -> int:
@@ -377,14 +408,17 @@ class DecodePool:
         so each process has its next image queued while it decodes one; one when decoding in a thread."""
         return self.workers * self.inflight if self.workers > 0 and not self.on_device else 1
 
+    def worker_pids(self) -> list[int]:
+        """The pids of the live decode processes (empty when decoding in a thread or on the device)."""
+        procs = getattr(self._executor, "_processes", None) or {}
+        return sorted(pid for pid, p in dict(procs).items() if p.is_alive())
+
     def stop(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-        if self._arena_path:
-            try:
-                os.unlink(self._arena_path)
-            except FileNotFoundError:
-                pass
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        # The arena's descriptor stays open with the mapping: a worker still starting may need its /proc path,
+        # and both go when this process exits.
 
     async def decode(self, data: bytes) -> Decoded:
         if self.on_device:
@@ -394,13 +428,24 @@ class DecodePool:
             return Decoded(payload, *meta)
         slot = await self._free.get()
         try:
-            size = 0
-            if len(data) <= self.slot_bytes:  # the bytes go in through the slot too, not pickled through a pipe
-                size = len(data)
-                self._arena[slot * self.slot_bytes:slot * self.slot_bytes + size] = data
-                data = None
-            kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
-                self._executor, decode_job, data, self.opts, slot, size)
+            for attempt in (1, 2):  # a job whose process died is run once more, on fresh processes
+                executor, generation = self._executor, self._generation
+                if executor is None:
+                    raise concurrent.futures.process.BrokenProcessPool("the decode pool is stopped")
+                job, size = data, 0
+                if len(data) <= self.slot_bytes:  # the bytes go in through the slot too, not pickled through a pipe
+                    # (written again on a retry: the dead process may have begun writing pixels over them)
+                    size = len(data)
+                    self._arena[slot * self.slot_bytes:slot * self.slot_bytes + size] = data
+                    job = None
+                try:
+                    kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
+                        executor, decode_job, job, self.opts, slot, size)
+                    break
+                except concurrent.futures.process.BrokenProcessPool:
+                    await self._replace_executor(generation)
+                    if attempt == 2:
+                        raise
             if kind == "slot":
                 n = int(np.prod(payload))
                 pixels = np.frombuffer(self._arena, np.uint8, n, slot * self.slot_bytes).reshape(payload).copy()
