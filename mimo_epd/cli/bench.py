@@ -1,0 +1,33 @@
+"""`mimo-epd bench <name>`: benchmarks, each printing one JSON object (mimo_epd/bench/)."""
+from __future__ import annotations
+
+import json
+from importlib import import_module
+
+# (command, module under mimo_epd.bench, help). A benchmark module has add_arguments(parser) and
+# main(args) -> dict; it is imported only when its command runs (they import torch at module level).
+BENCHMARKS = (
+    ("cache-routing", "cache_routing", "cache hit rates: round-robin vs consistent hashing, private vs shared cache"),
+    ("video", "video", "a long video: naive vs parallel vs the decode floor, and worker scaling"),
+    ("encoder", "encoder", "encoder QPS/latency: naive vs pipelined vs transformers, tiny and large"),
+    ("kv", "kv_capacity", "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
+    ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
+    ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers generate (tiny, CPU)"),
+)
+
+
+def _module(name: str):
+    return import_module(f"mimo_epd.bench.{name}")
+
+
+def _runner(name: str):
+    def run(args) -> int:
+        print(json.dumps(_module(name).main(args)))  # one JSON object on stdout
+        return 0
+    return run
+
+
+def register(commands) -> None:
+    bench = commands.group("bench", "benchmarks; each prints one JSON object", dest="bench")
+    for command, module, help_text in BENCHMARKS:
+        bench.command(command, help_text, setup=lambda p, m=module: _module(m).add_arguments(p), run=_runner(module))

@@ -1,0 +1,164 @@
+"""`mimo-epd serve` (the product on one node) and `mimo-epd encoder` (one encoder server)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .common import error, setup_logging
+
+# --help sections for the encoder's flags (EncoderServerConfig): a field belongs to the section of the
+# nearest field named here at or before it, in declaration order (fields added inside a section join it),
+# unless its metadata names a `group` itself.
+ENCODER_SECTIONS = {
+    "host": "encoder: model and serving",
+    "max_items_per_request": "encoder: limits",
+    "max_video_bytes": "video",
+    "fetch_timeout_s": "encoder: fetching and URL policy",
+    "pipeline": "encoder: pipeline",
+    "cache_bytes": "cache",
+}
+# Fields that read better elsewhere in `serve --help` than where the dataclass declares them.
+SERVE_MOVES = {"host": "node", "port": "node", "grace_period_s": "node", "log_level": "node", "metrics_port": "node"}
+ENCODER_MOVES = {"host": "server", "port": "server", "grace_period_s": "server", "log_level": "server",
+                 "metrics_port": "server"}
+# Node flags (NodeConfig and whatever the launcher adds) by prefix of their dest; the rest are "node".
+NODE_PREFIXES = (("llm", "LLM worker"), ("http", "HTTP (OpenAI API)"), ("health_interval", "routing"),
+                 ("vnodes", "routing"), ("routing", "routing"), ("router", "routing"))
+GROUP_ORDER = ("server", "node", "routing", "LLM worker", "HTTP (OpenAI API)", "encoder: model and serving",
+               "encoder: limits", "encoder: fetching and URL policy", "encoder: pipeline", "video", "cache")
+
+
+class _Grouped:
+    """Looks like a parser to `add_arguments(parser)` helpers; puts each flag into its --help section."""
+
+    def __init__(self, parser: argparse.ArgumentParser, section_of, helps: dict[str, str] | None = None):
+        self.parser, self.section_of, self.helps = parser, section_of, helps or {}
+        self.groups = getattr(parser, "_mimo_groups", None)
+        if self.groups is None:
+            self.groups = parser._mimo_groups = {}
+            for title in GROUP_ORDER:  # fixed order, empty groups are not shown
+                self.groups[title] = parser.add_argument_group(title)
+
+    def add_argument(self, *flags, **kw):
+        dest = kw.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        title = self.section_of(dest)
+        if dest in self.helps:
+            kw["help"] = f"{self.helps[dest]} (default: {kw.get('default')!r})"
+        if "metavar" not in kw and "action" not in kw and kw.get("type", str) in (int, float, str):
+            kw["metavar"] = _metavar(dest, kw.get("type", str))
+        if title not in self.groups:
+            self.groups[title] = self.parser.add_argument_group(title)
+        return self.groups[title].add_argument(*flags, **kw)
+
+    def __getattr__(self, name):  # set_defaults, add_mutually_exclusive_group, ...
+        return getattr(self.parser, name)
+
+
+def _metavar(dest: str, typ: type) -> str:
+    if typ is float:
+        return "MS" if dest.endswith("_ms") else "S" if dest.endswith("_s") else "X"
+    if typ is int:
+        return "PORT" if dest.endswith("port") else "BYTES" if dest.endswith("bytes") else "N"
+    return "ADDR" if dest in ("host", "encoder") else "STR"
+
+
+# serve runs several processes: its --metrics-port is one endpoint for all of them (mimo_epd/node_metrics.py).
+SERVE_HELPS = {"metrics_port": "Prometheus /metrics of the whole node on this port: the router's endpoint merges "
+                               "every encoder's metrics, each sample labelled process=\"encoder-N\" (encoder N itself "
+                               "serves on PORT+1+N) (0 = off)"}
+
+
+def _encoder_section_of(moves: dict[str, str]):
+    from dataclasses import fields
+
+    from encoder_server.config import EncoderServerConfig
+
+    sections, current = {}, "encoder: model and serving"
+    for f in fields(EncoderServerConfig):
+        current = ENCODER_SECTIONS.get(f.name, current)
+        sections[f.name] = f.metadata.get("group") or moves.get(f.name) or current
+    return lambda dest: sections.get(dest, "encoder: model and serving")
+
+
+def _node_section_of(dest: str) -> str:
+    for prefix, title in NODE_PREFIXES:
+        if dest.startswith(prefix):
+            return title
+    return "node"
+
+
+def add_encoder_flags(p: argparse.ArgumentParser) -> None:
+    from encoder_server.config import EncoderServerConfig
+
+    EncoderServerConfig.add_arguments(_Grouped(p, _encoder_section_of(ENCODER_MOVES)))
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from encoder_server.config import EncoderServerConfig
+    from mimo_epd.launcher import NodeConfig
+
+    encoder_section = _encoder_section_of(SERVE_MOVES)
+    EncoderServerConfig.add_arguments(_Grouped(p, encoder_section, SERVE_HELPS))
+    NodeConfig.add_arguments(_Grouped(p, _node_section_of))
+
+
+def run_encoder(args) -> int:
+    import uvloop
+
+    from encoder_server.config import EncoderServerConfig
+    from encoder_server.service import serve_encoder
+
+    try:
+        config = EncoderServerConfig.from_args(args)
+    except ValueError as e:
+        return error(str(e))
+    setup_logging(config.log_level)
+    try:
+        return uvloop.run(serve_encoder(config))
+    except (OSError, ValueError, FileNotFoundError, RuntimeError) as e:
+        logging.getLogger("mimo_epd").error("cannot start the encoder: %s", e)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
+
+
+def run_serve(args) -> int:
+    import uvloop
+
+    from encoder_server.config import EncoderServerConfig
+    from mimo_epd.launcher import NodeConfig, serve_node
+
+    try:
+        enc, node = EncoderServerConfig.from_args(args), NodeConfig.from_args(args)
+    except ValueError as e:
+        return error(str(e))
+    setup_logging(enc.log_level)
+    try:
+        return uvloop.run(serve_node(enc, node))
+    except (OSError, RuntimeError, ValueError) as e:
+        logging.getLogger("mimo_epd").error("cannot start: %s", e)
+        return 1
+    except KeyboardInterrupt:  # a second Ctrl-C during shutdown
+        return 130
+
+
+SERVE_EPILOG = """\
+examples:
+  mimo-epd serve                                   router + 1 encoder + LLM worker on 127.0.0.1:50051
+  mimo-epd serve --encoders 2 --metrics-port 9110  one /metrics for the whole node (label process=...)
+  mimo-epd serve --port 0 --no-llm                 any free port (the ready line says which), no LLM worker
+
+Prints `ready HOST:PORT` on stdout once everything serves; logs go to stderr."""
+
+
+def register(commands) -> None:
+    commands.command("serve", usage="%(prog)s [FLAGS]", help="the product on this node: router + encoders sharing one shm cache + LLM worker",
+                     setup=add_serve_flags, run=run_serve, epilog=SERVE_EPILOG,
+                     description="Starts the product on this node: a front router on --host:--port that speaks the "
+                                 "Encode and Generate APIs,\n--encoders encoder processes sharing one shared-memory "
+                                 "embedding cache, and an LLM worker (--llm).")
+    commands.command("encoder", usage="%(prog)s [FLAGS]", help="run one encoder server (no router, no LLM worker)", setup=add_encoder_flags,
+                     run=run_encoder, epilog="Prints `ready HOST:PORT` on stdout once serving; logs go to stderr.")
+
+
