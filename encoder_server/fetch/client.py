@@ -2,13 +2,20 @@
 
 One aiohttp session with a bounded connection pool serves every request. Every fetch has a deadline
 and a byte limit enforced while streaming (a lying or missing Content-Length cannot blow memory).
+
+The session's connector (`PolicyConnector`) checks the address of every socket it opens against the
+URL policy, before connecting and again on the connected peer, so the address checked is the address
+of the socket actually connected, however the URL spelled it.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import contextvars
+import errno
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote_to_bytes, urljoin
@@ -18,6 +25,10 @@ import grpc
 
 from ..errors import ItemError, denied, invalid
 from .url_policy import PolicyResolver, UrlPolicy
+
+# The policy refusals the connector made for the fetch running in this context: aiohttp reports a refused
+# socket as a connection error, possibly merged with others, so the reason travels here instead.
+_refusals: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("fetch_policy_refusals", default=None)
 
 REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 
@@ -74,6 +85,59 @@ def _status_for_http(status: int) -> grpc.StatusCode:
     return grpc.StatusCode.INVALID_ARGUMENT
 
 
+class PolicyRefused(OSError):
+    """A socket the connector would not open (or kept open) because the URL policy refuses its address."""
+
+
+class PolicyConnector(aiohttp.TCPConnector):
+    """A TCP connector that enforces the URL policy on the sockets themselves.
+
+    Layer 1: every socket is made by `_open_socket` (aiohttp's socket_factory), which sees the exact
+    address the socket is about to connect to and refuses it before any packet is sent.
+    Layer 2: every new connection's peer address (`peername`) is checked again once connected; a
+    refused one is closed before a request is written. Together they cover IP literals aiohttp connects
+    to without resolving, names, redirects and any spelling the URL check did not foresee.
+    """
+
+    def __init__(self, policy: UrlPolicy, **kwargs):
+        self._policy = policy
+        super().__init__(socket_factory=self._open_socket, **kwargs)
+
+    def _refuse(self, why: str) -> PolicyRefused:
+        seen = _refusals.get()
+        if seen is not None:
+            seen.append(why)
+        return PolicyRefused(errno.EACCES, why)
+
+    def _open_socket(self, addr_info) -> socket.socket:
+        family, type_, proto, _, sockaddr = addr_info
+        why = self._policy.refusal(sockaddr[0], f"address {sockaddr[0]}")
+        if why:
+            raise self._refuse(why)
+        return socket.socket(family=family, type=type_, proto=proto)
+
+    async def _wrap_create_connection(self, *args, **kwargs):
+        transport, protocol = await super()._wrap_create_connection(*args, **kwargs)
+        peer = transport.get_extra_info("peername")
+        why = (f"URL refused by policy: the connection's peer address is unknown ({peer!r})"
+               if not peer or not isinstance(peer, tuple) else self._policy.refusal(peer[0], f"peer {peer[0]}"))
+        if why:
+            transport.close()
+            raise aiohttp.ClientConnectorError(kwargs["req"].connection_key, self._refuse(why))
+        return transport, protocol
+
+
+def _policy_refusal(exc: BaseException) -> str | None:
+    """The policy reason inside a connection error, if the policy caused it."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, PolicyRefused):
+            return exc.strerror
+        exc = getattr(exc, "os_error", None) or exc.__cause__ or exc.__context__
+    return None
+
+
 class Fetcher:
     def __init__(self, limits: FetchLimits, policy: UrlPolicy):
         self.limits = limits
@@ -82,8 +146,8 @@ class Fetcher:
         self._local_root = os.path.realpath(limits.allowed_local_dir) if limits.allowed_local_dir else None
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=self.limits.pool_size, resolver=PolicyResolver(self.policy),
-                                         ttl_dns_cache=None)
+        connector = PolicyConnector(self.policy, limit=self.limits.pool_size, resolver=PolicyResolver(self.policy),
+                                    ttl_dns_cache=None)
         # trust_env=False: never route through a proxy from the environment (it would bypass the address checks).
         self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
                                               headers={"User-Agent": "mimo-epd-encoder/0.1"})
@@ -114,6 +178,8 @@ class Fetcher:
 
     async def _fetch_url(self, url: str, limit: int) -> bytes:
         assert self._session is not None, "Fetcher.start() was not called"
+        refusals: list[str] = []
+        _refusals.set(refusals)  # this fetch's own context (each item is fetched in its own task)
         for _ in range(self.limits.max_redirects + 1):
             self.policy.check_url(url)
             try:
@@ -135,6 +201,9 @@ class Fetcher:
                             raise _too_large(limit)
                     return bytes(buf)
             except aiohttp.ClientError as e:
+                why = _policy_refusal(e) or (refusals[0] if refusals else None)
+                if why:
+                    raise denied(f"{why} (fetching {url})") from None
                 raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
         raise invalid(f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)")
 

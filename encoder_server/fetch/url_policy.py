@@ -1,24 +1,33 @@
 """Which URLs the encoder may fetch (SSRF protection).
 
-By default only http(s) URLs whose every resolved address is globally routable are fetched:
-loopback, private (RFC 1918, ULA), link-local, carrier-grade NAT, multicast, reserved, unspecified
-and cloud-metadata addresses are refused. `--allow-private-urls` lifts the address rule;
-`--url-allowlist` allows chosen networks only (e.g. `127.0.0.1/32` for a local media server).
+By default only http(s) URLs whose every address is globally routable are fetched: loopback, private
+(RFC 1918, ULA), link-local, site-local, carrier-grade NAT, multicast, reserved, unspecified and
+cloud-metadata addresses are refused, and so are IPv6 addresses that carry one of those IPv4 addresses
+inside them (IPv4-compatible, mapped, translated, NAT64, 6to4, Teredo). `--allow-private-urls` lifts the
+address rule (metadata addresses stay refused); `--url-allowlist` allows chosen networks only (e.g.
+`127.0.0.1/32` for a local media server).
 
-Checks happen (1) on the URL before any connection (IP literals are refused without connecting),
-(2) on every redirect target (redirects are followed by hand), and (3) on the addresses DNS returns,
-inside the connector's resolver, so the address actually connected to is the one that was checked
-(no DNS-rebinding window between check and connect).
+Checks happen in three layers, each on the address the HTTP client will really use:
+1. on the URL before any connection (`check_url`): the host is normalised exactly as the HTTP client
+   normalises it (yarl: IDNA, so fullwidth digits and ideographic dots become the plain IP literal they
+   are), IP literals are checked, and legacy numeric IPv4 spellings (`2130706433`, `0177.0.0.1`, `127.1`)
+   are refused outright;
+2. on every address DNS returns, inside the connector's resolver (`PolicyResolver`), so a name is
+   refused as a whole if any of its addresses is;
+3. structurally, on the socket itself (`PolicyConnector` in client.py): every socket the client opens
+   is checked against `check_address` before it connects and its peer address again once connected,
+   so no spelling, resolver path or redirect can reach an address this policy refuses.
 """
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import ThreadedResolver
+from yarl import URL
 
 from ..errors import denied, invalid
 
@@ -34,6 +43,22 @@ METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
     "192.0.0.192",  # Oracle Cloud
 ))
 METADATA_HOSTNAMES = frozenset({"metadata.google.internal", "metadata", "instance-data"})
+
+_net = ipaddress.ip_network
+# IPv6 ranges whose low 32 bits are an IPv4 address the packet ends up at (or is treated as).
+_LOW32_EMBEDDING = (
+    (_net("::ffff:0:0/96"), "IPv4-mapped"),
+    (_net("::ffff:0:0:0/96"), "IPv4-translated"),
+    (_net("64:ff9b::/96"), "NAT64"),
+    (_net("::/96"), "IPv4-compatible"),
+)
+_LOCAL_NAT64 = _net("64:ff9b:1::/48")  # RFC 8215 local-use NAT64: the IPv4 position depends on the site's prefix
+_SIX_TO_FOUR = _net("2002::/16")
+_TEREDO = _net("2001::/32")
+_SITE_LOCAL = _net("fec0::/10")  # deprecated (RFC 3879) but still routed inside sites
+
+# Characters of a legacy numeric IPv4 spelling (decimal, octal, hex parts; 1 to 4 of them).
+_NUMERIC_HOST = re.compile(r"^(0x[0-9a-f]*|[0-9]+)(\.(0x[0-9a-f]*|[0-9]+)){0,3}\.?$", re.I)
 
 
 def parse_networks(spec: str | list[str] | None) -> list[Network]:
@@ -52,48 +77,108 @@ def parse_networks(spec: str | list[str] | None) -> list[Network]:
     return out
 
 
+def embedded_ipv4(ip: ipaddress.IPv6Address) -> list[tuple[ipaddress.IPv4Address, str]]:
+    """IPv4 addresses an IPv6 address carries (and may be delivered to), with the mechanism's name."""
+    out = []
+    for net, name in _LOW32_EMBEDDING:
+        if ip in net:
+            out.append((ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF), name))
+            break
+    if ip in _SIX_TO_FOUR:
+        out.append((ipaddress.IPv4Address((int(ip) >> 80) & 0xFFFFFFFF), "6to4"))
+    if ip in _TEREDO:
+        server, client = ip.teredo
+        out += [(server, "Teredo server"), (client, "Teredo client")]
+    return out
+
+
+def legacy_ipv4(host: str) -> ipaddress.IPv4Address | None:
+    """The address a non-canonical numeric IPv4 spelling means to the C library (inet_aton), else None.
+
+    `2130706433`, `0x7f.1`, `0177.0.0.1` and `127.1` all mean 127.0.0.1 to inet_aton/getaddrinfo."""
+    if not _NUMERIC_HOST.match(host):
+        return None
+    try:
+        return ipaddress.IPv4Address(socket.inet_aton(host.rstrip(".")))
+    except (OSError, ValueError):
+        return None
+
+
+def url_host(url: str) -> str:
+    """The host of `url` exactly as the HTTP client (aiohttp, through yarl) will connect to it."""
+    host = URL(url).raw_host
+    if not host:
+        raise ValueError("no host")
+    return host
+
+
 @dataclass
 class UrlPolicy:
     allow_private: bool = False
     allowlist: list[Network] = field(default_factory=list)
     schemes: tuple[str, ...] = ("http", "https")
 
-    def check_address(self, addr: str | IPAddress, what: str) -> None:
+    def refusal(self, addr: str | IPAddress, what: str) -> str | None:
+        """Why `addr` may not be connected to (a message naming `what`), or None when it may."""
         ip = ipaddress.ip_address(addr) if isinstance(addr, str) else addr
-        if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-            ip = ip.ipv4_mapped
-        if any(ip in net for net in self.allowlist):
-            return
+        if isinstance(ip, ipaddress.IPv6Address) and ip.scope_id:
+            ip = ipaddress.IPv6Address(ip.compressed.split("%")[0])  # fe80::1%eth0: the zone is no address
+        if any(ip.version == net.version and ip in net for net in self.allowlist):
+            return None
         if ip in METADATA_ADDRESSES:
-            raise denied(f"URL refused by policy: {what} is a cloud metadata address ({ip})")
+            return f"URL refused by policy: {what} is a cloud metadata address ({ip})"
+        if isinstance(ip, ipaddress.IPv6Address):
+            if ip in _LOCAL_NAT64 and not self.allow_private:
+                return f"URL refused by policy: {what} is a local-use NAT64 address ({ip})"
+            inner = [] if ip in _LOW32_EMBEDDING[-1][0] and int(ip) <= 1 else embedded_ipv4(ip)  # :: and ::1 are themselves
+            for v4, name in inner:
+                why = self.refusal(v4, f"{what} ({ip}, {name} for {v4})")
+                if why:
+                    return why
+            if inner and ip not in _TEREDO:
+                return None  # the embedded IPv4 address is where it goes, and it is allowed
         if self.allow_private:
-            return
-        if not ip.is_global or ip.is_multicast:
+            return None
+        site_local = isinstance(ip, ipaddress.IPv6Address) and ip in _SITE_LOCAL
+        if not ip.is_global or ip.is_multicast or ip.is_reserved or ip.is_unspecified or site_local:
             kind = ("loopback" if ip.is_loopback else "link-local" if ip.is_link_local else
-                    "private" if ip.is_private else "non-public")
-            raise denied(f"URL refused by policy: {what} resolves to a {kind} address ({ip}); "
-                         "use --url-allowlist or --allow-private-urls to allow it")
+                    "site-local" if site_local else "multicast" if ip.is_multicast else
+                    "unspecified" if ip.is_unspecified else "private" if ip.is_private else "non-public")
+            article = "an" if kind[0] in "aeiou" else "a"
+            return (f"URL refused by policy: {what} resolves to {article} {kind} address ({ip}); "
+                    "use --url-allowlist or --allow-private-urls to allow it")
+        return None
+
+    def check_address(self, addr: str | IPAddress, what: str) -> None:
+        why = self.refusal(addr, what)
+        if why:
+            raise denied(why)
 
     def check_url(self, url: str) -> None:
         """Checks scheme and host of a URL without any network access."""
         try:
-            parts = urlsplit(url)
-            host = parts.hostname
-            parts.port  # noqa: B018 - raises on a malformed port
-        except ValueError as e:
+            parsed = URL(url)
+            host = parsed.raw_host
+            parsed.explicit_port  # noqa: B018 - raises on a malformed port
+        except (ValueError, TypeError, UnicodeError) as e:
             raise invalid(f"malformed URL {url!r}: {e}") from None
-        if parts.scheme.lower() not in self.schemes:
-            raise invalid(f"unsupported URL scheme {parts.scheme!r} (allowed: {', '.join(self.schemes)}, data)")
+        if parsed.scheme.lower() not in self.schemes:
+            raise invalid(f"unsupported URL scheme {parsed.scheme!r} (allowed: {', '.join(self.schemes)}, data)")
         if not host:
             raise invalid(f"URL {url!r} has no host")
-        if parts.username or parts.password:
+        if parsed.user or parsed.password:
             raise denied("URL refused by policy: URLs with credentials are not fetched")
-        if host.lower().rstrip(".") in METADATA_HOSTNAMES:
+        name = host.lower().rstrip(".")
+        if name in METADATA_HOSTNAMES:
             raise denied(f"URL refused by policy: {host} is a cloud metadata host")
         try:
-            ip = ipaddress.ip_address(host)
+            ip = ipaddress.ip_address(name)
         except ValueError:
-            return  # a name: checked on resolution by PolicyResolver
+            legacy = legacy_ipv4(name)
+            if legacy is not None:
+                raise denied(f"URL refused by policy: host {host} is a non-canonical spelling of the IPv4 address "
+                             f"{legacy}; write it as a dotted quad") from None
+            return  # a name: checked on resolution by PolicyResolver, and on the socket by PolicyConnector
         self.check_address(ip, f"host {host}")
 
 
