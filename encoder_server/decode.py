@@ -60,6 +60,47 @@ def _to_rgb(img):
     return img.convert("RGB")  # L, 1, CMYK, YCbCr, LAB, HSV
 
 
+# libjpeg reports a truncated or damaged entropy-coded stream as a *warning* and goes on: the missing rows
+# come out grey (a file cut in half and closed with an end-of-image marker decodes "fine" in PIL, torchvision
+# and DALI). These warnings mean pixels were invented, so the image is refused; the harmless ones (extraneous
+# bytes before a marker, an unknown JFIF revision, a bad ICC marker...) are not, as PIL accepts them.
+_TRUNCATED_WARNINGS = ("premature end",)  # "premature end of data segment", "Premature end of JPEG file"
+_CORRUPT_WARNINGS = ("bad huffman code", "bad arithmetic code", "instead of rst")
+
+
+def jpeg_damage(message: str) -> str | None:
+    """'truncated' / 'corrupt' when a libjpeg message says pixels are missing, else None."""
+    m = message.lower()
+    if any(w in m for w in _TRUNCATED_WARNINGS):
+        return "truncated"
+    if any(w in m for w in _CORRUPT_WARNINGS):
+        return "corrupt"
+    return None
+
+
+def _damage_error(kind: str, message: str) -> DecodeError:
+    what = "truncated image data" if kind == "truncated" else "corrupt JPEG data"
+    return DecodeError(f"{what} (libjpeg: {message})")
+
+
+def check_jpeg_data(data: bytes) -> None:
+    """Raises DecodeError when libjpeg finds the JPEG's coded data truncated or damaged. Decoders that
+    ignore libjpeg's warnings (PIL, torchvision, DALI) call it before decoding: a strict libjpeg-turbo decode
+    at 1/8 scale, which entropy-decodes every block (that is where truncation shows) but skips most of the
+    IDCT and colour work. The `turbo` fast path needs no check: its own decode is strict."""
+    if _simplejpeg is None:  # pragma: no cover - simplejpeg is a dependency
+        return
+    try:
+        h, w, colorspace, _ = _simplejpeg.decode_jpeg_header(data)
+        _simplejpeg.decode_jpeg(data, colorspace="CMYK" if colorspace == "CMYK" else "GRAY",
+                                min_width=(w + 7) // 8, min_height=(h + 7) // 8, strict=True)
+    except ValueError as e:
+        kind = jpeg_damage(str(e))
+        if kind:
+            raise _damage_error(kind, str(e)) from None
+        # anything else (an unusual layout libjpeg-turbo will not convert): the decoder itself judges it
+
+
 def turbo_jpeg_available() -> bool:
     return _simplejpeg is not None
 
@@ -106,7 +147,12 @@ def _decode_turbo_jpeg(img, data: bytes, draft_size: tuple[int, int] | None, rgb
     try:
         arr = _simplejpeg.decode_jpeg(data, colorspace="RGBX" if rgbx else "RGB", min_width=(w + s - 1) // s, min_height=(h + s - 1) // s,
                                       strict=True)
-    except Exception:  # noqa: BLE001 - damaged or unusual file: PIL decodes it or reports the precise error
+    except ValueError as e:
+        kind = jpeg_damage(str(e))
+        if kind:  # strict mode caught what PIL would decode silently (grey rows in place of missing data)
+            raise _damage_error(kind, str(e)) from None
+        return None  # an unusual file: PIL decodes it or reports the precise error
+    except Exception:  # noqa: BLE001 - as above
         return None
     if arr.shape[:2] != ((h + s - 1) // s, (w + s - 1) // s):
         return None
@@ -143,6 +189,8 @@ def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | Non
     fast = _decode_turbo_jpeg(img, data, draft_size, rgbx) if turbo else None
     if fast is not None:
         return np.ascontiguousarray(fast)
+    if img.format == "JPEG":
+        check_jpeg_data(data)
     try:
         if draft_size is not None and img.format == "JPEG":
             img.draft("RGB", draft_size)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .decode import SUPPORTED_FORMATS, decode_image
+from .decode import SUPPORTED_FORMATS, check_jpeg_data, decode_image
 from .errors import DecodeError
 from .preprocess import PreprocessConfig, target_size
 
@@ -208,6 +208,7 @@ def _decode_dali(data: bytes, max_pixels: int) -> np.ndarray:
     from .dali_decoder import decode_jpeg_dali
 
     _check_header_pixels(data, max_pixels)
+    check_jpeg_data(data)
     try:
         pixels = decode_jpeg_dali(data)
     except Exception:  # noqa: BLE001 - CMYK, progressive oddities...: PIL knows them and words its errors
@@ -225,6 +226,7 @@ def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
         raise DecodeError("empty item (0 bytes)")
     if _complete_jpeg(data):
         _check_header_pixels(data, opts.max_pixels)
+        check_jpeg_data(data)
         try:
             if opts.decoder == "dali":
                 from .dali_decoder import decode_jpeg_dali_tensor
@@ -259,6 +261,7 @@ def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
     import torch
 
     _check_header_pixels(data, max_pixels)
+    check_jpeg_data(data)
     torch.set_num_threads(1)  # one decode per process; the pool provides the parallelism
     try:
         t = _torchvision_jpeg(data)
@@ -367,18 +370,20 @@ class DecodePool:
             self._free.put_nowait(i)
         self._replacing = asyncio.Lock()
         self._executor = self._new_executor()
+        await self._start_all()
+
+    async def _start_all(self) -> None:
+        """Starts every worker now (the executor spawns them on demand): each call holds its worker a while, so
+        the next call lands on another one; a worker slow to spawn (a loaded machine) gets longer holds."""
         loop = asyncio.get_running_loop()
-        # Each call holds its worker a while, so the next call lands on another one; a worker that is slow to
-        # spawn (a loaded machine) is waited for with longer holds. Workers live as long as the pool.
         seen: set[int] = set()
         for hold in (0.2, 0.5, 1.0, 2.0, 4.0):
             seen.update(await asyncio.gather(*(loop.run_in_executor(self._executor, _started, hold)
                                               for _ in range(self.workers))))
             if len(seen) >= self.workers:
-                break
-        if len(seen) < self.workers:
-            log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen),
-                        self.workers)
+                return
+        log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen),
+                    self.workers)
 
     def _new_executor(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
@@ -399,6 +404,10 @@ class DecodePool:
             self._executor = self._new_executor()
             self._generation += 1
             self.respawns += 1
+            try:
+                await self._start_all()
+            except concurrent.futures.process.BrokenProcessPool:
+                pass  # killed again while starting: the retry meets it and replaces it once more
             log.warning("a decode process died; replaced the decode processes (%d so far) and retrying the "
                         "images that were in flight", self.respawns)
 

@@ -147,7 +147,7 @@ def test_turbo_jpeg_path_is_pixel_identical_to_pil(case, draft):
     np.testing.assert_array_equal(resize_pil_hwc(fast4, size), resize_pil_hwc(slow, size))
 
 
-def test_turbo_jpeg_path_leaves_cmyk_and_truncated_files_to_pil():
+def test_turbo_jpeg_path_leaves_cmyk_to_pil_and_refuses_truncated_files():
     from encoder_server import decode
 
     cmyk = encode_image(textured(40, 60), "JPEG", mode="CMYK")
@@ -155,7 +155,8 @@ def test_turbo_jpeg_path_leaves_cmyk_and_truncated_files_to_pil():
         assert decode._decode_turbo_jpeg(img, cmyk, None) is None
     data = encode_image(textured(200, 200), "JPEG")
     with Image.open(io.BytesIO(data[: len(data) // 2])) as img:
-        assert decode._decode_turbo_jpeg(img, data[: len(data) // 2], None) is None
+        with pytest.raises(DecodeError, match="truncated"):  # strict libjpeg-turbo: no grey padding
+            decode._decode_turbo_jpeg(img, data[: len(data) // 2], None)
 
 
 @pytest.mark.parametrize("slot_bytes", [64 << 20, "input-only", 1024], ids=["both-fit", "input-fits", "neither-fits"])

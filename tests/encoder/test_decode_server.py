@@ -1,0 +1,109 @@
+"""Decode behaviour through the real gRPC server: a killed decode process, truncated files, every
+documented format, tiny and elongated images and video frames, Ctrl-C."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from PIL import Image
+
+from mimo_epd.v1 import encoder_pb2 as pb
+from mimo_epd.v1 import encoder_pb2_grpc
+from tests.conftest import encode_image, start_server, textured
+
+JPEG = encode_image(textured(240, 320, seed=1), "JPEG", quality=90)
+
+
+def stubs(address: str):
+    ch = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)])
+    return encoder_pb2_grpc.EncoderStub(ch), health_pb2_grpc.HealthStub(ch)
+
+
+def encode(address: str, *items: pb.MediaItem, timeout: float = 120) -> pb.EncodeResponse:
+    return stubs(address)[0].Encode(pb.EncodeRequest(items=list(items)), timeout=timeout)
+
+
+def expect_error(address: str, code: grpc.StatusCode, fragment: str, *items: pb.MediaItem) -> str:
+    with pytest.raises(grpc.RpcError) as ei:
+        encode(address, *items)
+    assert ei.value.code() == code, ei.value.details()
+    assert fragment.lower() in ei.value.details().lower(), ei.value.details()
+    return ei.value.details()
+
+
+def decode_workers(server_pid: int) -> list[int]:
+    """The server's decode processes: its children started by multiprocessing's spawn (the resource tracker,
+    also a child, runs `resource_tracker`)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                stat = f.read().rsplit(") ", 1)[1].split()
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if int(stat[1]) == server_pid and stat[0] != "Z" and b"spawn_main" in cmd:
+            out.append(int(name))
+    return sorted(out)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = start_server(["--decode-workers", "2", "--max-items-per-request", "16"])
+    yield s
+    assert s.stop() == 0, "".join(s.stderr_lines)[-3000:]
+
+
+# ------------------------------------------------------------------------------- 1. a decode process dies
+def test_sigkilled_decode_process_is_replaced_and_requests_keep_succeeding(server):
+    before = encode(server.address, pb.MediaItem(data=JPEG)).items[0]
+    workers = decode_workers(server.proc.pid)
+    assert len(workers) == 2, workers
+    os.kill(workers[0], signal.SIGKILL)  # what the OOM killer does
+    # Several requests, distinct bytes (no cache hits), several items each.
+    for i in range(4):
+        items = [pb.MediaItem(data=encode_image(textured(200 + i, 300, seed=10 + i * 3 + j), "JPEG")) for j in range(3)]
+        r = encode(server.address, *items)
+        assert [it.num_tokens for it in r.items] and all(it.num_tokens > 0 for it in r.items)
+    again = encode(server.address, pb.MediaItem(data=encode_image(textured(240, 320, seed=1), "JPEG", quality=90,
+                                                                    comment=b"not a cache hit"))).items[0]
+    assert np.array_equal(np.frombuffer(again.embedding.data, "<f4"), np.frombuffer(before.embedding.data, "<f4"))
+    _, health = stubs(server.address)
+    assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
+    now = decode_workers(server.proc.pid)
+    assert len(now) == 2 and workers[0] not in now
+    assert any("replaced the decode processes" in line for line in server.stderr_lines)
+
+
+def test_decode_process_killed_while_requests_are_in_flight(server):
+    big = [pb.MediaItem(data=encode_image(textured(1500, 2000, seed=40 + j), "PNG")) for j in range(4)]
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as ex:
+        futs = [ex.submit(encode, server.address, *big[i:i + 2]) for i in (0, 2)]
+        time.sleep(0.5)
+        workers = decode_workers(server.proc.pid)
+        assert workers
+        os.kill(workers[-1], signal.SIGKILL)
+        results = [f.result() for f in futs]
+    assert all(it.num_tokens > 0 for r in results for it in r.items)
+    assert len(decode_workers(server.proc.pid)) == 2
+
+
+# ------------------------------------------------------------------------------- 2. truncated JPEG
+def test_half_a_jpeg_with_an_end_marker_is_invalid_argument(server):
+    data = encode_image(textured(480, 640, seed=5), "JPEG", quality=90)
+    cut = data[: len(data) // 2] + b"\xff\xd9"
+    msg = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "truncated",
+                       pb.MediaItem(data=JPEG), pb.MediaItem(data=cut))
+    assert msg.startswith("item 1:"), msg
+    assert encode(server.address, pb.MediaItem(data=data)).items[0].num_tokens > 0
