@@ -30,6 +30,9 @@ def add_llm_flags(llm: argparse.ArgumentParser) -> None:
     llm.add_argument("--length-buckets", default="65536,262144",
                      help="prompt-length bucket bounds; buckets take turns at admission (default: 65536,262144)")
     llm.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    from llm_backend.server.config import ServerConfig  # the HTTP API's flags (--http-port, ...)
+
+    ServerConfig.add_arguments(llm)
 
 
 def run_llm(args) -> int:
@@ -49,7 +52,10 @@ def run_llm(args) -> int:
                      enable_prefix_cache=args.prefix_cache, release_interval=args.release_interval,
                      max_running=args.max_running, fcfs=args.fcfs, wait_penalty_tokens_per_s=args.wait_penalty,
                      length_buckets=tuple(int(x) for x in args.length_buckets.split(",") if x.strip()))
-        return uvloop.run(serve_llm(engine, args.host, args.port, args.encoder or None))
+        from llm_backend.server.config import ServerConfig
+
+        return uvloop.run(serve_llm(engine, args.host, args.port, args.encoder or None,
+                                    config=ServerConfig.from_args(args), model=args.model))
     except (OSError, ValueError, RuntimeError) as e:
         logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", e)
         return 1

@@ -1,0 +1,393 @@
+"""The one generation path behind gRPC Generate and the HTTP API: prepare a prompt (text or ids, media
+through the encoder), admit it to the engine, and turn the engine's token callbacks into text chunks.
+
+- Media items go to the encoder (`--encoder`, an encoder or the router); each item's embedding rows take
+  the prompt positions right after BOS, in order, with placeholder ids derived from the item's content
+  key (ids >= the vocabulary size): the same image is a prefix-cache hit, different images never are.
+- Text comes out of `IncrementalDetokenizer` (UTF-8 and word boundaries right) and through `StopMatcher`
+  (stop strings across token boundaries, excluded from the text); on a match the request is finished
+  with `engine.abort(r, reason="stop")` so its KV is kept in the prefix cache. Stop tokens (the model's
+  EOS unless `ignore_eos`, and `stop_token_ids`) end the text without adding theirs.
+- Every failure is a `ServeError` carrying a gRPC status, the matching HTTP status and an OpenAI error
+  code, so both front ends report it the same way. A request the caller stops reading (a cancelled RPC,
+  a closed HTTP connection) is aborted by `Generation.cancel()`, which frees its KV at the next step.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import inspect
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+from .detokenizer import IncrementalDetokenizer, StopMatcher
+
+log = logging.getLogger(__name__)
+
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNIMPLEMENTED: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+}
+
+
+class ServeError(Exception):
+    """A request's failure: `code` for gRPC, `http_status` for HTTP, `err_code`/`param` for OpenAI bodies."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, http_status: int | None = None,
+                 param: str | None = None, err_code: str | None = None, retry_after: float | None = None):
+        super().__init__(message)
+        self.code, self.message = code, message
+        self.http_status = http_status or HTTP_STATUS.get(code, 500)
+        self.param, self.err_code, self.retry_after = param, err_code, retry_after
+
+    @staticmethod
+    def invalid(message: str, param: str | None = None, err_code: str | None = None) -> "ServeError":
+        return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param, err_code=err_code)
+
+
+def media_error(code: grpc.StatusCode, details: str) -> ServeError:
+    """The encoder's status as the API reports it: a size limit is 413, the encoder at capacity 429."""
+    details = details or code.name
+    status = None
+    if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and (
+            "larger than the limit" in details or "over the limit" in details):
+        status = 413
+    retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and status is None else None
+    return ServeError(code, f"encoder: {details}", http_status=status, param="media", retry_after=retry,
+                      err_code="media_error")
+
+
+def placeholder_ids(content_key: str, n: int, vocab: int) -> list[int]:
+    base = int(content_key[:15], 16)
+    return [vocab + (base + j) % (1 << 40) for j in range(n)]
+
+
+@dataclass
+class Prepared:
+    prompt: list[int]
+    media: dict[int, torch.Tensor]
+    media_tokens: int
+    arrival: float
+
+
+@dataclass
+class Chunk:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+
+
+@dataclass
+class Final:
+    finish_reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    media_tokens: int
+    ttft_s: float
+    e2e_s: float
+    matched_stop: str | int | None = None
+
+
+@dataclass
+class Result:
+    """A whole generation, collected (the non-streaming responses)."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    final: Final
+
+
+class GenerationCore:
+    def __init__(self, engine, encoder_address: str | None = None, metrics=None, max_waiting: int = 256,
+                 default_max_tokens: int = 256, model_name: str = "tiny", max_message_mb: int = 512):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.default_max_tokens = default_max_tokens
+        self.model_name = model_name or getattr(engine, "model_name", "") or "tiny"
+        self.encoder = None
+        if encoder_address:
+            ch = grpc.aio.insecure_channel(encoder_address, options=[
+                ("grpc.max_receive_message_length", max_message_mb << 20),
+                ("grpc.max_send_message_length", max_message_mb << 20)])
+            self.encoder = encoder_pb2_grpc.EncoderStub(ch)
+        self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
+        self._abort_reason = "reason" in inspect.signature(engine.abort).parameters
+        self._param_fields = {f.name for f in dataclasses.fields(self._params_cls())}
+
+    # ------------------------------------------------------------------------------------ facts
+    def _params_cls(self):
+        from llm_backend import SamplingParams
+
+        return SamplingParams
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return int(getattr(self.engine, "max_model_len", 0) or self.engine.full_pool.size)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    def stats(self) -> dict:
+        e = self.engine
+        if hasattr(e, "stats"):
+            return e.stats()
+        return {"running": len(e.running), "waiting": len(e.waiting),  # engines without stats()
+                "full_used": e.full_pool.size - e.full_pool.available(), "full_total": e.full_pool.size,
+                "swa_used": e.swa_pool.size - e.swa_pool.available(), "swa_total": e.swa_pool.size,
+                "prefix_hit_tokens": e.cache.stats.hit_tokens, "preemptions": e.preemptions}
+
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        inner = getattr(self.tokenizer, "tok", None)  # a checkpoint's tokenizers.Tokenizer
+        if inner is not None:
+            return list(inner.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self.tokenizer.encode(text)  # bytes: BOS first, always
+
+    def check_serving(self) -> None:
+        if getattr(self.engine, "loop_error", None) or not self.engine_alive():
+            raise ServeError(grpc.StatusCode.UNAVAILABLE,
+                             f"the engine is down: {getattr(self.engine, 'loop_error', None) or 'its loop stopped'}")
+
+    # ------------------------------------------------------------------------------------ media
+    async def encode_media(self, items: list[encoder_pb2.MediaItem], timeout: float | None
+                           ) -> tuple[list[int], dict[int, torch.Tensor]]:
+        if not items:
+            return [], {}
+        if self.encoder is None:
+            raise ServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                             "media items need an encoder: start the worker with --encoder ADDR", param="media")
+        try:
+            resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items)), timeout=timeout)
+        except grpc.aio.AioRpcError as e:
+            raise media_error(e.code(), e.details()) from None
+        hidden = self.engine.model.config.hidden_size
+        ids, rows = [], []
+        for i, it in enumerate(resp.items):
+            emb = torch.frombuffer(bytearray(it.embedding.data), dtype=getattr(torch, it.embedding.dtype)).view(
+                *it.embedding.shape)
+            if emb.shape[-1] != hidden:
+                raise ServeError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"media item {i}: embedding size {emb.shape[-1]} != the model's hidden size {hidden}",
+                                 http_status=400, param="media")
+            ids += placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
+            rows.append(emb)
+        table = torch.cat(rows)
+        return ids, {1 + j: table[j] for j in range(table.shape[0])}  # positions after BOS
+
+    async def prepare(self, *, text: str | None = None, token_ids: list[int] | None = None,
+                      media_items=(), add_special_tokens: bool = True, timeout: float | None = None) -> Prepared:
+        arrival = time.monotonic()
+        self.check_serving()
+        if token_ids is not None:
+            ids = [int(t) for t in token_ids]
+        else:
+            ids = self.encode_text(text or "", add_special_tokens)
+        if not ids:
+            raise ServeError.invalid("the prompt is empty", param="prompt")
+        media_ids, media = await self.encode_media(list(media_items), timeout)
+        prompt = ids[:1] + media_ids + ids[1:] if media_ids else ids
+        return Prepared(prompt, media, len(media_ids), arrival)
+
+    # ------------------------------------------------------------------------------------ run
+    def make_params(self, max_tokens: int | None, prompt_len: int, *, ignore_eos: bool = False,
+                    stop_token_ids=(), top_logprobs: int = 0, **kw):
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise ServeError.invalid(
+                f"the prompt has {prompt_len} tokens, but this worker holds at most {self.max_model_len} tokens "
+                "per request (prompt + output; raise --kv-cache-tokens)", param="messages",
+                err_code="context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(self.default_max_tokens, room)
+        elif max_tokens > room:
+            raise ServeError.invalid(
+                f"this worker holds at most {self.max_model_len} tokens per request, but {prompt_len + max_tokens} "
+                f"were asked for ({prompt_len} in the prompt, {max_tokens} in the completion); lower max_tokens",
+                param="max_tokens", err_code="context_length_exceeded")
+        stops = tuple(int(t) for t in stop_token_ids)
+        values = dict(max_tokens=max_tokens, stop_token_ids=stops, **kw)
+        if "ignore_eos" in self._param_fields:
+            values["ignore_eos"] = ignore_eos
+        elif not ignore_eos and self.eos_token_id is not None:  # an engine that does not stop at EOS itself
+            values["stop_token_ids"] = stops + (self.eos_token_id,)
+        if top_logprobs:
+            if "top_logprobs" not in self._param_fields:
+                raise ServeError.invalid("top_logprobs is not supported by this engine", param="top_logprobs")
+            values["top_logprobs"] = top_logprobs
+            values["logprobs"] = True
+        params = self._params_cls()(**values)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise ServeError.invalid(str(e)) from None
+        return params
+
+    def start(self, prep: Prepared, params, stop: list[str] | tuple[str, ...] = ()) -> "Generation":
+        self.check_serving()
+        waiting = self.stats().get("waiting", 0)
+        if self.max_waiting and waiting >= self.max_waiting:
+            if self.metrics:
+                self.metrics.rejected.inc()
+            raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"the worker is overloaded: {waiting} requests waiting (--max-waiting {self.max_waiting}); "
+                             "retry later", retry_after=1.0, err_code="overloaded")
+        return Generation(self, prep, params, stop)
+
+    async def generate(self, prep: Prepared, params, stop=()) -> Result:
+        gen = self.start(prep, params, stop)
+        text, ids, lps, tops = [], [], [], []
+        try:
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    return Result("".join(text), ids, lps, tops, ev)
+                text.append(ev.text)
+                ids += ev.token_ids
+                lps += ev.logprobs
+                tops += ev.top_logprobs
+        finally:
+            gen.cancel()
+        raise AssertionError("unreachable: events() always ends with a Final")
+
+    def abort(self, r, reason: str | None = None) -> None:
+        if reason and self._abort_reason:
+            self.engine.abort(r, reason=reason)
+        else:
+            self.engine.abort(r)
+
+
+def _engine_error(name: str):
+    import llm_backend.engine as eng  # PromptTooLong / OverloadedError, where the engine has them
+
+    return getattr(eng, name, None)
+
+
+class Generation:
+    """One running request: `events()` yields `Chunk`s then one `Final`; `cancel()` aborts it if unfinished."""
+
+    def __init__(self, core: GenerationCore, prep: Prepared, params, stop):
+        self.core, self.prep, self.params = core, prep, params
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        tok = core.tokenizer
+        self.detok = IncrementalDetokenizer(tok, prep.prompt, core.vocab_size)
+        self.stopper = StopMatcher(list(stop))
+        self.stop_ids = set(params.stop_token_ids)
+        if not getattr(params, "ignore_eos", False) and core.eos_token_id is not None:
+            self.stop_ids.add(core.eos_token_id)
+        self.want_top = int(getattr(params, "top_logprobs", 0) or 0)
+        self.done = False
+        self.n_tokens = 0
+        self.matched: str | int | None = None
+        push = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+
+        def on_token(r, t, lp):
+            top = None
+            if self.want_top:
+                tl = getattr(r, "top_logprobs", None)
+                top = list(tl[-1]) if tl else None
+            push(("token", t, lp, top))
+
+        try:
+            self.r = core.engine.add_request(prep.prompt, params, prep.media, on_token=on_token,
+                                             on_finish=lambda r: push(("end", None, None, None)))
+        except ValueError as e:
+            too_long = _engine_error("PromptTooLong")
+            code = "context_length_exceeded" if too_long and isinstance(e, too_long) else None
+            raise ServeError.invalid(str(e), param="messages" if code else None, err_code=code) from None
+        except RuntimeError as e:
+            overloaded = _engine_error("OverloadedError")
+            if overloaded is None or not isinstance(e, overloaded):
+                raise
+            if core.metrics is not None:
+                core.metrics.rejected.inc()
+            raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the worker is overloaded: {e}", retry_after=1.0,
+                             err_code="overloaded") from None
+
+    async def events(self):
+        core, m = self.core, self.core.metrics
+        last = None
+        stopped = False
+        while True:
+            kind, t, lp, top = await self.queue.get()
+            if kind == "end":
+                break
+            if stopped:
+                continue  # sampled before the stop-string abort reached the engine
+            now = time.monotonic()
+            if m is not None:
+                if last is None:
+                    m.ttft.observe(now - self.prep.arrival)
+                else:
+                    m.itl.observe(now - last)
+            last = now
+            self.n_tokens += 1
+            chunk = Chunk("", [t], [lp] if lp is not None else [], [top] if top is not None else [])
+            if t in self.stop_ids:
+                self.matched = t
+                chunk.text, _ = self.stopper.push(self.detok.flush())
+                chunk.text += self.stopper.flush()
+                stopped = True  # the engine finishes it itself
+            else:
+                chunk.text, hit = self.stopper.push(self.detok.push(t))
+                if hit:
+                    stopped = True
+                    self.matched = self.stopper.matched
+                    core.abort(self.r, reason="stop")
+            yield chunk
+        self.done = True
+        r = self.r
+        reason = r.finish_reason or "abort"
+        if reason.startswith("error"):
+            if m is not None:
+                m.finished.labels("error").inc()
+            raise self._error()
+        if not stopped:
+            tail, hit = self.stopper.push(self.detok.flush())
+            tail += self.stopper.flush() if not hit else ""
+            if tail:
+                yield Chunk(tail, [])
+        finish = "stop" if stopped else ("length" if reason == "length" else reason)
+        e2e = time.monotonic() - self.prep.arrival
+        ttft = (r.first_token_at - self.prep.arrival) if r.first_token_at else e2e
+        final = Final(finish, len(self.prep.prompt), r.cached_tokens, self.n_tokens, self.prep.media_tokens,
+                      max(ttft, 0.0), e2e, self.matched)
+        if m is not None:
+            m.on_finish(final)
+        yield final
+
+    def _error(self) -> ServeError:
+        r = self.r
+        msg = getattr(r, "error", None) or r.finish_reason.removeprefix("error: ").removeprefix("error")
+        code = getattr(r, "error_code", None) or "resource_exhausted"
+        grpc_code = {"resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid": grpc.StatusCode.INVALID_ARGUMENT
+                     }.get(code, grpc.StatusCode.INTERNAL)
+        return ServeError(grpc_code, msg or "the request failed", retry_after=1.0 if code == "resource_exhausted" else None)
+
+    def cancel(self) -> None:
+        if not self.done and not self.r.finish_reason:
+            log.info("request %d: the client went away; aborting it to free its KV", self.r.id)
+            self.core.abort(self.r)
+            if self.core.metrics is not None:
+                self.core.metrics.finished.labels("abort").inc()

@@ -1,0 +1,281 @@
+"""The LLM worker's HTTP API (aiohttp): OpenAI chat completions and completions, models, health, the
+endpoints an SGLang-style gateway reads at registration (`/get_model_info` = `/model_info`,
+`/get_server_info` = `/server_info`, `/health`, `/health_generate`), SGLang's native `POST /generate`,
+and Prometheus `/metrics`.
+
+Every request runs through `GenerationCore` (the same path as gRPC Generate). Errors are OpenAI error
+bodies with the status of the `ServeError` (429 with Retry-After when overloaded). Streams are SSE ending
+with `data: [DONE]`; an error after the stream has started is sent as one `data: {"error": ...}` event.
+A client that disconnects cancels its handler (handler_cancellation), which aborts its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+
+import grpc
+from aiohttp import web
+
+from . import openai_protocol as proto
+from .chat_template import ChatTemplate, ChatTemplateError
+from .core import Final, GenerationCore, ServeError
+
+log = logging.getLogger(__name__)
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def error_response(e: ServeError) -> web.Response:
+    headers = {}
+    if e.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+    return web.json_response(proto.error_body(e.http_status, e.message, e.param, e.err_code), status=e.http_status,
+                             headers=headers)
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except ServeError as e:
+        return error_response(e)
+    except ChatTemplateError as e:
+        return error_response(ServeError.invalid(str(e), param="messages"))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return web.json_response(proto.error_body(e.status, f"{e.reason}: {request.method} {request.path}"),
+                                 status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
+
+
+async def read_json(request: web.Request):
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ServeError.invalid(f"malformed JSON body: {e}") from None
+
+
+class LLMHTTPServer:
+    def __init__(self, core: GenerationCore, template: ChatTemplate, metrics=None, media_timeout_s: float = 60.0,
+                 model_path: str = "tiny"):
+        self.core, self.template, self.metrics = core, template, metrics
+        self.media_timeout_s = media_timeout_s
+        self.model_path = model_path
+        self.started = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[errors_middleware], client_max_size=512 << 20)
+        r = app.router
+        r.add_post("/v1/chat/completions", self.chat)
+        r.add_post("/v1/completions", self.completions)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/v1/models/{model}", self.model)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health_generate)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self.model_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self.server_info)
+        r.add_post("/generate", self.generate)
+        r.add_get("/metrics", self.metrics_handler)
+        return app
+
+    # ------------------------------------------------------------------------------ info
+    def _check_model(self, req: proto.GenRequest) -> None:
+        if req.model and req.model != self.core.model_name:
+            raise ServeError(grpc.StatusCode.NOT_FOUND,
+                             f"model {req.model!r} is not served here (this worker serves {self.core.model_name!r})",
+                             param="model", err_code="model_not_found")
+
+    def _model_card(self) -> dict:
+        return {"id": self.core.model_name, "object": "model", "created": self.started, "owned_by": "mimo-epd",
+                "root": self.model_path, "max_model_len": self.core.max_model_len}
+
+    async def models(self, request):
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request):
+        if request.match_info["model"] != self.core.model_name:
+            raise ServeError(grpc.StatusCode.NOT_FOUND,
+                             f"model {request.match_info['model']!r} is not served here", param="model",
+                             err_code="model_not_found")
+        return web.json_response(self._model_card())
+
+    async def health(self, request):
+        self.core.check_serving()
+        return web.json_response({"status": "ok"})
+
+    async def health_generate(self, request):
+        prep = await self.core.prepare(text="ping")
+        params = self.core.make_params(1, len(prep.prompt), ignore_eos=True)
+        await self.core.generate(prep, params)
+        return web.json_response({"status": "ok"})
+
+    async def model_info(self, request):
+        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
+                                  "served_model_name": self.core.model_name, "is_generation": True,
+                                  "preferred_sampling_params": None, "weight_version": "default",
+                                  "has_image_understanding": self.core.encoder is not None,
+                                  "max_model_len": self.core.max_model_len})
+
+    async def server_info(self, request):
+        s = self.core.stats()
+        return web.json_response({"model_path": self.model_path, "served_model_name": self.core.model_name,
+                                  "tokenizer_path": self.model_path, "dp_size": 1, "tp_size": 1,
+                                  "context_length": self.core.max_model_len,
+                                  "max_total_num_tokens": s.get("full_total"), "max_running_requests":
+                                  getattr(self.core.engine, "max_running", None),
+                                  "max_waiting": self.core.max_waiting, "chat_template": self.template.origin,
+                                  "internal_states": [s]})
+
+    async def metrics_handler(self, request):
+        if self.metrics is None:
+            raise web.HTTPNotFound()
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
+
+    # ------------------------------------------------------------------------------ generation
+    async def _prepare(self, req: proto.GenRequest):
+        core = self.core
+        if req.kind == "chat":
+            text = self.template.render(req.messages, add_generation_prompt=True)
+            prep = await core.prepare(text=text, media_items=req.media, add_special_tokens=False,
+                                      timeout=self.media_timeout_s)
+        else:
+            prep = await core.prepare(text=req.text, token_ids=req.token_ids, media_items=req.media,
+                                      timeout=self.media_timeout_s)
+        params = core.make_params(req.max_tokens, len(prep.prompt), ignore_eos=req.ignore_eos,
+                                  stop_token_ids=req.stop_token_ids, top_logprobs=req.top_logprobs, **req.sampling)
+        return prep, params
+
+    def _logprobs(self, req, ids, lps, tops, offset0=0):
+        if not req.sampling.get("logprobs") or not lps:
+            return None
+        tok = self.core.tokenizer
+        if req.kind == "chat":
+            return proto.chat_logprobs(tok, ids, lps, tops)
+        return proto.completion_logprobs(tok, ids, lps, tops, offset0)
+
+    async def chat(self, request):
+        req = proto.parse_chat(await read_json(request))
+        return await self._run(request, req)
+
+    async def completions(self, request):
+        req = proto.parse_completion(await read_json(request))
+        return await self._run(request, req)
+
+    async def _run(self, request, req: proto.GenRequest):
+        self._check_model(req)
+        prep, params = await self._prepare(req)
+        rid = proto.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
+        model = self.core.model_name
+        if req.stream:
+            return await self._stream(request, req, prep, params, rid, model)
+        res = await self.core.generate(prep, params, req.stop)
+        lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
+        if req.kind == "chat":
+            body = proto.chat_response(rid, model, res.text, res.final, lp)
+        else:
+            body = proto.completion_response(rid, model, res.text, res.final, lp)
+        return web.json_response(body)
+
+    async def _open_sse(self, request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                           "X-Accel-Buffering": "no"})
+        await resp.prepare(request)
+        return resp
+
+    @staticmethod
+    async def _send(resp: web.StreamResponse, obj) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)
+        await resp.write(f"data: {data}\n\n".encode())
+
+    async def _stream(self, request, req, prep, params, rid, model):
+        gen = self.core.start(prep, params, req.stop)  # overload and prompt errors before the stream starts
+        created = int(time.time())
+        chat = req.kind == "chat"
+        resp = await self._open_sse(request)
+        offset = 0
+        try:
+            if chat:
+                await self._send(resp, proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
+                                                        include_usage=req.include_usage))
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    if chat:
+                        await self._send(resp, proto.chat_chunk(rid, model, created, {}, ev.finish_reason,
+                                                                include_usage=req.include_usage))
+                    else:
+                        await self._send(resp, proto.completion_chunk(rid, model, created, "", ev.finish_reason,
+                                                                      include_usage=req.include_usage))
+                    if req.include_usage:
+                        await self._send(resp, proto.usage_chunk(rid, model, created,
+                                                                 "chat.completion.chunk" if chat else "text_completion",
+                                                                 ev))
+                    break
+                lp = self._logprobs(req, ev.token_ids, ev.logprobs, ev.top_logprobs, offset)
+                offset += len(ev.text)
+                if not ev.text and lp is None:
+                    continue
+                if chat:
+                    await self._send(resp, proto.chat_chunk(rid, model, created, {"content": ev.text}, None, lp,
+                                                            include_usage=req.include_usage))
+                else:
+                    await self._send(resp, proto.completion_chunk(rid, model, created, ev.text, None, lp,
+                                                                  include_usage=req.include_usage))
+        except ServeError as e:
+            await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
+        finally:
+            gen.cancel()  # a no-op once finished; frees the KV of a request whose client went away
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+    async def generate(self, request):
+        """SGLang's native API: `{"text", "output_ids", "meta_info"}`; streamed, each event has the text so far."""
+        req = proto.parse_generate(await read_json(request))
+        prep, params = await self._prepare(req)
+        rid = proto.new_id("gen")
+        if not req.stream:
+            res = await self.core.generate(prep, params, req.stop)
+            meta = proto.generate_meta(rid, res.final, res.final.completion_tokens, len(prep.prompt))
+            if req.sampling.get("logprobs"):
+                meta["output_token_logprobs"] = [[lp, t, None] for t, lp in zip(res.token_ids, res.logprobs)]
+            return web.json_response({"text": res.text, "output_ids": res.token_ids, "meta_info": meta})
+        gen = self.core.start(prep, params, req.stop)
+        resp = await self._open_sse(request)
+        text, ids = [], []
+        try:
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    await self._send(resp, {"text": "".join(text), "output_ids": ids,
+                                            "meta_info": proto.generate_meta(rid, ev, len(ids), len(prep.prompt))})
+                    break
+                text.append(ev.text)
+                ids += ev.token_ids
+                if ev.text:
+                    await self._send(resp, {"text": "".join(text), "output_ids": ids,
+                                            "meta_info": proto.generate_meta(rid, None, len(ids), len(prep.prompt))})
+        except ServeError as e:
+            await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
+        finally:
+            gen.cancel()
+        await self._send(resp, "[DONE]")
+        await resp.write_eof()
+        return resp
+
+
+async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Starts the app; returns the runner and the bound port. A client that disconnects cancels its handler."""
+    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = site._server.sockets[0].getsockname()[1]
+    return runner, bound
+
+
+async def stop_http(runner: web.AppRunner) -> None:
+    await asyncio.wait_for(runner.cleanup(), 15)

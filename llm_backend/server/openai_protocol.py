@@ -1,0 +1,411 @@
+"""The OpenAI (and SGLang-native) wire format: request parsing with type checks that name the field,
+and the response / stream-chunk / error shapes.
+
+Parsing never raises anything but `ServeError` (400, `param` = the offending field). Accepted, as in the
+OpenAI API: chat `messages` with roles system / developer (as system) / user / assistant and content as a
+string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too) and `video_url`
+parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
+list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` = 1, `stream` with
+`stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`. Features
+this server does not implement (penalties, logit_bias, tools, JSON mode, n > 1, echo, suffix) get a 400
+that says so rather than being silently ignored.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from mimo_epd.v1 import encoder_pb2
+
+from .core import Final, ServeError
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class GenRequest:
+    kind: str  # "chat" | "completion" | "generate"
+    model: str = ""
+    stream: bool = False
+    include_usage: bool = False
+    messages: list[dict] = field(default_factory=list)  # chat: what the template sees
+    text: str | None = None
+    token_ids: list[int] | None = None
+    media: list[encoder_pb2.MediaItem] = field(default_factory=list)
+    max_tokens: int | None = None
+    sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, logprobs
+    ignore_eos: bool = False
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    top_logprobs: int = 0
+
+
+# ---------------------------------------------------------------------------------------- type checks
+def _bad(param: str, msg: str) -> ServeError:
+    return ServeError.invalid(f"'{param}': {msg}", param=param)
+
+
+def _type_name(v) -> str:
+    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None, param: str | None = None) -> int | None:
+    v = body.get(key)
+    param = param or key
+    if v is None:
+        return None
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise _bad(param, f"expected an integer, got {_type_name(v)}")
+    if lo is not None and v < lo or hi is not None and v > hi:
+        raise _bad(param, f"{v} is out of range [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]")
+    return v
+
+
+def _num(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise _bad(key, f"expected a number, got {_type_name(v)}")
+    v = float(v)
+    if not (lo < v <= hi if lo_open else lo <= v <= hi):
+        raise _bad(key, f"{v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
+    return v
+
+
+def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise _bad(param or key, f"expected a boolean, got {_type_name(v)}")
+    return v
+
+
+def _unsupported(body: dict) -> None:
+    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+        v = body.get(key)
+        if v not in (None, 0, 0.0, 1.0 if key == "repetition_penalty" else 0):
+            raise _bad(key, "is not supported by this server (only the default)")
+    if body.get("logit_bias"):
+        raise _bad("logit_bias", "is not supported by this server")
+    for key in ("tools", "functions"):
+        if body.get(key):
+            raise _bad(key, "tool calling is not supported by this server")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
+        raise _bad("response_format", "only {'type': 'text'} is supported")
+    n = _int(body, "n")
+    if n is not None and n != 1:
+        raise _bad("n", f"only n = 1 is supported, got {n}")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("best_of", "only best_of = 1 is supported")
+
+
+def _common(body: dict, req: GenRequest) -> None:
+    _unsupported(body)
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", f"expected a string, got {_type_name(model)}")
+    req.model = model or ""
+    req.stream = bool(_bool(body, "stream"))
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise _bad("stream_options", f"expected an object, got {_type_name(so)}")
+        req.include_usage = bool(_bool(so, "include_usage", "stream_options.include_usage"))
+    mt = _int(body, "max_completion_tokens", 1)
+    req.max_tokens = mt if mt is not None else _int(body, "max_tokens", 1)
+    s = req.sampling
+    if (t := _num(body, "temperature", 0.0, 2.0)) is not None:
+        s["temperature"] = t
+    if (p := _num(body, "top_p", 0.0, 1.0, lo_open=True)) is not None:
+        s["top_p"] = p
+    if (k := _int(body, "top_k", -1)) is not None:
+        s["top_k"] = max(k, 0)  # -1 = off (vLLM / SGLang), as 0 here
+    if (seed := _int(body, "seed")) is not None:
+        s["seed"] = seed
+    req.ignore_eos = bool(_bool(body, "ignore_eos"))
+    _stops(body.get("stop"), "stop", req)
+    ids = body.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise _bad("stop_token_ids", "expected an array of integers")
+        req.stop_token_ids += ids
+
+
+def _stops(stop, param: str, req: GenRequest) -> None:
+    if stop is None:
+        return
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list):
+        raise _bad(param, f"expected a string or an array, got {_type_name(stop)}")
+    for i, s in enumerate(items):
+        if isinstance(s, str):
+            if not s:
+                raise _bad(f"{param}[{i}]", "a stop string must not be empty")
+            req.stop.append(s)
+        elif isinstance(s, int) and not isinstance(s, bool):
+            req.stop_token_ids.append(s)
+        else:
+            raise _bad(f"{param}[{i}]", f"expected a string or a token id, got {_type_name(s)}")
+
+
+def _media_url(url, param: str, video: bool) -> encoder_pb2.MediaItem:
+    if not isinstance(url, str) or not url:
+        raise _bad(param, "expected a URL string")
+    scheme = url.split(":", 1)[0].lower()
+    if scheme not in ("http", "https", "data"):
+        raise _bad(param, f"only http(s):// and data: URLs are accepted, got {scheme!r}")
+    kw = {"modality": encoder_pb2.VIDEO if video else encoder_pb2.IMAGE}
+    return encoder_pb2.MediaItem(url=url, **kw)
+
+
+# ---------------------------------------------------------------------------------------- requests
+def parse_chat(body) -> GenRequest:
+    if not isinstance(body, dict):
+        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+    req = GenRequest("chat")
+    _common(body, req)
+    msgs = body.get("messages")
+    if msgs is None:
+        raise _bad("messages", "is required")
+    if not isinstance(msgs, list):
+        raise _bad("messages", f"expected an array, got {_type_name(msgs)}")
+    if not msgs:
+        raise _bad("messages", "must not be empty")
+    for i, m in enumerate(msgs):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _bad(p, f"expected an object, got {_type_name(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            raise _bad(f"{p}.role", f"unsupported role {role!r} (system, developer, user, assistant)")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, str):
+            req.messages.append({"role": ROLES[role], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise _bad(f"{p}.content", f"expected a string or an array of parts, got {_type_name(content)}")
+        parts = []
+        for j, part in enumerate(content):
+            pp = f"{p}.content[{j}]"
+            if not isinstance(part, dict):
+                raise _bad(pp, f"expected an object, got {_type_name(part)}")
+            kind = part.get("type")
+            if kind == "text":
+                if not isinstance(part.get("text"), str):
+                    raise _bad(f"{pp}.text", "expected a string")
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "video_url"):
+                ref = part.get(kind)
+                url = ref.get("url") if isinstance(ref, dict) else ref
+                req.media.append(_media_url(url, f"{pp}.{kind}.url", video=kind == "video_url"))
+                parts.append({"type": "image" if kind == "image_url" else "video"})
+            else:
+                raise _bad(f"{pp}.type", f"unsupported content part {kind!r} (text, image_url, video_url)")
+        req.messages.append({"role": ROLES[role], "content": parts})
+    lp = _bool(body, "logprobs")
+    top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top and not lp:
+        raise _bad("top_logprobs", "needs logprobs: true")
+    if lp:
+        req.sampling["logprobs"] = True
+        req.top_logprobs = top or 0
+    return req
+
+
+def parse_completion(body) -> GenRequest:
+    if not isinstance(body, dict):
+        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+    req = GenRequest("completion")
+    _common(body, req)
+    if body.get("echo"):
+        raise _bad("echo", "is not supported by this server")
+    if body.get("suffix"):
+        raise _bad("suffix", "is not supported by this server")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.token_ids = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
+        raise _bad("prompt", f"one prompt per request, got {len(prompt)}")
+    elif prompt is None:
+        raise _bad("prompt", "is required")
+    else:
+        raise _bad("prompt", "expected a string or a non-empty array of token ids")
+    lp = _int(body, "logprobs", 0, 5)
+    if lp is not None:
+        req.sampling["logprobs"] = True
+        req.top_logprobs = lp
+    if req.max_tokens is None:
+        req.max_tokens = 16  # the OpenAI completions default
+    return req
+
+
+def parse_generate(body) -> GenRequest:
+    """SGLang's native `POST /generate`: `text` or `input_ids`, `sampling_params`, `stream`, `image_data`."""
+    if not isinstance(body, dict):
+        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+    req = GenRequest("generate")
+    req.stream = bool(_bool(body, "stream"))
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list) and len(text) == 1:
+        text = text[0]
+    if text is not None and ids is not None:
+        raise ServeError.invalid("give either 'text' or 'input_ids', not both", param="text")
+    if isinstance(text, str):
+        req.text = text
+    elif ids is not None:
+        if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+            ids = ids[0]
+        if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise _bad("input_ids", "expected a non-empty array of token ids (one prompt per request)")
+        req.token_ids = ids
+    elif text is None:
+        raise _bad("text", "give 'text' or 'input_ids'")
+    else:
+        raise _bad("text", "expected a string (one prompt per request)")
+    sp = body.get("sampling_params") or {}
+    if not isinstance(sp, dict):
+        raise _bad("sampling_params", f"expected an object, got {_type_name(sp)}")
+    _unsupported(sp)
+    req.max_tokens = _int(sp, "max_new_tokens", 1, param="sampling_params.max_new_tokens") or 128
+    s = req.sampling
+    if (t := _num(sp, "temperature", 0.0, 100.0)) is not None:
+        s["temperature"] = t
+    if (p := _num(sp, "top_p", 0.0, 1.0, lo_open=True)) is not None:
+        s["top_p"] = p
+    if (k := _int(sp, "top_k", -1, param="sampling_params.top_k")) is not None:
+        s["top_k"] = max(k, 0)
+    seed = _int(sp, "sampling_seed", param="sampling_params.sampling_seed")
+    if seed is None:
+        seed = _int(sp, "seed", param="sampling_params.seed")
+    if seed is not None:
+        s["seed"] = seed
+    req.ignore_eos = bool(_bool(sp, "ignore_eos", "sampling_params.ignore_eos"))
+    _stops(sp.get("stop"), "sampling_params.stop", req)
+    ids = sp.get("stop_token_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
+            raise _bad("sampling_params.stop_token_ids", "expected an array of integers")
+        req.stop_token_ids += ids
+    if _bool(body, "return_logprob"):
+        s["logprobs"] = True
+    images = body.get("image_data")
+    for j, url in enumerate([images] if isinstance(images, str) else images or []):
+        req.media.append(_media_url(url, f"image_data[{j}]", video=False))
+    return req
+
+
+# ---------------------------------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(final: Final) -> dict:
+    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
+            "total_tokens": final.prompt_tokens + final.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+
+
+def token_piece(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """A token's text and raw bytes (a byte token that is part of a multi-byte character has no text of its own)."""
+    if getattr(tokenizer, "tok", None) is None:  # the byte tokenizer
+        raw = bytes([token_id]) if token_id < 256 else b""
+        return raw.decode("utf-8", errors="replace"), list(raw)
+    text = tokenizer.decode([token_id])
+    return text, list(text.encode("utf-8"))
+
+
+def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list) -> dict:
+    content = []
+    for k, (t, lp) in enumerate(zip(ids, lps)):
+        tok, raw = token_piece(tokenizer, t)
+        entry = {"token": tok, "logprob": lp, "bytes": raw, "top_logprobs": []}
+        for alt, alp in (tops[k] if k < len(tops) else []):
+            at, ab = token_piece(tokenizer, alt)
+            entry["top_logprobs"].append({"token": at, "logprob": alp, "bytes": ab})
+        content.append(entry)
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list, offset0: int = 0) -> dict:
+    tokens, offsets, top_out = [], [], []
+    pos = offset0
+    for k, t in enumerate(ids[:len(lps)]):
+        tok, _ = token_piece(tokenizer, t)
+        tokens.append(tok)
+        offsets.append(pos)
+        pos += len(tok)
+        top_out.append({token_piece(tokenizer, a)[0]: alp for a, alp in tops[k]} if k < len(tops) else None)
+    return {"tokens": tokens, "token_logprobs": list(lps[:len(tokens)]), "top_logprobs": top_out,
+            "text_offset": offsets}
+
+
+def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                         "finish_reason": final.finish_reason}],
+            "usage": usage(final)}
+
+
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason=None, logprobs=None,
+               include_usage: bool = False) -> dict:
+    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def completion_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}],
+            "usage": usage(final)}
+
+
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason=None, logprobs=None,
+                     include_usage: bool = False) -> dict:
+    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
+           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, model: str, created: int, obj: str, final: Final) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(final)}
+
+
+def generate_meta(rid: str, final: Final | None, completion_tokens: int, prompt_tokens: int) -> dict:
+    meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "finish_reason": None}
+    if final is not None:
+        fr = {"type": final.finish_reason}
+        if final.finish_reason == "length":
+            fr["length"] = final.completion_tokens
+        elif final.matched_stop is not None:
+            fr["matched"] = final.matched_stop
+        meta.update(finish_reason=fr, cached_tokens=final.cached_tokens, e2e_latency=round(final.e2e_s, 6),
+                    ttft=round(final.ttft_s, 6), media_tokens=final.media_tokens)
+    return meta
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": code}}

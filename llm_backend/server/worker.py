@@ -1,0 +1,65 @@
+"""`mimo-epd llm`: one LLM worker process. The engine loop runs in its own thread; gRPC Generate and the
+HTTP API (both on `GenerationCore`) run on the event loop. Prints `http HOST:PORT` (when the HTTP API is
+on) and then `ready HOST:PORT` (gRPC) once both serve; SIGTERM drains both within the grace period."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+
+from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.v1 import generator_pb2_grpc
+
+from .chat_template import load_chat_template
+from .config import ServerConfig
+from .core import GenerationCore
+from .grpc_service import SERVICE_NAME, GeneratorService
+from .metrics import LLMMetrics
+
+log = logging.getLogger(__name__)
+
+
+async def serve_llm(engine, host: str, port: int, encoder_address: str | None, grace_s: float = 10.0,
+                    config: ServerConfig | None = None, model: str = "tiny") -> int:
+    config = config or ServerConfig.from_engine(engine)
+    name = config.served_model_name or (model if model == "tiny" else os.path.basename(os.path.normpath(model)))
+    template = load_chat_template(model, config.chat_template)
+    stop_engine = threading.Event()
+    thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
+    metrics = LLMMetrics()
+    core = GenerationCore(engine, encoder_address, metrics, max_waiting=config.max_waiting,
+                          default_max_tokens=config.default_max_tokens, model_name=name)
+    core.engine_alive = thread.is_alive
+    metrics.watch(core.stats)
+    thread.start()
+    server, drain = new_server(256)
+    generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(core), server)
+    health = add_health_and_reflection(server, [SERVICE_NAME])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    runner = None
+    if config.http_port >= 0:
+        from .http import LLMHTTPServer, start_http
+
+        runner, http_port = await start_http(LLMHTTPServer(core, template, metrics, config.media_timeout_s, model),
+                                             host, config.http_port)
+        shown = f"[{host}]" if ":" in host else host
+        log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
+        print(f"http {shown}:{http_port}", flush=True)
+    await server.start()
+    await set_serving(health, [SERVICE_NAME])
+    print(f"ready {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    await stop.wait()
+    if runner is not None:
+        from .http import stop_http
+
+        await asyncio.gather(drain.stop(server, health, grace_s), stop_http(runner))
+    else:
+        await drain.stop(server, health, grace_s)
+    stop_engine.set()
+    thread.join(5)
+    return 0
