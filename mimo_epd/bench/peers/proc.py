@@ -1,0 +1,118 @@
+"""Process measurements from /proc: CPU seconds and resident memory of a process and its descendants, and
+starting a peer server module the way `bench.common.start_server` starts ours (a `ready HOST:PORT` line)."""
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+from mimo_epd.bench.common import ServerProcess
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2:].split()  # fields after "pid (comm) ", the comm may contain spaces
+
+
+def descendants(pid: int) -> list[int]:
+    """pid and every live process below it."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st:
+                children.setdefault(int(st[1]), []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of pid and its live descendants (each process's own, reaped children's
+    included through cutime/cstime)."""
+    total = 0
+    for p in descendants(pid):
+        st = _stat(p)
+        if st:
+            total += sum(int(v) for v in st[11:15])  # utime stime cutime cstime
+    return total / _TICK
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Current resident set of pid and its live descendants."""
+    total = 0
+    for p in descendants(pid):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class RssSampler:
+    """Samples the resident set of a process tree every `interval_s` in a thread; `.peak` is the highest seen
+    (a child's peak is invisible to getrusage of the parent until it is reaped)."""
+
+    def __init__(self, pid: int | None = None, interval_s: float = 0.05):
+        self.pid = pid or os.getpid()
+        self.interval_s = interval_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> "RssSampler":
+        self.peak = tree_rss_bytes(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, tree_rss_bytes(self.pid))
+
+
+def start_peer(module: str, args: list[str], timeout: float = 180) -> ServerProcess:
+    """Starts `python -m MODULE ARGS` and waits for its `ready HOST:PORT` line on stdout."""
+    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line.startswith("ready "):
+            threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+            return ServerProcess(line.split()[1], proc, log)
+        if not line and proc.poll() is not None:
+            break
+    proc.kill()
+    raise RuntimeError(f"peer {module} did not start: {''.join(log)[-2000:]}")
