@@ -19,6 +19,7 @@ class ServerProcess:
     address: str
     proc: subprocess.Popen
     stderr_lines: list[str] = field(default_factory=list)
+    http_address: str = ""  # from an `http HOST:PORT` line before `ready` (servers with an HTTP API)
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
@@ -39,11 +40,14 @@ def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 
     log: list[str] = []
     threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
     deadline = time.monotonic() + timeout
+    http = ""
     while time.monotonic() < deadline:
         line = proc.stdout.readline()
+        if line.startswith("http "):
+            http = line.split()[1]
         if line.startswith("ready "):
             threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
-            return ServerProcess(line.split()[1], proc, log)
+            return ServerProcess(line.split()[1], proc, log, http_address=http)
         if not line and proc.poll() is not None:
             break
     proc.kill()
