@@ -21,20 +21,44 @@ $PIP install -q -e "$TARGET"
 # --- pillow-simd --------------------------------------------------------------------------------
 # Built once into $VENV/.wheels. `pip install -e .` re-installs plain pillow (a declared dependency)
 # over it, so the swap runs after every install: remove both, install the simd wheel.
+# Pillow builds a format only when its library's headers are present at build time: without libwebp-dev
+# the wheel silently lacks WebP (a documented format), so the headers are installed first, and a cached
+# wheel built without WebP is rebuilt (once).
 WHEELS="$VENV/.wheels"
+PILLOW_DEV_PKGS="libjpeg-dev zlib1g-dev libwebp-dev libtiff-dev libpng-dev"
 mkdir -p "$WHEELS"
-if ! ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! dpkg -s libjpeg-dev zlib1g-dev >/dev/null 2>&1; then
-    echo "setup: installing libjpeg-dev zlib1g-dev for pillow-simd"
-    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libjpeg-dev zlib1g-dev) >/dev/null 2>&1 || true
+install_image_headers() {
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && ! dpkg -s $PILLOW_DEV_PKGS >/dev/null 2>&1; then
+    echo "setup: installing $PILLOW_DEV_PKGS for pillow-simd"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $PILLOW_DEV_PKGS) >/dev/null 2>&1 || true
   fi
+}
+build_pillow_simd() {
+  install_image_headers
   echo "setup: building pillow-simd (about 20 s)"
-  $PIP wheel -q --no-deps -w "$WHEELS" pillow-simd >"$WHEELS/build.log" 2>&1 || true
-fi
-if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
+  $PIP wheel -q --no-deps --no-cache-dir -w "$WHEELS" pillow-simd >"$WHEELS/build.log" 2>&1 || true
+}
+install_pillow_simd() {
   $PIP uninstall -q -y pillow pillow-simd >/dev/null 2>&1 || true
   $PIP install -q --no-deps "$WHEELS"/pillow_simd-*.whl
-  echo "setup: using pillow-simd"
+}
+pil_has_webp() { "$VENV/bin/python" -c "import sys, PIL.features as f; sys.exit(0 if f.check('webp') else 1)" 2>/dev/null; }
+if ! ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
+  build_pillow_simd
+fi
+if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
+  install_pillow_simd
+  if ! pil_has_webp; then
+    echo "setup: the cached pillow-simd wheel has no WebP support; rebuilding it"
+    rm -f "$WHEELS"/pillow_simd-*.whl
+    build_pillow_simd
+    if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then install_pillow_simd; fi
+  fi
+  if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1 && pil_has_webp; then
+    echo "setup: using pillow-simd"
+  else
+    echo "notice: pillow-simd has no WebP support (libwebp-dev missing when it was built?): WebP images will be refused"
+  fi
 else
   echo "notice: pillow-simd did not build (see $WHEELS/build.log); using pillow, resizes on the CPU are slower"
 fi

@@ -107,3 +107,17 @@ def test_half_a_jpeg_with_an_end_marker_is_invalid_argument(server):
                        pb.MediaItem(data=JPEG), pb.MediaItem(data=cut))
     assert msg.startswith("item 1:"), msg
     assert encode(server.address, pb.MediaItem(data=data)).items[0].num_tokens > 0
+
+
+# ------------------------------------------------------------------------------- 3. every documented format
+def test_every_documented_format_through_the_server(server):
+    from tests.encoder.test_decode_formats import FORMATS, sample
+
+    names = sorted(FORMATS)
+    r = encode(server.address, *(pb.MediaItem(data=sample(n)) for n in names))
+    assert len(r.items) == len(names)
+    # 61x83 -> smart_resize (qwen2_5_vl) 56x84 -> 4x6 patches -> 6 tokens after the 2x2 merge
+    assert [it.num_tokens for it in r.items] == [6] * len(names)
+    png = np.frombuffer(r.items[names.index("PNG")].embedding.data, "<f4")
+    for lossless in ("BMP", "TIFF", "TIFF-deflate", "WEBP"):  # same pixels, same embedding
+        np.testing.assert_allclose(np.frombuffer(r.items[names.index(lossless)].embedding.data, "<f4"), png, atol=1e-5)
