@@ -1,0 +1,181 @@
+"""LLM routing policies: which worker serves a request, best first (reference.md §6).
+
+Every policy takes the same small typed view — the request (`RequestView`: its tokens, in blocks) and one
+`Candidate` per live worker (predicted reusable tokens from the page-hash index, queued and running tokens) —
+and returns every candidate's worker in the order to try them (the first is the pick, the rest are retries).
+Policies are pure functions of that view plus, for `round_robin` / ties and `cache_aware`'s approximate trees,
+their own small state updated only through `observe(request, worker)`; the same sequence of calls gives the
+same answers, so a simulator can run them as they are.
+
+- `affinity` (default): score = match_weight x prefix_match_fraction - load_weight x normalized_load, where
+  normalized_load = (queued + running tokens) / the largest such load among the candidates.
+- `round_robin`: the next worker in turn.
+- `least_load`: the fewest queued + running tokens.
+- `cache_aware` (SGLang's gateway): if the loads are imbalanced (max - min > balance_abs and
+  max > balance_rel x min), the least loaded; else, if the best match fraction in the router's own approximate
+  tree of what it routed exceeds cache_threshold, that worker; else the worker with the smallest tree.
+- `kv_cost` (Dynamo's KV router): cost = prefill_weight x prefill blocks (the request's uncached blocks on that
+  worker + its queued prefill blocks) + decode blocks (its running tokens in blocks); the lowest wins.
+
+Ties are broken by a rotating offset (so idle workers share the first requests) and then by name.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RequestView:
+    num_tokens: int
+    block_size: int = 16
+    block_hashes: tuple[int, ...] = ()  # chained hashes of the complete blocks (llm_backend.kv.events)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker: str
+    matched_tokens: int = 0  # tokens this worker would reuse (the index's prediction)
+    queued_tokens: int = 0
+    running_tokens: int = 0
+
+    @property
+    def load(self) -> int:
+        return self.queued_tokens + self.running_tokens
+
+
+@dataclass
+class PolicyConfig:
+    match_weight: float = 2.0
+    load_weight: float = 1.0
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+    cache_threshold: float = 0.3
+    tree_blocks: int = 1 << 16  # cache_aware: blocks remembered per worker (oldest forgotten first)
+    prefill_weight: float = 1.0
+
+
+class Policy:
+    name = ""
+
+    def __init__(self, config: PolicyConfig | None = None):
+        self.config = config or PolicyConfig()
+        self._turn = 0
+
+    def rank(self, request: RequestView, candidates: list[Candidate]) -> list[str]:
+        if not candidates:
+            return []
+        keys = self._keys(request, candidates)
+        n = len(candidates)
+        order = sorted(range(n), key=lambda i: (keys[i], (i - self._turn) % n, candidates[i].worker))
+        self._turn += 1
+        return [candidates[i].worker for i in order]
+
+    def _keys(self, request: RequestView, candidates: list[Candidate]) -> list[float]:
+        """Lower is better; equal keys are broken by the rotation."""
+        raise NotImplementedError
+
+    def observe(self, request: RequestView, worker: str) -> None:
+        """The request was sent to `worker`."""
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def _keys(self, request, candidates):
+        return [0.0] * len(candidates)
+
+
+class LeastLoad(Policy):
+    name = "least_load"
+
+    def _keys(self, request, candidates):
+        return [float(c.load) for c in candidates]
+
+
+def match_fraction(request: RequestView, c: Candidate) -> float:
+    return min(1.0, c.matched_tokens / request.num_tokens) if request.num_tokens else 0.0
+
+
+class Affinity(Policy):
+    name = "affinity"
+
+    def _keys(self, request, candidates):
+        top = max(c.load for c in candidates)
+        cfg = self.config
+        return [-(cfg.match_weight * match_fraction(request, c) - cfg.load_weight * (c.load / top if top else 0.0))
+                for c in candidates]
+
+
+class KVCost(Policy):
+    name = "kv_cost"
+
+    def _keys(self, request, candidates):
+        B = max(1, request.block_size)
+        out = []
+        for c in candidates:
+            prefill = (max(0, request.num_tokens - c.matched_tokens) + c.queued_tokens) / B
+            out.append(self.config.prefill_weight * prefill + c.running_tokens / B)
+        return out
+
+
+class CacheAware(Policy):
+    """SGLang's cache_aware over the router's own record of what it sent where (block hashes, LRU-bounded)."""
+
+    name = "cache_aware"
+
+    def __init__(self, config: PolicyConfig | None = None):
+        super().__init__(config)
+        self.trees: dict[str, OrderedDict[int, None]] = {}
+
+    def approx_match(self, request: RequestView, worker: str) -> int:
+        tree = self.trees.get(worker)
+        n = 0
+        if tree:
+            for h in request.block_hashes:
+                if h not in tree:
+                    break
+                n += 1
+        return min(request.num_tokens, n * request.block_size)
+
+    def rank(self, request, candidates):
+        if not candidates:
+            return []
+        cfg = self.config
+        loads = [c.load for c in candidates]
+        hi, lo = max(loads), min(loads)
+        n = len(candidates)
+        rot = lambda i: ((i - self._turn) % n, candidates[i].worker)  # noqa: E731
+        if hi - lo > cfg.balance_abs and hi > cfg.balance_rel * lo:
+            order = sorted(range(n), key=lambda i: (loads[i], *rot(i)))
+        else:
+            frac = [self.approx_match(request, c.worker) / request.num_tokens if request.num_tokens else 0.0
+                    for c in candidates]
+            if max(frac) > cfg.cache_threshold:
+                order = sorted(range(n), key=lambda i: (-frac[i], loads[i], *rot(i)))
+            else:
+                size = [len(self.trees.get(c.worker, ())) for c in candidates]
+                order = sorted(range(n), key=lambda i: (size[i], loads[i], *rot(i)))
+        self._turn += 1
+        return [candidates[i].worker for i in order]
+
+    def observe(self, request, worker):
+        tree = self.trees.setdefault(worker, OrderedDict())
+        for h in request.block_hashes:
+            tree[h] = None
+            tree.move_to_end(h)
+        while len(tree) > self.config.tree_blocks:
+            tree.popitem(last=False)
+
+    def forget(self, worker: str) -> None:
+        self.trees.pop(worker, None)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Affinity, RoundRobin, LeastLoad, CacheAware, KVCost)}
+
+
+def make_policy(name: str, config: PolicyConfig | None = None) -> Policy:
+    try:
+        return POLICIES[name](config)
+    except KeyError:
+        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}") from None
