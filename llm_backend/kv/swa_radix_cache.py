@@ -93,6 +93,9 @@ class SWARadixCache:
         self.root.full_locks = 1  # the root is never evicted
         self._clock = itertools.count(1)
         self.stats = CacheStats()
+        # Optional observer `on_event(kind, node)` (llm_backend.kv.events): "stored" after a leaf is added,
+        # "removed" before a leaf is dropped, "swa" after a node's SWA slots were released or repaired.
+        self.on_event = None
 
     # ----------------------------------------------------------------------------------- structure
     def _split(self, node: Node, at: int) -> Node:
@@ -245,7 +248,9 @@ class SWARadixCache:
         path, i = self._walk(tokens)
         pos = 0
         dup_full, dup_swa = [], []
+        repaired = []
         for node in path:
+            before = self.stats.repairs
             for j in range(len(node.key)):
                 p = pos + j
                 if full[p] != node.full[j]:
@@ -258,6 +263,8 @@ class SWARadixCache:
                     else:
                         dup_swa.append(mine)
             pos += len(node.key)
+            if self.stats.repairs != before:
+                repaired.append(node)
         self.full_pool.free(dup_full)
         self.swa_pool.free(dup_swa)
         stamp = next(self._clock)
@@ -273,6 +280,11 @@ class SWARadixCache:
                 leaf = Node(tokens[i:], list(full[i:]), list(swa[i:]), parent)
                 parent.children[self._edge(leaf.key)] = leaf
                 leaf.last_access = stamp
+                if self.on_event is not None:
+                    self.on_event("stored", leaf)
+        if self.on_event is not None:
+            for node in repaired:
+                self.on_event("swa", node)
         return i
 
     def path_to(self, tokens: list[int]) -> tuple[Node, list[int], list[int | None]]:
@@ -305,6 +317,8 @@ class SWARadixCache:
         return heap, rank
 
     def _remove_leaf(self, node: Node) -> int:
+        if self.on_event is not None:
+            self.on_event("removed", node)
         self.full_pool.free(node.full)
         self.swa_pool.free([s for s in node.swa if s is not None])
         del node.parent.children[self._edge(node.key)]
@@ -340,6 +354,8 @@ class SWARadixCache:
             self.swa_pool.free(live)
             node.swa[:tail] = [None] * tail
             freed += len(live)
+            if live and self.on_event is not None:
+                self.on_event("swa", node)
         heap = self._lru_heap(lambda n: n.swa_locks == 0 and n.live_swa)[0] if freed < num else []
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
@@ -347,6 +363,8 @@ class SWARadixCache:
             self.swa_pool.free(live)
             node.swa = [None] * len(node.swa)
             freed += len(live)
+            if self.on_event is not None:
+                self.on_event("swa", node)
             self.stats.full_evicted += self._prune_tombstone_leaves(node)
         self.stats.swa_evicted += freed
         return freed
