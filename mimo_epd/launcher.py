@@ -39,6 +39,7 @@ class NodeConfig:
     llm_model: str = "tiny"
     llm_kv_cache_tokens: int = 16384
     llm_swa_cache_tokens: int = 4096
+    http_port: int = 8000
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -60,6 +61,9 @@ class NodeConfig:
                             help="the LLM worker's full-attention KV pool, tokens (default: 16384)")
         parser.add_argument("--llm-swa-cache-tokens", type=int, default=4096,
                             help="the LLM worker's sliding-window KV pool, tokens (default: 4096)")
+        parser.add_argument("--http-port", type=int, default=8000,
+                            help="the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, "
+                                 "-1 = off (default: 8000)")
 
     @classmethod
     def from_args(cls, args) -> "NodeConfig":
@@ -91,6 +95,7 @@ class ChildProcess:
     def __init__(self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder"):
         self.index, self.args, self.timeout_s, self.subcommand = index, args, timeout_s, subcommand
         self.port = 0
+        self.http_port: int | None = None  # set: pass --http-port (0 first, then the same port on restarts)
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -99,6 +104,8 @@ class ChildProcess:
 
     async def start(self) -> None:
         cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        if self.http_port is not None:
+            cmd += ["--http-port", str(self.http_port)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
         try:
             async with asyncio.timeout(self.timeout_s):
@@ -107,6 +114,8 @@ class ChildProcess:
                     if not line:
                         raise RuntimeError(f"{self.subcommand} {self.index} exited with {await self.proc.wait()} before it was ready")
                     text = line.decode().strip()
+                    if text.startswith("http ") and self.http_port is not None:
+                        self.http_port = int(text.rsplit(":", 1)[1])
                     if text.startswith("ready "):
                         self.port = int(text.rsplit(":", 1)[1])
                         break
@@ -145,6 +154,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     loop = asyncio.get_running_loop()
     stop_on_signals(stop)
     router = None
+    front = None
     try:
         await asyncio.gather(*(e.start() for e in encoders))
         router = EncoderRouter([e.endpoint for e in encoders],
@@ -178,8 +188,16 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                                    "--kv-cache-tokens", str(node.llm_kv_cache_tokens),
                                    "--swa-cache-tokens", str(node.llm_swa_cache_tokens)],
                                node.encoder_start_timeout_s, subcommand="llm")
+            llm.http_port = 0 if node.http_port >= 0 else None
             await llm.start()
             proxy.connect(llm.endpoint)
+            if node.http_port >= 0:  # the worker's HTTP API on the node's address
+                from mimo_epd.router.http_front import HTTPFront
+
+                front = HTTPFront(lambda: f"127.0.0.1:{llm.http_port}" if llm.proc and llm.proc.returncode is None
+                                  else None)
+                http_port = await front.start(enc.host, node.http_port)
+                print(f"http {host}:{http_port}", flush=True)
         log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
         print(f"ready {host}:{port}", flush=True)
 
@@ -200,6 +218,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         await stop.wait()
         log.info("shutting down: router first (%gs grace), then %d encoders", enc.grace_period_s, len(encoders))
         await drain.stop(server, health, enc.grace_period_s)
+        if front is not None:
+            await front.close()
         for t in supervisors:
             t.cancel()
         return 0
@@ -208,6 +228,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                              return_exceptions=True)
         if router is not None:
             await router.close()
+        if front is not None:
+            await front.close()
         if shm.created:
             shm.unlink()
         shm.close()
