@@ -208,7 +208,7 @@ class KVEventsService:
             model=self.model, load=kv_events_pb2.WorkerLoad(**load), time_s=time.time())
 
 
-def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK) -> KVEventPublisher:
+def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = "") -> KVEventPublisher:
     """Publishes `engine`'s cache changes and load through `server` (a grpc.aio server not started yet)."""
     from mimo_epd.v1 import kv_events_pb2_grpc
 
@@ -216,5 +216,5 @@ def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK) -> KVEventPubli
     pub.load_fn = lambda: engine_load(engine)
     kv_events_pb2_grpc.add_KVEventsServicer_to_server(
         type("KVEventsServicer", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(
-            pub, model=str(getattr(engine, "model_name", ""))), server)
+            pub, model=model or str(getattr(engine, "model_name", ""))), server)
     return pub

@@ -35,6 +35,9 @@ async def serve_llm(engine, host: str, port: int, encoder_address: str | None, g
     thread.start()
     server, drain = new_server(256)
     generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(core), server)
+    from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index (#13)
+
+    attach_kv_events(engine, server, model=name)
     health = add_health_and_reflection(server, [SERVICE_NAME])
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
