@@ -1,12 +1,13 @@
 """Locust users for the gRPC Encode API.
 
-Each user calls `Encode` back to back (closed loop), half the time with an image URL from the media
-server, half the time with an image's bytes; every request's bytes are unique (a token after the JPEG
-end marker), so it measures encoding, not the cache. Every call fires Locust's `request` event, so
-Locust's own statistics (RPS, percentiles, failures, CSV files) work unchanged.
+Each user calls `Encode` back to back (closed loop) with one image: its bytes, or (when URLs are given)
+half the time its URL on the load test's media server. Every request's bytes are unique (a token after
+the JPEG end marker), so it measures encoding, not the cache. Every call fires Locust's `request` event,
+so Locust's own statistics (RPS, percentiles, failures, CSV files) work unchanged; a failure is recorded
+as `STATUS_CODE: details`, which `mimo-epd loadtest` groups by status.
 
 Configuration by environment (set by `mimo-epd loadtest encoder`):
-    MIMO_EPD_MEDIA_URLS   comma-separated image URLs (each gets ?u=<token>)
+    MIMO_EPD_MEDIA_URLS   comma-separated image URLs (each gets ?u=<token>); empty = bytes only
     MIMO_EPD_IMAGES_DIR   directory of JPEG files sent as bytes
 The server address is Locust's --host (host:port, no scheme).
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import time
 import uuid
 from pathlib import Path
 
-from locust import User, constant, events, task  # noqa: F401 - locust first: it monkey-patches for gevent
+from locust import User, constant, task  # locust first: it monkey-patches for gevent
 
 import grpc  # noqa: E402
 from grpc.experimental import gevent as grpc_gevent  # noqa: E402
@@ -29,6 +31,18 @@ from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
 
 URLS = [u for u in os.environ.get("MIMO_EPD_MEDIA_URLS", "").split(",") if u]
 IMAGES = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_IMAGES_DIR", "/nonexistent")).glob("*.jpg"))]
+_TOKEN = re.compile(r"u=[0-9a-f]{32}")
+
+
+class GrpcFailure(Exception):
+    """A failed call as Locust records it: `CODE: details` (the per-request token masked, so that equal
+    failures are counted in one row of locust_failures.csv)."""
+
+    def __init__(self, error: grpc.RpcError):
+        super().__init__(f"{error.code().name}: {_TOKEN.sub('u=...', error.details() or '')}")
+
+    def __repr__(self) -> str:
+        return self.args[0]
 
 
 class EncoderUser(User):
@@ -48,18 +62,15 @@ class EncoderUser(User):
             resp = self.stub.Encode(encoder_pb2.EncodeRequest(items=[item]), timeout=120)
             length = resp.ByteSize()
         except grpc.RpcError as e:
-            exc = e
+            exc = GrpcFailure(e)
         self.environment.events.request.fire(request_type="grpc", name=name,
                                              response_time=(time.perf_counter() - start) * 1e3,
                                              response_length=length, exception=exc, context={})
 
     @task
-    def encode_url(self) -> None:
-        if URLS:
+    def encode(self) -> None:
+        if URLS and (not IMAGES or random.random() < 0.5):
             self._call("Encode url", encoder_pb2.MediaItem(url=f"{random.choice(URLS)}?u={uuid.uuid4().hex}"))
-
-    @task
-    def encode_bytes(self) -> None:
-        if IMAGES:
+        elif IMAGES:
             data = random.choice(IMAGES) + b"mimo-epd:" + uuid.uuid4().hex.encode()
             self._call("Encode bytes", encoder_pb2.MediaItem(data=data))

@@ -1,22 +1,26 @@
-"""`mimo-epd loadtest encoder`: a headless Locust run against an encoder (started here unless --server).
+"""`mimo-epd loadtest encoder`: a headless Locust run against an encoder or `serve` (a local encoder is
+started here unless --server).
 
-Starts a local media server with generated photo-like JPEGs (also written to a directory for the
-bytes task), runs `locust --headless` with loadtest/locustfile.py, keeps Locust's CSV files, and prints
-one JSON summary with QPS, P50/P90/P99 and failures.
+Generates photo-like JPEGs (written to a directory; Locust users send them as bytes), probes the server
+once, runs `locust --headless` with loadtest/locustfile.py, keeps Locust's CSV files, and prints one JSON
+summary on stdout: QPS, P50/P90/P99, failures and `failures_by_status`. With `--urls`, half the items are
+URLs on a media server this command starts on 127.0.0.1; a server's URL policy refuses loopback
+addresses unless it runs with `--url-allowlist 127.0.0.1/32`, and the probe says so before the run.
 """
 from __future__ import annotations
 
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
+from contextlib import nullcontext
 from pathlib import Path
 
-from mimo_epd.testing.media_server import MediaServer, generate_pool
-
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
+_ALLOW_HINT = "--url-allowlist 127.0.0.1/32"
 
 
 def _aggregated(stats_csv: Path) -> dict:
@@ -27,18 +31,54 @@ def _aggregated(stats_csv: Path) -> dict:
     return {"requests": int(num("Request Count")), "failures": int(num("Failure Count")),
             "qps": round(num("Requests/s"), 3), "avg_ms": round(num("Average Response Time"), 2),
             "p50_ms": num("50%"), "p90_ms": num("90%"), "p99_ms": num("99%"),
-            "by_task": {r["Name"]: {"requests": int(float(r["Request Count"])), "p90_ms": float(r["90%"] or 0)}
+            "by_task": {r["Name"]: {"requests": int(float(r["Request Count"])), "failures": int(float(r["Failure Count"])),
+                                    "p90_ms": float(r["90%"] or 0)}
                         for r in rows if r["Name"] != "Aggregated"}}
+
+
+def failures_by_status(failures_csv: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """({status code: failed requests}, {status code: one example message}) from locust_failures.csv, whose
+    Error column holds `CODE: details` (loadtest/locustfile.py records failures that way)."""
+    counts: dict[str, int] = {}
+    examples: dict[str, str] = {}
+    if not failures_csv.exists():
+        return counts, examples
+    with failures_csv.open() as f:
+        for row in csv.DictReader(f):
+            m = re.match(r"^([A-Z_]+): (.*)$", row["Error"], re.S)
+            code, details = (m.group(1), m.group(2)) if m else ("OTHER", row["Error"])
+            counts[code] = counts.get(code, 0) + int(float(row["Occurrences"]))
+            examples.setdefault(code, f"{row['Name']}: {details}"[:300])
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1])), examples
+
+
+def probe(address: str, item, timeout: float = 120.0):
+    """One Encode call before the run: None when it succeeds, else the grpc.RpcError."""
+    import grpc
+
+    from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+    with grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
+        try:
+            encoder_pb2_grpc.EncoderStub(ch).Encode(encoder_pb2.EncodeRequest(items=[item]), timeout=timeout)
+            return None
+        except grpc.RpcError as e:
+            return e
 
 
 def run(args) -> int:
     import importlib.util
 
-    if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
-        print("error: locust is not installed: pip install 'mimo-epd[loadtest]'", file=sys.stderr)
-        return 2
-    from mimo_epd.bench.common import start_server
+    import grpc
 
+    from mimo_epd.bench.common import start_server
+    from mimo_epd.testing.media_server import MediaServer, generate_pool
+    from mimo_epd.v1 import encoder_pb2
+
+    if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
+        print("error: locust is not installed (it is a dependency of mimo-epd: `make install` reinstalls it)",
+              file=sys.stderr)
+        return 2
     out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     images = generate_pool([(480, 640), (1080, 1920)], per_size=2)
@@ -47,17 +87,39 @@ def run(args) -> int:
     for name, data in images.items():
         (img_dir / name).write_bytes(data)
     server = None
-    with MediaServer(images) as media:
+    proc = None
+    with MediaServer(images) if args.urls else nullcontext() as media:
         address = args.server
-        if not address:
-            server = start_server(["--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0"])
-            address = server.address
-        env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(media.url(n) for n in images),
-               "MIMO_EPD_IMAGES_DIR": str(img_dir)}
-        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(args.users),
-               "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time, "--host", address,
-               "--csv", str(out_dir / "locust"), "--only-summary", "--stop-timeout", "30"]
         try:
+            if not address:
+                print("loadtest: starting a local encoder (--server to test a running one)", file=sys.stderr)
+                server = start_server(["--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0"])
+                address = server.address
+            first = next(iter(images))
+            err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
+            if err is not None:
+                hint = f"; is the server running? (`make serve` starts one on 127.0.0.1:50051)" \
+                    if err.code() == grpc.StatusCode.UNAVAILABLE else ""
+                print(f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
+                      file=sys.stderr)
+                return 1
+            urls = [media.url(n) for n in images] if media else []
+            if urls:
+                err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
+                if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    print(f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
+                          f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
+                          "without --urls (every item sent as bytes)", file=sys.stderr)
+                    return 2
+                if err is not None:
+                    print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
+                    return 1
+            env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
+            cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(args.users),
+                   "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time, "--host", address,
+                   "--csv", str(out_dir / "locust"), "--only-summary", "--stop-timeout", "30"]
+            print(f"loadtest: {args.users} users for {args.run_time} against {address} "
+                  f"({'bytes and URLs' if urls else 'bytes'})", file=sys.stderr)
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         finally:
             if server is not None:
@@ -67,8 +129,14 @@ def run(args) -> int:
         print(proc.stderr[-3000:], file=sys.stderr)
         print("error: locust wrote no statistics", file=sys.stderr)
         return 1
+    by_status, examples = failures_by_status(out_dir / "locust_failures.csv")
     summary = {"loadtest": "encoder", "server": address, "users": args.users, "spawn_rate": args.spawn_rate,
-               "run_time": args.run_time, "csv": str(out_dir / "locust_stats.csv"), **_aggregated(stats_csv)}
+               "run_time": args.run_time, "items": "bytes+urls" if args.urls else "bytes",
+               "csv": str(stats_csv), **_aggregated(stats_csv), "failures_by_status": by_status}
+    if by_status:
+        print(f"loadtest: {summary['failures']} of {summary['requests']} requests failed:", file=sys.stderr)
+        for code, n in by_status.items():
+            print(f"  {n:7d} {code}: {examples[code]}", file=sys.stderr)
     print(json.dumps(summary))
     return 0 if summary["failures"] == 0 and proc.returncode == 0 else 1
 
@@ -77,6 +145,9 @@ def add_arguments(p) -> None:
     p.add_argument("--users", type=int, default=8, help="concurrent Locust users (default: 8)")
     p.add_argument("--spawn-rate", type=float, default=8, help="users started per second (default: 8)")
     p.add_argument("--run-time", default="30s", help="Locust run time, e.g. 30s, 2m (default: 30s)")
-    p.add_argument("--server", default="", help="encoder or router address; empty = start a local encoder (default: '')")
+    p.add_argument("--server", default="", help="encoder or `serve` address; empty = start a local encoder (default: '')")
+    p.add_argument("--urls", action="store_true",
+                   help="also send items as URLs on a media server started here on 127.0.0.1 (the server needs "
+                        f"{_ALLOW_HINT}); default: every item is sent as bytes")
     p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")
