@@ -123,15 +123,142 @@ def test_size_that_does_not_fit_is_a_clear_error(name):
         ShmCache.open(name, 4096)
 
 
-def test_corrupted_bytes_are_never_served(name):
-    with ShmCache.open(name, 4 * MB, max_entries=64) as c:
+def _flip_first_byte(c: ShmCache, k: bytes) -> None:
+    """Corrupts an entry behind the cache's back (a stray write into the segment)."""
+    i = c._index.find(*__import__("shm_cache.store", fromlist=["_key_parts"])._key_parts(k))
+    off = c._data_offset + int(c._slots["offset"][i])
+    c._buf[off] = (c._buf[off] + 1) % 256
+
+
+def test_corrupted_bytes_are_never_served_when_verified(name):
+    with ShmCache.open(name, 4 * MB, max_entries=64, verify_sample_rate=0.0) as c:
         c.put(key(1), value(1, 1024))
-        s = c._slots
-        i = int(np.flatnonzero(c._state == 2)[0])
-        off = c._data_offset + int(s["offset"][i])
-        c._buf[off] = (c._buf[off] + 1) % 256  # flip a byte behind the cache's back
-        assert c.get(key(1)) is None
-        assert c.stats()["corrupt_dropped"] == 1 and not c.contains(key(1))
+        _flip_first_byte(c, key(1))
+        assert c.get(key(1), verify=True) is None
+        st = c.stats()
+        assert st["corrupt_dropped"] == 1 and not c.contains(key(1)) and st["evictions"] == 0
+        assert (st["hits"], st["misses"], st["entries"], st["bytes_used"]) == (0, 1, 0, 0)
+        c.put(key(2), value(2, 1024))
+        _flip_first_byte(c, key(2))
+        with c.get(key(2)) as e:  # freshly written and no recovery since: not re-hashed (rate 0)
+            assert e is not None
+    with ShmCache.open(name, 4 * MB, verify_sample_rate=1.0) as c:  # a process sampling every read
+        assert c.get(key(2)) is None and c.stats()["corrupt_dropped"] == 2
+
+
+def test_after_a_recovery_every_entry_is_verified_on_its_first_read(name):
+    with ShmCache.open(name, 8 * MB, max_entries=256, verify_sample_rate=0.0) as c:
+        for i in range(20):
+            assert c.put(key(i), value(i, 256), meta=f"m{i}".encode())
+        _flip_first_byte(c, key(3))
+        c._hdr["dirty"] = 1  # as if a process had died inside the lock
+        assert c.get(key(0)).array is not None  # the lock holder recovers, then verifies what it reads
+        st = c.stats()
+        assert st["recoveries"] == 1 and st["verifications"] == 1
+        assert c.get(key(3)) is None and c.stats()["corrupt_dropped"] == 1  # first read after it: checked
+        for i in range(20):
+            if i != 3:
+                with c.get(key(i)) as e:
+                    np.testing.assert_array_equal(e.array, value(i, 256))
+                    assert e.meta == f"m{i}".encode()
+        assert c.stats()["verifications"] == 20
+        for i in range(20):  # verified since the recovery: no second hash
+            if i != 3:
+                c.get(key(i)).release()
+        assert c.stats()["verifications"] == 20
+
+
+# --------------------------------------------------------------------------- key index
+def test_index_stays_exact_under_churn_with_tombstones_and_bounded_probes(name):
+    """Thousands of puts through a small slot table: every eviction leaves a tombstone, the table is rebuilt
+    when they pile up; every live key is found in at most MAX_PROBE buckets, every evicted one is a miss."""
+    from shm_cache.index import MAX_PROBE
+
+    with ShmCache.open(name, 4 * MB, max_entries=512) as c:
+        live_keys = {}
+        for i in range(6000):
+            assert c.put(key(i), value(i, 16 * (1 + i % 5)))
+            if i % 500 == 499:
+                assert c._index.verify(np.flatnonzero(c._state != 0))
+        st = c.stats()
+        assert st["evictions"] > 5000 and st["rejected"] == 0 and st["entries"] <= 512
+        assert st["index_tombstones"] <= c._index.capacity // 4
+        for i in range(6000):
+            e = c.get(key(i))
+            if e is not None:
+                live_keys[i] = e.array.size
+                np.testing.assert_array_equal(e.array, value(i, e.array.size))
+                e.release()
+        assert len(live_keys) == c.stats()["entries"] > 0
+        assert set(int(k) for k in c._key_lo[c._state == 2]) == set(live_keys)
+        t = c._index.table
+        assert (t >= 0).sum() == len(live_keys)
+
+
+def test_slot_table_full_evicts_by_slots_not_only_by_bytes(name):
+    with ShmCache.open(name, 8 * MB, max_entries=16) as c:  # bytes for thousands of entries, 16 slots
+        for i in range(200):
+            assert c.put(key(i), value(i, 64))
+        st = c.stats()
+        assert st["entries"] == 16 and st["evictions"] == 184 and st["rejected"] == 0
+        assert c.contains(key(199)) and not c.contains(key(0))
+
+
+def _index_scribbler(name: str, started) -> None:
+    """Dies inside the lock halfway through rewriting the key index (every other bucket overwritten)."""
+    c = ShmCache.open(name, 16 * MB, max_entries=1024)
+    with c._critical():
+        c._index.table[::2] = -2  # tombstones where live buckets were
+        c._index.table[1::4] = 7  # and wrong slot numbers
+        started.set()
+        time.sleep(60)
+
+
+def test_process_killed_mid_index_update_recovery_rebuilds_the_index(name):
+    with ShmCache.open(name, 16 * MB, max_entries=1024) as c:
+        for i in range(600):
+            c.put(key(i), value(i, 64))
+        ctx = mp.get_context("spawn")
+        started = ctx.Event()
+        p = ctx.Process(target=_index_scribbler, args=(name, started))
+        p.start()
+        assert started.wait(60)
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+        for i in range(600):  # the next lock holder recovers: every entry found again, intact
+            with c.get(key(i)) as e:
+                np.testing.assert_array_equal(e.array, value(i, 64))
+        assert c.get(key(600)) is None
+        st = c.stats()
+        assert st["recoveries"] == 1 and st["entries"] == 600 and st["corrupt_dropped"] == 0
+        assert c._index.verify(np.flatnonzero(c._state != 0))
+
+
+def test_recovery_drops_slots_with_overlapping_bytes(name):
+    with ShmCache.open(name, 8 * MB, max_entries=64, verify_sample_rate=0.0) as c:
+        for i in range(3):
+            c.put(key(i), value(i, 256))
+        slots = [c._index.find(i, 0) for i in range(3)]
+        c._slots["offset"][slots[2]] = c._slots["offset"][slots[1]]  # a torn record: bytes over another's
+        c._hdr["dirty"] = 1
+        st = c.stats()  # recovers
+        assert st["corrupt_dropped"] == 1 and st["entries"] == 2
+        with c.get(key(0)) as e:
+            np.testing.assert_array_equal(e.array, value(0, 256))
+
+
+def test_metadata_blob_travels_with_its_entry(name):
+    with ShmCache.open(name, 2 * MB, max_entries=256) as c:
+        assert c.put(key(1), value(1, 64), (2, 4, 4), meta=b'{"timestamps_s": [0.0, 1.0]}')
+        assert c.put(key(2), value(2, 64))
+        with c.get(key(1)) as e:
+            assert e.meta == b'{"timestamps_s": [0.0, 1.0]}' and e.grid_thw == (2, 4, 4)
+            np.testing.assert_array_equal(e.array, value(1, 64))
+        with c.get(key(2)) as e:
+            assert e.meta is None
+        assert c.stats()["bytes_used"] == 2 * 64 * 4 + len(b'{"timestamps_s": [0.0, 1.0]}')
+        with pytest.raises(ValueError, match="metadata"):
+            c.put(key(3), value(3, 4), meta=b"x" * (2 * MB))
 
 
 # --------------------------------------------------------------------------- multi-process stress
@@ -181,6 +308,7 @@ def test_stress_four_processes_no_torn_reads_consistent_stats(name):
         assert st["bytes_used"] == int(s["length"][ready].sum())
         assert st["entries"] == int(ready.sum()) == st["inserts"] - st["evictions"]
         assert st["pinned"] == 0 and st["writing"] == 0 and st["corrupt_dropped"] == 0
+        assert c._index.verify(np.flatnonzero(c._state != 0))  # the key index holds exactly the live slots
         # every entry left is intact
         for i in np.flatnonzero(ready):
             k = int(c._key_lo[i])
