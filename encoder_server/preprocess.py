@@ -82,9 +82,12 @@ PRESETS = {
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Target (height, width): divisible by `factor`, pixel count within bounds, aspect kept."""
-    if height < factor or width < factor:
-        raise ImageSizeError(f"image is {width}x{height}; both sides must be at least {factor} pixels")
+    """Target (height, width): divisible by `factor`, pixel count within bounds, aspect kept.
+
+    The rules of transformers' `smart_resize` (qwen2_vl), the reference: only an aspect ratio over 200 is
+    refused; an image smaller than `factor` (even 1x1) rounds to nothing and is scaled up to `min_pixels`."""
+    if height <= 0 or width <= 0:
+        raise ImageSizeError(f"image has an empty size {width}x{height}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise ImageSizeError(f"image is {width}x{height}; aspect ratio must be at most {MAX_ASPECT_RATIO}")
     h_bar = round(height / factor) * factor
@@ -97,6 +100,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
         beta = math.sqrt(min_pixels / (height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
+    if h_bar <= 0 or w_bar <= 0:  # only with min_pixels <= 0: the reference would go on to fail in its resize
+        raise ImageSizeError(f"image is {width}x{height}; it resizes to nothing with min_pixels={min_pixels}")
     return h_bar, w_bar
 
 

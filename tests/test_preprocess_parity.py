@@ -21,15 +21,20 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageP
 
 TOL = 1e-5
 
-# (height, width) per preset: just above one factor, 1:150 aspect, above max_pixels, odd, tiny, large.
+# (height, width) per preset: just above one factor, 1:150 aspect, above max_pixels, odd, tiny, large, and
+# smaller than one factor (scaled up to min_pixels, as the reference does), down to 1x1.
+TINY = {
+    "qwen2_5_vl": [(10, 10), (1, 1), (27, 500), (5, 900), (2, 11), (13, 27)],
+    "mimo_v2_5": [(29, 29), (10, 10), (1, 1), (31, 6000), (7, 100), (1, 150)],
+}
 SIZES = {
     "qwen2_5_vl": [(29, 29), (28, 28), (30, 4500), (4500, 30), (1500, 1500), (1200, 1800), (333, 517), (101, 999),
                    (1001, 77), (57, 57), (480, 640), (719, 1279), (64, 3000), (999, 1001), (55, 83), (250, 37)],
     "mimo_v2_5": [(33, 33), (32, 32), (33, 4950), (4800, 32), (3700, 3600), (333, 517), (101, 999), (1001, 77),
                   (65, 65), (480, 640), (719, 1279), (2001, 1499), (47, 2999), (77, 91), (250, 37)],
 }
-CASES = [(preset, hw) for preset, sizes in SIZES.items() for hw in sizes]
-assert len(CASES) >= 30
+CASES = [(preset, hw) for preset, sizes in SIZES.items() for hw in sizes + TINY[preset]]
+assert len(CASES) >= 40
 
 
 def hf_processors(cfg: PreprocessConfig):
@@ -43,8 +48,9 @@ def test_matches_transformers(preset, hw, record_property):
     cfg = PreprocessConfig.preset(preset)
     fast, slow = hf_processors(cfg)
     img = textured(*hw, seed=hw[0] * 7 + hw[1])
-    ref_fast = fast(images=[img], return_tensors="pt")
-    ref_slow = slow(images=[img], return_tensors="pt")
+    # channels_last stated: the processor would guess that a 1xW image is channels-first
+    ref_fast = fast(images=[img], return_tensors="pt", input_data_format="channels_last")
+    ref_slow = slow(images=[img], return_tensors="pt", input_data_format="channels_last")
     pv, grid = preprocess_images([img], cfg, resize_backend="torch")
     assert grid.tolist() == ref_fast["image_grid_thw"].tolist() == ref_slow["image_grid_thw"].tolist()
     assert pv.shape == ref_fast["pixel_values"].shape
@@ -84,10 +90,29 @@ def test_smart_resize_rules():
     assert h * w <= 1003520 and h % 28 == 0 and w % 28 == 0
     h, w = smart_resize(28, 40, 28, 56 * 56, 1003520)
     assert h * w >= 56 * 56
-    with pytest.raises(ImageSizeError, match="at least 28"):
-        smart_resize(27, 500, 28, 3136, 1003520)
     with pytest.raises(ImageSizeError, match="aspect ratio"):
         smart_resize(28, 5601, 28, 3136, 1003520)
+    with pytest.raises(ImageSizeError, match="empty size"):
+        smart_resize(0, 10, 28, 3136, 1003520)
+
+
+@pytest.mark.parametrize("factor,min_pixels,max_pixels", [(28, 56 * 56, 28 * 28 * 1280), (32, 3136, 12845056),
+                                                          (28, 128 * 28 * 28, 768 * 28 * 28), (28, 1, 10 ** 7)])
+def test_smart_resize_equals_the_reference_on_every_small_size(factor, min_pixels, max_pixels):
+    """Every (h, w) up to 70 x 70 and every aspect ratio around the 200 limit: the same target, and the same
+    refusals (only aspect ratio > 200), as transformers' smart_resize."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference
+
+    sizes = [(h, w) for h in range(1, 71) for w in range(1, 71)]
+    sizes += [(h, h * 200 + d) for h in (1, 2, 3, 7) for d in (-1, 0, 1)] + [(h * 200 + 1, h) for h in (1, 5)]
+    for h, w in sizes:
+        try:
+            expected = reference(h, w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+        except ValueError:
+            with pytest.raises(ImageSizeError, match="aspect ratio"):
+                smart_resize(h, w, factor, min_pixels, max_pixels)
+            continue
+        assert smart_resize(h, w, factor, min_pixels, max_pixels) == expected, (h, w)
 
 
 def test_video_style_patchify_pads_time_with_last_frame():
@@ -106,7 +131,7 @@ def test_video_style_patchify_pads_time_with_last_frame():
 def test_bad_inputs_name_the_image():
     with pytest.raises(ValueError, match="image 1: expected uint8"):
         preprocess_images([textured(50, 50), np.zeros((50, 50, 3), np.float32)])
-    with pytest.raises(ImageSizeError, match="image 0"):
-        preprocess_images([textured(10, 10)])
+    with pytest.raises(ImageSizeError, match="image 0: image is 500x2; aspect ratio"):
+        preprocess_images([textured(2, 500)])
     with pytest.raises(ValueError, match="unknown preprocessing preset"):
         PreprocessConfig.preset("nope")

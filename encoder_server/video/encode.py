@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..preprocess import PreprocessConfig
+from ..preprocess import ImageSizeError, PreprocessConfig
 from .decode import VideoError, VideoInfo, decode_parallel, probe
 from .sampling import VideoSampling, frame_size, sample_indices
 
@@ -63,7 +63,10 @@ def encode_video(path: str, model: torch.nn.Module, pre: PreprocessConfig, sampl
     if max_duration_s and info.duration_s > max_duration_s:
         raise VideoError(f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)")
     indices = sample_indices(info.frames, info.fps, sampling)
-    th, tw = frame_size(info.height, info.width, len(indices), sampling, pre)
+    try:  # frames smaller than the resize factor are scaled up (as images are); only the aspect ratio can fail
+        th, tw = frame_size(info.height, info.width, len(indices), sampling, pre)
+    except ImageSizeError as e:
+        raise VideoError(str(e).replace("image is", "frames are", 1)) from None
     tp, p = pre.temporal_patch_size, pre.patch_size
     gh, gw = th // p, tw // p
     per_group = gh * gw

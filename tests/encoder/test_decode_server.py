@@ -121,3 +121,28 @@ def test_every_documented_format_through_the_server(server):
     png = np.frombuffer(r.items[names.index("PNG")].embedding.data, "<f4")
     for lossless in ("BMP", "TIFF", "TIFF-deflate", "WEBP"):  # same pixels, same embedding
         np.testing.assert_allclose(np.frombuffer(r.items[names.index(lossless)].embedding.data, "<f4"), png, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- 4. tiny and elongated items
+def test_images_smaller_than_the_factor_are_scaled_up_as_the_reference_does(server):
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference
+
+    sizes = [(10, 10), (1, 1), (20, 27), (5, 900)]
+    r = encode(server.address, *(pb.MediaItem(data=encode_image(textured(h, w, seed=h + w), "PNG")) for h, w in sizes))
+    for (h, w), it in zip(sizes, r.items):
+        th, tw = reference(h, w, factor=28, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
+        assert it.num_tokens == (th // 28) * (tw // 28), (h, w)
+    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "item 1: image is 402x2; aspect ratio",
+                 pb.MediaItem(data=JPEG), pb.MediaItem(data=encode_image(textured(2, 402), "PNG")))
+
+
+def test_tiny_and_elongated_video_frames(server, tmp_path):
+    from tests.video.test_video import tiny_video
+
+    tiny = open(tiny_video(str(tmp_path / "tiny.mp4"), 16, 16), "rb").read()
+    r = encode(server.address, pb.MediaItem(data=tiny, modality=pb.VIDEO)).items[0]
+    assert r.num_tokens > 0 and r.video.frames_sampled == 4
+    thin = open(tiny_video(str(tmp_path / "thin.mp4"), 402, 2), "rb").read()
+    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "item 1: video: frames are 402x2; aspect ratio",
+                 pb.MediaItem(data=JPEG), pb.MediaItem(data=thin, modality=pb.VIDEO))
+    assert encode(server.address, pb.MediaItem(data=JPEG)).items[0].num_tokens > 0

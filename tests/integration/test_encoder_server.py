@@ -246,8 +246,6 @@ BAD_CASES = [
      grpc.StatusCode.INVALID_ARGUMENT, "larger than the limit"),
     ("too-many-pixels", lambda: pb.MediaItem(data=encode_image(np.zeros((2100, 3000, 3), np.uint8), "PNG")),
      grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
-    ("too-small", lambda: pb.MediaItem(data=encode_image(textured(20, 20), "PNG")), grpc.StatusCode.INVALID_ARGUMENT,
-     "at least 28"),
     ("aspect", lambda: pb.MediaItem(data=encode_image(textured(28, 6000), "PNG")), grpc.StatusCode.INVALID_ARGUMENT,
      "aspect ratio"),
     ("no-source", lambda: pb.MediaItem(), grpc.StatusCode.INVALID_ARGUMENT, "no source"),

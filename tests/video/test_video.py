@@ -173,3 +173,41 @@ def test_cli_encode_video_two_minutes(two_minute_video, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mimo_epd", "encode-video", "/nonexistent.mp4"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+# --------------------------------------------------------------------------- tiny and elongated frames
+def tiny_video(path: str, width: int, height: int, frames: int = 8, fps: int = 4) -> str:
+    """A real H.264 file of noise frames at any even size (make_test_video needs room for its moving box)."""
+    import av
+
+    rng = np.random.default_rng(width * 1000 + height)
+    with av.open(path, "w") as c:
+        st = c.add_stream("libx264", rate=fps)
+        st.width, st.height, st.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8), format="rgb24")
+            for pkt in st.encode(frame):
+                c.mux(pkt)
+        for pkt in st.encode():
+            c.mux(pkt)
+    return path
+
+
+def test_frames_smaller_than_the_factor_are_scaled_up_like_the_reference(tmp_path):
+    """16x16 frames: the reference smart_resize scales them up to the video min_pixels; so does the encoder."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize as reference
+
+    path = tiny_video(str(tmp_path / "tiny.mp4"), 16, 16)
+    s, cfg = VideoSampling(), PreprocessConfig()
+    r = encode_video(path, load_vision_model("tiny"), cfg, s, workers=1, mode="thread")
+    n = r.frames_sampled
+    budget = int(max(min(s.max_pixels, s.total_pixels / n * s.frame_factor), int(s.min_pixels * 1.05)))
+    th, tw = reference(16, 16, factor=cfg.factor, min_pixels=s.min_pixels, max_pixels=budget)
+    assert r.frame_size == (th, tw) and th * tw >= s.min_pixels
+    assert r.grid_thw == (n // 2, th // 14, tw // 14)
+
+
+def test_frames_with_aspect_ratio_over_200_are_a_video_error(tmp_path):
+    path = tiny_video(str(tmp_path / "thin.mp4"), 402, 2)
+    with pytest.raises(VideoError, match="frames are 402x2; aspect ratio must be at most 200"):
+        encode_video(path, load_vision_model("tiny"), PreprocessConfig(), VideoSampling(), workers=1, mode="thread")
