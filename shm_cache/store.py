@@ -96,6 +96,13 @@ SLOT_DTYPE = np.dtype([
     ("dtype", "u1"), ("ndim", "u1"), ("ref", "u1"),
 ])
 PIN_DTYPE = np.dtype([("pid", "<i4"), ("slot", "<i4"), ("gen", "<u8")])
+# Hot paths read and write header counters through a memoryview (a Python int per access, several times
+# cheaper than a numpy field): the 8-byte fields' indices in it.
+_H = {f: HEADER_DTYPE.fields[f][1] // 8 for f in HEADER_DTYPE.names if HEADER_DTYPE.fields[f][0].itemsize == 8
+      and f != "magic"}
+H_HITS, H_MISSES, H_CLOCK, H_RECOV, H_GEN = _H["hits"], _H["misses"], _H["clock"], _H["recoveries"], _H["generation"]
+H_INSERTS, H_BYTES, H_HINT, H_REJECTED, H_VERIF, H_CORRUPT = (_H["inserts"], _H["bytes_used"], _H["slot_hint"],
+                                                             _H["rejected"], _H["verifications"], _H["corrupt"])
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "uint8", "int32", "int64", "uint16"]
 # bfloat16 has no numpy dtype: its bytes are stored and viewed as uint16.
@@ -211,6 +218,13 @@ class ShmCache:
         self.data_size = int(h["data_size"])
         self._pid = os.getpid()
         self._pin_hint = 0
+        # Views for the hot paths (lookups, reads, puts): one per slot column and pin column, and the header
+        # as machine words; numpy structured-field access would cost a view per access.
+        self._col = {f: self._slots[f] for f in SLOT_DTYPE.names}
+        self._pin_pid, self._pin_slot, self._pin_gen = self._pins["pid"], self._pins["slot"], self._pins["gen"]
+        d = HEADER_DTYPE.fields["dirty"][1]
+        self._dirty = buf[d:d + 4].cast("I")
+        self._hq = buf[:HEADER_DTYPE.itemsize].cast("Q")
 
     # ------------------------------------------------------------------ open / close
     @staticmethod
@@ -316,8 +330,10 @@ class ShmCache:
         if self._mm is None:
             return
         self._index.release()
-        self._st.release()
-        for name in ("_hdr", "_slots", "_pins", "_key_lo", "_key_hi", "_state", "_index", "_st"):
+        for mv in (self._st, self._dirty, self._hq):
+            mv.release()
+        for name in ("_hdr", "_slots", "_pins", "_key_lo", "_key_hi", "_state", "_index", "_st", "_col",
+                     "_pin_pid", "_pin_slot", "_pin_gen", "_dirty", "_hq"):
             setattr(self, name, None)
         self._buf.release()
         try:
@@ -343,17 +359,37 @@ class ShmCache:
     # ------------------------------------------------------------------ locking
     @contextmanager
     def _critical(self):
-        with self._tlock:
+        self._lock()
+        ok = False
+        try:
+            yield self._hdr
+            ok = True
+        finally:
+            self._unlock(ok)
+
+    # The same as `with self._critical()`, for the hot paths (a generator context manager costs microseconds).
+    def _lock(self) -> None:
+        self._tlock.acquire()
+        try:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
-            try:
-                h = self._hdr
-                if h["dirty"][0]:
-                    self._recover()
-                h["dirty"] = 1
-                yield h
-                h["dirty"] = 0  # only on a clean exit: an exception mid-update leaves it for recovery
-            finally:
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        except BaseException:
+            self._tlock.release()
+            raise
+        try:
+            if self._dirty[0]:
+                self._recover()
+            self._dirty[0] = 1
+        except BaseException:
+            self._unlock(False)
+            raise
+
+    def _unlock(self, clean: bool) -> None:
+        try:
+            if clean:
+                self._dirty[0] = 0  # only on a clean exit: an exception mid-update leaves it for recovery
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            self._tlock.release()
 
     def _recover(self) -> None:
         """Called with the lock held when the last holder died (or raised) mid-update: rebuilds every derived
@@ -410,7 +446,7 @@ class ShmCache:
     # ------------------------------------------------------------------ slots
     def _free_slot_locked(self, i: int) -> None:
         """EMPTY, out of the index and the address list. The one way a slot is given up (outside recovery)."""
-        h, s = self._hdr, self._slots
+        h, s = self._hdr, self._col
         self._index.remove(i)
         p, n = int(s["prev"][i]), int(s["next"][i])
         if p != NIL:
@@ -423,19 +459,18 @@ class ShmCache:
             h["ltail"] = p
         if int(h["hand_next"][0]) == i:
             h["hand_next"] = n
-        self._state[i] = EMPTY
-        h["slot_hint"] = i
+        self._st[i] = EMPTY
+        self._hq[H_HINT] = i
 
     def _evict_locked(self, i: int) -> None:
         if self._st[i] == READY:
-            s = self._slots[i]
             self._hdr["evictions"] += 1
-            self._hdr["bytes_used"] -= int(s["length"]) + int(s["meta_len"])
+            self._hq[H_BYTES] -= int(self._col["length"][i]) + int(self._col["meta_len"][i])
         self._free_slot_locked(i)
 
     def _find_free_slot_locked(self) -> int:
         n = self.max_entries
-        hint = int(self._hdr["slot_hint"][0]) % n
+        hint = self._hq[H_HINT] % n
         if self._st[hint] == EMPTY:
             return hint
         for a in list(range(hint, n, 4096)) + list(range(0, hint, 4096)):
@@ -452,37 +487,52 @@ class ShmCache:
     # ------------------------------------------------------------------ lookups
     def contains(self, key: bytes | str) -> bool:
         lo, hi = _key_parts(key)
-        with self._critical():
-            return self._lookup(lo, hi)[1] == READY
+        self._lock()
+        try:
+            found = self._lookup(lo, hi)[1] == READY
+        except BaseException:
+            self._unlock(False)
+            raise
+        self._unlock(True)
+        return found
 
     def get(self, key: bytes | str, verify: bool | None = None) -> Entry | None:
         """Pins and returns the entry, or None. `verify`: None checks the bytes against their hash when the
         entry was not verified since the last recovery or on a `verify_sample_rate` sample of reads; True
         always; False never. An entry that fails is dropped and reported as a miss; it is never served."""
         lo, hi = _key_parts(key)
-        with self._critical() as h:
+        hq, col = self._hq, self._col
+        self._lock()
+        try:
             i, st = self._lookup(lo, hi)
             if st != READY:
-                h["misses"] += 1
+                hq[H_MISSES] += 1
+                self._unlock(True)
                 return None
-            s = self._slots[i]
-            epoch = int(h["recoveries"][0]) & 0xFFFFFFFF
+            epoch = hq[H_RECOV] & 0xFFFFFFFF
             if verify is None:
-                verify = int(s["checked"]) != epoch or (self.verify_sample_rate > 0
-                                                        and self._rng.random() < self.verify_sample_rate)
+                verify = int(col["checked"][i]) != epoch or (self.verify_sample_rate > 0
+                                                             and self._rng.random() < self.verify_sample_rate)
             pin = self._take_pin_locked(i)
             if pin < 0:  # every pin record is held: serve a private copy instead of a view
                 e = self._copy_entry_locked(i, verify)
-                h["hits" if e is not None else "misses"] += 1
+                hq[H_HITS if e is not None else H_MISSES] += 1
+                self._unlock(True)
                 return e
-            s["ref"] = min(int(s["ref"]) + 1, MAX_REF)
-            h["clock"] += 1
-            s["last_access"] = h["clock"][0]
-            h["hits"] += 1
-            off, n, m = int(s["offset"]), int(s["length"]), int(s["meta_len"])
-            dt, ndim, shape, grid = int(s["dtype"]), int(s["ndim"]), tuple(int(x) for x in s["shape"]), \
-                tuple(int(x) for x in s["grid"])
-            crc, gen = int(s["checksum"]), int(s["gen"])
+            ref = col["ref"]
+            if ref[i] < MAX_REF:
+                ref[i] += 1
+            hq[H_CLOCK] += 1
+            col["last_access"][i] = hq[H_CLOCK]
+            hq[H_HITS] += 1
+            off, n, m = int(col["offset"][i]), int(col["length"][i]), int(col["meta_len"][i])
+            dt, ndim = int(col["dtype"][i]), int(col["ndim"][i])
+            shape, grid = col["shape"][i].tolist(), tuple(col["grid"][i].tolist())
+            crc, gen = int(col["checksum"][i]), int(col["gen"][i])
+        except BaseException:
+            self._unlock(False)
+            raise
+        self._unlock(True)
         start = self._data_offset + off
         if verify:  # outside the lock: the pin keeps the bytes in place
             ok = xxhash.xxh3_64_intdigest(self._buf[start:start + n + m]) == crc
@@ -522,31 +572,34 @@ class ShmCache:
         return Entry(arr, name, tuple(int(x) for x in s["grid"]), None, -1, raw[n:] if m else None)
 
     def _take_pin_locked(self, slot: int) -> int:
-        p = self._pins
+        pid = self._pin_pid
         j = self._pin_hint
-        if p["pid"][j] != 0:
-            free = np.flatnonzero(p["pid"] == 0)
+        if pid[j] != 0:
+            free = np.flatnonzero(pid == 0)
             if not len(free):
-                for k in range(len(p)):
-                    if not pid_alive(int(p["pid"][k])):
-                        p["pid"][k] = 0
-                free = np.flatnonzero(p["pid"] == 0)
+                for k in range(len(pid)):
+                    if not pid_alive(int(pid[k])):
+                        pid[k] = 0
+                free = np.flatnonzero(pid == 0)
                 if not len(free):
                     return -1
             j = int(free[0])
-        p["slot"][j] = slot
-        p["gen"][j] = self._slots["gen"][slot]
-        p["pid"][j] = self._pid
-        self._pin_hint = (j + 1) % len(p)
+        self._pin_slot[j] = slot
+        self._pin_gen[j] = self._col["gen"][slot]
+        pid[j] = self._pid
+        self._pin_hint = (j + 1) % len(pid)
         return j
 
     def _unpin(self, pin: int) -> None:
         if pin < 0 or self._mm is None:
             return
-        with self._critical():
-            if self._pins["pid"][pin] == self._pid:
-                self._pins["pid"][pin] = 0
+        self._lock()
+        try:
+            if self._pin_pid[pin] == self._pid:
+                self._pin_pid[pin] = 0
                 self._pin_hint = pin
+        finally:
+            self._unlock(True)
 
     # ------------------------------------------------------------------ insertion
     def put(self, key: bytes | str, array: np.ndarray, grid_thw: tuple[int, int, int] = (0, 0, 0),
@@ -568,13 +621,17 @@ class ShmCache:
         if len(meta) > MAX_META_BYTES:
             raise ValueError(f"metadata of {len(meta)} bytes is over the limit of {MAX_META_BYTES}")
         n, m = arr.nbytes, len(meta)
-        with self._critical() as h:
+        shape = list(arr.shape) + [0] * (4 - arr.ndim)
+        grid = [int(x) for x in grid_thw]
+        col, hq = self._col, self._hq
+        with self._critical():
             i, st = self._lookup(lo, hi)
             if st == READY:
-                self._slots["ref"][i] = min(int(self._slots["ref"][i]) + 1, MAX_REF)
+                if col["ref"][i] < MAX_REF:
+                    col["ref"][i] += 1
                 return True
             if st == WRITING:
-                if pid_alive(int(self._slots["owner"][i])):
+                if pid_alive(int(col["owner"][i])):
                     return False  # another (live) process is writing the same content right now
                 self._free_slot_locked(i)  # its writer died mid-copy: the bytes were never visible
             i = self._find_free_slot_locked()
@@ -583,41 +640,38 @@ class ShmCache:
             span = _align(max(n + m, 1))
             off = self._allocate_locked(span, i) if i >= 0 else None
             if off is None:
-                h["rejected"] += 1
+                hq[H_REJECTED] += 1
                 return False
-            s = self._slots[i]
-            h["generation"] += 1
+            hq[H_GEN] += 1
+            gen = hq[H_GEN]
             self._key_lo[i], self._key_hi[i] = lo, hi
-            s["length"], s["meta_len"] = n, m
-            s["gen"], s["owner"], s["ref"] = h["generation"][0], self._pid, 0
-            s["dtype"], s["ndim"] = DTYPES.index(name), arr.ndim
-            shape = np.zeros(4, np.int64)
-            shape[: arr.ndim] = arr.shape
-            s["shape"], s["grid"] = shape, np.asarray(grid_thw, np.int32)
-            self._state[i] = WRITING  # before the index: the slot is complete before anyone can find it
+            col["length"][i], col["meta_len"][i] = n, m
+            col["gen"][i], col["owner"][i], col["ref"][i] = gen, self._pid, 0
+            col["dtype"][i], col["ndim"][i] = DTYPES.index(name), arr.ndim
+            col["shape"][i], col["grid"][i] = shape, grid
+            self._st[i] = WRITING  # before the index: the slot is complete before anyone can find it
             if not self._index.insert(lo, hi, i):
                 self._free_slot_locked(i)
-                h["rejected"] += 1
+                hq[H_REJECTED] += 1
                 return False
-            h["slot_hint"] = (i + 1) % self.max_entries
-            gen = int(s["gen"])
+            hq[H_HINT] = (i + 1) % self.max_entries
         # The copy and the hash run without the lock; no one reads a WRITING slot.
         start = self._data_offset + off
         dst = np.frombuffer(self._buf, np.uint8, n + m, start)
         dst[:n] = arr.reshape(-1).view(np.uint8)
-        dst[n:] = np.frombuffer(meta, np.uint8)
+        if m:
+            dst[n:] = np.frombuffer(meta, np.uint8)
         digest = xxhash.xxh3_64_intdigest(self._buf[start:start + n + m])
-        with self._critical() as h:
-            s = self._slots[i]
-            if int(self._state[i]) != WRITING or int(s["gen"]) != gen:
+        with self._critical():
+            if self._st[i] != WRITING or int(col["gen"][i]) != gen:
                 return False  # reclaimed meanwhile (cannot happen while we live; defensive)
-            s["checksum"] = digest
-            s["checked"] = int(h["recoveries"][0]) & 0xFFFFFFFF  # hashed from what was just written
-            h["clock"] += 1
-            s["last_access"] = h["clock"][0]
-            self._state[i] = READY
-            h["inserts"] += 1
-            h["bytes_used"] += n + m
+            col["checksum"][i] = digest
+            col["checked"][i] = hq[H_RECOV] & 0xFFFFFFFF  # hashed from what was just written
+            hq[H_CLOCK] += 1
+            col["last_access"][i] = hq[H_CLOCK]
+            self._st[i] = READY
+            hq[H_INSERTS] += 1
+            hq[H_BYTES] += n + m
         return True
 
     def _reap_dead_writers_locked(self, rebuilding: bool = False) -> None:
@@ -633,10 +687,10 @@ class ShmCache:
                     self._free_slot_locked(int(i))
 
     def _start(self, i: int) -> int:
-        return int(self._slots["offset"][i])
+        return int(self._col["offset"][i])
 
     def _end(self, i: int) -> int:
-        return int(self._slots["offset"][i]) + int(self._slots["span"][i])
+        return int(self._col["offset"][i]) + int(self._col["span"][i])
 
     def _evict_one_locked(self) -> bool:
         """The slot table is full: the CLOCK hand frees the first entry it may, and stays at its bytes."""
@@ -662,7 +716,7 @@ class ShmCache:
         size = self.data_size
         if need > size:
             return None
-        h, s = self._hdr, self._slots
+        h, s = self._hdr, self._col
         pos, c = int(h["hand"][0]), int(h["hand_next"][0])
         wraps = 0
         while True:
