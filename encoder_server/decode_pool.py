@@ -82,10 +82,20 @@ def exit_with_parent(interval_s: float = 1.0) -> None:
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
+def ignore_sigint() -> None:
+    """Ctrl-C sends SIGINT to the whole process group: a worker would die in the middle of its queue read with a
+    KeyboardInterrupt traceback (and break the pool under the server's graceful drain). The server process
+    handles SIGINT and shuts its workers down itself."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int) -> None:
     global _ARENA, _SLOT_BYTES
     from PIL import Image
 
+    ignore_sigint()
     exit_with_parent()
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     if arena_path:

@@ -153,7 +153,9 @@ def resize_pil_hwc(image: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 def resize_pil(image: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     """HxWx3 uint8 -> 3xH'xW' uint8 with PIL's antialiased bicubic (pillow-simd when installed)."""
-    return torch.from_numpy(np.ascontiguousarray(resize_pil_hwc(image, size))).permute(2, 0, 1)
+    # PIL hands its pixels to numpy read-only (they live in a bytes object), and torch warns on read-only
+    # memory: copy only when the array is not already a fresh writable one (the RGBX path's slice copies anyway).
+    return torch.from_numpy(np.require(resize_pil_hwc(image, size), requirements=["C", "W"])).permute(2, 0, 1)
 
 
 def resize_torch(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

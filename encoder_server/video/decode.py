@@ -175,8 +175,9 @@ _DONE = ("done", None)
 
 def _worker(path, gops, size, q, threads):
     if multiprocessing.current_process().name != "MainProcess":  # a process, not a thread
-        from ..decode_pool import exit_with_parent
+        from ..decode_pool import exit_with_parent, ignore_sigint
 
+        ignore_sigint()  # Ctrl-C reaches the whole process group; the consumer stops the decoders
         exit_with_parent()
     try:
         decode_gops(path, gops, size, lambda i, a: q.put(("frame", (i, a))), threads)
@@ -236,7 +237,9 @@ def decode_floor(path: str, keyframes: list[int], frames: int, workers: int, cod
             for i, k in enumerate(keyframes)]
     per = -(-len(gops) // workers)
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers) as pool:
+    from ..decode_pool import ignore_sigint
+
+    with ctx.Pool(workers, initializer=ignore_sigint) as pool:
         counts = pool.starmap(_count_frames, [(path, gops[i:i + per], codec_threads) for i in range(0, len(gops), per)])
     return sum(counts)
 

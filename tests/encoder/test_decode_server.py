@@ -146,3 +146,45 @@ def test_tiny_and_elongated_video_frames(server, tmp_path):
     expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "item 1: video: frames are 402x2; aspect ratio",
                  pb.MediaItem(data=JPEG), pb.MediaItem(data=thin, modality=pb.VIDEO))
     assert encode(server.address, pb.MediaItem(data=JPEG)).items[0].num_tokens > 0
+
+
+# ------------------------------------------------------------------------------- 5. Ctrl-C, clean startup
+def test_ctrl_c_to_the_process_group_stops_cleanly_without_worker_tracebacks(tmp_path):
+    """What a terminal's Ctrl-C does: SIGINT to every process of the group, the decode processes included.
+    They ignore it and the server shuts them down; startup prints no warnings either."""
+    import subprocess
+    import sys
+    import threading
+
+    from tests.conftest import ROOT
+    from tests.video.test_video import tiny_video
+
+    proc = subprocess.Popen([sys.executable, "-m", "mimo_epd", "encoder", "--port", "0", "--decode-workers", "2",
+                             "--video-decode-workers", "2"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, not pytest's
+    err: list[str] = []
+    reader = threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True)
+    reader.start()
+    try:
+        line = ""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not line.startswith("ready "):
+            line = proc.stdout.readline()
+            if not line and proc.poll() is not None:
+                break
+        assert line.startswith("ready "), "".join(err)[-3000:]
+        address = line.split()[1]
+        assert encode(address, pb.MediaItem(data=JPEG)).items[0].num_tokens > 0
+        assert len(decode_workers(proc.pid)) == 2
+        video = open(tiny_video(str(tmp_path / "v.mp4"), 64, 48, frames=40), "rb").read()
+        assert encode(address, pb.MediaItem(data=video, modality=pb.VIDEO)).items[0].num_tokens > 0
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(10)
+    text = "".join(err)
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+    assert "Warning" not in text, text[-3000:]  # e.g. torch's non-writable NumPy array warning at warm-up
