@@ -1,0 +1,456 @@
+"""The LLM router: picks a worker per request by KV affinity (or another policy), for gRPC Generate and HTTP.
+
+Per request: tokenize the prompt like the worker does (the same model's tokenizer), hash its blocks
+(llm_backend.kv.events.block_hashes), read from the state (state.py) each live worker's state of those blocks
+and its load, predict each worker's reusable prefix (index.predict_tokens), and let the policy (policies.py)
+order the workers. The request goes to the first; if that call fails before any token was streamed
+(UNAVAILABLE, RESOURCE_EXHAUSTED), to the next, and so on. A worker whose call failed with UNAVAILABLE is
+skipped until its KV-event feed answers again.
+
+Where the workers come from: `workers=[...]` (static addresses; this router then runs a WorkerFeed per worker
+into its state), or the state's registry (`--router-state redis://...`: whatever `serve` / `serve --join`
+nodes registered; their own feeds write the index). Load = the worker's reported queued + running tokens, or
+this router's own in-flight count for it when that is higher (it has not been reported yet).
+
+When the state is unreachable (Redis down) the router keeps serving: it routes by load only (its own counts)
+on the last workers it knew, logs it once, sets `router_state_degraded` to 1, probes the state every second
+and returns to KV-affinity routing when it answers.
+
+Other fronts (mimo_epd/router/http_front.py) use the same decisions:
+
+    choices = await router.pick(prompt_token_ids)      # ordered: try choices[0], then the next on failure
+    router.started(choice, len(prompt_token_ids)); ...; router.finished(choice)
+    router.report(choice, cached_tokens)                # what the worker said it reused vs. the prediction
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field, fields
+
+import grpc
+
+from mimo_epd.v1 import generator_pb2_grpc
+
+from .discovery import EncoderSet, WorkerFeed, member_id
+from .index import block_hashes, predict_tokens
+from .policies import POLICIES, Candidate, PolicyConfig, RequestView, make_policy
+from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
+
+log = logging.getLogger(__name__)
+
+RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+@dataclass
+class LLMRouterConfig:
+    policy: str = "affinity"
+    router_state: str = "memory"
+    workers: str = ""  # comma-separated GRPC[/HTTP] addresses; empty = discover them in the state
+    model: str = "tiny"  # the workers' model: the router tokenizes with its tokenizer
+    match_weight: float = 2.0
+    load_weight: float = 1.0
+    balance_abs: int = 64
+    balance_rel: float = 1.5
+    cache_threshold: float = 0.3
+    prefill_weight: float = 1.0
+    member_ttl_s: float = 3.0
+    poll_wait_ms: int = 500
+    discovery_interval_s: float = 0.5
+    down_s: float = 5.0  # a worker that failed a call is skipped this long, or until its feed answers again
+
+    def policy_config(self) -> PolicyConfig:
+        return PolicyConfig(match_weight=self.match_weight, load_weight=self.load_weight,
+                            balance_abs=self.balance_abs, balance_rel=self.balance_rel,
+                            cache_threshold=self.cache_threshold, prefill_weight=self.prefill_weight)
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"--llm-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.member_ttl_s <= 0 or self.poll_wait_ms <= 0 or self.discovery_interval_s <= 0:
+            raise ValueError("--member-ttl-s, --poll-wait-ms and --discovery-interval-s must be positive")
+
+
+def add_policy_arguments(p, prefix: str = "") -> None:
+    """The routing flags (shared by `mimo-epd router` and `mimo-epd serve`)."""
+    d = LLMRouterConfig()
+    a = p.add_argument
+    a("--llm-policy", dest="policy", default=d.policy, choices=list(POLICIES),
+      help=f"LLM routing policy (default: {d.policy})")
+    a("--router-state", default=d.router_state,
+      help="'memory' (this router only) or redis://HOST:PORT/DB shared by every router (default: memory)")
+    a("--affinity-match-weight", dest="match_weight", type=float, default=d.match_weight,
+      help=f"affinity: weight of the prefix match fraction (default: {d.match_weight})")
+    a("--affinity-load-weight", dest="load_weight", type=float, default=d.load_weight,
+      help=f"affinity: weight of the normalized load (default: {d.load_weight})")
+    a("--cache-aware-balance-abs", dest="balance_abs", type=int, default=d.balance_abs,
+      help=f"cache_aware: load gap in tokens that counts as imbalance (default: {d.balance_abs})")
+    a("--cache-aware-balance-rel", dest="balance_rel", type=float, default=d.balance_rel,
+      help=f"cache_aware: load ratio that counts as imbalance (default: {d.balance_rel})")
+    a("--cache-aware-threshold", dest="cache_threshold", type=float, default=d.cache_threshold,
+      help=f"cache_aware: match fraction above which the cache decides (default: {d.cache_threshold})")
+    a("--kv-cost-prefill-weight", dest="prefill_weight", type=float, default=d.prefill_weight,
+      help=f"kv_cost: weight of prefill blocks against decode blocks (default: {d.prefill_weight})")
+    a("--member-ttl-s", type=float, default=d.member_ttl_s,
+      help=f"a worker's or encoder's registration and index entries expire this long after its last heartbeat "
+           f"(default: {d.member_ttl_s})")
+    a("--poll-wait-ms", type=int, default=d.poll_wait_ms,
+      help=f"long-poll wait of the KV-event feeds (default: {d.poll_wait_ms})")
+    a("--discovery-interval-s", type=float, default=d.discovery_interval_s,
+      help=f"seconds between reads of the registry (default: {d.discovery_interval_s})")
+
+
+@dataclass
+class WorkerView:
+    id: str
+    address: str
+    http_address: str = ""
+    block_size: int = 16
+    load: dict = field(default_factory=dict)
+    local_queued: int = 0
+    local_running: int = 0
+    registered: bool = False  # seen in the registry at the last refresh
+
+
+@dataclass
+class Choice:
+    worker: str  # member id
+    address: str  # gRPC
+    http_address: str
+    predicted_tokens: int
+    rank: int
+
+
+@dataclass
+class _Flight:
+    choice: Choice
+    prompt_tokens: int
+    generated: int = 0
+    streaming: bool = False
+
+
+class LLMRouter(generator_pb2_grpc.GeneratorServicer):
+    def __init__(self, config: LLMRouterConfig, state=None, tokenizer=None, encoders=None):
+        config.validate()
+        self.config = config
+        self.state = state if state is not None else open_state(config.router_state)
+        self.policy = make_policy(config.policy, config.policy_config())
+        if tokenizer is None:
+            try:
+                from llm_backend.tokenizer import load_tokenizer
+            except ImportError:  # pragma: no cover - before the engine split
+                from llm_backend.engine import load_tokenizer
+            tokenizer = load_tokenizer(config.model)
+        self.tokenizer = tokenizer
+        self.workers: dict[str, WorkerView] = {}
+        self.feeds: dict[str, WorkerFeed] = {}
+        self.down: dict[str, float] = {}
+        self.flights: dict[str, list[_Flight]] = {}
+        self.degraded = False
+        self.encoders = EncoderSet(encoders) if encoders is not None else None
+        self.stats = {"requests": 0, "retries": 0, "failed": 0, "degraded_picks": 0, "picks": {},
+                      "predictions": 0, "predicted_tokens": 0, "cached_tokens": 0, "abs_error_tokens": 0,
+                      "exact_predictions": 0}
+        self._tasks: list[asyncio.Task] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self.on_change = None  # callback(live worker ids)
+        for spec in filter(None, (s.strip() for s in config.workers.split(","))):
+            grpc_addr, _, http = spec.partition("/")
+            self.add_worker(grpc_addr, http)
+
+    # ------------------------------------------------------------------------------------------ members
+    def add_worker(self, address: str, http_address: str = "") -> None:
+        """A worker this router watches itself (a KV-event feed into its state)."""
+        wid = member_id("llm", address)
+        self.workers[wid] = WorkerView(wid, address, http_address)
+        fields_ = {"http_address": http_address} if http_address else {}
+        self.feeds[wid] = WorkerFeed(self.state, address, fields_, self.config.member_ttl_s, self.config.poll_wait_ms,
+                                     on_reply=self._on_feed)
+
+    def _on_feed(self, feed: WorkerFeed, reply) -> None:
+        w = self.workers.get(feed.id)
+        if w is not None:
+            w.block_size = reply.block_size or w.block_size
+            w.load = {k: getattr(reply.load, k) for k in LOAD_FIELDS}
+        if self.down.pop(feed.id, None) is not None:
+            log.info("LLM worker %s is back", feed.address)
+
+    async def start(self, wait_s: float = 5.0) -> None:
+        """Starts the feeds and the registry reads; waits (up to `wait_s`) until some worker is live."""
+        for f in self.feeds.values():
+            f.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._discovery_loop()))
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and len(self.live()) < max(1, len(self.feeds)):
+            await asyncio.sleep(0.05)
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*(f.stop() for f in self.feeds.values()), return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
+        await self.state.close()
+
+    async def refresh(self) -> None:
+        """Reads the registry: workers (with load and block size) and, when asked, encoders."""
+        members = await self.state.members()
+        llm = {m: f for m, f in members.items() if f.get("kind") == "llm"}
+        for w in self.workers.values():
+            w.registered = w.id in llm
+        for wid, f in llm.items():
+            w = self.workers.get(wid)
+            if w is None and self.feeds:
+                continue  # a router given --workers routes over those only
+            if w is None:
+                w = self.workers[wid] = WorkerView(wid, f.get("address", wid.split("/", 1)[-1]))
+                log.info("LLM worker %s joined (node %s)", w.address, f.get("node", "?"))
+            w.registered = True
+            w.http_address = f.get("http_address", w.http_address)
+            w.block_size = int(f.get("block_size") or w.block_size or 16)
+            w.load = {k: int(f.get(k) or 0) for k in LOAD_FIELDS}
+        if not self.feeds:  # discovered workers leave when their registration expires
+            for wid in [w for w in self.workers if w not in llm]:
+                log.info("LLM worker %s left (its registration expired)", self.workers[wid].address)
+                del self.workers[wid]
+        if self.encoders is not None:
+            enc = {f["address"] for f in members.values() if f.get("kind") == "encoder" and f.get("address")}
+            if enc:
+                self.encoders.sync(enc)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            try:
+                if self.degraded and await self.state.ping():
+                    self.degraded = False
+                    log.warning("router state %s answers again: KV-affinity routing resumed", self.config.router_state)
+                if not self.degraded:
+                    await self.refresh()
+            except StateUnavailable as e:
+                self._degrade(e)
+            await asyncio.sleep(self.config.discovery_interval_s if not self.degraded else 1.0)
+
+    def _degrade(self, err) -> None:
+        if not self.degraded:
+            log.warning("router state unavailable (%s): routing by load only until it answers", err)
+        self.degraded = True
+
+    def live(self) -> list[WorkerView]:
+        now = time.monotonic()
+        out = []
+        for wid, w in sorted(self.workers.items()):
+            until = self.down.get(wid)
+            if until is not None and until > now:
+                continue
+            feed = self.feeds.get(wid)
+            if feed is not None and not self.degraded and not (feed.ok or (feed.ok is None and w.registered)):
+                continue
+            out.append(w)
+        return out
+
+    # ------------------------------------------------------------------------------------------ picking
+    async def pick(self, prompt_token_ids, exclude: set[str] = frozenset()) -> list[Choice]:
+        """Every live worker, best first, with the tokens each is predicted to reuse."""
+        workers = [w for w in self.live() if w.id not in exclude]
+        if not workers:
+            return []
+        tokens = list(prompt_token_ids)
+        B = workers[0].block_size or 16
+        hashes = block_hashes(tokens, B)
+        states: dict[str, list[int]] = {}
+        if not self.degraded:
+            try:
+                states = await self.state.lookup(hashes, [w.id for w in workers])
+            except StateUnavailable as e:
+                self._degrade(e)
+        if self.degraded:
+            self.stats["degraded_picks"] += 1
+        predicted = {w.id: predict_tokens(states.get(w.id, []), B, len(tokens)) for w in workers}
+        cands = []
+        for w in workers:
+            q = max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
+            r = max(int(w.load.get("running_tokens", 0)) if not self.degraded else 0, w.local_running)
+            cands.append(Candidate(w.id, predicted[w.id], q, r))
+        view = RequestView(len(tokens), B, tuple(hashes))
+        order = self.policy.rank(view, cands)
+        self.policy.observe(view, order[0])
+        by_id = {w.id: w for w in workers}
+        return [Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i)
+                for i, wid in enumerate(order)]
+
+    def started(self, choice: Choice, prompt_tokens: int) -> _Flight:
+        f = _Flight(choice, prompt_tokens)
+        self.flights.setdefault(choice.worker, []).append(f)
+        self.stats["picks"][choice.worker] = self.stats["picks"].get(choice.worker, 0) + 1
+        self._recount(choice.worker)
+        return f
+
+    def progressed(self, flight: _Flight, tokens: int = 1) -> None:
+        flight.streaming = True
+        flight.generated += tokens
+        self._recount(flight.choice.worker)
+
+    def finished(self, flight: _Flight) -> None:
+        lst = self.flights.get(flight.choice.worker, [])
+        if flight in lst:
+            lst.remove(flight)
+        self._recount(flight.choice.worker)
+
+    def _recount(self, wid: str) -> None:
+        w = self.workers.get(wid)
+        if w is None:
+            return
+        fl = self.flights.get(wid, [])
+        w.local_queued = sum(f.prompt_tokens - f.choice.predicted_tokens for f in fl if not f.streaming)
+        w.local_running = sum(f.prompt_tokens + f.generated for f in fl if f.streaming)
+
+    def report(self, choice: Choice, cached_tokens: int) -> None:
+        s = self.stats
+        s["predictions"] += 1
+        s["predicted_tokens"] += choice.predicted_tokens
+        s["cached_tokens"] += cached_tokens
+        s["abs_error_tokens"] += abs(cached_tokens - choice.predicted_tokens)
+        s["exact_predictions"] += int(cached_tokens == choice.predicted_tokens)
+
+    def mark_down(self, choice: Choice, why: str) -> None:
+        if self.down.get(choice.worker, 0) < time.monotonic():
+            log.warning("LLM worker %s failed (%s): skipped until it answers again", choice.address, why)
+        self.down[choice.worker] = time.monotonic() + self.config.down_s
+        feed = self.feeds.get(choice.worker)
+        if feed is not None:
+            feed.ok = False
+
+    def summary(self) -> dict:
+        s = dict(self.stats)
+        n = max(1, s["predictions"])
+        s["mean_abs_prediction_error_tokens"] = s["abs_error_tokens"] / n
+        s["degraded"] = self.degraded
+        s["policy"] = self.config.policy
+        s["live_workers"] = [w.address for w in self.live()]
+        return s
+
+    # ------------------------------------------------------------------------------------------ gRPC Generate
+    def _stub(self, address: str):
+        ch = self._channels.get(address)
+        if ch is None:
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", 256 << 20),
+                                  ("grpc.max_send_message_length", 256 << 20)])
+        return generator_pb2_grpc.GeneratorStub(ch)
+
+    async def Generate(self, request, context):
+        self.stats["requests"] += 1
+        if request.prompt_token_ids:
+            tokens = list(request.prompt_token_ids)
+        else:
+            tokens = self.tokenizer.encode(request.prompt)
+        if request.media:  # the placeholder ids come from the encoder's content keys: only BOS is predictable
+            tokens = tokens[:1]
+        tried: list[str] = []
+        choices = await self.pick(tokens)
+        while choices:
+            choice = choices[0]
+            tried.append(choice.address)
+            flight = self.started(choice, len(tokens))
+            call = self._stub(choice.address).Generate(request, timeout=context.time_remaining())
+            try:
+                async for msg in call:
+                    if msg.HasField("delta"):
+                        self.progressed(flight, max(1, len(msg.delta.token_ids)))
+                    elif msg.HasField("final"):
+                        self.report(choice, msg.final.cached_tokens)
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                if flight.streaming or e.code() not in RETRY_CODES:
+                    self.stats["failed"] += 1
+                    if e.code() == grpc.StatusCode.UNAVAILABLE:
+                        self.mark_down(choice, e.details() or e.code().name)
+                    await context.abort(e.code(), e.details())
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.mark_down(choice, e.details() or e.code().name)
+                self.stats["retries"] += 1
+                log.info("retrying a request on the next worker after %s from %s", e.code().name, choice.address)
+            finally:
+                self.finished(flight)
+                call.cancel()
+            choices = await self.pick(tokens, exclude={member_id("llm", a) for a in tried})
+        self.stats["failed"] += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE,
+                            f"no live LLM worker could take the request (tried {', '.join(tried) or 'none'})")
+
+
+def config_from_args(args) -> LLMRouterConfig:
+    return LLMRouterConfig(**{f.name: getattr(args, f.name) for f in fields(LLMRouterConfig) if hasattr(args, f.name)})
+
+
+# ---------------------------------------------------------------------------------------------- `mimo-epd router`
+def add_arguments(p) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default: 50051)")
+    p.add_argument("--workers", default="",
+                   help="LLM workers GRPC[/HTTP],... this router watches itself (default: discover them in "
+                        "--router-state)")
+    p.add_argument("--model", default="tiny", help="the workers' model, for the tokenizer (default: tiny)")
+    p.add_argument("--grace-period-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    add_policy_arguments(p)
+
+
+async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: float = 10.0) -> int:
+    from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+    from mimo_epd.router.encoder import EncoderRouter, RouterConfig
+    from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2
+
+    state = open_state(config.router_state)
+    encoders = None
+    if not isinstance(state, MemoryState):
+        # The Encode API over every registered encoder: the ring starts empty and follows the registry.
+        encoders = EncoderRouter.__new__(EncoderRouter)
+        EncoderRouter.__init__(encoders, ["placeholder:0"], RouterConfig())
+        encoders.ring.remove("placeholder:0")
+        encoders.alive.clear()
+        for d in (encoders._channels, encoders._stubs, encoders._health):
+            d.pop("placeholder:0")
+    router = LLMRouter(config, state, encoders=encoders)
+    server, drain = new_server(256)
+    generator_pb2_grpc.add_GeneratorServicer_to_server(router, server)
+    names = [generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name]
+    if encoders is not None:
+        encoder_pb2_grpc.add_EncoderServicer_to_server(encoders, server)
+        names.append(encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name)
+    health = add_health_and_reflection(server, names)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await router.start()
+    if encoders is not None:
+        encoders.start()
+    await server.start()
+    await set_serving(health, names)
+    log.info("LLM router (%s, state %s) on %s:%d", config.policy, config.router_state, host, bound)
+    print(f"ready {host}:{bound}", flush=True)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    await stop.wait()
+    await drain.stop(server, health, grace_s)
+    await router.close()
+    if encoders is not None:
+        await encoders.close()
+    return 0
+
+
+def main(args) -> int:
+    import uvloop
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        config.validate()
+        return uvloop.run(serve_router(config, args.host, args.port, args.grace_period_s))
+    except (OSError, ValueError) as e:
+        logging.getLogger("mimo_epd").error("cannot start the router: %s", e)
+        return 1
+
