@@ -62,6 +62,15 @@ if ls "$WHEELS"/pillow_simd-*.whl >/dev/null 2>&1; then
 else
   echo "notice: pillow-simd did not build (see $WHEELS/build.log); using pillow, resizes on the CPU are slower"
 fi
+# --- redis-server for the dev/test environment: the routers' shared-state tests start a real one -------
+# (Debian package, installed when missing and run as root; the tests skip with a reason when it is absent.)
+if [[ "$EXTRAS" == *dev* ]] && ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing redis-server (router shared-state tests)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 || true
+  fi
+  command -v redis-server >/dev/null 2>&1 || echo "notice: redis-server is not installed; the shared-state router tests are skipped"
+fi
 # --- NVIDIA DALI (optional `dali` extra) for the dev/test environment: best effort -------------------
 if [[ "$EXTRAS" == *dev* ]] && ! "$VENV/bin/python" -c "import nvidia.dali" >/dev/null 2>&1; then
   if $PIP install -q "nvidia-dali-cuda130" >"$WHEELS/dali.log" 2>&1; then
