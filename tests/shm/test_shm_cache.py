@@ -373,3 +373,19 @@ def test_process_killed_holding_the_lock_triggers_recovery(name):
             np.testing.assert_array_equal(e.array, value(1, 1024))
         assert time.monotonic() - t0 < 5
         assert c.stats()["recoveries"] == 1
+
+
+def test_bench_shm_index_reports_every_size_without_grades():
+    import argparse
+    import json
+
+    from mimo_epd.bench import shm_index
+
+    p = argparse.ArgumentParser()
+    shm_index.add_arguments(p)
+    out = shm_index.main(p.parse_args(["--sizes", "300,3000", "--lookups", "400"]))
+    assert '"goal' not in json.dumps(out)
+    assert set(out["results"]) == {"300", "3000"}
+    for n, r in out["results"].items():
+        assert r["entries"] == int(n) and r["checked_hits"] == 400 and r["checked_misses"] == 400
+        assert r["probes_max"] <= 64 and all(r[k] > 0 for k in ("contains_hit_us", "get_hit_us", "get_miss_us"))
