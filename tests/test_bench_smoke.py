@@ -109,9 +109,18 @@ def test_prefix_cache_bench_quick(tmp_path):
 
 def test_engine_bench_quick():
     out = run_bench("engine")
-    for name in ("ours", "transformers"):
-        e = out["engines"][name]
-        assert e["output_tokens"] == out["config"]["total_output_tokens"]
-        assert e["output_tokens_per_s"] > 0 and 0 < e["ttft_p50_ms"] <= e["ttft_p90_ms"]
-    assert "tokens_per_s" in out["ratios"]
+    no_grades(out)
+    engines = out["engines"]
+    assert set(engines) == {"ours", "transformers_continuous", "transformers_static_b8", "transformers_static_b64"}
+    for name, e in engines.items():
+        if not e["ran"]:  # a peer that cannot run this model says why, with its own error
+            assert name == "transformers_continuous" and e["error"], e
+            continue
+        assert e["output_tokens"] == out["config"]["total_output_tokens"], name
+        assert e["output_tokens_per_s"] > 0 and 0 < e["ttft_p50_ms"] <= e["ttft_p90_ms"], name
+        assert 0 < e["e2e_p50_ms"] <= e["e2e_p90_ms"] and e["peak_rss_mb"] > 0, name
+        if name != "ours":
+            assert 0 <= e["greedy_agreement"] <= 1
+    assert out["best_transformers"] in engines and engines[out["best_transformers"]]["ran"]
+    assert "tokens_per_s_vs_best_transformers" in out["ratios"]
     assert out["greedy_agreement"] >= 0.5  # same weights, greedy: the engines produce the same tokens

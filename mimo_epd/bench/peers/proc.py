@@ -77,27 +77,67 @@ class RssSampler:
     """Samples the resident set of a process tree every `interval_s` in a thread; `.peak` is the highest seen
     (a child's peak is invisible to getrusage of the parent until it is reaped)."""
 
-    def __init__(self, pid: int | None = None, interval_s: float = 0.05):
+    def __init__(self, pid: int | None = None, interval_s: float = 0.2):
         self.pid = pid or os.getpid()
         self.interval_s = interval_s
         self.peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+        self._tree = True
+
+    def _sample(self) -> int:
+        return tree_rss_bytes(self.pid) if self._tree else _status_kb("VmRSS:") * 1024
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self.peak = max(self.peak, tree_rss_bytes(self.pid))
+            self.peak = max(self.peak, self._sample())
             self._stop.wait(self.interval_s)
 
     def __enter__(self) -> "RssSampler":
-        self.peak = tree_rss_bytes(self.pid)
+        self.peak = self._sample()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, tree_rss_bytes(self.pid))
+        self.peak = max(self.peak, self._sample())
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1])
+    return 0
+
+
+class PeakRss:
+    """Peak resident set of this process over a block, without a sampling thread: the kernel's high-water mark
+    (VmHWM) is reset on entry by writing 5 to /proc/self/clear_refs and read on exit. Where that reset is not
+    allowed, a sampler of this process's VmRSS is used instead. `.peak` and `.before` are bytes."""
+
+    def __init__(self):
+        self.peak = self.before = 0
+        self._sampler: RssSampler | None = None
+
+    def __enter__(self) -> "PeakRss":
+        self.before = _status_kb("VmRSS:") * 1024
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            self._sampler = RssSampler(os.getpid(), 0.02)
+            self._sampler._tree = False
+            self._sampler.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._sampler is not None:
+            self._sampler.__exit__(*exc)
+            self.peak = self._sampler.peak
+        else:
+            self.peak = _status_kb("VmHWM:") * 1024
 
 
 def start_peer(module: str, args: list[str], timeout: float = 180) -> ServerProcess:
