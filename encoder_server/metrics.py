@@ -28,4 +28,7 @@ class EncoderMetrics:
         self.decode_fallbacks = Counter("encoder_decode_pickled", "decoded images too large for a shm slot", registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
-        start_http_server(port, addr=host, registry=self.registry)
+        try:
+            start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:  # say which port: "Address already in use" alone does not
+            raise OSError(f"cannot serve metrics on {host}:{port} (--metrics-port): {e.strerror}") from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass, fields
 
 from encoder_server.config import EncoderServerConfig
 from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
-from mimo_epd.router.encoder import EncoderRouter, GeneratorProxy, RouterConfig
+from mimo_epd.router.encoder import EncoderRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,6 +40,9 @@ class NodeConfig:
     llm_kv_cache_tokens: int = 16384
     llm_swa_cache_tokens: int = 4096
     http_port: int = 8000
+    llm_workers: int = 1
+    join: str = ""
+    node_host: str = "127.0.0.1"
 
     @staticmethod
     def add_arguments(parser) -> None:
@@ -64,13 +67,61 @@ class NodeConfig:
         parser.add_argument("--http-port", type=int, default=8000,
                             help="the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, "
                                  "-1 = off (default: 8000)")
+        # --- the LLM-worker fleet (#13, docs/routing.md) -------------------------------------------------
+        parser.add_argument("--llm-workers", type=int, default=1,
+                            help="LLM worker processes on this node, each its own engine; on the CPU each gets "
+                                 "cores // N torch threads unless --llm-torch-threads is set (default: 1)")
+        parser.add_argument("--join", default="",
+                            help="redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with "
+                                 "heartbeats) for the routers that share it; no router of its own (default: off)")
+        parser.add_argument("--node-host", default="127.0.0.1",
+                            help="address the node's encoders and workers listen on and register under; use a "
+                                 "routable one when routers run on other machines (default: 127.0.0.1)")
+        from mimo_epd.router.llm import add_policy_arguments
+
+        add_policy_arguments(parser)
+        add_llm_passthrough(parser)
 
     @classmethod
     def from_args(cls, args) -> "NodeConfig":
         cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
+        if cfg.llm_workers < 1:
+            raise ValueError(f"--llm-workers must be at least 1, got {cfg.llm_workers}")
+        if cfg.join and not cfg.join.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--join needs a redis:// URL, got {cfg.join!r}")
+        from mimo_epd.router.llm import config_from_args
+
+        cfg.routing = config_from_args(args)  # policy and state flags (LLMRouterConfig)
+        cfg.routing.validate()
+        cfg.llm_args = llm_passthrough_args(args)
         return cfg
+
+
+# Worker flags `serve` sets itself, or already has under its own name.
+_LLM_OWN = {"host", "port", "encoder", "http_port", "log_level", "grace_period_s", "model", "kv_cache_tokens",
+            "swa_cache_tokens"}
+
+
+def add_llm_passthrough(parser) -> None:
+    """Every other `mimo-epd llm` flag as `--llm-<flag>`, generated from LLMConfig (one flag source)."""
+    try:
+        from llm_backend.config import LLMConfig
+        from mimo_epd.common.flags import add_arguments
+    except ImportError:  # pragma: no cover - an older tree without LLMConfig
+        return
+    add_arguments(parser, LLMConfig, prefix="llm_", skip=_LLM_OWN)
+
+
+def llm_passthrough_args(args) -> list[str]:
+    """The `--<flag>` arguments for each worker from the `--llm-<flag>` values that differ from the defaults."""
+    try:
+        from llm_backend.config import LLMConfig
+        from mimo_epd.common.flags import from_args, to_argv
+    except ImportError:  # pragma: no cover
+        return []
+    return to_argv(from_args(LLMConfig, args, prefix="llm_"), skip=_LLM_OWN)
 
 
 def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
@@ -92,18 +143,24 @@ def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
 class ChildProcess:
     """A `mimo-epd <subcommand>` server process on 127.0.0.1 (an encoder, or the LLM worker)."""
 
-    def __init__(self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder"):
+    def __init__(self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder",
+                 host: str = "127.0.0.1"):
         self.index, self.args, self.timeout_s, self.subcommand = index, args, timeout_s, subcommand
+        self.host = host
         self.port = 0
         self.http_port: int | None = None  # set: pass --http-port (0 first, then the same port on restarts)
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
+
+    @property
+    def http_endpoint(self) -> str:
+        return f"{self.host}:{self.http_port}" if self.http_port else ""
 
     async def start(self) -> None:
-        cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", self.host, "--port", str(self.port), *self.args]
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
         self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
@@ -147,15 +204,29 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     shm_name = enc.shm_cache_name or f"mimo-epd-{os.getpid()}"
     shm = ShmCache.open(shm_name, enc.shm_cache_bytes)  # create (or attach) before the encoders do
     log.info("node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached")
-    child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name"}) + ["--shm-cache-name", shm_name]
-    encoders = [ChildProcess(i, child_cfg_args, node.encoder_start_timeout_s) for i in range(node.encoders)]
+    child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]
+    # --metrics-port is the node's one endpoint (mimo_epd/node_metrics.py); encoder i serves its own on PORT+1+i.
+    metrics_args = lambda i: ["--metrics-port", str(enc.metrics_port + 1 + i)] if enc.metrics_port else []  # noqa: E731
+    encoders = [ChildProcess(i, child_cfg_args + metrics_args(i), node.encoder_start_timeout_s, host=node.node_host)
+                for i in range(node.encoders)]
+    if node.join:
+        return await join_node(enc, node, encoders, shm)
+    metrics = None
     llm: ChildProcess | None = None
+    llms: list[ChildProcess] = []
+    heartbeats = []
+    proxy = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     stop_on_signals(stop)
     router = None
     front = None
     try:
+        if enc.metrics_port:  # first, so that a port in use fails before any encoder starts
+            from mimo_epd.node_metrics import NodeMetrics
+
+            metrics = NodeMetrics(lambda: {f"encoder-{e.index}": enc.metrics_port + 1 + e.index for e in encoders})
+            await metrics.start(enc.host, enc.metrics_port)
         await asyncio.gather(*(e.start() for e in encoders))
         router = EncoderRouter([e.endpoint for e in encoders],
                                RouterConfig(max_items_per_request=enc.max_items_per_request,
@@ -163,7 +234,13 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                                             max_message_mb=enc.max_message_mb))
         server, drain = new_server(enc.max_message_mb)
         encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
-        proxy = GeneratorProxy() if node.llm else None
+        shared = node.llm and node.routing.router_state not in ("", "memory")
+        if node.llm:  # the LLM router over this node's workers (and, with a shared state, every node's)
+            from mimo_epd.router.llm import LLMRouter
+
+            proxy = LLMRouter(node.routing, encoders=router if shared else None)
+        else:
+            proxy = None
         if proxy is not None:
             generator_pb2_grpc.add_GeneratorServicer_to_server(proxy, server)
         service = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
@@ -183,19 +260,18 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         await server.start()
         await on_change(router.alive)
         host = f"[{enc.host}]" if ":" in enc.host else enc.host
-        if proxy is not None:  # the LLM worker sends media through this router
-            llm = ChildProcess(0, ["--model", node.llm_model, "--encoder", f"127.0.0.1:{port}",
-                                   "--kv-cache-tokens", str(node.llm_kv_cache_tokens),
-                                   "--swa-cache-tokens", str(node.llm_swa_cache_tokens)],
-                               node.encoder_start_timeout_s, subcommand="llm")
-            llm.http_port = 0 if node.http_port >= 0 else None
-            await llm.start()
-            proxy.connect(llm.endpoint)
-            if node.http_port >= 0:  # the worker's HTTP API on the node's address
+        if proxy is not None:  # the LLM workers send media through this router
+            llms = await start_llm_workers(node, f"127.0.0.1:{port}")
+            llm = llms[0]
+            for w in llms:
+                proxy.add_worker(w.endpoint, w.http_endpoint)
+            await proxy.start()
+            if shared:
+                heartbeats = register_encoders(proxy.state, encoders, node)
+            if node.http_port >= 0:  # the workers' HTTP API on the node's address
                 from mimo_epd.router.http_front import HTTPFront
 
-                front = HTTPFront(lambda: f"127.0.0.1:{llm.http_port}" if llm.proc and llm.proc.returncode is None
-                                  else None)
+                front = HTTPFront(proxy.http_upstream)
                 http_port = await front.start(enc.host, node.http_port)
                 print(f"http {host}:{http_port}", flush=True)
         log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
@@ -214,7 +290,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                     log.error("restarting encoder %d failed: %s", e.index, err)
                     return
 
-        supervisors = [loop.create_task(supervise(e)) for e in [*encoders, *([llm] if llm else [])]]
+        supervisors = [loop.create_task(supervise(e)) for e in [*encoders, *llms]]
         await stop.wait()
         log.info("shutting down: router first (%gs grace), then %d encoders", enc.grace_period_s, len(encoders))
         await drain.stop(server, health, enc.grace_period_s)
@@ -224,12 +300,100 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
             t.cancel()
         return 0
     finally:
-        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *([llm] if llm else [])]),
+        if router is not None:
+            router.begin_shutdown()  # the encoders stop on purpose now: not "unhealthy"
+        await asyncio.gather(*(h.stop() for h in heartbeats), return_exceptions=True)
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]),
                              return_exceptions=True)
+        if proxy is not None:
+            await proxy.close()
+        if metrics is not None:
+            await metrics.close()
         if router is not None:
             await router.close()
         if front is not None:
             await front.close()
+        if shm.created:
+            shm.unlink()
+        shm.close()
+
+
+# ---------------------------------------------------------------------------------------------- LLM-worker fleet
+async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[ChildProcess]:
+    """`--llm-workers` worker processes (each its own engine), with every `--llm-*` flag passed through. On the CPU,
+    each gets cores // N torch threads unless `--llm-torch-threads` says otherwise: N engines each using every
+    core would fight over them."""
+    args = ["--model", node.llm_model, "--encoder", encoder_address, "--kv-cache-tokens", str(node.llm_kv_cache_tokens),
+            "--swa-cache-tokens", str(node.llm_swa_cache_tokens), *node.llm_args]
+    if "--torch-threads" not in args and node.llm_workers > 1:
+        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
+    workers = [ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+               for i in range(node.llm_workers)]
+    for w in workers:
+        w.http_port = 0 if node.http_port >= 0 or node.join else None
+    await asyncio.gather(*(w.start() for w in workers))
+    return workers
+
+
+def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:
+    """Heartbeats that keep this node's live encoders in the shared registry (every router's hash ring)."""
+    from mimo_epd.router.discovery import Heartbeat, member_id, node_name
+
+    return [Heartbeat(state, member_id("encoder", e.endpoint), {"kind": "encoder", "address": e.endpoint,
+                                                                "node": node_name()},
+                      node.routing.member_ttl_s,
+                      alive=lambda e=e: e.proc is not None and e.proc.returncode is None).start() for e in encoders]
+
+
+async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[ChildProcess], shm) -> int:
+    """`serve --join redis://...`: this node's encoders and LLM workers, registered in the shared state with
+    heartbeats (the workers' KV events relayed into it), and no router of its own."""
+    from mimo_epd.router.discovery import WorkerFeed, node_name
+    from mimo_epd.router.state import open_state
+
+    state = open_state(node.join)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    loop = asyncio.get_running_loop()
+    llms: list[ChildProcess] = []
+    feeds, heartbeats = [], []
+    try:
+        await asyncio.gather(*(e.start() for e in encoders))
+        if node.llm:
+            llms = await start_llm_workers(node, encoders[0].endpoint)
+            feeds = [WorkerFeed(state, w.endpoint, {"node": node_name(), "http_address": w.http_endpoint},
+                                node.routing.member_ttl_s, node.routing.poll_wait_ms).start() for w in llms]
+        heartbeats = register_encoders(state, encoders, node)
+        log.info("node %s joined %s: %d encoders, %d LLM workers", node_name(), node.join, len(encoders), len(llms))
+        print(f"ready joined {node.join}", flush=True)
+
+        async def supervise(e: ChildProcess) -> None:
+            while not stop.is_set():
+                rc = await e.proc.wait()
+                if stop.is_set() or not node.restart_encoders:
+                    return
+                log.warning("%s %d (%s) exited with %s; restarting it", e.subcommand, e.index, e.endpoint, rc)
+                await asyncio.sleep(1.0)
+                try:
+                    await e.start()
+                except (RuntimeError, OSError) as err:
+                    log.error("restarting %s %d failed: %s", e.subcommand, e.index, err)
+                    return
+
+        supervisors = [loop.create_task(supervise(e)) for e in [*encoders, *llms]]
+        await stop.wait()
+        for t in supervisors:
+            t.cancel()
+        return 0
+    finally:
+        await asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
+        for f in feeds:  # leave the registry now rather than one TTL later
+            try:
+                await state.unregister(f.id)
+            except Exception:  # noqa: BLE001 - the state may be down; the entries then expire
+                pass
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]), return_exceptions=True)
+        await state.close()
         if shm.created:
             shm.unlink()
         shm.close()

@@ -103,6 +103,27 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     NodeConfig.add_arguments(_Grouped(p, _node_section_of))
 
 
+def explain_bind_failure(message: str) -> str:
+    """gRPC says only `Failed to bind to address HOST:PORT; set GRPC_VERBOSITY=debug ...`: binding the same
+    address with a plain socket gives the operating system's reason (e.g. Address already in use)."""
+    import re
+    import socket
+
+    m = re.search(r"Failed to bind to address (\S+?);", message)
+    if not m:
+        return message
+    address = m.group(1)
+    host, _, port = address.rpartition(":")
+    host = host.strip("[]")
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, int(port)))
+        reason = "gRPC could not bind it"
+    except (OSError, ValueError) as e:
+        reason = getattr(e, "strerror", None) or str(e)
+    return f"cannot listen on {address} (--host/--port): {reason}"
+
+
 def run_encoder(args) -> int:
     import uvloop
 
@@ -117,7 +138,7 @@ def run_encoder(args) -> int:
     try:
         return uvloop.run(serve_encoder(config))
     except (OSError, ValueError, FileNotFoundError, RuntimeError) as e:
-        logging.getLogger("mimo_epd").error("cannot start the encoder: %s", e)
+        logging.getLogger("mimo_epd").error("cannot start the encoder: %s", explain_bind_failure(str(e)))
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
@@ -137,7 +158,7 @@ def run_serve(args) -> int:
     try:
         return uvloop.run(serve_node(enc, node))
     except (OSError, RuntimeError, ValueError) as e:
-        logging.getLogger("mimo_epd").error("cannot start: %s", e)
+        logging.getLogger("mimo_epd").error("cannot start: %s", explain_bind_failure(str(e)))
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130

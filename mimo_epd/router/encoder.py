@@ -62,6 +62,7 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         self._stubs = {e: encoder_pb2_grpc.EncoderStub(c) for e, c in self._channels.items()}
         self._health = {e: health_pb2_grpc.HealthStub(c) for e, c in self._channels.items()}
         self._task: asyncio.Task | None = None
+        self._shutting_down = False
         self.on_change = None  # optional callback(alive: set[str])
 
     # ------------------------------------------------------------------ health
@@ -78,6 +79,8 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
             return False
 
     def _set_alive(self, endpoint: str, ok: bool) -> None:
+        if self._shutting_down:  # the node is stopping its encoders itself; they did not fail
+            return
         if ok and endpoint not in self.alive:
             log.info("encoder %s rejoined the ring", endpoint)
             self.alive.add(endpoint)
@@ -96,6 +99,12 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    def begin_shutdown(self) -> None:
+        """The node is about to stop its encoders: stop health checks and ring changes from here on."""
+        self._shutting_down = True
+        if self._task:
+            self._task.cancel()
 
     async def close(self) -> None:
         if self._task:

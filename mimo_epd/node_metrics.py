@@ -1,0 +1,100 @@
+"""One Prometheus endpoint for a whole node (`serve --metrics-port PORT`).
+
+Each encoder process keeps its own registry (they are separate processes) and serves it on its own port,
+PORT + 1 + i; the launcher serves PORT itself, and every scrape of PORT/metrics fetches the encoders'
+metrics concurrently and merges them family by family, each sample labelled `process="encoder-<i>"`.
+`mimo_epd_scrape_up{process}` says which processes answered (an encoder being restarted is 0, not an
+error). Why not prometheus_client's multiprocess mode: it needs a shared directory and per-process
+files, and the encoders' gauges (queue depth, workers) would need a merge policy each; one label per
+process keeps every series exactly as the process reported it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+
+def merge(texts: dict[str, str | None]) -> bytes:
+    """Prometheus text of several processes ({process: text, or None when it did not answer}) -> one
+    exposition with a `process` label on every sample."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client.samples import Sample
+
+    families: dict[str, Metric] = {}
+    up = GaugeMetricFamily("mimo_epd_scrape_up", "1 when the process answered this scrape", labels=["process"])
+    for process, text in texts.items():
+        up.add_metric([process], 0.0 if text is None else 1.0)
+        for fam in text_string_to_metric_families(text or ""):
+            merged = families.get(fam.name)
+            if merged is None:
+                merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            merged.samples += [Sample(s.name, {"process": process, **s.labels}, s.value, s.timestamp, s.exemplar)
+                               for s in fam.samples]
+
+    class _Merged:
+        def collect(self):
+            return [up, *families.values()]
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)
+
+
+class NodeMetrics:
+    """Serves /metrics on host:port, merging the processes given by `targets()` -> {process: metrics port}."""
+
+    def __init__(self, targets: Callable[[], dict[str, int]], timeout_s: float = 2.0):
+        self.targets, self.timeout_s = targets, timeout_s
+        self._runner = None
+        self._session = None
+
+    async def _scrape(self, port: int) -> str | None:
+        import aiohttp
+
+        try:
+            async with self._session.get(f"http://127.0.0.1:{port}/metrics") as r:
+                return await r.text() if r.status == 200 else None
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return None
+
+    async def _handle(self, request):
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        targets = self.targets()
+        texts = await asyncio.gather(*(self._scrape(p) for p in targets.values()))
+        body = merge(dict(zip(targets, texts)))
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def start(self, host: str, port: int) -> int:
+        """Starts serving; returns the port. A port in use raises OSError naming it."""
+        import aiohttp
+        from aiohttp import web
+
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        app = web.Application()
+        app.router.add_get("/metrics", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.close()
+            reason = os.strerror(e.errno) if e.errno else str(e)
+            raise OSError(f"cannot serve the node's metrics on {host}:{port} (--metrics-port): {reason}") from None
+        return site._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

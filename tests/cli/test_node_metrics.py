@@ -1,0 +1,100 @@
+"""One /metrics for the whole node: `serve --encoders 2 --metrics-port P` starts (it used to die with
+Address already in use), P merges both encoders with a process label, and a port in use is named."""
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from mimo_epd.bench.common import start_server
+from mimo_epd.node_metrics import merge
+from tests.conftest import ROOT
+
+CHILD = """# HELP encoder_requests_total Encode requests received
+# TYPE encoder_requests_total counter
+encoder_requests_total {n}
+# HELP encoder_queue_depth items waiting
+# TYPE encoder_queue_depth gauge
+encoder_queue_depth{{queue="fetch"}} 3.0
+"""
+
+
+def _families(text: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def test_merge_labels_every_sample_with_its_process():
+    fams = _families(merge({"encoder-0": CHILD.format(n=2.0), "encoder-1": CHILD.format(n=5.0), "encoder-2": None})
+                     .decode())
+    reqs = {s.labels["process"]: s.value for s in fams["encoder_requests"].samples}
+    assert reqs == {"encoder-0": 2.0, "encoder-1": 5.0} and fams["encoder_requests"].type == "counter"
+    depth = [(s.labels["process"], s.labels["queue"]) for s in fams["encoder_queue_depth"].samples]
+    assert depth == [("encoder-0", "fetch"), ("encoder-1", "fetch")]
+    up = {s.labels["process"]: s.value for s in fams["mimo_epd_scrape_up"].samples}
+    assert up == {"encoder-0": 1.0, "encoder-1": 1.0, "encoder-2": 0.0}
+
+
+def _free_port_run(n: int) -> int:
+    """A port P with P..P+n-1 all free (the node's endpoint and one per encoder)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        try:
+            socks = []
+            for p in range(base, base + n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.mark.integration
+def test_serve_two_encoders_one_metrics_endpoint():
+    port = _free_port_run(3)
+    server = start_server(["--encoders", "2", "--metrics-port", str(port), "--no-llm", "--http-port", "-1"],
+                          subcommand="serve", cwd=ROOT)
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    finally:
+        rc = server.stop()
+    fams = _families(text)
+    assert {s.labels["process"]: s.value for s in fams["mimo_epd_scrape_up"].samples} == \
+        {"encoder-0": 1.0, "encoder-1": 1.0}
+    assert {s.labels["process"] for s in fams["encoder_requests"].samples} == {"encoder-0", "encoder-1"}
+    assert rc == 0
+    assert "left the ring" not in "".join(server.stderr_lines)  # stopping its own encoders is not a failure
+
+
+@pytest.mark.integration
+def test_a_metrics_port_in_use_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mimo_epd", "serve", "--port", "0", "--metrics-port", str(port),
+                            "--no-llm", "--http-port", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"127.0.0.1:{port} (--metrics-port): Address already in use" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_a_grpc_port_in_use_is_named():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mimo_epd", "encoder", "--port", str(port)], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port} (--host/--port): Address already in use" in r.stderr, r.stderr[-2000:]
