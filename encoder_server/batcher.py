@@ -8,6 +8,7 @@ Policy:
   so a large item is never starved by a stream of small ones; an item larger than the whole budget
   runs alone;
 - the forward runs in a dedicated thread, so the event loop keeps fetching, decoding and answering;
+  it is the only thread that runs the tower (`call_on_forward_thread` for other callers);
 - items whose requests were abandoned before their turn are dropped from the batch.
 
 The tower packs variable-size items with block-diagonal attention, so batching never changes an
@@ -47,8 +48,6 @@ class BatchStats:
     batches: int = 0
     items: int = 0
     patches: int = 0
-    busy_s: float = 0.0
-    last_batch_sizes: list[int] = field(default_factory=list)
 
 
 class Batcher:
@@ -125,13 +124,19 @@ class Batcher:
             self.stats.batches += 1
             self.stats.items += len(batch)
             self.stats.patches += int(pixel_values.shape[0])
-            self.stats.busy_s += end - start
             if self.on_batch is not None:
                 self.on_batch(len(batch), int(pixel_values.shape[0]), end - start)
             encode_ms = (end - start) * 1e3
             for b, emb in zip(batch, out):
                 if self.on_done is not None:
                     self.on_done(b, emb, (start - b.enqueued_at) * 1e3, encode_ms)
+
+    def call_on_forward_thread(self, fn: Callable, *args) -> concurrent.futures.Future:
+        """Runs `fn(*args)` on the forward thread, after the forwards already queued there. Thread-safe.
+
+        The tower runs only on this one thread: other users of it (the video path) submit their calls
+        here instead of running the model on a thread of their own."""
+        return self._executor.submit(fn, *args)
 
     def _run_forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
         out = self.forward(pixel_values, grid)

@@ -1,0 +1,260 @@
+"""`EncodePipeline`: wires admission, the stages, the batcher and the video path together.
+
+Stages are joined by bounded asyncio queues, so a slow stage pushes back on the one before it and
+memory stays bounded; `--max-pending` refuses new work at once instead of queueing without end.
+A stage returns where the job goes next (`Next`); `_route` puts it there. A stage that fails a job
+resolves its future with an `ItemError`, and later stages skip jobs whose future is already resolved.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import replace
+
+import grpc
+import torch
+
+from ..batcher import Batcher, BatchItem
+from ..config import EncoderServerConfig
+from ..decode_pool import DecodeOptions, DecodePool
+from ..embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
+from ..errors import ItemError, invalid
+from ..fetch import FetchLimits, Fetcher, UrlPolicy, parse_networks
+from ..metrics import EncoderMetrics
+from ..models import LoadedVisionModel, load_vision_model
+from ..preprocess import PreprocessConfig, preprocess_images
+from .admission import Admission, InflightTable
+from .jobs import ItemRequest, ItemResult, Job, Next
+from .stages import Stages
+from .tuner import ThreadTuner
+from .video_path import TowerOnForwardThread, VideoPath
+
+log = logging.getLogger(__name__)
+
+
+class EncodePipeline:
+    def __init__(self, config: EncoderServerConfig, model: LoadedVisionModel | None = None):
+        self.config = config
+        self.model = model or load_vision_model(config.model, config.device, config.dtype, return_info=True)
+        self.preprocess_config = self._preprocess_config()
+        self.model_id = self.model.model_id
+        if config.shm_cache_name:
+            self.cache = ShmEmbeddingStore(config.shm_cache_name, config.shm_cache_bytes)
+        else:
+            self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
+        policy = UrlPolicy(allow_private=config.allow_private_urls, allowlist=parse_networks(config.url_allowlist))
+        self.fetcher = Fetcher(FetchLimits(max_bytes=config.max_item_bytes, timeout_s=config.fetch_timeout_s,
+                                           max_redirects=config.max_redirects,
+                                           allowed_local_dir=config.allowed_local_dir or None,
+                                           pool_size=config.fetch_concurrency), policy)
+        d = config.queue_depth
+        self.fetch_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.decode_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.batcher = Batcher(self._forward, on_done=self._on_encoded, max_batch_tokens=config.max_batch_tokens,
+                               max_wait_ms=config.max_wait_ms, queue_depth=d,
+                               merge_unit=self.model.module.config.spatial_merge_size ** 2,
+                               max_batch_items=None if config.batching else 1,
+                               on_batch=self._on_batch)
+        resize_in = config.resize_in
+        if resize_in == "auto":
+            resize_in = "device" if torch.device(config.device).type == "cuda" else "decoder"
+        self.resize_in = resize_in
+        self.decode_pool = DecodePool(config.decode_workers, DecodeOptions(
+            max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
+            resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config,
+            device=str(config.device)),
+            slot_bytes=config.decode_slot_bytes, inflight=config.decode_inflight)
+        # Set once here; the video path only checks it (the tower is never reconfigured per call).
+        self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
+        self.metrics = EncoderMetrics()
+        self.admission = Admission(config.max_pending, serial=not config.pipeline)
+        self.inflight = InflightTable()
+        self.tuner = ThreadTuner(self.batcher.stats, config.torch_threads or 0)
+        self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
+        self.stages = Stages(config=config, fetcher=self.fetcher, decode_pool=self.decode_pool, cache=self.cache,
+                             metrics=self.metrics, inflight=self.inflight, preprocess_config=self.preprocess_config,
+                             preprocess_pool=self._preprocess_pool, model_id=self.model_id,
+                             tower_dtype=self.model.module.dtype)
+        self.video = VideoPath(config, self.preprocess_config,
+                               TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward,
+                                                    self.preprocess_config), self.cache)
+        self._tasks: list[asyncio.Task] = []
+
+    def _preprocess_config(self) -> PreprocessConfig:
+        c = self.config
+        if c.preprocess != "auto":
+            base = PreprocessConfig.preset(c.preprocess)
+        elif self.model.preprocessor_config:
+            base = PreprocessConfig.from_hf_dict(self.model.preprocessor_config)
+        else:
+            patch = self.model.module.config.patch_size
+            base = PreprocessConfig.preset("mimo_v2_5" if patch == 16 else "qwen2_5_vl")
+        tower = self.model.module.config
+        if (base.patch_size, base.merge_size, base.temporal_patch_size) != (
+                tower.patch_size, tower.spatial_merge_size, tower.temporal_patch_size):
+            raise ValueError(f"preprocessing (patch {base.patch_size}, merge {base.merge_size}) does not match the "
+                             f"model (patch {tower.patch_size}, merge {tower.spatial_merge_size})")
+        return replace(base, min_pixels=c.min_pixels or base.min_pixels, max_pixels=c.max_pixels or base.max_pixels)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        c = self.config
+        if c.torch_threads > 0:
+            torch.set_num_threads(c.torch_threads)
+        await self.fetcher.start()
+        await self.decode_pool.start()  # workers start now, not on the first request
+        await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
+        spawn = asyncio.get_running_loop().create_task
+        st = self.stages
+        self._tasks += [spawn(self._worker(self.fetch_q, st.acquire), name=f"fetch-{i}")
+                        for i in range(c.fetch_concurrency)]
+        self._tasks += [spawn(self._worker(self.decode_q, st.decode), name=f"decode-{i}")
+                        for i in range(self.decode_pool.max_inflight)]
+        self._tasks += [spawn(self._worker(self.preprocess_q, st.preprocess), name=f"preprocess-{i}")
+                        for i in range(c.preprocess_threads)]
+        self._tasks.append(spawn(self.batcher.run(), name="batcher"))
+        if c.torch_threads == 0 and c.decode_workers > 0 and torch.device(c.device).type == "cpu":
+            self._tasks.append(spawn(self.tuner.run(), name="thread-tuner"))
+        m = self.metrics
+        workers = {"fetch": c.fetch_concurrency, "decode": max(1, c.decode_workers),
+                   "preprocess": c.preprocess_threads, "encode": 1}
+        for stage, n in workers.items():
+            m.workers.labels(stage).set(n)
+        for name, q in (("fetch", self.fetch_q), ("decode", self.decode_q), ("preprocess", self.preprocess_q),
+                        ("batch", self.batcher.queue)):
+            m.queue_depth.labels(name).set_function(q.qsize)
+        m.pending.set_function(lambda: self.admission.load)
+        if c.metrics_port:
+            m.serve(c.metrics_port, c.host)
+
+    async def stop(self) -> None:
+        self.video.cancel()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self.fetcher.close()
+        self.batcher.shutdown()
+        self.decode_pool.stop()
+        self._preprocess_pool.shutdown(wait=False, cancel_futures=True)
+        if hasattr(self.cache, "close"):
+            self.cache.close()
+
+    # ------------------------------------------------------------------ entry point
+    async def encode(self, items: list[ItemRequest]) -> list[ItemResult]:
+        """Encodes a request's items. Raises the `ItemError` of the first failing item (lowest index)."""
+        t0 = time.perf_counter()
+        self.metrics.requests.inc()
+        self.metrics.items.inc(len(items))
+        try:
+            c = self.config
+            if not items:
+                raise invalid("request has no items")
+            if len(items) > c.max_items_per_request:
+                raise invalid(f"request has {len(items)} items, over the limit of {c.max_items_per_request} "
+                              "(--max-items-per-request)")
+            async with self.admission.admit(len(items)):
+                return await self._encode(items)
+        except ItemError as e:
+            self.metrics.errors.labels(e.code.name).inc()
+            raise
+        finally:
+            self.metrics.request_seconds.observe(time.perf_counter() - t0)
+
+    async def _encode(self, items: list[ItemRequest]) -> list[ItemResult]:
+        loop = asyncio.get_running_loop()
+        jobs = [Job(i, it, loop.create_future()) for i, it in enumerate(items)]
+        try:
+            for job in jobs:
+                await self._step(job, self.stages.check)
+            results = []
+            for job in jobs:  # in index order: the first failure by index is the one reported
+                results.append(await job.future)
+            return results
+        except BaseException:
+            for job in jobs:
+                job.abandoned = True
+                if not job.future.done():
+                    job.future.cancel()
+            raise
+        finally:
+            for job in jobs:  # an unretrieved exception of a later item is expected, not an error
+                if job.future.done() and not job.future.cancelled():
+                    job.future.exception()
+
+    # ------------------------------------------------------------------ running stages and routing jobs
+    async def _worker(self, inq: asyncio.Queue, stage) -> None:
+        while True:
+            job = await inq.get()
+            if job.wanted:
+                await self._step(job, stage)
+
+    async def _step(self, job: Job, stage) -> None:
+        """Runs one stage on `job` and sends the job where the stage says; a failure fails the job."""
+        try:
+            nxt = stage(job)
+            if asyncio.iscoroutine(nxt):
+                nxt = await nxt
+        except ItemError as e:
+            job.fail(e)
+            return
+        except asyncio.CancelledError:
+            job.fail(ItemError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+            raise
+        except Exception as e:  # a bug, not bad input: log it with its traceback, keep serving
+            log.exception("stage %s failed on item %d", getattr(stage, "__name__", stage), job.index)
+            job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+            return
+        if job.wanted:
+            await self._route(job, nxt)
+
+    async def _route(self, job: Job, nxt: Next) -> None:
+        if nxt is Next.FETCH:
+            await self.fetch_q.put(job)
+        elif nxt is Next.DECODE:
+            await self.decode_q.put(job)
+        elif nxt is Next.PREPROCESS:
+            await self.preprocess_q.put(job)
+        elif nxt is Next.BATCH:
+            item, job.batch_item = job.batch_item, None
+            await self.batcher.submit(item)
+        elif nxt is Next.VIDEO:
+            self.video.start(job)
+        elif nxt not in (Next.ANSWERED, Next.ATTACHED):  # pragma: no cover - a new Next without a route
+            raise AssertionError(f"no route for {nxt}")
+
+    # ------------------------------------------------------------------ the forward (on the batcher's thread)
+    def _warm_up(self) -> None:
+        """One small image through preprocess and the tower, so the first request pays no import/compile cost."""
+        import numpy as np
+
+        f = self.preprocess_config.factor * 2
+        pv, grid = preprocess_images([np.zeros((f, f, 3), np.uint8)], self.preprocess_config, device=self.config.device,
+                                     out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend,
+                                     fold_time=True)
+        self.model.module(pv, grid)
+
+    def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        want = self.tuner.threads
+        if want and want != torch.get_num_threads():
+            torch.set_num_threads(want)  # OpenMP's thread count is per calling thread: set it here
+        return self.model.module(pixel_values, grid_thw)
+
+    def _on_batch(self, items: int, patches: int, seconds: float) -> None:
+        self.metrics.busy.labels("encode").inc(seconds)
+        self.metrics.batch_items.observe(items)
+        self.metrics.batch_patches.observe(patches)
+
+    def _on_encoded(self, item: BatchItem, embedding: torch.Tensor, queue_ms: float, encode_ms: float) -> None:
+        job: Job = item.job
+        job.timings_ms["queue"] = queue_ms
+        job.timings_ms["encode"] = encode_ms
+        self.metrics.stage_seconds.labels("queue").observe(queue_ms / 1e3)
+        self.metrics.stage_seconds.labels("encode").observe(encode_ms / 1e3)
+        entry = CachedEmbedding(embedding, item.grid_thw)
+        if self.cache is not None:
+            self.cache.put(job.key, entry)
+        job.succeed(entry, cache_hit=False)

@@ -1,0 +1,164 @@
+"""The stages an image item passes through. Each takes a `Job`, does one step, and returns where the job
+goes next (`Next`); a failure raises `ItemError` (the worker fails the job with it).
+
+    check ──FETCH──▶ acquire ──DECODE──▶ decode ──PREPROCESS──▶ preprocess ──BATCH──▶ batcher
+      │                 ├──VIDEO──▶ video path
+      └──ANSWERED       ├──ANSWERED (cache hit)
+                        └──ATTACHED (an identical item is in flight)
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from mimo_epd.common.content_key import bytes_digest, content_key, normalize_digest
+
+from ..batcher import BatchItem
+from ..config import EncoderServerConfig
+from ..decode_pool import DecodePool
+from ..errors import DecodeError, ItemError, invalid
+from ..fetch import Fetcher
+from ..metrics import EncoderMetrics
+from ..preprocess import ImageSizeError, PreprocessConfig, preprocess_images, target_size
+from ..video.sampling import VideoSampling
+from .admission import InflightTable
+from .jobs import Job, Next
+
+
+@dataclass
+class Stages:
+    config: EncoderServerConfig
+    fetcher: Fetcher
+    decode_pool: DecodePool
+    cache: object  # EmbeddingLRU | ShmEmbeddingStore | None
+    metrics: EncoderMetrics
+    inflight: InflightTable
+    preprocess_config: PreprocessConfig
+    preprocess_pool: concurrent.futures.ThreadPoolExecutor
+    model_id: str
+    tower_dtype: torch.dtype
+    _fallbacks_seen: int = 0
+
+    def __post_init__(self):
+        self._fingerprint = self.preprocess_config.fingerprint()
+
+    # ------------------------------------------------------------------ keys and the cache
+    def key(self, digest: str, job: Job) -> str:
+        extra = f"video:{job.sampling.fingerprint()}" if job.sampling is not None else ""
+        return content_key(digest, self.model_id, self._fingerprint, extra)
+
+    def lookup(self, job: Job) -> bool:
+        """Answers `job` from the cache when its key is there."""
+        if self.cache is None:
+            return False
+        hit = self.cache.get(job.key)
+        if hit is not None:
+            self.metrics.cache.labels("hit").inc()
+            job.succeed(hit, cache_hit=True)
+            return True
+        self.metrics.cache.labels("miss").inc()
+        return False
+
+    def account(self, job: Job, stage: str, t0: float) -> None:
+        dt = time.perf_counter() - t0
+        job.timings_ms[stage] = dt * 1e3
+        self.metrics.stage_seconds.labels(stage).observe(dt)
+        self.metrics.busy.labels(stage).inc(dt)
+
+    # ------------------------------------------------------------------ stages
+    def check(self, job: Job) -> Next:
+        """Validates an item on arrival and answers it from the cache when the client's content_hash allows."""
+        req = job.request
+        if req.modality == "video":
+            try:
+                job.sampling = self.video_sampling(req)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+        elif req.modality != "image":
+            raise ItemError(grpc.StatusCode.UNIMPLEMENTED, f"modality {req.modality} is not supported by this server")
+        if req.content_hash:
+            try:
+                digest = normalize_digest(req.content_hash)
+            except ValueError as e:
+                raise invalid(str(e)) from None
+            job.key = self.key(digest, job)
+            if self.lookup(job):
+                return Next.ANSWERED
+        return Next.FETCH
+
+    def video_sampling(self, req) -> VideoSampling:
+        c = self.config
+        if req.video_max_frames > c.video_max_frames:
+            raise ValueError(f"max_frames {req.video_max_frames} is over the server's limit of {c.video_max_frames} "
+                             "(--video-max-frames)")
+        if req.video_fps < 0 or req.video_min_frames < 0 or req.video_max_frames < 0:
+            raise ValueError("video options must not be negative")
+        s = VideoSampling(fps=req.video_fps or c.video_fps, max_frames=req.video_max_frames or c.video_max_frames,
+                          min_frames=req.video_min_frames or c.video_min_frames)
+        s.validate()
+        return s
+
+    async def acquire(self, job: Job) -> Next:
+        """Gets the item's bytes (fetch, read or inline), keys them, and answers from the cache or an
+        identical item in flight when it can."""
+        t0 = time.perf_counter()
+        video = job.request.modality == "video"
+        job.data = await self.fetcher.fetch(job.request.source, self.config.max_video_bytes if video else None)
+        digest = bytes_digest(job.data)
+        self.account(job, "fetch", t0)
+        if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
+            raise invalid(f"content_hash {job.request.content_hash} does not match the item's bytes ({digest})")
+        job.key = self.key(digest, job)
+        if self.lookup(job):
+            return Next.ANSWERED
+        if not self.inflight.lead_or_follow(job):
+            return Next.ATTACHED
+        return Next.VIDEO if video else Next.DECODE
+
+    async def decode(self, job: Job) -> Next:
+        t0 = time.perf_counter()
+        data, job.data = job.data, None
+        try:
+            job.pixels = await self.decode_pool.decode(data)
+        except DecodeError as e:
+            raise invalid(e.reason) from None
+        except concurrent.futures.process.BrokenProcessPool:
+            raise ItemError(grpc.StatusCode.UNAVAILABLE, "a decoder process died; retry") from None
+        finally:
+            self._count_fallbacks()
+        self.account(job, "decode", t0)
+        return Next.PREPROCESS
+
+    def _count_fallbacks(self) -> None:
+        """Images too large for a shm slot come back pickled; the pool counts them, the metric follows."""
+        seen = self.decode_pool.fallbacks
+        if seen > self._fallbacks_seen:
+            self.metrics.decode_fallbacks.inc(seen - self._fallbacks_seen)
+            self._fallbacks_seen = seen
+
+    async def preprocess(self, job: Job) -> Next:
+        t0 = time.perf_counter()
+        pixels, job.pixels = job.pixels, None
+        try:
+            pv, grid = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, self._preprocess_one, pixels)
+        except ImageSizeError as e:
+            raise invalid(str(e).removeprefix("image 0: ")) from None
+        self.account(job, "preprocess", t0)
+        job.batch_item = BatchItem(pv, tuple(grid[0].tolist()), job)
+        return Next.BATCH
+
+    def _preprocess_one(self, decoded):
+        if decoded.resized == "patches":  # resized and patchified in the decoder; the tower normalises
+            t, gh, gw = 1, *(s // self.preprocess_config.patch_size for s in
+                             target_size(*decoded.source_size, self.preprocess_config))
+            return torch.from_numpy(decoded.pixels).to(self.config.device), torch.tensor([[t, gh, gw]])
+        # Already resized in the decoder: the target equals its size, so only normalize+patchify run here.
+        backend = "torch" if decoded.resized else self.config.resize_backend
+        return preprocess_images([decoded.pixels], self.preprocess_config, device=self.config.device,
+                                 out_dtype=self.tower_dtype, resize_backend=backend,
+                                 source_sizes=[decoded.source_size], fold_time=True)
