@@ -303,10 +303,10 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         if router is not None:
             router.begin_shutdown()  # the encoders stop on purpose now: not "unhealthy"
         await asyncio.gather(*(h.stop() for h in heartbeats), return_exceptions=True)
+        if proxy is not None:  # its feeds first: the workers stop on purpose now
+            await proxy.close()
         await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]),
                              return_exceptions=True)
-        if proxy is not None:
-            await proxy.close()
         if metrics is not None:
             await metrics.close()
         if router is not None:

@@ -321,6 +321,15 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if feed is not None:
             feed.ok = False
 
+    def http_upstream(self) -> str | None:
+        """The HTTP address of the live worker with the fewest tokens in flight from this router (for a front
+        that forwards whole HTTP requests; one that tokenizes should call `pick`)."""
+        live = [w for w in self.live() if w.http_address]
+        if not live:
+            return None
+        return min(live, key=lambda w: (w.local_queued + w.local_running, len(self.flights.get(w.id, ())), w.id)
+                   ).http_address
+
     def summary(self) -> dict:
         s = dict(self.stats)
         n = max(1, s["predictions"])
