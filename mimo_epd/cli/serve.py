@@ -23,9 +23,11 @@ SERVE_MOVES = {"host": "node", "port": "node", "grace_period_s": "node", "log_le
 ENCODER_MOVES = {"host": "server", "port": "server", "grace_period_s": "server", "log_level": "server",
                  "metrics_port": "server"}
 # Node flags (NodeConfig and whatever the launcher adds) by prefix of their dest; the rest are "node".
-NODE_PREFIXES = (("llm", "LLM worker"), ("http", "HTTP (OpenAI API)"), ("health_interval", "routing"),
+NODE_PREFIXES = (("llm_policy", "routing"), ("affinity", "routing"), ("cache_aware", "routing"), ("kv_cost", "routing"),
+                 ("member_ttl", "routing"), ("poll_wait", "routing"), ("discovery", "routing"), ("llm", "LLM worker"), ("http", "HTTP (OpenAI API)"), ("health_interval", "routing"),
                  ("vnodes", "routing"), ("routing", "routing"), ("router", "routing"))
-GROUP_ORDER = ("server", "node", "routing", "LLM worker", "HTTP (OpenAI API)", "encoder: model and serving",
+GROUP_ORDER = ("server", "node", "routing", "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits",
+               "HTTP (OpenAI API)", "encoder: model and serving",
                "encoder: limits", "encoder: fetching and URL policy", "encoder: pipeline", "video", "cache")
 
 
@@ -42,7 +44,7 @@ class _Grouped:
 
     def add_argument(self, *flags, **kw):
         dest = kw.get("dest") or flags[0].lstrip("-").replace("-", "_")
-        title = self.section_of(dest)
+        title = self.section_of(flags[0].lstrip("-").replace("-", "_"))  # by flag name (a dest may differ)
         if dest in self.helps:
             kw["help"] = f"{self.helps[dest]} (default: {kw.get('default')!r})"
         if "metavar" not in kw and "action" not in kw and kw.get("type", str) in (int, float, str):
