@@ -1,0 +1,663 @@
+"""`mimo-epd chaos`: a fault campaign against a node (`serve --encoders 2` and its LLM worker) at saturation.
+
+Load: headless Locust (loadtest/chaos_users.py), closed loop, Encode of unique JPEGs and short Generate
+streams through the router; every request is logged with its start/end on CLOCK_MONOTONIC, so each
+failure can be compared with what was in flight at the kill.
+
+Faults, SIGKILL on a schedule (`--fault-interval-s`, cycling through `--faults` until `--duration-s`):
+  encoder        one encoder process (alternating); the launcher restarts it on the same port
+  decode_worker  one decode process, a child of an encoder (found through /proc/<pid>/task/*/children)
+  llm            the LLM worker
+  router         the `serve` process itself (the single router: its encoders should go with it); the
+                 campaign measures the client-visible downtime and starts the node again on the same port
+  redis          Redis, when the node uses one (skipped otherwise)
+Per fault: requests that failed after the kill, split into those that were in flight at the kill and those
+that started later, compared with the requests in flight on the killed process; time to the first success
+on the affected path; time until the replacement serves (health SERVING / a new process in place).
+Then a soak (`--soak-s`): RSS of every process of the node sampled every `--rss-interval-s`, reported
+before/after with the slope in MB/min after the first minute.
+
+One JSON object on stdout, progress lines on stderr. Numbers are measurements, not grades.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+USERS_FILE = Path(__file__).with_name("chaos_users.py")
+FAULTS = ("encoder", "decode_worker", "llm", "router", "redis")
+
+
+def log(msg: str) -> None:
+    print(f"[chaos {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------------------ /proc
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+            except OSError:
+                pass
+    except OSError:
+        pass
+    return sorted(set(out))
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports `pid` listens on: its socket inodes (/proc/<pid>/fd) matched with /proc/net/tcp{,6}."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    except OSError:
+        return set()
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for ln in lines:
+            f = ln.split()
+            if len(f) > 9 and f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def pid_listening_on(port: int) -> int | None:
+    for d in os.listdir("/proc"):
+        if d.isdigit() and port in listening_ports(int(d)):
+            return int(d)
+    return None
+
+
+@dataclass
+class Node:
+    """The processes of one node, by role: router (the serve process), encoders by port, their decode
+    processes, the LLM worker."""
+    router: int
+    encoders: dict[str, int] = field(default_factory=dict)    # "127.0.0.1:PORT" -> pid
+    decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
+    llm: tuple[str, int] | None = None                         # (endpoint, pid)
+    redis: int | None = None
+
+    def roles(self) -> dict[str, int]:
+        out = {"router": self.router}
+        for i, ep in enumerate(sorted(self.encoders)):
+            out[f"encoder{i}"] = self.encoders[ep]
+            for j, d in enumerate(self.decoders.get(ep, [])):
+                out[f"encoder{i}.decode{j}"] = d
+        if self.llm:
+            out["llm"] = self.llm[1]
+        if self.redis:
+            out["redis"] = self.redis
+        return out
+
+
+def discover(router_pid: int) -> Node:
+    node = Node(router_pid)
+    for c in children(router_pid):
+        cl = cmdline(c)
+        ports = sorted(listening_ports(c))
+        if " mimo_epd encoder" in cl or cl.endswith("mimo_epd encoder"):
+            if ports:
+                ep = f"127.0.0.1:{ports[0]}"
+                node.encoders[ep] = c
+                node.decoders[ep] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
+        elif " mimo_epd llm" in cl and ports:
+            node.llm = (f"127.0.0.1:{ports[0]}", c)
+        elif "redis-server" in cl:
+            node.redis = c
+    return node
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def health_serving(address: str, timeout: float = 1.0) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+            return r.status == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+# ------------------------------------------------------------------------------------------ request log
+class RequestLog:
+    """The JSON lines Locust's users append; read incrementally (only complete lines)."""
+
+    def __init__(self, path: Path):
+        self.path, self._pos, self.records = path, 0, []
+
+    def refresh(self) -> list[dict]:
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self._pos)
+                chunk = f.read()
+        except OSError:
+            return self.records
+        end = chunk.rfind(b"\n") + 1
+        for line in chunk[:end].splitlines():
+            try:
+                self.records.append(json.loads(line))
+            except ValueError:
+                pass
+        self._pos += end
+        return self.records
+
+
+# ------------------------------------------------------------------------------------------ RSS sampler
+class RssSampler(threading.Thread):
+    def __init__(self, get_node, interval_s: float):
+        super().__init__(daemon=True)
+        self.get_node, self.interval_s = get_node, interval_s
+        self.samples: dict[str, list[tuple[float, int, float]]] = {}  # role -> [(t, pid, MB)]
+        self._stop = threading.Event()
+
+    def sample(self) -> None:
+        node = self.get_node()
+        if node is None:
+            return
+        now = time.monotonic()
+        for role, pid in node.roles().items():
+            mb = rss_mb(pid)
+            if mb is not None:
+                self.samples.setdefault(role, []).append((now, pid, mb))
+
+    def run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sample()
+            except Exception as e:  # noqa: BLE001 - a process vanishing mid-scan; keep sampling
+                log(f"rss sample failed: {e}")
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
+    if len(points) < 3:
+        return None
+    import numpy as np
+
+    t = np.array([p[0] for p in points]) / 60.0
+    y = np.array([p[1] for p in points])
+    if np.ptp(t) == 0:
+        return None
+    return round(float(np.polyfit(t, y, 1)[0]), 3)
+
+
+def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float) -> dict:
+    out = {}
+    for role, pts in sorted(samples.items()):
+        window = [(t, pid, mb) for t, pid, mb in pts if t_start <= t <= t_end]
+        if not window:
+            continue
+        pid = window[-1][1]
+        same = [(t, mb) for t, p, mb in window if p == pid]  # the process alive at the end (restarts excluded)
+        after = [(t, mb) for t, mb in same if t >= t_start + warmup_s]
+        out[role] = {"pid": pid, "rss_before_mb": round(same[0][1], 1), "rss_after_mb": round(same[-1][1], 1),
+                     "rss_max_mb": round(max(mb for _, mb in same), 1), "samples": len(same),
+                     "slope_mb_per_min_after_warmup": slope_mb_per_min(after)}
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the campaign
+class Campaign:
+    def __init__(self, args):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.server = None          # ServerProcess when this campaign started the node
+        self.address = args.server
+        self.node: Node | None = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="mimo-chaos-"))
+        self.reqlog = RequestLog(self.workdir / "requests.jsonl")
+        self.locust: subprocess.Popen | None = None
+        self.faults: list[dict] = []
+        self.skipped: list[dict] = []
+        self.cycle: dict[str, int] = {}
+        self.leftovers: list[str] = []
+
+    def rel(self, t: float) -> float:
+        return round(t - self.t0, 3)
+
+    # -------------------------------------------------------------- node
+    def serve_args(self) -> list[str]:
+        return ["--encoders", str(self.args.encoders), "--health-interval-s", "0.5", "--decode-workers", "2",
+                "--shm-cache-bytes", str(256 << 20), "--port", str(self.port), *shlex.split(self.args.serve_args)]
+
+    def start_node(self) -> None:
+        from mimo_epd.bench.common import start_server
+
+        self.server = start_server(self.serve_args(), subcommand="serve", timeout=self.args.start_timeout_s)
+        self.address = self.server.address
+        self.refresh_node()
+
+    def refresh_node(self) -> Node | None:
+        pid = self.server.proc.pid if self.server else pid_listening_on(int(self.address.rsplit(":", 1)[1]))
+        if pid is None or not alive(pid):
+            return self.node
+        self.node = discover(pid)
+        return self.node
+
+    # -------------------------------------------------------------- load
+    def start_load(self, images_dir: Path, with_llm: bool) -> None:
+        classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else [])
+        env = {**os.environ, "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path), "MIMO_EPD_IMAGES_DIR": str(images_dir),
+               "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s)}
+        cmd = [sys.executable, "-m", "locust", "-f", str(USERS_FILE), "--headless", "--users", str(self.args.users),
+               "--spawn-rate", str(self.args.users), "--host", self.address, "--only-summary",
+               "--csv", str(self.workdir / "locust"), "--stop-timeout", str(int(self.args.call_timeout_s) + 5),
+               "--loglevel", "WARNING", *classes]
+        self.locust = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(self.workdir / "locust.log", "w"))
+
+    def stop_load(self) -> None:
+        if self.locust and self.locust.poll() is None:
+            self.locust.send_signal(signal.SIGTERM)
+            try:
+                self.locust.wait(self.args.call_timeout_s + 15)
+            except subprocess.TimeoutExpired:
+                self.locust.kill()
+                self.locust.wait()
+
+    # -------------------------------------------------------------- faults
+    def pick(self, fault: str) -> tuple[int, dict] | None:
+        node = self.refresh_node()
+        n = self.cycle.get(fault, 0)
+        self.cycle[fault] = n + 1
+        if fault == "encoder" and node.encoders:
+            ep = sorted(node.encoders)[n % len(node.encoders)]
+            return node.encoders[ep], {"endpoint": ep}
+        if fault == "decode_worker":
+            eps = [ep for ep in sorted(node.encoders) if node.decoders.get(ep)]
+            if eps:
+                ep = eps[n % len(eps)]
+                return node.decoders[ep][0], {"endpoint": ep, "decode_pids_before": node.decoders[ep]}
+        if fault == "llm" and node.llm:
+            return node.llm[1], {"endpoint": node.llm[0]}
+        if fault == "router" and self.server is not None:
+            return node.router, {"endpoint": self.address, "children_before": children(node.router)}
+        if fault == "redis" and node.redis:
+            return node.redis, {}
+        return None
+
+    def skip_reason(self, fault: str) -> str:
+        if fault == "router" and self.server is None:
+            return "attached to --server: the campaign cannot start the node again"
+        if fault == "redis":
+            return "this node runs no Redis (routers on Redis not in this build)"
+        if fault == "llm":
+            return "this node runs no LLM worker"
+        return f"no {fault} process found"
+
+    def affected(self, fault: str, info: dict, ring_eps: list[str]):
+        """Which logged requests are on the killed process's path."""
+        if fault in ("encoder", "decode_worker"):
+            from mimo_epd.router.hash_ring import HashRing
+
+            ring = HashRing(ring_eps, vnodes=self.args.vnodes)
+            ep = info["endpoint"]
+            return lambda r: r["kind"] == "encode" and next(ring.owners(r["key"]), None) == ep
+        if fault == "llm":
+            return lambda r: r["kind"] == "generate"
+        return lambda r: True
+
+    def inject(self, fault: str, deadline: float) -> None:
+        picked = self.pick(fault)
+        if picked is None:
+            if not any(s["fault"] == fault for s in self.skipped):
+                self.skipped.append({"fault": fault, "reason": self.skip_reason(fault)})
+            return
+        pid, info = picked
+        node = self.node
+        ring_eps = sorted(node.encoders)
+        rss_before = rss_mb(pid)
+        mark = self.log_mark()
+        t_kill = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        log(f"SIGKILL {fault} pid {pid} {info.get('endpoint', '')}")
+        is_affected = self.affected(fault, info, ring_eps)
+        out = {"fault": fault, "pid": pid, **{k: v for k, v in info.items() if k != "children_before"},
+               "t_kill_s": self.rel(t_kill), "rss_mb_at_kill": rss_before and round(rss_before, 1), "ring": ring_eps}
+        if fault == "router":
+            self.recover_router(t_kill, info, out)
+            mark = 0  # a new node, a new log
+        out["_log_mark"] = mark
+        waits = self.wait_recovered(fault, pid, info, t_kill, is_affected, deadline, out)
+        out.update(waits)
+        self.faults.append(out)
+        log(f"{fault}: " + json.dumps({k: out[k] for k in out if k.endswith("_s")}))
+
+    def recover_router(self, t_kill: float, info: dict, out: dict) -> None:
+        """The single router is the node: see what its death left behind, then start the node again."""
+        from mimo_epd.bench.common import start_server
+
+        try:
+            self.server.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(2.0)  # give the encoders' parent-death watch time to act
+        orphans = [c for c in info["children_before"] if alive(c)]
+        out["orphans_2s_after"] = [{"pid": c, "cmd": cmdline(c)[:80]} for c in orphans]
+        for c in orphans:  # this campaign started them: never leave them behind
+            for g in children(c):
+                os.kill(g, signal.SIGKILL)
+            os.kill(c, signal.SIGKILL)
+        seg = Path(f"/dev/shm/mimo-epd-{self.server.proc.pid}")  # the killed launcher's cache segment
+        out["shm_segment_left"] = seg.exists()
+        if seg.exists():
+            seg.unlink()
+        t = time.monotonic()
+        self.server = start_server(self.serve_args(), subcommand="serve", timeout=self.args.start_timeout_s)
+        out["restart_s"] = round(time.monotonic() - t, 3)
+        self.refresh_node()
+
+    def log_lines_since(self, mark: int) -> list[str]:
+        return self.server.stderr_lines[mark:] if self.server else []
+
+    def log_mark(self) -> int:
+        return len(self.server.stderr_lines) if self.server else 0
+
+    def wait_recovered(self, fault, pid, info, t_kill, is_affected, deadline, out) -> dict:
+        """Polls until the affected path has served a request started after the kill, the killed process has
+        a serving replacement, the router reports SERVING and (when this campaign runs the node and so reads
+        its log) the router took the encoder back into its ring / the decode pool says it replaced its
+        processes."""
+        res: dict = {}
+        want = {"first_success_s", "replaced_s", "health_serving_s"}
+        log_key = {"encoder": "rejoined_ring_s", "decode_worker": "pool_replaced_s"}.get(fault) if self.server else None
+        if log_key:
+            want.add(log_key)
+        mark = out.pop("_log_mark", 0)
+        end = min(deadline, t_kill + self.args.recover_timeout_s)
+        while time.monotonic() < end:
+            now = time.monotonic()
+            recs = self.reqlog.refresh()
+            if log_key and log_key not in res:
+                needle = (f"encoder {info['endpoint']} rejoined the ring" if fault == "encoder"
+                          else "replaced the decode processes")
+                if any(needle in ln for ln in self.log_lines_since(mark)):
+                    res[log_key] = round(now - t_kill, 3)
+            if "first_success_s" not in res:
+                ok = [r["t1"] for r in recs if r["t0"] >= t_kill and r["code"] == "OK" and is_affected(r)]
+                if ok:
+                    res["first_success_s"] = round(min(ok) - t_kill, 3)
+            if "replaced_s" not in res:
+                node = self.refresh_node()
+                if fault == "encoder":
+                    new = node.encoders.get(info["endpoint"])
+                    if new and new != pid and health_serving(info["endpoint"], 0.5):
+                        res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), new
+                elif fault == "decode_worker":
+                    now_pids = node.decoders.get(info["endpoint"], [])
+                    if pid not in now_pids and len(now_pids) >= len(info["decode_pids_before"]):
+                        res["replaced_s"], res["new_pids"] = round(time.monotonic() - t_kill, 3), now_pids
+                elif fault == "llm":
+                    if node.llm and node.llm[1] != pid and health_serving(node.llm[0], 0.5):
+                        res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), node.llm[1]
+                else:
+                    res["replaced_s"] = round(out.get("restart_s", 0.0), 3)
+            if "health_serving_s" not in res and health_serving(self.address, 0.5):
+                res["health_serving_s"] = round(time.monotonic() - t_kill, 3)
+            if want <= set(res):
+                break
+            time.sleep(max(0.0, 0.1 - (time.monotonic() - now)))
+        for k in want:
+            res.setdefault(k, None)  # not recovered within --recover-timeout-s
+        return res
+
+    def wait_settled(self, expect: dict, deadline: float) -> float:
+        """Before the next fault: every encoder serving with its decode processes, the LLM worker serving, and
+        (from the router's log) no encoder out of the ring, so one fault never lands on another's recovery."""
+        t = time.monotonic()
+        waiting = ""
+        while time.monotonic() < deadline:
+            node = self.refresh_node()
+            checks = {"encoders": len(node.encoders) >= expect["encoders"],
+                      "decoders": all(len(node.decoders.get(ep, [])) >= expect["decoders"] for ep in node.encoders),
+                      "encoder_health": all(health_serving(ep, 0.5) for ep in node.encoders),
+                      "llm": not expect["llm"] or (node.llm is not None and health_serving(node.llm[0], 0.5))}
+            waiting = ",".join(k for k, v in checks.items() if not v)
+            ok = not waiting
+            if ok and self.server:
+                state: dict[str, bool] = {}
+                for ln in self.server.stderr_lines:
+                    for ep in node.encoders:
+                        if f"encoder {ep} left the ring" in ln:
+                            state[ep] = False
+                        elif f"encoder {ep} rejoined the ring" in ln:
+                            state[ep] = True
+                ok = all(state.values())
+                waiting = "" if ok else "ring"
+            if ok:
+                break
+            time.sleep(0.2)
+        if waiting:
+            log(f"not settled after {time.monotonic() - t:.0f}s: waiting for {waiting}")
+        return round(time.monotonic() - t, 3)
+
+    # -------------------------------------------------------------- accounting
+    def account(self, records: list[dict], t_end_faults: float) -> None:
+        """Attributes each failure to the fault whose window (its kill .. the next kill) it ended in."""
+        kills = [self.t0 + f["t_kill_s"] for f in self.faults]
+        for i, f in enumerate(self.faults):
+            t_kill = kills[i]
+            t_next = kills[i + 1] if i + 1 < len(kills) else t_end_faults
+            is_aff = self.affected(f["fault"], f, f["ring"])
+            inflight = [r for r in records if r["t0"] < t_kill < r["t1"]]
+            failed = [r for r in records if t_kill <= r["t1"] < t_next and r["code"] != "OK"]
+            codes: dict[str, int] = {}
+            for r in failed:
+                codes[r["code"]] = codes.get(r["code"], 0) + 1
+            f.update({
+                "inflight_at_kill": len(inflight),
+                "inflight_on_killed_path": sum(1 for r in inflight if is_aff(r)),
+                "failed": len(failed),
+                "failed_inflight_at_kill": sum(1 for r in failed if r["t0"] < t_kill),
+                "failed_started_after_kill": sum(1 for r in failed if r["t0"] >= t_kill),
+                "failed_codes": codes,
+                "failed_examples": sorted({f"{r['kind']} {r['code']}: {r['details'][:120]}" for r in failed})[:5],
+                "window_s": round(t_next - t_kill, 3),
+            })
+            f["failed_beyond_inflight_on_killed_path"] = max(0, f["failed"] - f["inflight_on_killed_path"])
+
+    # -------------------------------------------------------------- run
+    def run(self) -> dict:
+        from mimo_epd.testing.media_server import generate_pool
+
+        a = self.args
+        images_dir = self.workdir / "images"
+        images_dir.mkdir()
+        for name, data in generate_pool([(480, 640), (720, 1280)], per_size=2).items():
+            (images_dir / name).write_bytes(data)
+        if not self.address:
+            self.port = free_port()
+            log(f"starting serve --encoders {a.encoders} on 127.0.0.1:{self.port}")
+            self.start_node()
+        node = self.refresh_node()
+        if node is None:
+            raise RuntimeError(f"no process listens on {self.address}")
+        self._ring_eps = sorted(node.encoders)
+        expect = {"encoders": len(node.encoders), "llm": node.llm is not None,
+                  "decoders": min((len(v) for v in node.decoders.values()), default=0)}
+        log(f"node {self.address}: " + json.dumps(node.roles()))
+        sampler = RssSampler(lambda: self.node, a.rss_interval_s)
+        sampler.sample()
+        sampler.start()
+        self.start_load(images_dir, with_llm=node.llm is not None)
+        t_load = time.monotonic()
+        # warm up: every kind of request has succeeded at least once (or 30 s)
+        kinds = {"encode"} | ({"generate"} if node.llm else set())
+        t_warm = time.monotonic()
+        while time.monotonic() - t_warm < a.warmup_s:
+            if kinds <= {r["kind"] for r in self.reqlog.refresh() if r["code"] == "OK"}:
+                break
+            time.sleep(0.2)
+        time.sleep(1.0)
+        t_faults = time.monotonic()
+        log(f"load running ({a.users} users); faults {a.faults} for {a.duration_s:g}s")
+        faults = [f.strip() for f in a.faults.split(",") if f.strip()]
+        interval = min(a.fault_interval_s, a.duration_s / max(1, len(faults)))
+        i = 0
+        while faults:
+            slot_start = t_faults + i * interval
+            if slot_start >= t_faults + a.duration_s and i >= len(faults):
+                break
+            time.sleep(max(0.0, slot_start - time.monotonic()))
+            fault = faults[i % len(faults)]
+            next_slot = t_faults + (i + 1) * interval
+            self.inject(fault, deadline=max(next_slot, time.monotonic() + a.recover_timeout_s))
+            if self.faults:
+                self.faults[-1]["settled_s"] = self.wait_settled(expect, time.monotonic() + a.recover_timeout_s)
+            self._ring_eps = sorted(self.node.encoders) if self.node else self._ring_eps
+            i += 1
+        time.sleep(max(0.0, t_faults + a.duration_s - time.monotonic()))
+        t_end_faults = time.monotonic()
+        soak: dict = {"seconds": a.soak_s}
+        if a.soak_s > 0:
+            log(f"soak {a.soak_s:g}s")
+            warmup = min(60.0, a.soak_s / 3)
+            time.sleep(a.soak_s)
+            sampler.sample()
+            soak.update({"warmup_s": round(warmup, 1),
+                         "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup)})
+        t_end = time.monotonic()
+        sampler.stop()
+        self.stop_load()
+        records = self.reqlog.refresh()
+        self.account(records, t_end_faults)
+
+        def phase(t_a, t_b):
+            rs = [r for r in records if t_a <= r["t1"] < t_b]
+            by = {}
+            for kind in sorted({r["kind"] for r in rs}):
+                k = [r for r in rs if r["kind"] == kind]
+                lat = sorted(r["t1"] - r["t0"] for r in k if r["code"] == "OK")
+                by[kind] = {"requests": len(k), "failures": sum(r["code"] != "OK" for r in k),
+                            "qps": round(len(k) / max(1e-9, t_b - t_a), 3),
+                            "p50_ms": round(lat[len(lat) // 2] * 1e3, 1) if lat else None,
+                            "p90_ms": round(lat[int(len(lat) * 0.9)] * 1e3, 1) if lat else None}
+            return {"seconds": round(t_b - t_a, 3), "requests": len(rs),
+                    "failures": sum(r["code"] != "OK" for r in rs), "by_kind": by}
+
+        first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
+        result = {
+            "chaos": "serve", "server": self.address, "started_node": self.server is not None,
+            "encoders": len(self._ring_eps), "llm": node.llm is not None, "users": a.users,
+            "duration_s": a.duration_s, "fault_interval_s": round(interval, 3), "requested_faults": faults,
+            "load": {"before_faults": phase(t_load, first_kill), "faults": phase(first_kill, t_end_faults),
+                     "soak": phase(t_end_faults, t_end)},
+            "failures_outside_fault_windows": sum(1 for r in records if r["code"] != "OK"
+                                                  and not (first_kill <= r["t1"] < t_end_faults)),
+            "faults": self.faults, "skipped": self.skipped, "soak": soak,
+            "rss_mb_now": {role: round(mb, 1) for role, pid in (self.refresh_node().roles().items() if self.node else [])
+                           if (mb := rss_mb(pid)) is not None},
+            "request_log": str(self.reqlog.path),
+        }
+        return result
+
+    def close(self, result: dict | None) -> None:
+        self.stop_load()
+        if self.server is not None:
+            node = self.node
+            rc = self.server.stop(timeout=60)
+            time.sleep(0.2)  # the log reader thread drains the last lines
+            (self.workdir / "serve.log").write_text("".join(self.server.stderr_lines))
+            if result is not None:
+                result["serve_exit_code"] = rc
+            if node:  # nothing of the node may outlive it
+                time.sleep(1.0)
+                left = [p for p in node.roles().values() if alive(p) and p != self.server.proc.pid]
+                for p in left:
+                    os.kill(p, signal.SIGKILL)
+                if result is not None:
+                    result["processes_left_after_stop"] = len(left)
+
+
+def run(args) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
+        print("error: locust is not installed: pip install 'mimo-epd[loadtest]'", file=sys.stderr)
+        return 2
+    unknown = [f for f in args.faults.split(",") if f.strip() and f.strip() not in FAULTS]
+    if unknown:
+        print(f"error: unknown faults {unknown}; choose from {','.join(FAULTS)}", file=sys.stderr)
+        return 2
+    c = Campaign(args)
+    result = None
+    try:
+        result = c.run()
+    finally:
+        c.close(result)
+    print(json.dumps(result))
+    return 0
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--duration-s", type=float, default=120.0, help="seconds of the fault phase (default: 120)")
+    p.add_argument("--soak-s", type=float, default=600.0, help="seconds of load after the faults, RSS sampled (default: 600)")
+    p.add_argument("--faults", default=",".join(FAULTS),
+                   help=f"comma list, killed in turn every --fault-interval-s (default: {','.join(FAULTS)})")
+    p.add_argument("--fault-interval-s", type=float, default=20.0,
+                   help="seconds between kills (shortened so every fault fits in --duration-s) (default: 20)")
+    p.add_argument("--users", type=int, default=8, help="concurrent Locust users, 3 Encode : 1 Generate (default: 8)")
+    p.add_argument("--server", default="", help="attach to this running `serve` (host:port) instead of starting one (default: '')")
+    p.add_argument("--encoders", type=int, default=2, help="encoders of the node this campaign starts (default: 2)")
+    p.add_argument("--serve-args", default="", help="extra flags for the `serve` this campaign starts, e.g. '--no-llm' (default: '')")
+    p.add_argument("--vnodes", type=int, default=160, help="the router's --vnodes, to tell which encoder owned an item (default: 160)")
+    p.add_argument("--recover-timeout-s", type=float, default=90.0, help="longest wait for a fault to recover (default: 90)")
+    p.add_argument("--warmup-s", type=float, default=60.0, help="longest wait for the first successes before the first fault (default: 60)")
+    p.add_argument("--rss-interval-s", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
+    p.add_argument("--call-timeout-s", type=float, default=60.0, help="deadline of each load request (default: 60)")
+    p.add_argument("--start-timeout-s", type=float, default=240.0, help="longest wait for the node to be ready (default: 240)")
