@@ -5,7 +5,7 @@ PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev protos bench clean
+.PHONY: serve test install install-dev protos bench docs clean
 
 $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -28,6 +28,10 @@ test: $(VENV)/.installed-dev
 protos: $(VENV)/.installed-dev
 	$(VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
 		protos/mimo_epd/v1/*.proto
+
+# Regenerates docs/cli.md from the CLI's parsers (tests/test_docs_and_cli.py checks it is current).
+docs: $(VENV)/.installed
+	$(VENV)/bin/python scripts/gen_cli_docs.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

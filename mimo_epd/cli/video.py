@@ -38,7 +38,7 @@ def add_encode_video_flags(ev) -> None:
     ev.add_argument("--model", default="tiny", help="'tiny' or a checkpoint directory (default: tiny)")
     ev.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     ev.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
-    ev.add_argument("--workers", type=int, default=os.cpu_count() or 2, help="parallel decoders (default: all cores)")
+    ev.add_argument("--workers", type=int, default=0, help="parallel decoders, 0 = one per core (default: 0)")
     ev.add_argument("--decode-mode", choices=["process", "thread"], default="process",
                     help="decoders as processes or threads (default: process)")
     ev.add_argument("--max-batch-tokens", type=int, default=16384, help="patches per forward (default: 16384)")
@@ -74,7 +74,7 @@ def run_encode_video(args) -> int:
             bar.update(total=total, decoded=decoded, encoded=encoded)
 
         try:
-            result = encode_video(args.video, info.module, pre, sampling, workers=args.workers, mode=args.decode_mode,
+            result = encode_video(args.video, info.module, pre, sampling, workers=args.workers or os.cpu_count() or 2, mode=args.decode_mode,
                                   max_batch_tokens=args.max_batch_tokens, progress=progress, device=args.device)
         except VideoError as e:
             return error(f"{args.video}: {e}", 1)
