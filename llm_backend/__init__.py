@@ -2,8 +2,9 @@
 
 - `models/`: the model (parity with transformers) and its loader;
 - `kv/`: slot pools, the SWA-aware radix prefix cache, a running request's KV;
-- `engine.py`: the offline engine, `LLM(...).generate(prompts, SamplingParams(...))`.
+- `engine/`: scheduler, model runner, and the offline engine `LLM(...).generate(prompts, SamplingParams(...))`;
+- `config.py`: every worker flag (`LLMConfig`); `tokenizer.py`: tokenizers.
 """
-from .engine import LLM, RequestOutput, SamplingParams
+from .engine import LLM, PromptTooLong, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "PromptTooLong"]

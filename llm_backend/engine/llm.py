@@ -1,0 +1,225 @@
+"""The offline engine and serving loop, with vLLM's API: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+It wires the parts: the KV pools and the SWA-aware radix cache (`kv/`), the scheduler (what runs next), the
+model runner (forward + sampling), and a tokenizer. `run_forever` is the serving loop a worker runs in one
+thread; requests come in through `add_request` from any thread and leave through their callbacks.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import fields
+
+import torch
+
+from ..config import LLMConfig
+from ..kv import SlotPool, SWARadixCache
+from ..models import load_llm
+from ..tokenizer import ByteTokenizer, load_tokenizer
+from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
+from .runner import ModelRunner
+from .scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+# Keyword names of the engine's constructor that differ from the flag names (kept for the offline API).
+_ALIASES = {"enable_prefix_cache": "prefix_cache", "wait_penalty_tokens_per_s": "wait_penalty"}
+
+
+class LLM:
+    def __init__(self, model="tiny", dtype: torch.dtype | None = None, config: LLMConfig | None = None, **options):
+        """`model`: "tiny", a checkpoint directory or a model object. Options are `LLMConfig` fields
+        (`enable_prefix_cache` and `wait_penalty_tokens_per_s` are accepted for `prefix_cache` / `wait_penalty`,
+        `length_buckets` as a tuple too)."""
+        known = {f.name for f in fields(LLMConfig)}
+        kw = {}
+        for k, v in options.items():
+            k = _ALIASES.get(k, k)
+            if k not in known:
+                raise TypeError(f"LLM() got an unexpected option {k!r}")
+            kw[k] = ",".join(str(b) for b in v) if k == "length_buckets" and not isinstance(v, str) else v
+        if isinstance(model, str):
+            kw.setdefault("model", model)
+        cfg = config or LLMConfig(**kw)
+        if config is not None and kw:
+            from dataclasses import replace
+
+            cfg = replace(config, **kw)
+        cfg.validate()
+        self.config = cfg
+        self.model = load_llm(cfg.model, cfg.device, dtype or cfg.torch_dtype()) if isinstance(model, str) else model
+        self.model_name = cfg.model if isinstance(model, str) else type(model).__name__
+        mcfg = self.model.config
+        self.tokenizer = load_tokenizer(cfg.model) if isinstance(model, str) else ByteTokenizer()
+        if mcfg.eos_token_id is not None and not isinstance(model, str):
+            self.tokenizer.eos_token_id = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else None
+        if cfg.swa_cache_tokens < mcfg.window + cfg.chunk_size + cfg.release_interval + 1:
+            raise ValueError(f"--swa-cache-tokens {cfg.swa_cache_tokens} cannot hold one request's window: need at "
+                             f"least window {mcfg.window} + --chunk-size {cfg.chunk_size} + --release-interval "
+                             f"{cfg.release_interval} + 1")
+        self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
+        self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
+        self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
+        self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
+        self.pools = self.runner.pools
+        self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=cfg.chunk_size,
+                                   max_running=cfg.max_running, enable_prefix_cache=cfg.prefix_cache,
+                                   release_interval=cfg.release_interval, fcfs=cfg.fcfs,
+                                   wait_penalty=cfg.wait_penalty, length_buckets=cfg.buckets())
+        self.max_model_len = self.scheduler.max_seq_len
+        self._eos = self._eos_ids()
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self.loop_error: BaseException | None = None
+        self.step_errors = 0
+
+    @classmethod
+    def from_config(cls, config: LLMConfig) -> "LLM":
+        return cls(config.model, config=config)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for src in (self.model.config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(i for i in src if isinstance(i, int))
+        return frozenset(ids)
+
+    # ----------------------------------------------------------------------------------- views kept for callers
+    @property
+    def waiting(self) -> list[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def admitted(self) -> list[int]:
+        return self.scheduler.admitted
+
+    @property
+    def preemptions(self) -> int:
+        return self.scheduler.preemptions
+
+    @property
+    def peak_swa_per_request(self) -> int:
+        return self.scheduler.peak_swa_per_request
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting),
+                "full_used": self.full_pool.size - self.full_pool.available(), "full_total": self.full_pool.size,
+                "swa_used": self.swa_pool.size - self.swa_pool.available(), "swa_total": self.swa_pool.size,
+                "prefix_hit_tokens": self.cache.stats.hit_tokens, "prompt_tokens": s.prompt_tokens,
+                "generated_tokens": s.generated_tokens, "preemptions": s.preemptions, "step_errors": self.step_errors}
+
+    # ----------------------------------------------------------------------------------- public
+    def generate(self, prompts: list[str] | str | None = None, sampling_params: SamplingParams | None = None,
+                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        if prompt_token_ids is None:
+            if prompts is None:
+                raise ValueError("give prompts or prompt_token_ids")
+            prompt_token_ids = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
+        reqs = [self.add_request(ids, params) for ids in prompt_token_ids]
+        while any(not r.finish_reason for r in reqs):
+            self.step()
+        return [self.output(r) for r in reqs]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, media: dict[int, torch.Tensor] | None = None,
+                    on_token=None, on_finish=None) -> Request:
+        """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
+        >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
+        (PromptTooLong when the prompt can never fit)."""
+        params.validate(self.config.max_tokens_limit, self.config.max_temperature)
+        vocab = self.model.config.vocab_size
+        media = media or {}
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        for p, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab or (p in media and t >= vocab)):
+                raise ValueError(f"prompt token {p} = {t!r} is outside the vocabulary [0, {vocab})")
+        self.scheduler.check_fits(len(prompt_ids))
+        r = Request(next(self._ids), list(prompt_ids), params, time.monotonic(), media=media,
+                    on_token=on_token, on_finish=on_finish,
+                    stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos))
+        if params.seed is not None:
+            r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
+        with self._lock:
+            if len(self.scheduler.waiting) >= self.config.max_waiting:
+                raise OverloadedError(f"{len(self.scheduler.waiting)} requests are waiting (--max-waiting "
+                                      f"{self.config.max_waiting}); retry later")
+            self.scheduler.add(r)
+            self._wake.notify()
+        return r
+
+    def abort(self, r: Request, reason: str = "abort") -> None:
+        """Stops a request at the next step. "abort" frees its KV (nothing it computed is cached); "stop" ends it
+        as a normal stop (server-side stop strings) and caches what it computed."""
+        if reason not in ("abort", "stop"):
+            raise ValueError(f"abort reason must be abort or stop, got {reason!r}")
+        r.aborted = r.aborted or reason
+        with self._lock:
+            self._wake.notify()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_forever(self, stop: threading.Event) -> None:
+        """The serving loop (one thread): steps while there is work, sleeps otherwise. A failing step fails the
+        requests of that step only; the loop goes on (`loop_error` is set only if the loop itself dies)."""
+        try:
+            while not stop.is_set():
+                with self._lock:
+                    if not self.has_work():
+                        self._wake.wait(0.1)
+                        continue
+                self.step()
+        except BaseException as e:  # pragma: no cover - step() contains its own failures
+            self.loop_error = e
+            log.exception("the engine loop died")
+            raise
+
+    # ----------------------------------------------------------------------------------- one step
+    def step(self) -> None:
+        """One round: the scheduler picks the segments, the runner computes them, the scheduler books the result.
+        An exception in the forward fails the requests of this step (with a clear error) and nothing else."""
+        with self._lock:
+            segments = self.scheduler.schedule()
+        if not segments:
+            return
+        try:
+            results = self.runner.execute(segments)
+        except Exception as e:  # noqa: BLE001 - a request must never take the worker down
+            self.step_errors += 1
+            log.exception("a forward over %d requests failed; failing them", len(segments))
+            code = "resource_exhausted" if isinstance(e, torch.OutOfMemoryError) else "internal"
+            with self._lock:
+                for seg in segments:
+                    r = seg.request
+                    if r in self.scheduler.running:
+                        self.scheduler.running.remove(r)
+                    self.scheduler.finish(r, "error", f"the forward failed: {type(e).__name__}: {e}", code)
+            return
+        with self._lock:
+            self.scheduler.complete(segments, results)
+
+    def output(self, r: Request) -> RequestOutput:
+        p = r.params
+        return RequestOutput(
+            request_id=r.id, prompt_token_ids=r.prompt, output_token_ids=r.output,
+            text=self.tokenizer.decode(r.output), logprobs=r.logprobs if p.logprobs else None,
+            prompt_logprobs=([None] + r.prompt_logprobs) if p.prompt_logprobs else None,
+            usage=Usage(len(r.prompt), r.cached_tokens, len(r.output)), finish_reason=r.finish_reason)
+
+
+class OverloadedError(RuntimeError):
+    """Too many requests are waiting; the caller should retry later (RESOURCE_EXHAUSTED / HTTP 429)."""
+
+
+__all__ = ["LLM", "OverloadedError", "PromptTooLong"]

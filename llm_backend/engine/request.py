@@ -1,0 +1,119 @@
+"""What a request is: its sampling parameters, its state while it runs, and what it returns."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..kv import RequestKV
+
+# Below this temperature sampling is greedy (the distribution is a point mass anyway, and dividing logits by
+# 1e-300 overflows to inf / NaN).
+GREEDY_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20
+
+
+class PromptTooLong(ValueError):
+    """The prompt can never fit in the KV pools, whatever else is running."""
+
+
+def _finite(name: str, value: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0  # 0 (or below 1e-5) = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = all
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # keep generating past the model's EOS token
+    logprobs: bool = False  # logprob of each chosen token
+    top_logprobs: int = 0  # and of the k most likely tokens at each position
+    prompt_logprobs: bool = False
+
+    def validate(self, max_tokens_limit: int = 1 << 31, max_temperature: float = 100.0) -> None:
+        """Raises ValueError naming the field; every number is checked (a NaN temperature once killed the engine)."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.max_tokens > max_tokens_limit:
+            raise ValueError(f"max_tokens {self.max_tokens} is over the limit of {max_tokens_limit} (--max-tokens-limit)")
+        t = _finite("temperature", self.temperature)
+        if not 0 <= t <= max_temperature:
+            raise ValueError(f"temperature must be in [0, {max_temperature:g}], got {t:g}")
+        p = _finite("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {p:g}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 1 << 64):
+            raise ValueError(f"seed must be an integer in [0, 2^64), got {self.seed!r}")
+        if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    text: str
+    logprobs: list[float] | None
+    prompt_logprobs: list[float | None] | None
+    usage: Usage
+    finish_reason: str
+
+
+@dataclass(eq=False)
+class Request:
+    """One request while it waits or runs. `finish_reason` is "" until it ends, then "stop", "length", "abort"
+    or "error" (`error` says why, `error_code` is "resource_exhausted", "invalid" or "internal")."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    kv: RequestKV | None = None
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    prompt_logprobs: list[float | None] = field(default_factory=list)
+    cached_tokens: int = 0
+    finish_reason: str = ""
+    error: str = ""
+    error_code: str = ""
+    generator: torch.Generator | None = None
+    media: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt position -> embedding row
+    on_token: Callable | None = None  # (request, token_id, logprob | None), called from the engine thread
+    on_finish: Callable | None = None  # (request)
+    aborted: str = ""  # set by abort(): the reason it will finish with ("abort", or "stop" for stop strings)
+    first_token_at: float = 0.0
+    admitted_at: float = 0.0
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return bool(self.finish_reason)

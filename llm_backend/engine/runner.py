@@ -1,0 +1,62 @@
+"""The model runner: one forward over a step's segments, then sampling. The scheduler talks to it through
+`execute(segments) -> results` only, so a simulated runner (llm_backend/sim) can stand in for it.
+
+Every step is one forward over all running requests (`forward_batch`: GEMMs over all their tokens at once;
+attention over the paged pools through `PagedBatch`: Triton kernels on CUDA, torch on the CPU). Media
+embeddings replace the token embeddings at their prompt positions.
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ..paged_attention import KVPools, PagedBatch
+from .sampler import SamplingError, sample
+from .scheduler import Segment, SegmentResult
+
+
+class Runner(Protocol):
+    def execute(self, segments: list[Segment]) -> list[SegmentResult]: ...
+
+
+class ModelRunner:
+    def __init__(self, model, full_slots: int, swa_slots: int):
+        self.model = model
+        p = next(model.parameters())
+        self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
+        self.device = p.device
+
+    def _inputs(self, seg: Segment):
+        r, start, n = seg
+        new = r.tokens[start:start + n]
+        ids = torch.tensor(new, device=self.device)
+        embeds = None
+        if r.media and any(p in r.media for p in range(start, start + n)):
+            vocab = self.model.config.vocab_size
+            embeds = self.model.model.embed_tokens(ids.clamp(max=vocab - 1))
+            for j in range(n):
+                row = r.media.get(start + j)
+                if row is not None:
+                    embeds[j] = row.to(embeds.dtype)
+        return ids, torch.arange(start, start + n, device=self.device), None, embeds
+
+    def execute(self, segments: list[Segment]) -> list[SegmentResult]:
+        paged = PagedBatch(self.pools, [(s.request.kv.full, s.request.kv.swa, s.start, s.n) for s in segments])
+        logits = self.model.forward_batch([self._inputs(s) for s in segments],
+                                          ["all" if s.all_logits else "last" for s in segments], paged)
+        return [self._result(s, lg) for s, lg in zip(segments, logits)]
+
+    def _result(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
+        r = seg.request
+        prompt_lp: list[float] = []
+        if seg.all_logits:
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            prompt_lp = [float(lp[j, r.tokens[seg.start + j + 1]]) for j in range(seg.n)
+                         if seg.start + j + 1 < len(r.prompt)]
+        if not seg.samples:
+            return SegmentResult(None, prompt_lp)
+        try:
+            return SegmentResult(sample(logits[-1], r.params, r.generator), prompt_lp)
+        except SamplingError as e:
+            return SegmentResult(None, prompt_lp, str(e))

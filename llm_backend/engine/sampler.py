@@ -1,0 +1,48 @@
+"""Choosing the next token from one position's logits: greedy, or temperature + top-k + top-p (seeded when the
+request has a generator), with the logprobs the request asked for."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .request import SamplingParams
+
+
+class Sampled(NamedTuple):
+    token: int
+    logprob: float  # log-probability of the token under the model's distribution (temperature 1)
+    top: list[tuple[int, float]]  # the top_logprobs most likely tokens and their logprobs
+
+
+class SamplingError(RuntimeError):
+    """The logits of one request cannot be sampled (non-finite values): that request fails, no other."""
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> Sampled:
+    logits = logits.float()
+    if not bool(torch.isfinite(logits).any()) or bool(torch.isnan(logits).any()):
+        raise SamplingError("the model produced non-finite logits for this request")
+    logprobs = torch.log_softmax(logits, dim=-1)
+    if params.greedy:
+        tok = int(torch.argmax(logits))
+    else:
+        scores = logits / params.temperature
+        if params.top_k:
+            kth = torch.topk(scores, min(params.top_k, scores.numel())).values[-1]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if params.top_p < 1:
+            sp, si = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sp, 0) - sp < params.top_p
+            keep[0] = True  # the most likely token always survives
+            probs = torch.zeros_like(probs).scatter_(0, si[keep], sp[keep])
+            probs = probs / probs.sum()
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            raise SamplingError("the sampling distribution is degenerate for this request")
+        tok = int(torch.multinomial(probs, 1, generator=generator))
+    top: list[tuple[int, float]] = []
+    if params.top_logprobs:
+        values, ids = torch.topk(logprobs, min(params.top_logprobs, logprobs.numel()))
+        top = [(int(i), float(v)) for i, v in zip(ids, values)]
+    return Sampled(tok, float(logprobs[tok]), top)

@@ -1,0 +1,285 @@
+"""The scheduler: which requests run in the next step, with how many tokens each, and their KV bookkeeping.
+
+Read top to bottom, one step is:
+1. drop aborted requests (their KV is freed, or cached when they were stopped by a stop string);
+2. admit waiting requests while fewer than `max_running` run: length buckets take turns, and inside a bucket
+   the fewest uncached tokens win, minus `wait_penalty` tokens per second waited (or first come first served).
+   Scoring never touches the cache (`peek_prefix_length`: no split, no LRU refresh), and each waiting request's
+   uncached count is a memo refreshed a bounded number of times per step, so a pick stays cheap with thousands
+   waiting. Admission takes the prefix match (locks it) and needs room for the first chunk in both pools;
+3. give every running request its next segment, oldest first: a prefill chunk (at most `chunk_size`) or one
+   decode token. When a pool runs dry the cache is evicted first (`make_room`), then the *youngest* running
+   request is preempted (KV freed, recomputed later). The oldest running request therefore always progresses,
+   and one that cannot grow even alone finishes ("length" with what it has, or a resource error): preemption
+   makes progress by construction, it never spins;
+4. after the runner: checkpoint prompt chunks into the tree (shareable at once), release SWA slots that left
+   the window, append sampled tokens, finish requests at a stop token, EOS, max_tokens or the pool's capacity.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import NamedTuple
+
+from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from .request import PromptTooLong, Request
+from .sampler import Sampled
+
+log = logging.getLogger(__name__)
+
+# Waiting requests whose uncached-token memo is refreshed per step (the oldest memos first).
+REFRESH_PER_STEP = 64
+
+
+class Segment(NamedTuple):
+    """One request's share of a step: tokens [start, start + n) are computed."""
+    request: Request
+    start: int
+    n: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether the segment reaches the end of the sequence, so a token is sampled from its last position."""
+        return self.start + self.n == len(self.request.tokens)
+
+    @property
+    def all_logits(self) -> bool:
+        """Prompt logprobs need the logits of every prompt position."""
+        return self.request.params.prompt_logprobs and self.start < len(self.request.prompt)
+
+
+class SegmentResult(NamedTuple):
+    sampled: Sampled | None  # None when the segment ends inside the prompt
+    prompt_logprobs: list[float]  # logprob of each next prompt token in the segment (prompt_logprobs only)
+    error: str = ""  # this request failed (e.g. non-finite logits); the others go on
+
+
+class Scheduler:
+    def __init__(self, cache: SWARadixCache, full_pool: SlotPool, swa_pool: SlotPool, *, chunk_size: int,
+                 max_running: int, enable_prefix_cache: bool, release_interval: int, fcfs: bool,
+                 wait_penalty: float, length_buckets: tuple[int, ...], clock=time.monotonic):
+        self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
+        self.chunk_size, self.max_running = chunk_size, max_running
+        self.enable_prefix_cache, self.release_interval = enable_prefix_cache, release_interval
+        self.fcfs, self.wait_penalty = fcfs, wait_penalty
+        self.length_buckets = tuple(sorted(length_buckets))
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []  # in admission order: the oldest first
+        self.admitted: list[int] = []  # request ids in admission order (observability, tests)
+        self.preemptions = 0
+        self.peak_swa_per_request = 0
+        self.prompt_tokens = self.generated_tokens = 0
+        self._next_bucket = 0
+        self._uncached: dict[int, tuple[int, int]] = {}  # request id -> (uncached tokens, step it was computed)
+        self._steps = 0
+        # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
+        self.max_seq_len = full_pool.size
+
+    # ----------------------------------------------------------------------------------- queue
+    def check_fits(self, prompt_len: int) -> None:
+        if prompt_len + 1 > self.max_seq_len:
+            raise PromptTooLong(f"the prompt has {prompt_len} tokens; with its first output token it can never fit "
+                                f"the KV pools, which hold at most {self.max_seq_len} tokens per sequence "
+                                "(--kv-cache-tokens)")
+
+    def add(self, r: Request) -> None:
+        self.check_fits(len(r.prompt))
+        self.waiting.append(r)
+        self._memo(r)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ----------------------------------------------------------------------------------- one step
+    def schedule(self) -> list[Segment]:
+        """Steps 1-3 of the module docstring; returns the segments of the next forward."""
+        self._steps += 1
+        for r in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(r)
+            self.finish(r, r.aborted)
+        for r in [r for r in self.running if r.aborted]:
+            self.running.remove(r)
+            self.finish(r, r.aborted)
+        self._refresh_memos()
+        now = self.clock()
+        blocked = None
+        while self.waiting and len(self.running) < self.max_running:
+            r = self._pick(now)
+            if not self._admit(r):
+                blocked = r
+                break
+            self.waiting.remove(r)
+            self.running.append(r)
+            self.admitted.append(r.id)
+            r.admitted_at = now
+        if blocked is not None and not self.running:
+            # Nothing runs and the best waiting request did not fit: the pools can never take it as they are
+            # configured (add() refused prompts over the full pool; this is the SWA pool or page rounding).
+            r = blocked
+            self.waiting.remove(r)
+            self.finish(r, "error", f"the request does not fit in the KV pools (full {self.full_pool.size}, SWA "
+                                    f"{self.swa_pool.size} tokens); raise --kv-cache-tokens / --swa-cache-tokens",
+                        "resource_exhausted")
+        segments = []
+        for r in list(self.running):
+            if r not in self.running:  # preempted while an older request made room
+                continue
+            seg = self._segment(r)
+            if seg is not None:
+                segments.append(seg)
+        return segments
+
+    def _segment(self, r: Request) -> Segment | None:
+        """Reserves slots for r's next chunk or token, preempting younger requests if needed."""
+        while True:
+            start = len(r.kv.tokens)
+            n = min(self.chunk_size, len(r.tokens) - start)
+            if self.cache.make_room(n + self.full_pool.page_size, n):  # a new page at most beyond n
+                try:
+                    r.kv.extend(r.tokens[start:start + n])
+                    return Segment(r, start, n)
+                except PoolExhausted:
+                    pass
+            younger = self.running[self.running.index(r) + 1:]
+            if younger:
+                victim = younger[-1]
+                self._preempt(victim)
+                continue
+            # r is the youngest left and cannot grow: with everything younger freed and the cache evicted it
+            # never will (older requests only grow). It ends with what it has.
+            self.running.remove(r)
+            if self.running:  # older requests hold the pools: r waits for them and is recomputed later
+                self.preemptions += 1
+                self._release(r)
+                self.waiting.insert(0, r)
+            elif r.output:
+                self.finish(r, "length")
+            else:
+                self.finish(r, "error", f"the sequence of {len(r.tokens)} tokens cannot grow: the KV pools "
+                                        f"(full {self.full_pool.size}, SWA {self.swa_pool.size} tokens) are full "
+                                        "even with nothing else running", "resource_exhausted")
+            return None
+
+    def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
+        """Step 4: bookkeeping after the runner ran `segments`."""
+        for seg, res in zip(segments, results):
+            r = seg.request
+            if r.done:
+                continue
+            if res.error:
+                self.running.remove(r)
+                self.finish(r, "error", res.error, "internal")
+                continue
+            r.prompt_logprobs.extend(res.prompt_logprobs)
+            kv = r.kv
+            if self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt):
+                kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
+            else:
+                kv.release_out_of_window()
+            if res.sampled is not None:
+                self._append(r, res.sampled)
+                kv.step()  # every `release_interval` decode steps
+            self.peak_swa_per_request = max(self.peak_swa_per_request, kv.own_swa_live())
+            if r.finish_reason == "" and r.aborted == "" and self._stopped(r):
+                self.running.remove(r)
+                self.finish(r, self._stopped(r))
+
+    def _append(self, r: Request, s: Sampled) -> None:
+        r.output.append(s.token)
+        self.generated_tokens += 1
+        if r.params.logprobs:
+            r.logprobs.append(s.logprob)
+        if r.params.top_logprobs:
+            r.top_logprobs.append(s.top)
+        if len(r.output) == 1:
+            r.first_token_at = self.clock()
+        if r.on_token:
+            r.on_token(r, s.token, s.logprob if r.params.logprobs else None)
+
+    def _stopped(self, r: Request) -> str:
+        if r.output and r.output[-1] in r.stop_ids:
+            return "stop"
+        if len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_seq_len:
+            return "length"
+        return ""
+
+    def finish(self, r: Request, reason: str, error: str = "", code: str = "") -> None:
+        if r.done:
+            return
+        r.finish_reason, r.error, r.error_code = reason, error, code
+        if r.kv is not None and reason == "abort":
+            log.info("request %d aborted: freeing %d full and %d SWA slots it owned", r.id, r.kv.own_full_slots(),
+                     r.kv.own_swa_live())
+        if reason == "error":
+            log.warning("request %d failed: %s", r.id, error)
+        if r.kv is not None:
+            r.kv.finish(cache_result=self.enable_prefix_cache and reason in ("stop", "length"))
+            r.kv = None
+        self._uncached.pop(r.id, None)
+        if r.on_finish:
+            r.on_finish(r)
+
+    # ----------------------------------------------------------------------------------- admission
+    def _memo(self, r: Request) -> int:
+        """Uncached tokens of a waiting request, read-only (no split, no LRU refresh)."""
+        hit = self.cache.peek_prefix_length(r.tokens[:-1]) if self.enable_prefix_cache else 0
+        self._uncached[r.id] = (len(r.tokens) - hit, self._steps)
+        return len(r.tokens) - hit
+
+    def _refresh_memos(self) -> None:
+        if self.fcfs or not self.waiting:
+            return
+        stale = sorted(self.waiting, key=lambda r: self._uncached.get(r.id, (0, -1))[1])[:REFRESH_PER_STEP]
+        for r in stale:
+            self._memo(r)
+
+    def _priority(self, r: Request, now: float) -> float:
+        if self.fcfs:
+            return r.arrival
+        uncached = self._uncached[r.id][0] if r.id in self._uncached else self._memo(r)
+        return uncached - self.wait_penalty * (now - r.arrival)
+
+    def _bucket(self, r: Request) -> int:
+        n = len(r.tokens)
+        return next((i for i, bound in enumerate(self.length_buckets) if n < bound), len(self.length_buckets))
+
+    def _pick(self, now: float) -> Request:
+        """The next request to admit: length buckets take turns (so one bucket's requests never block another's),
+        and inside a bucket the fewest uncached tokens win, minus a wait-time penalty."""
+        buckets: dict[int, list[Request]] = {}
+        for r in self.waiting:
+            buckets.setdefault(self._bucket(r), []).append(r)
+        order = sorted(buckets)
+        start = next((i for i, b in enumerate(order) if b >= self._next_bucket), 0)
+        chosen = order[start]
+        self._next_bucket = chosen + 1 if chosen + 1 <= max(order) else 0
+        return min(buckets[chosen], key=lambda r: self._priority(r, now))
+
+    def _admit(self, r: Request) -> bool:
+        tokens = r.tokens
+        # Match at most len-1 tokens: the last one is always computed, its logits give the next token.
+        # Prompt logprobs need every prompt position computed, so such requests match nothing.
+        use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
+        kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
+        first = min(self.chunk_size, len(tokens) - kv.cached_tokens)
+        if not self.cache.make_room(first + self.full_pool.page_size, first):
+            kv.finish(cache_result=False)
+            return False
+        r.kv = kv
+        if not r.output:  # a preempted request keeps its first admission's figure
+            r.cached_tokens = kv.cached_tokens
+            self.prompt_tokens += len(r.prompt)
+        return True
+
+    def _release(self, r: Request) -> None:
+        r.kv.finish(cache_result=False)
+        r.kv = None
+        self._memo(r)
+
+    def _preempt(self, r: Request) -> None:
+        """Frees r's KV and puts it back at the head of the queue; it is recomputed when admitted again."""
+        self.preemptions += 1
+        self.running.remove(r)
+        self._release(r)
+        self.waiting.insert(0, r)

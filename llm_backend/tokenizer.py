@@ -1,0 +1,56 @@
+"""Tokenizers: bytes for the embedded `tiny` model, a checkpoint's `tokenizer.json` through `tokenizers`."""
+from __future__ import annotations
+
+import json
+import os
+
+
+class ByteTokenizer:
+    """The tiny model's tokenizer: one token per UTF-8 byte; 256 = BOS, 257 = EOS."""
+
+    bos_token_id, eos_token_id = 256, 257
+    vocab_size = 258
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        return ([self.bos_token_id] if add_bos else []) + list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A checkpoint's `tokenizer.json` (and its special tokens from `tokenizer_config.json` / `config.json`)."""
+
+    def __init__(self, path: str, bos_token_id: int | None = None, eos_token_id: int | None = None):
+        from tokenizers import Tokenizer
+
+        self.tok = Tokenizer.from_file(path)
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+        self.vocab_size = self.tok.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self.tok.encode(text).ids
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids)
+
+
+def _special_ids(model_dir: str) -> tuple[int | None, int | None]:
+    path = os.path.join(model_dir, "config.json")
+    try:
+        cfg = json.loads(open(path).read())
+    except (OSError, ValueError):
+        return None, None
+    eos = cfg.get("eos_token_id")
+    return cfg.get("bos_token_id"), (eos[0] if isinstance(eos, list) and eos else eos)
+
+
+def load_tokenizer(model: str):
+    """`tiny` uses bytes; a checkpoint directory its `tokenizer.json` (bytes when it has none)."""
+    path = os.path.join(model, "tokenizer.json") if model != "tiny" else ""
+    if path and os.path.isfile(path):
+        return HFTokenizer(path, *_special_ids(model))
+    return ByteTokenizer()
