@@ -47,6 +47,7 @@ class EncoderServerConfig:
     # --- fetching ------------------------------------------------------------------------------
     fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
     fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
+    fetch_per_host: int = _f(8, "URLs fetched at once from one host (of --fetch-concurrency), so one slow host cannot take every fetch slot")
     max_redirects: int = _f(5, "redirects followed per URL (each re-checked against the URL policy)")
     allow_private_urls: bool = _f(False, "allow URLs that resolve to loopback/private/link-local addresses "
                                          "(cloud metadata addresses stay refused)")

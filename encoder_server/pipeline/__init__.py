@@ -1,7 +1,8 @@
 """The encoder's staged pipeline, read top to bottom:
 
     request ──▶ admission (--max-pending) ──▶ check (modality, content_hash: cache?) ──hit──▶ answer
-                ──▶ [fetch_q] acquire: fetch / read / inline bytes ──▶ content key ──▶ cache? ──hit──▶ answer
+                ──▶ acquire: URLs through the fair fetch scheduler (--fetch-concurrency, --fetch-per-host);
+                    inline bytes, data: URIs, paths at once ──▶ content key ──▶ cache? ──hit──▶ answer
                                  │ miss, first of identical in-flight items (the rest attach to it)
                                  ▼
                 [decode_q] decode workers (process pool, pixels back through shm; JPEG draft; optional resize)

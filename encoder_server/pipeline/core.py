@@ -21,7 +21,7 @@ from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
 from ..embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from ..errors import ItemError, invalid
-from ..fetch import FetchLimits, Fetcher, UrlPolicy, parse_networks
+from ..fetch import FairFetchScheduler, FetchLimits, Fetcher, UrlPolicy, parse_networks, url_host
 from ..metrics import EncoderMetrics
 from ..models import LoadedVisionModel, load_vision_model
 from ..preprocess import PreprocessConfig, preprocess_images
@@ -50,7 +50,8 @@ class EncodePipeline:
                                            allowed_local_dir=config.allowed_local_dir or None,
                                            pool_size=config.fetch_concurrency), policy)
         d = config.queue_depth
-        self.fetch_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        # URL fetches only; inline bytes, data: URIs and paths are read where they arrive (`_route`).
+        self.fetches = FairFetchScheduler(self._fetch, config.fetch_concurrency, config.fetch_per_host)
         self.decode_q: asyncio.Queue[Job] = asyncio.Queue(d)
         self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
         self.batcher = Batcher(self._forward, on_done=self._on_encoded, max_batch_tokens=config.max_batch_tokens,
@@ -109,8 +110,6 @@ class EncodePipeline:
         await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
         spawn = asyncio.get_running_loop().create_task
         st = self.stages
-        self._tasks += [spawn(self._worker(self.fetch_q, st.acquire), name=f"fetch-{i}")
-                        for i in range(c.fetch_concurrency)]
         self._tasks += [spawn(self._worker(self.decode_q, st.decode), name=f"decode-{i}")
                         for i in range(self.decode_pool.max_inflight)]
         self._tasks += [spawn(self._worker(self.preprocess_q, st.preprocess), name=f"preprocess-{i}")
@@ -123,7 +122,7 @@ class EncodePipeline:
                    "preprocess": c.preprocess_threads, "encode": 1}
         for stage, n in workers.items():
             m.workers.labels(stage).set(n)
-        for name, q in (("fetch", self.fetch_q), ("decode", self.decode_q), ("preprocess", self.preprocess_q),
+        for name, q in (("fetch", self.fetches), ("decode", self.decode_q), ("preprocess", self.preprocess_q),
                         ("batch", self.batcher.queue)):
             m.queue_depth.labels(name).set_function(q.qsize)
         m.pending.set_function(lambda: self.admission.load)
@@ -132,6 +131,7 @@ class EncodePipeline:
 
     async def stop(self) -> None:
         self.video.cancel()
+        await self.fetches.close()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -211,9 +211,20 @@ class EncodePipeline:
         if job.wanted:
             await self._route(job, nxt)
 
+    async def _fetch(self, job: Job) -> None:
+        await self._step(job, self.stages.acquire)
+
     async def _route(self, job: Job, nxt: Next) -> None:
         if nxt is Next.FETCH:
-            await self.fetch_q.put(job)
+            src = job.request.source
+            if src.kind == "url" and not str(src.value)[:5].lower() == "data:":
+                try:
+                    host = url_host(str(src.value)).lower()
+                except (ValueError, TypeError):
+                    host = ""  # malformed: the fetch refuses it with the reason, at once
+                self.fetches.submit(job, host)
+            else:  # bytes at hand or on a local disk: never queued behind slow downloads
+                await self._step(job, self.stages.acquire)
         elif nxt is Next.DECODE:
             await self.decode_q.put(job)
         elif nxt is Next.PREPROCESS:

@@ -13,7 +13,8 @@ from aiohttp import web
 
 class MediaServer:
     def __init__(self, files: dict[str, bytes], slow_s: float = 5.0, host: str = "127.0.0.1"):
-        self.hits: collections.Counter[str] = collections.Counter()
+        self.hits: collections.Counter[str] = collections.Counter()  # requests received, by name
+        self.finished: collections.Counter[str] = collections.Counter()  # responses sent, by name
         self.files = files
         self.slow_s = slow_s
         self.host = host
@@ -35,6 +36,7 @@ class MediaServer:
         if name.startswith("slow"):  # /slow, /slow-2, ...: answers after slow_s seconds
             await asyncio.sleep(self.slow_s)
             name = "photo.jpg"
+        self.finished[req.match_info["name"]] += 1
         if name not in self.files:
             raise web.HTTPNotFound()
         return web.Response(body=self.files[name], content_type="application/octet-stream")
