@@ -160,10 +160,12 @@ class GenerationCore:
                 "prefix_hit_tokens": e.cache.stats.hit_tokens, "preemptions": e.preemptions}
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The engine tokenizer's ids (BOS first where it has one); without special tokens for text that a
+        chat template rendered with its own (as transformers tokenizes `apply_chat_template` output)."""
         inner = getattr(self.tokenizer, "tok", None)  # a checkpoint's tokenizers.Tokenizer
-        if inner is not None:
-            return list(inner.encode(text, add_special_tokens=add_special_tokens).ids)
-        return self.tokenizer.encode(text)  # bytes: BOS first, always
+        if add_special_tokens or inner is None:  # the byte tokenizer's template has no BOS text: BOS always
+            return list(self.tokenizer.encode(text))
+        return list(inner.encode(text, add_special_tokens=False).ids)
 
     def check_serving(self) -> None:
         if getattr(self.engine, "loop_error", None) or not self.engine_alive():
