@@ -566,7 +566,7 @@ class Campaign:
         soak: dict = {"seconds": a.soak_s}
         if a.soak_s > 0:
             log(f"soak {a.soak_s:g}s")
-            warmup = min(60.0, a.soak_s / 3)
+            warmup = min(60.0, a.soak_s / 2)  # "after the first minute"; half of a shorter soak
             time.sleep(a.soak_s)
             sampler.sample()
             soak.update({"warmup_s": round(warmup, 1),
