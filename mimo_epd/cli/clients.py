@@ -68,7 +68,11 @@ def rpc_error(e, server: str, names: list[str] | None = None) -> int:
     if names:
         details = re.sub(r"^item (\d+):", lambda m: f"item {m.group(1)} ({names[int(m.group(1))]}):"
                          if int(m.group(1)) < len(names) else m.group(0), details)
-    hint = f"; {_NOT_RUNNING}" if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower() else ""
+    hint = ""
+    if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
+        hint = f"; {_NOT_RUNNING}"
+    elif e.code() == grpc.StatusCode.UNIMPLEMENTED:
+        hint = " (this server does not serve that API: an encoder has no Generate, nor has `serve --no-llm`)"
     print(f"error: {server}: {e.code().name}: {details}{hint}", file=sys.stderr)
     return 1
 
