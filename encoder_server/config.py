@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
+from .decoders import check_decoder_name
+
 
 def _f(default, help: str, **kw):
     return field(default=default, metadata={"help": help, **kw})
@@ -113,8 +115,7 @@ class EncoderServerConfig:
             raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
         if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:
             raise ValueError("need --video-fps > 0 and 1 <= --video-min-frames <= --video-max-frames")
-        if self.decoder not in ("turbo", "pil", "torchvision", "dali"):
-            raise ValueError(f"--decoder must be turbo, pil, torchvision or dali, got {self.decoder!r}")
+        check_decoder_name(self.decoder)  # the decoders package's registry is the one list of names
         if self.resize_in not in ("auto", "device", "decoder"):
             raise ValueError(f"--resize-in must be auto, device or decoder, got {self.resize_in!r}")
         if self.resize_backend not in ("auto", "torch", "pil"):

@@ -1,4 +1,7 @@
-"""Decoding in worker processes, with the bytes and pixels handed over through shared memory.
+"""Decoding in worker processes: transport (shared-memory slots) and the processes' lifecycle.
+
+What a decode process does with one image (probe, draft, backend, optional resize/patchify) is
+`decoders.job.decode_item`; this module only moves bytes and pixels and keeps the processes alive.
 
 Image decoding holds the GIL and is the encoder's main CPU cost, so it runs in a pool of processes.
 Neither the file nor the pixels travel pickled through a pipe (a 4K frame is 25 MB: pickle, two kernel
@@ -7,13 +10,8 @@ job it takes a free slot and writes the file's bytes into it, the worker reads t
 over them and returns only the shape, and the server copies the pixels out and frees the slot. An image
 bigger than a slot comes back pickled (counted in `fallbacks`).
 
-A worker can also resize (PIL / pillow-simd, the preprocessing's CPU path) right after decoding, so on
-a CPU deployment every heavy pixel operation runs in parallel processes and only the small resized image
-crosses back (`--resize-in decoder`).
-
-JPEG draft decode: when the smart_resize target is at most half the source in both dimensions, the
-JPEG is decoded directly at the largest DCT scale (1/2, 1/4, 1/8) whose result is still at least the
-target, and then resized as usual. See `draft_bound` in the README for the measured difference.
+A decode process that dies (the OOM killer, a crash in a codec library) is replaced and the images it
+held are decoded again, once (see `DecodePool`).
 """
 from __future__ import annotations
 
@@ -24,40 +22,17 @@ import mmap
 import multiprocessing
 import os
 import uuid
-from dataclasses import dataclass
 
 import numpy as np
 
-from .decode import SUPPORTED_FORMATS, check_jpeg_data, decode_image
+from .decoders import DECODERS, check_decoder_name
+from .decoders.base import Decoded, Stage
+from .decoders.job import DecodeOptions, decode_item, decode_on_device, decodes_on_device
 from .errors import DecodeError
-from .preprocess import PreprocessConfig, target_size
 
+__all__ = ["DECODERS", "Decoded", "DecodeOptions", "DecodePool", "Stage", "decode_job", "decode_on_device",
+           "decodes_on_device", "exit_with_parent", "ignore_sigint", "remove_stale_arenas"]
 log = logging.getLogger(__name__)
-DECODERS = ("turbo", "pil", "torchvision", "dali")
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    max_pixels: int
-    decoder: str = "turbo"
-    jpeg_draft: bool = True
-    resize: bool = False  # resize to the smart_resize target in the worker...
-    patchify: bool = False  # ...and cut it into uint8 still-image patches there (preprocess.patchify_uint8)
-    preprocess: PreprocessConfig | None = None
-    device: str = "cpu"  # the server's --device: with cuda, `torchvision` and `dali` decode there (nvJPEG)
-
-
-def decodes_on_device(opts: DecodeOptions) -> bool:
-    """GPU decoders on a CUDA server decode in the server process and leave the pixels on the GPU."""
-    return opts.decoder in ("torchvision", "dali") and opts.device.startswith("cuda")
-
-
-@dataclass
-class Decoded:
-    pixels: np.ndarray  # HxWx3 uint8 (resized to the target when `resized`), or [patches, 3*P*P] uint8
-    source_size: tuple[int, int]  # (h, w) after EXIF orientation, before any draft/resize
-    draft_scale: int  # 1 = full decode
-    resized: bool | str  # False, True, or "patches" (resized and patchified in the worker)
 
 
 # ------------------------------------------------------------------------------- worker side
@@ -110,174 +85,31 @@ def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int)
         _SLOT_BYTES = slot_bytes
 
 
-def _started(hold_s: float) -> int:
-    """Keeps a worker busy briefly, so that the pool starts every worker (it spawns on demand)."""
+def _started(hold_s: float) -> tuple[int, bool]:
+    """Keeps a worker busy briefly, so that the pool starts every worker (it spawns on demand); says whether
+    this worker mapped the shared arena."""
     import time
 
     time.sleep(hold_s)
-    return os.getpid()
-
-
-def _oriented_size(img) -> tuple[int, int, bool]:
-    """(h, w) as displayed, i.e. after the EXIF orientation is applied, and whether it swaps the axes."""
-    w, h = img.size
-    try:
-        orientation = img.getexif().get(0x0112, 1)
-    except Exception:  # noqa: BLE001 - a broken EXIF block means no rotation
-        orientation = 1
-    swapped = orientation in (5, 6, 7, 8)
-    return ((w, h) if swapped else (h, w)), swapped
-
-
-def _draft_request(data: bytes, opts: DecodeOptions) -> tuple[tuple[int, int] | None, tuple[int, int]]:
-    """(size to pass to Image.draft or None, oriented source size)."""
-    import io
-
-    from PIL import Image
-
-    with Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS) as img:
-        (oh, ow), swapped = _oriented_size(img)
-        if not opts.jpeg_draft or img.format != "JPEG" or opts.preprocess is None:
-            return None, (oh, ow)
-        try:
-            th, tw = target_size(oh, ow, opts.preprocess)
-        except ValueError:
-            return None, (oh, ow)  # too small / elongated: the full decode reports it
-        if th * 2 > oh or tw * 2 > ow:
-            return None, (oh, ow)
-        # draft() takes (width, height) in the stored orientation, before the EXIF rotation.
-        return ((th, tw) if swapped else (tw, th)), (oh, ow)
+    return os.getpid(), _ARENA is not None
 
 
 def decode_job(data: bytes | None, opts: DecodeOptions, slot: int, size: int = 0) -> tuple:
     """Runs in a worker. `data` None: the item's `size` bytes are in `slot` (read before the pixels overwrite
-    them). Returns ("slot", shape, meta) or ("array", pixels, meta)."""
+    them). Returns ("slot", shape, meta) or ("array", pixels, meta), meta = (source_size, draft_scale, stage)."""
     if data is None:
-        if _ARENA is None:  # cannot happen: the server unlinks the arena only once every worker has mapped it
+        if _ARENA is None:  # cannot happen: once a worker reports no arena, the pool sends every item pickled
             raise RuntimeError("decode worker without the shared arena was handed an item through it")
         data = _ARENA[slot * _SLOT_BYTES:slot * _SLOT_BYTES + size]
-    if not data:
-        raise DecodeError("empty item (0 bytes)")
-    try:
-        draft, source = _draft_request(data, opts)
-    except DecodeError:
-        raise
-    except Exception:  # noqa: BLE001 - let the real decode produce the precise error
-        draft, source = None, (0, 0)
-    is_jpeg = _complete_jpeg(data)
-    if opts.decoder == "torchvision" and is_jpeg and draft is None:
-        pixels = _decode_torchvision(data, opts.max_pixels)
-    elif opts.decoder == "dali" and is_jpeg and draft is None:
-        pixels = _decode_dali(data, opts.max_pixels)
-    else:  # turbo / PIL: every format, and JPEG draft decode
-        pixels = decode_image(data, opts.max_pixels, draft_size=draft, turbo=opts.decoder == "turbo",
-                              rgbx=opts.resize and opts.preprocess is not None)
-    if source == (0, 0):
-        source = pixels.shape[:2]
-    scale = max(1, round(source[0] / pixels.shape[0])) if draft else 1
-    resized = False
-    if opts.resize and opts.preprocess is not None:
-        from .preprocess import resize_pil_hwc
-
-        try:
-            th, tw = target_size(source[0], source[1], opts.preprocess)
-        except ValueError as e:
-            raise DecodeError(str(e), "size") from None
-        pixels = resize_pil_hwc(pixels, (th, tw)) if (th, tw) != pixels.shape[:2] else pixels[..., :3]
-        resized = True
-        if opts.patchify:
-            from .preprocess import patchify_uint8
-
-            pixels = patchify_uint8(pixels, opts.preprocess)
-            resized = "patches"
-    meta = (source, scale, resized)
+    d = decode_item(data, opts)
+    pixels = d.pixels
+    meta = (d.source_size, d.draft_scale, d.stage)
     n = pixels.nbytes
     if _ARENA is not None and 0 <= slot and n <= _SLOT_BYTES:
         dst = np.frombuffer(_ARENA, np.uint8, n, slot * _SLOT_BYTES)
         dst[:] = np.ascontiguousarray(pixels).reshape(-1)
         return ("slot", pixels.shape, meta)
     return ("array", np.ascontiguousarray(pixels), meta)
-
-
-def _check_header_pixels(data: bytes, max_pixels: int) -> None:
-    import io
-
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            w, h = img.size
-    except Exception:  # noqa: BLE001 - the decoder reports malformed data
-        return
-    if w * h > max_pixels:
-        raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)",
-                          "too_large")
-
-
-def _decode_dali(data: bytes, max_pixels: int) -> np.ndarray:
-    from .dali_decoder import decode_jpeg_dali
-
-    _check_header_pixels(data, max_pixels)
-    check_jpeg_data(data)
-    try:
-        pixels = decode_jpeg_dali(data)
-    except Exception:  # noqa: BLE001 - CMYK, progressive oddities...: PIL knows them and words its errors
-        return decode_image(data, max_pixels)
-    return pixels if pixels.ndim == 3 and pixels.shape[2] == 3 else decode_image(data, max_pixels)
-
-
-def decode_on_device(data: bytes, opts: DecodeOptions) -> Decoded:
-    """`--decoder torchvision|dali` with `--device cuda`: the JPEG is decoded on the GPU (nvJPEG through
-    torchvision's `decode_jpeg`, or DALI's `mixed` decoder) into an HxWx3 uint8 tensor that stays there for
-    the device-side resize: no pixels cross PCIe, and no draft decode is needed. Other formats and JPEGs
-    the GPU decoder refuses (CMYK...) are decoded by PIL on the CPU. Also runs with a CPU `opts.device`
-    (the same code on the CPU decoders), which is how it is tested without a GPU."""
-    if not data:
-        raise DecodeError("empty item (0 bytes)")
-    if _complete_jpeg(data):
-        _check_header_pixels(data, opts.max_pixels)
-        check_jpeg_data(data)
-        try:
-            if opts.decoder == "dali":
-                from .dali_decoder import decode_jpeg_dali_tensor
-
-                pixels = decode_jpeg_dali_tensor(data, opts.device)
-            else:
-                pixels = _torchvision_jpeg(data, opts.device)
-        except Exception:  # noqa: BLE001 - PIL decodes what the GPU decoder refuses, or words the error
-            pixels = None
-        if pixels is not None and pixels.ndim == 3 and pixels.shape[2] == 3:
-            return Decoded(pixels, (int(pixels.shape[0]), int(pixels.shape[1])), 1, False)
-    pixels = decode_image(data, opts.max_pixels)
-    return Decoded(pixels, pixels.shape[:2], 1, False)
-
-
-def _complete_jpeg(data: bytes) -> bool:
-    """A JPEG with its end marker: libjpeg-based decoders pad a truncated file with grey where PIL reports it,
-    so anything else goes through PIL."""
-    return data[:3] == b"\xff\xd8\xff" and b"\xff\xd9" in data[-4096:]
-
-
-def _torchvision_jpeg(data: bytes, device="cpu"):
-    """JPEG bytes -> HxWx3 uint8 tensor (a view) on `device` with torchvision's `decode_jpeg` (nvJPEG on CUDA)."""
-    import torch
-    from torchvision.io import ImageReadMode, decode_jpeg
-
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                       apply_exif_orientation=True, device=device).permute(1, 2, 0)
-
-
-def _decode_torchvision(data: bytes, max_pixels: int) -> np.ndarray:
-    import torch
-
-    _check_header_pixels(data, max_pixels)
-    check_jpeg_data(data)
-    torch.set_num_threads(1)  # one decode per process; the pool provides the parallelism
-    try:
-        t = _torchvision_jpeg(data)
-    except RuntimeError:
-        return decode_image(data, max_pixels)  # CMYK, truncated...: PIL knows them and words its errors
-    return t.contiguous().numpy()
 
 
 # ------------------------------------------------------------------------------- server side
@@ -340,13 +172,13 @@ class DecodePool:
         self._replacing: asyncio.Lock | None = None
         self._arena: mmap.mmap | None = None
         self._arena_fd: int | None = None
+        self._pickled = False  # True once a worker could not map the arena: bytes and pixels travel pickled
         self._free: asyncio.Queue[int] | None = None
-        if opts.decoder not in DECODERS:
-            raise ValueError(f"--decoder must be one of {DECODERS}, got {opts.decoder!r}")
+        check_decoder_name(opts.decoder)
         if opts.decoder == "dali":
-            from . import dali_decoder
+            from .decoders import dali
 
-            dali_decoder.check_available()
+            dali.check_available()
         self.on_device = decodes_on_device(opts)
         if self.on_device and opts.resize:
             raise ValueError(f"--decoder {opts.decoder} decodes on {opts.device}: resize there too "
@@ -388,8 +220,12 @@ class DecodePool:
         loop = asyncio.get_running_loop()
         seen: set[int] = set()
         for hold in (0.2, 0.5, 1.0, 2.0, 4.0):
-            seen.update(await asyncio.gather(*(loop.run_in_executor(self._executor, _started, hold)
-                                              for _ in range(self.workers))))
+            for pid, mapped in await asyncio.gather(*(loop.run_in_executor(self._executor, _started, hold)
+                                                      for _ in range(self.workers))):
+                seen.add(pid)
+                if not mapped and not self._pickled:
+                    self._pickled = True  # a worker without the arena cannot read a slot: send items pickled
+                    log.warning("decode worker %d could not map the shared arena: items travel pickled", pid)
             if len(seen) >= self.workers:
                 return
         log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen),
@@ -451,15 +287,15 @@ class DecodePool:
                 executor, generation = self._executor, self._generation
                 if executor is None:
                     raise concurrent.futures.process.BrokenProcessPool("the decode pool is stopped")
-                job, size = data, 0
-                if len(data) <= self.slot_bytes:  # the bytes go in through the slot too, not pickled through a pipe
+                job, size, job_slot = data, 0, -1 if self._pickled else slot
+                if len(data) <= self.slot_bytes and not self._pickled:  # the bytes go in through the slot too, not pickled through a pipe
                     # (written again on a retry: the dead process may have begun writing pixels over them)
                     size = len(data)
                     self._arena[slot * self.slot_bytes:slot * self.slot_bytes + size] = data
                     job = None
                 try:
                     kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
-                        executor, decode_job, job, self.opts, slot, size)
+                        executor, decode_job, job, self.opts, job_slot, size)
                     break
                 except concurrent.futures.process.BrokenProcessPool:
                     await self._replace_executor(generation)

@@ -1,11 +1,13 @@
-"""decode_image: every PIL mode to RGB, EXIF orientation, limits and clear errors."""
+"""decode_image: every PIL mode to RGB, EXIF orientation, limits and clear errors; the decode pool's transport."""
 import io
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_server.decode import decode_image
+from encoder_server.decoders import decode_image
+from encoder_server.decoders.base import DecodeRequest, Stage
+from encoder_server.decoders.probe import probe
 from encoder_server.errors import DecodeError
 from tests.conftest import encode_image, textured
 
@@ -126,13 +128,12 @@ JPEG_CASES = _jpeg_cases()
 def test_turbo_jpeg_path_is_pixel_identical_to_pil(case, draft):
     """The libjpeg-turbo fast path gives exactly PIL's pixels: subsampling, progressive, greyscale, every EXIF
     orientation, and PIL's own DCT scale for each draft size."""
-    from encoder_server import decode
+    from encoder_server.decoders import turbo
 
-    if not decode.turbo_jpeg_available():
+    if not turbo.available():
         pytest.skip("simplejpeg is not installed: PIL decodes every JPEG")
     data = JPEG_CASES[case]
-    with Image.open(io.BytesIO(data)) as img:
-        assert decode._decode_turbo_jpeg(img, data, draft) is not None  # the fast path really runs
+    assert turbo.decode_fast(data, DecodeRequest(probe(data, LIMIT), draft)) is not None  # the fast path really runs
     fast = decode_image(data, LIMIT, draft_size=draft, turbo=True)
     slow = decode_image(data, LIMIT, draft_size=draft, turbo=False)
     assert fast.shape == slow.shape and fast.flags.c_contiguous
@@ -148,15 +149,14 @@ def test_turbo_jpeg_path_is_pixel_identical_to_pil(case, draft):
 
 
 def test_turbo_jpeg_path_leaves_cmyk_to_pil_and_refuses_truncated_files():
-    from encoder_server import decode
+    from encoder_server.decoders import turbo
 
     cmyk = encode_image(textured(40, 60), "JPEG", mode="CMYK")
-    with Image.open(io.BytesIO(cmyk)) as img:
-        assert decode._decode_turbo_jpeg(img, cmyk, None) is None
+    assert turbo.decode_fast(cmyk, DecodeRequest(probe(cmyk, LIMIT))) is None
     data = encode_image(textured(200, 200), "JPEG")
-    with Image.open(io.BytesIO(data[: len(data) // 2])) as img:
-        with pytest.raises(DecodeError, match="truncated"):  # strict libjpeg-turbo: no grey padding
-            decode._decode_turbo_jpeg(img, data[: len(data) // 2], None)
+    half = data[: len(data) // 2]
+    with pytest.raises(DecodeError, match="truncated"):  # strict libjpeg-turbo: no grey padding
+        turbo.decode_fast(half, DecodeRequest(probe(half, LIMIT)))
 
 
 @pytest.mark.parametrize("slot_bytes", [64 << 20, "input-only", 1024], ids=["both-fit", "input-fits", "neither-fits"])
@@ -187,7 +187,8 @@ def test_decode_pool_shared_memory_handoff_and_pickled_fallback(slot_bytes):
     out, fallbacks = asyncio.run(run())
     for d in out:
         np.testing.assert_array_equal(d.pixels, expected)
-        assert (d.source_size, d.draft_scale, d.resized) == meta
+        assert (d.source_size, d.draft_scale, d.stage) == meta and d.stage is Stage.PATCHES
+        assert d.resized == "patches"  # the former spelling, kept for callers
     assert fallbacks == (0 if slot_bytes == 64 << 20 else 3)
 
 
@@ -208,7 +209,7 @@ def test_device_decode_path_gives_the_decoders_pixels_as_a_tensor(decoder, case)
     _, expected, meta = decode_job(data, opts, -1)
     assert isinstance(d.pixels, torch.Tensor) and d.pixels.dtype == torch.uint8
     np.testing.assert_array_equal(d.pixels.numpy(), expected)
-    assert d.source_size == tuple(expected.shape[:2]) == meta[0] and (d.draft_scale, d.resized) == (1, False)
+    assert d.source_size == tuple(expected.shape[:2]) == meta[0] and (d.draft_scale, d.stage) == (1, Stage.DECODED)
 
 
 def test_device_decode_path_falls_back_to_pil_and_keeps_the_limits():

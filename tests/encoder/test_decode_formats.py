@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from encoder_server.decode import SUPPORTED_FORMATS, decode_image
+from encoder_server.decoders import decode_image
+from encoder_server.decoders.probe import SUPPORTED_FORMATS
 from tests.conftest import textured
 
 LIMIT = 50_000_000

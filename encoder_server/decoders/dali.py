@@ -1,9 +1,13 @@
-"""NVIDIA DALI image decoding (`--decoder dali`, the `dali` extra): a CPU pipeline here, and the `mixed`
-(nvJPEG) device when the server runs on CUDA. One pipeline per decode process, built on first use.
-JPEG only; other formats, CMYK and any image DALI refuses go through PIL."""
+"""The `dali` backend (NVIDIA DALI, the `dali` extra): a CPU pipeline in a decode process, and the `mixed`
+(nvJPEG) device when the server runs on CUDA. One pipeline per process, built on first use. JPEG only, full
+decode only; other formats, CMYK and any image DALI refuses go to the `pil` backend. libjpeg's truncation
+warnings are checked first (jpeg_check): DALI decodes a truncated file with grey rows."""
 from __future__ import annotations
 
 import numpy as np
+
+from .base import DecodeRequest, Decoded, Stage
+from .jpeg_check import check_jpeg_data
 
 _PIPES: dict = {}  # "cpu" / "mixed" -> a built pipeline (one per process, used by one thread at a time)
 
@@ -56,3 +60,21 @@ def decode_jpeg_dali_tensor(data: bytes, device):
     out = torch.empty(tuple(image.shape()), dtype=torch.uint8, device=device)
     feed_ndarray(image, out, cuda_stream=torch.cuda.current_stream(device))
     return out
+
+
+class DaliDecoder:
+    name = "dali"
+
+    def decode(self, data: bytes, request: DecodeRequest) -> Decoded:
+        p = request.probe
+        if p.complete_jpeg and request.draft_size is None:
+            check_jpeg_data(data)
+            try:
+                pixels = decode_jpeg_dali(data) if request.device is None else decode_jpeg_dali_tensor(data, request.device)
+            except Exception:  # noqa: BLE001 - CMYK, progressive oddities...: PIL knows them and words its errors
+                pixels = None
+            if pixels is not None and pixels.ndim == 3 and pixels.shape[2] == 3:
+                return Decoded(pixels, p.oriented_size, 1, Stage.DECODED)
+        from . import get_decoder
+
+        return get_decoder("pil").decode(data, request)
