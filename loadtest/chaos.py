@@ -121,7 +121,7 @@ class Node:
     router: int
     encoders: dict[str, int] = field(default_factory=dict)    # "127.0.0.1:PORT" -> pid
     decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
-    llm: tuple[str, int] | None = None                         # (endpoint, pid)
+    llms: dict[str, int] = field(default_factory=dict)        # LLM worker endpoint -> pid (--llm-workers N)
     redis: int | None = None
 
     def roles(self) -> dict[str, int]:
@@ -130,8 +130,8 @@ class Node:
             out[f"encoder{i}"] = self.encoders[ep]
             for j, d in enumerate(self.decoders.get(ep, [])):
                 out[f"encoder{i}.decode{j}"] = d
-        if self.llm:
-            out["llm"] = self.llm[1]
+        for i, ep in enumerate(sorted(self.llms)):
+            out[f"llm{i}"] = self.llms[ep]
         if self.redis:
             out["redis"] = self.redis
         return out
@@ -148,7 +148,7 @@ def discover(router_pid: int) -> Node:
                 node.encoders[ep] = c
                 node.decoders[ep] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
         elif " mimo_epd llm" in cl and ports:
-            node.llm = (f"127.0.0.1:{ports[0]}", c)
+            node.llms[f"127.0.0.1:{ports[0]}"] = c
         elif "redis-server" in cl:
             node.redis = c
     return node
@@ -273,7 +273,10 @@ class Campaign:
 
     # -------------------------------------------------------------- node
     def serve_args(self) -> list[str]:
+        # --http-port -1: the OpenAI HTTP API would take the fixed port 8000, which a second node (or a
+        # test running alongside) may hold.
         return ["--encoders", str(self.args.encoders), "--health-interval-s", "0.5", "--decode-workers", "2",
+                "--http-port", "-1",
                 "--shm-cache-bytes", str(256 << 20), "--port", str(self.port), *shlex.split(self.args.serve_args)]
 
     def start_node(self) -> None:
@@ -323,8 +326,9 @@ class Campaign:
             if eps:
                 ep = eps[n % len(eps)]
                 return node.decoders[ep][0], {"endpoint": ep, "decode_pids_before": node.decoders[ep]}
-        if fault == "llm" and node.llm:
-            return node.llm[1], {"endpoint": node.llm[0]}
+        if fault == "llm" and node.llms:
+            ep = sorted(node.llms)[n % len(node.llms)]
+            return node.llms[ep], {"endpoint": ep}
         if fault == "router" and self.server is not None:
             return node.router, {"endpoint": self.address, "children_before": children(node.router)}
         if fault == "redis" and node.redis:
@@ -443,8 +447,9 @@ class Campaign:
                     if pid not in now_pids and len(now_pids) >= len(info["decode_pids_before"]):
                         res["replaced_s"], res["new_pids"] = round(time.monotonic() - t_kill, 3), now_pids
                 elif fault == "llm":
-                    if node.llm and node.llm[1] != pid and health_serving(node.llm[0], 0.5):
-                        res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), node.llm[1]
+                    new = node.llms.get(info["endpoint"])
+                    if new and new != pid and health_serving(info["endpoint"], 0.5):
+                        res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), new
                 else:
                     res["replaced_s"] = round(out.get("restart_s", 0.0), 3)
             if "health_serving_s" not in res and health_serving(self.address, 0.5):
@@ -466,7 +471,7 @@ class Campaign:
             checks = {"encoders": len(node.encoders) >= expect["encoders"],
                       "decoders": all(len(node.decoders.get(ep, [])) >= expect["decoders"] for ep in node.encoders),
                       "encoder_health": all(health_serving(ep, 0.5) for ep in node.encoders),
-                      "llm": not expect["llm"] or (node.llm is not None and health_serving(node.llm[0], 0.5))}
+                      "llm": len(node.llms) >= expect["llm"] and all(health_serving(ep, 0.5) for ep in node.llms)}
             waiting = ",".join(k for k, v in checks.items() if not v)
             ok = not waiting
             if ok and self.server:
@@ -528,16 +533,16 @@ class Campaign:
         if node is None:
             raise RuntimeError(f"no process listens on {self.address}")
         self._ring_eps = sorted(node.encoders)
-        expect = {"encoders": len(node.encoders), "llm": node.llm is not None,
+        expect = {"encoders": len(node.encoders), "llm": len(node.llms),
                   "decoders": min((len(v) for v in node.decoders.values()), default=0)}
         log(f"node {self.address}: " + json.dumps(node.roles()))
         sampler = RssSampler(lambda: self.node, a.rss_interval_s)
         sampler.sample()
         sampler.start()
-        self.start_load(images_dir, with_llm=node.llm is not None)
+        self.start_load(images_dir, with_llm=bool(node.llms))
         t_load = time.monotonic()
         # warm up: every kind of request has succeeded at least once (or 30 s)
-        kinds = {"encode"} | ({"generate"} if node.llm else set())
+        kinds = {"encode"} | ({"generate"} if node.llms else set())
         t_warm = time.monotonic()
         while time.monotonic() - t_warm < a.warmup_s:
             if kinds <= {r["kind"] for r in self.reqlog.refresh() if r["code"] == "OK"}:
@@ -593,7 +598,7 @@ class Campaign:
         first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
         result = {
             "chaos": "serve", "server": self.address, "started_node": self.server is not None,
-            "encoders": len(self._ring_eps), "llm": node.llm is not None, "users": a.users,
+            "encoders": len(self._ring_eps), "llm_workers": len(node.llms), "users": a.users,
             "duration_s": a.duration_s, "fault_interval_s": round(interval, 3), "requested_faults": faults,
             "load": {"before_faults": phase(t_load, first_kill), "faults": phase(first_kill, t_end_faults),
                      "soak": phase(t_end_faults, t_end)},
