@@ -11,7 +11,15 @@ $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
 	touch $@
 
+# torchcodec (a bench peer in the dev extra) loads the system FFmpeg libraries: installed when missing (root + apt);
+# without them its benchmark entry reports the loader's error instead.
 $(VENV)/.installed-dev: pyproject.toml scripts/setup_env.sh
+	-@if ! ldconfig -p 2>/dev/null | grep -q 'libavdevice\.so\.' && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "setup: installing FFmpeg libraries for torchcodec"; \
+	  (apt-get update -qq && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libavdevice59 libavfilter8 \
+	    libavformat59 libavcodec59 libavutil57 libswscale6 libswresample4 || \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ffmpeg; }) >/dev/null 2>&1 || \
+	    echo "notice: FFmpeg libraries did not install; bench video reports why torchcodec cannot run"; fi
 	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV) dev
 	touch $@ $(VENV)/.installed
 
