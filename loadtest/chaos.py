@@ -137,18 +137,52 @@ class Node:
         return out
 
 
+_GRPC_PORT: dict[int, int] = {}
+
+
+def grpc_port(pid: int, ports: list[int]) -> int | None:
+    """The gRPC port among those `pid` listens on (a worker may also listen for metrics or KV events): the
+    `--port N` of its command line when it is one of them, else the one that answers a health check."""
+    if pid in _GRPC_PORT and _GRPC_PORT[pid] in ports:
+        return _GRPC_PORT[pid]
+    if len(ports) <= 1:
+        return ports[0] if ports else None
+    args = cmdline(pid).split()
+    named = [int(args[i + 1]) for i, a in enumerate(args[:-1]) if a == "--port" and args[i + 1].isdigit()]
+    found = next((p for p in named if p in ports), None)
+    if found is None:
+        found = next((p for p in ports if health_answers(f"127.0.0.1:{p}")), None)
+    if found is not None:
+        _GRPC_PORT[pid] = found
+    return found
+
+
+def health_answers(address: str) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    try:
+        with grpc.insecure_channel(address) as ch:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        return True
+    except grpc.RpcError as e:
+        return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.UNIMPLEMENTED)
+
+
 def discover(router_pid: int) -> Node:
     node = Node(router_pid)
     for c in children(router_pid):
         cl = cmdline(c)
         ports = sorted(listening_ports(c))
+        port = grpc_port(c, ports) if ports else None
         if " mimo_epd encoder" in cl or cl.endswith("mimo_epd encoder"):
-            if ports:
-                ep = f"127.0.0.1:{ports[0]}"
+            if port:
+                ep = f"127.0.0.1:{port}"
                 node.encoders[ep] = c
                 node.decoders[ep] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
-        elif " mimo_epd llm" in cl and ports:
-            node.llms[f"127.0.0.1:{ports[0]}"] = c
+        elif " mimo_epd llm" in cl and port:
+            node.llms[f"127.0.0.1:{port}"] = c
         elif "redis-server" in cl:
             node.redis = c
     return node
