@@ -117,10 +117,10 @@ ARENA_PREFIX = "mimo-epd-decode-"
 
 
 def remove_stale_arenas(shm_dir: str = "/dev/shm", min_age_s: float = 60.0) -> list[str]:
-    """Removes the decode arenas of servers that died before unlinking theirs (killed while their workers were
-    still starting: the name is only removed once every worker has mapped it). A name carries its server's pid;
-    an arena whose pid is alive is left alone, and so is one younger than `min_age_s` (a server in another pid
-    namespace may still be starting workers that need the name). Returns the names removed."""
+    """Removes the decode arenas of servers that died before unlinking theirs (a name now lives only between its
+    creation and the next line, but earlier versions kept it until every worker had mapped it). A name carries
+    its server's pid; an arena whose pid is alive is left alone, and so is one younger than `min_age_s` (a
+    server in another pid namespace may be between those two lines). Returns the names removed."""
     import time
 
     removed = []
