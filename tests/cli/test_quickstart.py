@@ -30,7 +30,8 @@ class Node:
         self.proc = subprocess.Popen([MIMO_EPD, "serve", "--port", "0", "--http-port", "0"], cwd=ROOT,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.stderr: list[str] = []
-        threading.Thread(target=lambda: [self.stderr.append(x) for x in self.proc.stderr], daemon=True).start()
+        self._reader = threading.Thread(target=lambda: [self.stderr.append(x) for x in self.proc.stderr], daemon=True)
+        self._reader.start()
         self.address = None
         for line in self.proc.stdout:
             if line.startswith("ready "):
@@ -45,10 +46,12 @@ class Node:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
         try:
-            return self.proc.wait(60)
+            rc = self.proc.wait(60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            rc = self.proc.wait()
+        self._reader.join(10)  # all of stderr read
+        return rc
 
 
 @pytest.fixture(scope="module")
@@ -139,5 +142,8 @@ def test_ctrl_c_shuts_down_quietly(node):
     rc = node.stop()
     log = "".join(node.stderr)
     assert rc == 0, log[-3000:]
-    assert "left the ring" not in log  # the node stopping its own encoders is not an encoder failure
+    shutdown = log[log.index("shutting down: router first"):]
+    # the node stopping its own encoders is not an encoder failure (under heavy CPU load a health check may
+    # still time out while serving; that is a real event, so only the shutdown is checked)
+    assert "left the ring" not in shutdown, shutdown
     assert "fork_posix" not in log and "skipping fork() handlers" not in log  # gRPC's fork-handler notice
