@@ -1,0 +1,157 @@
+"""One simulated LLM worker on a virtual clock: the engine's own Scheduler, SWARadixCache, SlotPool and RequestKV
+(imported, unchanged), with `SimRunner` in place of the model runner.
+
+`SimWorker` is driven by whoever owns the clock (a single-worker loop, `simulate`, or the fleet in
+mimo_epd/sim): `submit(spec, now)` queues a request, `start_step(now)` asks the scheduler for the next step and
+returns when it ends (or None when there is nothing to run), `end_step()` books the step's results at that time.
+The scheduler's `clock` is the virtual time, so TTFT, wait penalties and admission times are all virtual.
+
+Sizes are given in real tokens and divided by `unit` (runner.py explains units): pools, page, chunk, window
+(rounded up), length buckets and the wait penalty (tokens per second). With unit 1 the worker is the live
+engine's scheduling exactly (`mimo-epd sim validate` checks the cached tokens per request).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine.request import PromptTooLong, Request, SamplingParams
+from ..engine.scheduler import Scheduler
+from ..kv import SlotPool, SWARadixCache
+from .cost import CostModel
+from .runner import SimRunner, output_units
+from .trace import SimRequest
+
+
+@dataclass
+class WorkerConfig:
+    full_tokens: int = 16384  # KV pool sizes in real tokens
+    swa_tokens: int = 4096
+    page_size: int = 1
+    chunk_size: int = 512
+    max_running: int = 16
+    prefix_cache: bool = True
+    release_interval: int = 16
+    fcfs: bool = False
+    wait_penalty: float = 2048.0  # tokens per second waited
+    length_buckets: tuple[int, ...] = (65536, 262144)
+    unit: int = 1
+
+
+@dataclass
+class Finished:
+    """What a finished request reports (times in virtual seconds, lengths in real tokens)."""
+    index: int
+    worker: str
+    arrival: float
+    first_token: float
+    finish: float
+    prompt_len: int
+    cached_tokens: int
+    output_len: int
+    reason: str
+    meta: dict = field(default_factory=dict)
+
+
+class SimWorker:
+    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0"):
+        c, U = config, config.unit
+        self.name, self.config, self.unit = name, config, U
+        window = -(-cost.shape.window // U)
+        self.full_pool = SlotPool("full", c.full_tokens // U, max(1, c.page_size // U))
+        self.swa_pool = SlotPool("swa", c.swa_tokens // U)
+        self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
+        self.now = 0.0
+        self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=max(1, c.chunk_size // U),
+                                   max_running=c.max_running, enable_prefix_cache=c.prefix_cache,
+                                   release_interval=c.release_interval, fcfs=c.fcfs, wait_penalty=c.wait_penalty / U,
+                                   length_buckets=tuple(b // U for b in c.length_buckets), clock=lambda: self.now)
+        self.runner = SimRunner(cost, U)
+        self.finished: list[Finished] = []
+        self.rejected: list[tuple[int, str]] = []
+        self.queue_samples: list[tuple[float, int, int]] = []  # (time, waiting, running) at each step start
+        self._ids = 0
+        self._step: tuple | None = None
+        self.busy_until: float | None = None
+
+    # ----------------------------------------------------------------------------------- requests
+    def submit(self, spec: SimRequest, now: float) -> Request | None:
+        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit."""
+        self.now = max(self.now, now)
+        params = SamplingParams(max_tokens=output_units(spec.output_len, self.unit), ignore_eos=True)
+        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish)
+        self._ids += 1
+        try:
+            self.scheduler.check_fits(len(r.prompt))
+        except PromptTooLong as e:
+            self.rejected.append((spec.index, str(e)))
+            return None
+        self.runner.register(r.id, spec)
+        self.scheduler.add(r)
+        return r
+
+    def _on_finish(self, r: Request) -> None:
+        st = self.runner.states.get(r.id)
+        if st is None:
+            return
+        spec = st.spec
+        self.runner.forget(r.id)
+        self.finished.append(Finished(
+            spec.index, self.name, r.arrival, r.first_token_at if r.output else self.now, self.now, spec.prompt_len,
+            min(spec.prompt_len, r.cached_tokens * self.unit), st.generated, r.finish_reason, spec.meta))
+
+    # ----------------------------------------------------------------------------------- steps
+    def start_step(self, now: float) -> float | None:
+        """Schedules the next step at `now`; returns its end time (None: nothing to run)."""
+        self.now = max(self.now, now)
+        s = self.scheduler
+        self.queue_samples.append((self.now, len(s.waiting), len(s.running)))
+        segments = s.schedule()
+        if not segments:
+            self.busy_until = None
+            return None
+        results = self.runner.execute(segments)
+        self._step = (segments, results)
+        self.busy_until = self.now + self.runner.last_seconds
+        return self.busy_until
+
+    def end_step(self) -> None:
+        segments, results = self._step
+        self._step = None
+        self.now = self.busy_until
+        self.scheduler.complete(segments, results)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def load(self) -> dict:
+        """Queued and running tokens (real), as a live worker reports them (llm_backend.kv.events.engine_load)."""
+        s, U = self.scheduler, self.unit
+        return {"queued_tokens": sum(len(r.prompt) for r in s.waiting) * U,
+                "running_tokens": sum(len(r.prompt) + len(r.output) for r in s.running) * U,
+                "waiting": len(s.waiting), "running": len(s.running)}
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"steps": self.runner.steps, "busy_s": round(self.runner.busy_s, 3), "preemptions": s.preemptions,
+                "prefix_hit_tokens": self.cache.stats.hit_tokens * self.unit, "rejected": len(self.rejected)}
+
+
+def simulate(worker: SimWorker, requests: list[SimRequest]) -> SimWorker:
+    """Runs `requests` through one worker until every one finished: arrivals up to the current time are queued
+    before each step starts, and arrivals during a step wait for its end (as the live loop does)."""
+    arrivals = sorted(requests, key=lambda r: (r.arrival, r.index))
+    inf = float("inf")
+    i, t = 0, 0.0
+    while True:
+        while i < len(arrivals) and arrivals[i].arrival <= t:
+            worker.submit(arrivals[i], arrivals[i].arrival)  # its true arrival: TTFT counts the wait for the step
+            i += 1
+        end = worker.start_step(t) if worker.has_work() else None
+        if end is not None:
+            t = end
+            worker.end_step()
+            continue
+        nxt = arrivals[i].arrival if i < len(arrivals) else inf
+        if nxt == inf:
+            return worker
+        t = max(t, nxt)
