@@ -373,7 +373,7 @@ class Campaign:
         if fault == "router" and self.server is None:
             return "attached to --server: the campaign cannot start the node again"
         if fault == "redis":
-            return "this node runs no Redis (routers on Redis not in this build)"
+            return "this node runs no Redis (a single router; the campaign does not start the serve --join / router --router-state topology yet)"
         if fault == "llm":
             return "this node runs no LLM worker"
         return f"no {fault} process found"
