@@ -88,6 +88,14 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
         response = encoder_pb2.EncodeResponse(model=self.pipeline.model_id)
         for r in results:
             fill_item(response.items.add(), r)
+        # The pipeline refuses a reply it can size in advance; this catches any remainder (field overhead),
+        # so an unsendable reply is a clear INVALID_ARGUMENT, never a transport error after the work.
+        size, limit = response.ByteSize(), self.pipeline.config.max_message_mb << 20
+        if size > limit:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the reply is {size / (1 << 20):.1f} MiB, over the largest message this server sends "
+                                f"({self.pipeline.config.max_message_mb} MiB, --max-message-mb); send fewer or smaller "
+                                "items per request")
         return response
 
 

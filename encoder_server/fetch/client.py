@@ -23,7 +23,7 @@ from urllib.parse import unquote_to_bytes, urljoin
 import aiohttp
 import grpc
 
-from ..errors import ItemError, denied, invalid
+from ..errors import ItemError, denied, from_client_input, invalid
 from .url_policy import PolicyResolver, UrlPolicy
 
 # The policy refusals the connector made for the fetch running in this context: aiohttp reports a refused
@@ -207,19 +207,50 @@ class Fetcher:
                 raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
         raise invalid(f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)")
 
+    def _check_path(self, path: str) -> None:
+        """Refuses a path the filesystem could never open, naming why (the OS would say it as an exception)."""
+        if "\x00" in path:
+            raise invalid(f"path {path!r} contains a NUL byte")
+        try:
+            raw = os.fsencode(path)
+        except UnicodeError:
+            raise invalid(f"path {path!r} cannot be written in the server's filesystem encoding") from None
+        root = self._local_root or "/"
+        name_max = _pathconf(root, "PC_NAME_MAX", 255)
+        path_max = _pathconf(root, "PC_PATH_MAX", 4096)
+        if len(raw) >= path_max:
+            raise invalid(f"path is {len(raw)} bytes long, over the filesystem's limit of {path_max - 1} (PATH_MAX)")
+        for part in raw.split(b"/"):
+            if len(part) > name_max:
+                shown = part[:40].decode(errors="replace")
+                raise invalid(f"path component {shown!r}... is {len(part)} bytes long, over the filesystem's limit "
+                              f"of {name_max} (NAME_MAX)")
+
     def _read_local(self, path: str, limit: int) -> bytes:
         if self._local_root is None:
             raise denied("local paths are disabled on this server (start it with --allowed-local-dir DIR)")
+        self._check_path(path)
         real = os.path.realpath(path)
         if os.path.commonpath([real, self._local_root]) != self._local_root:
             raise denied(f"path {path} is outside --allowed-local-dir {self._local_root}")
         p = Path(real)
-        if not p.is_file():
-            raise ItemError(grpc.StatusCode.NOT_FOUND, f"no such file: {path}")
-        size = p.stat().st_size
-        if size > limit:
-            raise _too_large(limit)
-        return p.read_bytes()
+        try:
+            if not p.is_file():
+                raise ItemError(grpc.StatusCode.NOT_FOUND, f"no such file: {path}")
+            size = p.stat().st_size
+            if size > limit:
+                raise _too_large(limit)
+            return p.read_bytes()
+        except OSError as e:  # gone, unreadable or a special file between the checks and the read
+            err = from_client_input(e)
+            raise ItemError(err.code, f"reading {path}: {e.strerror or e}") from None
+
+
+def _pathconf(path: str, name: str, default: int) -> int:
+    try:
+        return int(os.pathconf(path, name))
+    except (OSError, ValueError):
+        return default
 
 
 def source_url_short(url: str, n: int = 120) -> str:

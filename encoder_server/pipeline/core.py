@@ -20,13 +20,13 @@ from ..batcher import Batcher, BatchItem
 from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
 from ..embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
-from ..errors import ItemError, invalid
+from ..errors import ItemError, from_client_input, invalid
 from ..fetch import FairFetchScheduler, FetchLimits, Fetcher, UrlPolicy, parse_networks, url_host
 from ..metrics import EncoderMetrics
 from ..models import LoadedVisionModel, load_vision_model
 from ..preprocess import PreprocessConfig, preprocess_images
 from .admission import Admission, InflightTable
-from .jobs import ItemRequest, ItemResult, Job, Next
+from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
 from .stages import Stages
 from .tuner import ThreadTuner
 from .video_path import TowerOnForwardThread, VideoPath
@@ -78,7 +78,8 @@ class EncodePipeline:
         self.stages = Stages(config=config, fetcher=self.fetcher, decode_pool=self.decode_pool, cache=self.cache,
                              metrics=self.metrics, inflight=self.inflight, preprocess_config=self.preprocess_config,
                              preprocess_pool=self._preprocess_pool, model_id=self.model_id,
-                             tower_dtype=self.model.module.dtype)
+                             tower_dtype=self.model.module.dtype, hidden=self.model.module.config.out_hidden_size,
+                             merge_unit=self.model.module.config.spatial_merge_size ** 2)
         self.video = VideoPath(config, self.preprocess_config,
                                TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward,
                                                     self.preprocess_config), self.cache)
@@ -166,7 +167,8 @@ class EncodePipeline:
 
     async def _encode(self, items: list[ItemRequest]) -> list[ItemResult]:
         loop = asyncio.get_running_loop()
-        jobs = [Job(i, it, loop.create_future()) for i, it in enumerate(items)]
+        reply = ReplyBudget(self.config.max_message_mb << 20)
+        jobs = [Job(i, it, loop.create_future(), reply=reply) for i, it in enumerate(items)]
         try:
             for job in jobs:
                 await self._step(job, self.stages.check)
@@ -175,8 +177,7 @@ class EncodePipeline:
                 results.append(await job.future)
             return results
         except BaseException:
-            for job in jobs:
-                job.abandoned = True
+            for job in jobs:  # a leader among them keeps going while identical items of others wait on it
                 if not job.future.done():
                     job.future.cancel()
             raise
@@ -204,6 +205,10 @@ class EncodePipeline:
         except asyncio.CancelledError:
             job.fail(ItemError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
             raise
+        except (OSError, ValueError) as e:  # the standard library refusing the client's input (a path, a name)
+            log.info("stage %s refused item %d", getattr(stage, "__name__", stage), job.index, exc_info=True)
+            job.fail(from_client_input(e))
+            return
         except Exception as e:  # a bug, not bad input: log it with its traceback, keep serving
             log.exception("stage %s failed on item %d", getattr(stage, "__name__", stage), job.index)
             job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))

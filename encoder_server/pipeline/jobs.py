@@ -6,6 +6,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+import grpc
 import torch
 
 from ..embedding_cache import CachedEmbedding
@@ -51,6 +52,31 @@ class ItemResult:
         return int(self.embedding.shape[0])
 
 
+# Bytes of an item's reply besides its embedding (key, shape, dtype, grid, timings, field tags), rounded up.
+ITEM_REPLY_OVERHEAD = 1024
+
+
+@dataclass
+class ReplyBudget:
+    """The bytes one request's reply will take, charged item by item as sizes become known (after
+    preprocessing, before the forward; or on a cache hit), so a reply that cannot be sent under
+    --max-message-mb is refused before the work, not after it."""
+    limit: int
+    used: int = 0
+
+    def charge(self, job: "Job", nbytes: int, what: str) -> None:
+        if job.charged:
+            return
+        job.charged = nbytes + ITEM_REPLY_OVERHEAD
+        self.used += job.charged
+        if self.used > self.limit:
+            mib = 1 << 20
+            raise ItemError(grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the reply would be {self.used / mib:.1f} MiB, over the largest message this server sends "
+                            f"({self.limit / mib:g} MiB, --max-message-mb); this item's embedding is {what} = "
+                            f"{nbytes / mib:.1f} MiB; send fewer or smaller items per request")
+
+
 @dataclass(eq=False)
 class Job:
     index: int
@@ -63,20 +89,38 @@ class Job:
     batch_item: object = None  # the BatchItem, once preprocessed
     followers: list["Job"] = field(default_factory=list)
     sampling: object = None  # VideoSampling for video items
-    abandoned: bool = False  # its request already failed; finish only if others wait on it
+    reply: ReplyBudget | None = None  # its request's reply size budget
+    charged: int = 0  # bytes charged to `reply` for this item
 
     @property
     def wanted(self) -> bool:
-        return not self.future.done() and (not self.abandoned or any(not f.future.done() for f in self.followers))
+        """Someone still waits for this item: its own request, or identical items attached to it (a leader
+        whose request failed keeps going for its followers)."""
+        return not self.future.done() or any(not f.future.done() for f in self.followers)
 
     def fail(self, err: ItemError) -> None:
         for job in [self, *self.followers]:
-            if not job.future.done():
-                job.future.set_exception(ItemError(err.code, err.reason, job.index))
+            job.fail_self(err)
+
+    def fail_self(self, err: ItemError) -> None:
+        """Fails this item's own request only; followers keep waiting for the result."""
+        if not self.future.done():
+            self.future.set_exception(ItemError(err.code, err.reason, self.index))
 
     def succeed(self, emb: CachedEmbedding, cache_hit: bool) -> None:
-        if not self.future.done():
-            self.future.set_result(ItemResult(self.key, emb.embedding, emb.grid_thw, cache_hit, self.timings_ms, emb.meta))
+        self._resolve(ItemResult(self.key, emb.embedding, emb.grid_thw, cache_hit, self.timings_ms, emb.meta))
         for f in self.followers:
-            if not f.future.done():
-                f.future.set_result(ItemResult(f.key, emb.embedding, emb.grid_thw, True, f.timings_ms, emb.meta))
+            f._resolve(ItemResult(f.key, emb.embedding, emb.grid_thw, True, f.timings_ms, emb.meta))
+
+    def _resolve(self, result: ItemResult) -> None:
+        if self.future.done():
+            return
+        if self.reply is not None:
+            e = result.embedding
+            try:
+                self.reply.charge(self, e.numel() * e.element_size(), f"{e.shape[0]} x {e.shape[1]} {e.dtype}"
+                                  .replace("torch.", ""))
+            except ItemError as err:
+                self.fail_self(err)
+                return
+        self.future.set_result(result)

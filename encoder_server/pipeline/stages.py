@@ -42,6 +42,8 @@ class Stages:
     preprocess_pool: concurrent.futures.ThreadPoolExecutor
     model_id: str
     tower_dtype: torch.dtype
+    hidden: int  # embedding width (the tower's out_hidden_size)
+    merge_unit: int  # patches per embedding row (spatial_merge_size ** 2)
     _fallbacks_seen: int = 0
 
     def __post_init__(self):
@@ -149,7 +151,16 @@ class Stages:
         except ImageSizeError as e:
             raise invalid(str(e).removeprefix("image 0: ")) from None
         self.account(job, "preprocess", t0)
-        job.batch_item = BatchItem(pv, tuple(grid[0].tolist()), job)
+        grid_thw = tuple(grid[0].tolist())
+        if job.reply is not None:  # the embedding's size is known now: refuse an unsendable reply before the forward
+            rows = grid_thw[0] * grid_thw[1] * grid_thw[2] // self.merge_unit
+            size = self.tower_dtype.itemsize
+            try:
+                job.reply.charge(job, rows * self.hidden * size,
+                                 f"{rows} tokens x {self.hidden} x {size} bytes ({str(self.tower_dtype).removeprefix('torch.')})")
+            except ItemError as e:
+                job.fail_self(e)  # identical items of other requests attached to it still get it
+        job.batch_item = BatchItem(pv, grid_thw, job)
         return Next.BATCH
 
     def _preprocess_one(self, decoded):

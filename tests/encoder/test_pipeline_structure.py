@@ -104,3 +104,29 @@ def test_decode_fallback_metric_counts_images_too_large_for_a_slot():
                      [ItemRequest(MediaSource("data", encode_image(textured(300, 200, seed=3), "JPEG")))]))
     assert p.decode_pool.fallbacks == 2
     assert p.metrics.registry.get_sample_value("encoder_decode_pickled_total") == 2
+
+
+def test_identical_item_of_another_request_is_answered_when_the_leaders_request_fails():
+    """Request A's item leads, request B's identical item attaches to it, then A fails (another of its
+    items was bad: A's futures are cancelled). The leader keeps going for B, and B gets the embedding."""
+    p, _ = pipeline(cache_bytes=0)
+
+    async def go():
+        await p.start()
+        try:
+            from encoder_server.pipeline import Job
+
+            loop = asyncio.get_running_loop()
+            leader = Job(0, ItemRequest(MediaSource("data", JPEG)), loop.create_future())
+            follower = Job(0, ItemRequest(MediaSource("data", JPEG)), loop.create_future())
+            assert await p.stages.acquire(leader) is Next.DECODE
+            assert await p.stages.acquire(follower) is Next.ATTACHED
+            leader.future.cancel()  # what EncodePipeline._encode does when A fails
+            assert leader.wanted
+            await p._step(leader, p.stages.decode)  # decode -> preprocess -> batcher, as the workers do
+            result = await asyncio.wait_for(follower.future, 60)
+            assert result.num_tokens > 0 and result.cache_hit
+        finally:
+            await p.stop()
+
+    asyncio.run(go())
