@@ -119,3 +119,50 @@ class PagedBatch:
                 og = fn(qg, k_cache, v_cache, g.slot_table, g.kv_lens, g.q_starts, scale, sliding_window, sinks)
             out[g.rows] = og.to(out.dtype)
         return out
+
+
+class ContiguousKV:
+    """One sequence's KV in pools of its own, token i in slot i of both pools: how a single sequence runs through
+    the model's one attention path (`model(ids, positions, kv)`: references, tests, parity checks). The pools are
+    allocated on first use with the activations' dtype and device, and doubled when a sequence outgrows them."""
+
+    def __init__(self, cfg, capacity: int = 1024):
+        self.cfg, self.capacity = cfg, capacity
+        self.pools: KVPools | None = None
+        self.length = 0
+
+    def _ensure(self, need: int, like: torch.Tensor) -> KVPools:
+        if self.pools is None:
+            self.pools = KVPools(self.cfg, self.capacity, self.capacity, like.dtype, like.device)
+        while need > self.capacity:
+            old, self.capacity = self.pools, self.capacity * 2
+            self.pools = KVPools(self.cfg, self.capacity, self.capacity, like.dtype, like.device)
+            for d_new, d_old in ((self.pools.k, old.k), (self.pools.v, old.v)):
+                for layer, t in d_old.items():
+                    d_new[layer][: t.shape[0]] = t
+        return self.pools
+
+    def step(self, start: int, n: int) -> "PagedBatch":
+        """The `PagedBatch` of tokens [start, start + n); they must follow the tokens already stored."""
+        if start != self.length:
+            raise ValueError(f"ContiguousKV holds {self.length} tokens; the next step must start there, not at {start}")
+        device = next(iter(self.pools.k.values())).device if self.pools is not None else None
+        like = torch.empty(0, device=device) if device is not None else torch.empty(0)
+        return _LazyPagedBatch(self, start, n, like)
+
+
+class _LazyPagedBatch:
+    """Builds the `PagedBatch` at the first `attend`, when the activations' dtype and device are known."""
+
+    def __init__(self, kv: ContiguousKV, start: int, n: int, like: torch.Tensor):
+        self.kv, self.start, self.n = kv, start, n
+        self._batch: PagedBatch | None = None
+
+    def attend(self, layer: int, q, k, v, scale, sliding_window, sinks):
+        if self._batch is None:
+            end = self.start + self.n
+            pools = self.kv._ensure(end, k)
+            slots = list(range(end))
+            self._batch = PagedBatch(pools, [(slots, list(slots), self.start, self.n)])
+            self.kv.length = end
+        return self._batch.attend(layer, q, k, v, scale, sliding_window, sinks)

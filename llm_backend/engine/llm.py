@@ -34,7 +34,7 @@ class LLM:
         (`enable_prefix_cache` and `wait_penalty_tokens_per_s` are accepted for `prefix_cache` / `wait_penalty`,
         `length_buckets` as a tuple too)."""
         known = {f.name for f in fields(LLMConfig)}
-        kw = {}
+        kw: dict = {}
         for k, v in options.items():
             k = _ALIASES.get(k, k)
             if k not in known:
@@ -214,7 +214,7 @@ class LLM:
         return RequestOutput(
             request_id=r.id, prompt_token_ids=r.prompt, output_token_ids=r.output,
             text=self.tokenizer.decode(r.output), logprobs=r.logprobs if p.logprobs else None,
-            prompt_logprobs=([None] + r.prompt_logprobs) if p.prompt_logprobs else None,
+            prompt_logprobs=[None, *r.prompt_logprobs] if p.prompt_logprobs else None,
             usage=Usage(len(r.prompt), r.cached_tokens, len(r.output)), finish_reason=r.finish_reason)
 
 

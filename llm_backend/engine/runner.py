@@ -42,7 +42,9 @@ class ModelRunner:
         return ids, torch.arange(start, start + n, device=self.device), None, embeds
 
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
-        paged = PagedBatch(self.pools, [(s.request.kv.full, s.request.kv.swa, s.start, s.n) for s in segments])
+        kvs = [s.request.kv for s in segments]
+        assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
+        paged = PagedBatch(self.pools, [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)])  # type: ignore[union-attr]
         logits = self.model.forward_batch([self._inputs(s) for s in segments],
                                           ["all" if s.all_logits else "last" for s in segments], paged)
         return [self._result(s, lg) for s, lg in zip(segments, logits)]

@@ -132,12 +132,14 @@ class Scheduler:
 
     def _segment(self, r: Request) -> Segment | None:
         """Reserves slots for r's next chunk or token, preempting younger requests if needed."""
+        kv = r.kv
+        assert kv is not None, "a running request has its KV"
         while True:
-            start = len(r.kv.tokens)
+            start = len(kv.tokens)
             n = min(self.chunk_size, len(r.tokens) - start)
             if self.cache.make_room(n + self.full_pool.page_size, n):  # a new page at most beyond n
                 try:
-                    r.kv.extend(r.tokens[start:start + n])
+                    kv.extend(r.tokens[start:start + n])
                     return Segment(r, start, n)
                 except PoolExhausted:
                     pass
@@ -173,6 +175,7 @@ class Scheduler:
                 continue
             r.prompt_logprobs.extend(res.prompt_logprobs)
             kv = r.kv
+            assert kv is not None, "a running request has its KV"
             if self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt):
                 kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
             else:
@@ -273,6 +276,7 @@ class Scheduler:
         return True
 
     def _release(self, r: Request) -> None:
+        assert r.kv is not None
         r.kv.finish(cache_result=False)
         r.kv = None
         self._memo(r)

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import torch
 
-from .mimo_v2_flash import ContiguousKV, KVStore, MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+from ..paged_attention import ContiguousKV
+from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "KVStore", "ContiguousKV", "TINY_LLM_CONFIG", "PRO_SHAPE_CONFIG", "load_llm",
+__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "ContiguousKV", "TINY_LLM_CONFIG", "PRO_SHAPE_CONFIG", "load_llm",
            "init_random_weights", "transformers_twin"]
 
 # The embedded default: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2,

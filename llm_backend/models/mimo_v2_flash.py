@@ -9,9 +9,10 @@ Architecture (reference.md §4):
 - layer 0 a dense SwiGLU MLP, the others MoE: sigmoid scores, `e_score_correction_bias` only for the
   choice of experts, normalised top-k weights times `routed_scaling_factor`.
 
-Attention here is the torch reference over explicit positions: queries at `q_pos` attend to cached
-keys at `k_pos` with a causal mask and, in sliding layers, `q_pos - k_pos < sliding_window`
-(transformers stores window + 1). The serving engine supplies the keys/values from its KV pools.
+Attention has one path: the paged KV pools (llm_backend/paged_attention.py), with a causal mask and, in sliding
+layers, `q_pos - k_pos < sliding_window` (transformers stores window + 1). The engine gives a step's `PagedBatch`;
+a single sequence (references, tests) uses a `ContiguousKV`. MoE experts run the fused Triton kernels on CUDA and
+their torch twin on the CPU (kernels/moe.py).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 from mimo_epd.common.layers import RMSNorm
 
 from ..kernels import triton_enabled
-from ..kernels.moe import fused_moe, topk_routing
+from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing
 
 
 @dataclass
@@ -143,24 +144,8 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Reference grouped GEMM: tokens sorted by expert, one matmul pair per expert that has tokens."""
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token_of = order // ids.shape[1]
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            sel = order[start:start + n]
-            tok = token_of[start:start + n]
-            start += n
-            gate, up = F.linear(x[tok], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e])
-            y = y * weights.reshape(-1)[sel, None]
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+        """The CPU path: tokens sorted by expert, one matmul pair per expert that has tokens (kernels/moe.py)."""
+        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids)
 
 
 class MoE(nn.Module):
@@ -192,29 +177,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat(((xr * c) + (rotated * s), xp), dim=-1)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                        scale: float, sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; positions per token. Causal (+ window) mask,
-    GQA, optional per-head sink logit. Returns [Tq, Hq, Dv]."""
-    hq, hkv = q.shape[1], k.shape[1]
-    rep = hq // hkv
-    k = k.repeat_interleave(rep, dim=1)
-    v = v.repeat_interleave(rep, dim=1)
-    logits = torch.einsum("qhd,khd->hqk", q, k) * scale
-    diff = q_pos[:, None] - k_pos[None, :]
-    allowed = diff >= 0
-    if sliding_window is not None:
-        allowed &= diff < sliding_window
-    logits = logits.masked_fill(~allowed[None], float("-inf"))
-    if sinks is not None:
-        logits = torch.cat([logits, sinks.view(-1, 1, 1).expand(-1, logits.shape[1], 1).to(logits.dtype)], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
         super().__init__()
@@ -236,11 +198,6 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(t, -1, c.head_dim)
         v = self.v_proj(x).view(t, -1, c.v_head_dim) * c.attention_value_scale
         return rotate(q, cos, sin), rotate(k, cos, sin), v
-
-    def attend(self, q, k, v, q_pos, k_pos) -> torch.Tensor:
-        o = attention_reference(q, k, v, q_pos, k_pos, self.scale, self.cfg.sliding_window if self.sliding else None,
-                                self.sinks)
-        return self.o_proj(o.reshape(o.shape[0], -1))
 
 
 class DecoderLayer(nn.Module):
@@ -276,31 +233,6 @@ class Model(nn.Module):
         self.rotary_emb = Rotary(cfg)
 
 
-class KVStore:
-    """Where a forward reads and writes keys/values. The serving engine implements it over its dual KV
-    pools; `ContiguousKV` below is the simple reference (one growing tensor per layer)."""
-
-    def write_and_read(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        """Stores this step's k/v (at `positions`) and returns (k, v, k_positions) to attend over."""
-        raise NotImplementedError
-
-
-class ContiguousKV(KVStore):
-    def __init__(self, num_layers: int):
-        self.k: list[torch.Tensor | None] = [None] * num_layers
-        self.v: list[torch.Tensor | None] = [None] * num_layers
-        self.pos: list[torch.Tensor | None] = [None] * num_layers
-
-    def write_and_read(self, layer, k, v, positions):
-        if self.k[layer] is None:
-            self.k[layer], self.v[layer], self.pos[layer] = k, v, positions
-        else:
-            self.k[layer] = torch.cat([self.k[layer], k])
-            self.v[layer] = torch.cat([self.v[layer], v])
-            self.pos[layer] = torch.cat([self.pos[layer], positions])
-        return self.k[layer], self.v[layer], self.pos[layer]
-
-
 class MiMoV2FlashForCausalLM(nn.Module):
     def __init__(self, cfg: MiMoV2FlashConfig):
         super().__init__()
@@ -311,18 +243,18 @@ class MiMoV2FlashForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, kv: KVStore,
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, kv,
                 inputs_embeds: torch.Tensor | None = None, logits_for: str = "all") -> torch.Tensor:
-        """One sequence's new tokens [T] at `positions` [T] (media embeddings may replace token
-        embeddings through `inputs_embeds`); returns logits [T, vocab] ("all") or [1, vocab] ("last")."""
-        return self.forward_batch([(input_ids, positions, kv, inputs_embeds)], [logits_for])[0]
+        """One sequence's new tokens [T] at consecutive `positions` [T], over its own `ContiguousKV`
+        (llm_backend.paged_attention; references and tests); returns logits [T, vocab] ("all") or [1, vocab]."""
+        start, n = int(positions[0]), int(positions.shape[0])
+        return self.forward_batch([(input_ids, positions, None, inputs_embeds)], [logits_for], kv.step(start, n))[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segments: list, logits_for: list[str], paged=None) -> list[torch.Tensor]:
-        """Several sequences' new tokens in one pass: segments = [(input_ids, positions, kv, inputs_embeds)].
-        Projections, MLPs and experts run once over all tokens (one GEMM each). Attention runs either per
-        sequence over its own `KVStore`, or, when `paged` (the engine's `PagedBatch`) is given, over the
-        paged KV pools for all sequences at once (the segments' kv is then unused).
+    def forward_batch(self, segments: list, logits_for: list[str], paged) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one pass: segments = [(input_ids, positions, _, inputs_embeds)].
+        Projections, MLPs and experts run once over all tokens (one GEMM each); attention runs over the paged
+        KV pools for all sequences at once (`paged`: a `PagedBatch` describing the step).
         Returns each segment's logits ("all" tokens or the "last" one)."""
         m = self.model
         xs = [m.embed_tokens(ids) if emb is None else emb for ids, _, _, emb in segments]
@@ -336,18 +268,8 @@ class MiMoV2FlashForCausalLM(nn.Module):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
-            if paged is not None:
-                o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None,
-                                 attn.sinks)
-                x = x + attn.o_proj(o.reshape(o.shape[0], -1))
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-                continue
-            outs = []
-            for j, (_, pos, kv, _) in enumerate(segments):
-                a, b = bounds[j], bounds[j + 1]
-                keys, values, key_pos = kv.write_and_read(i, k[a:b], v[a:b], pos)
-                outs.append(attn.attend(q[a:b], keys, values, pos, key_pos))
-            x = x + (torch.cat(outs) if len(outs) > 1 else outs[0])
+            o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None, attn.sinks)
+            x = x + attn.o_proj(o.reshape(o.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         results = []
         for j, mode in enumerate(logits_for):

@@ -21,7 +21,7 @@ def small_model(window: int, kv_heads: int, seed: int = 0) -> MiMoV2FlashForCaus
 
 
 def reference_greedy(model, prompt: list[int], steps: int) -> list[int]:
-    kv = ContiguousKV(model.config.num_hidden_layers)
+    kv = ContiguousKV(model.config)
     logits = model(torch.tensor(prompt), torch.arange(len(prompt)), kv, logits_for="last")
     out = []
     for i in range(steps):

@@ -1,8 +1,8 @@
 """The LLM Triton kernels equal their torch twins, and the twins equal the model's own reference code.
 
 Three-way checks anchor everything to `llm_backend.models.mimo_v2_flash` (parity-tested against the real
-model): attention against `attention_reference` on the gathered keys, routing against `TopkRouter`, the
-expert GEMMs against `Experts`. Without CUDA the kernels run under TRITON_INTERPRET=1 (set by
+model): attention against `tests/llm/reference.attention_reference` on the gathered keys, routing against
+`TopkRouter`, the expert GEMMs against a per-token reference (`moe_reference`). Without CUDA the kernels run under TRITON_INTERPRET=1 (set by
 tests/conftest.py before Triton is imported), so shapes stay small; D != Dv and neither a power of two
 exercises the masked head-dim blocks, and kv lengths cross key blocks and window edges.
 """
@@ -13,7 +13,8 @@ triton = pytest.importorskip("triton")
 from llm_backend.kernels import (  # noqa: E402
     align_by_expert, decode_attention, decode_attention_torch, extend_attention, extend_attention_torch, fused_moe,
     fused_moe_torch, topk_routing, topk_routing_torch, triton_enabled)
-from llm_backend.models.mimo_v2_flash import Experts, MiMoV2FlashConfig, TopkRouter, attention_reference  # noqa: E402
+from llm_backend.models.mimo_v2_flash import Experts, MiMoV2FlashConfig, TopkRouter  # noqa: E402
+from tests.llm.reference import attention_reference, moe_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HKV, REP, D, DV = 2, 3, 24, 16
@@ -149,7 +150,7 @@ def test_fused_moe(n_tokens):
     out = fused_moe(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids)
     ref = fused_moe_torch(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids)
     with torch.no_grad():
-        model = experts(x, weights, ids)
+        model = moe_reference(x, experts.gate_up_proj.data, experts.down_proj.data, weights, ids)
     assert out.shape == x.shape and out.dtype == x.dtype
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ref, model, atol=1e-5, rtol=1e-5)

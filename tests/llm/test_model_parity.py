@@ -56,7 +56,7 @@ def test_prefill_logits_match(pair, length):
     n = max(2, w - 1) if length == "short" else 10 * w + 3
     ids = torch.randint(0, ours.config.vocab_size, (n,), generator=torch.Generator().manual_seed(n))
     ref = hf_logits(hf, ids)
-    out = ours(ids, torch.arange(n), ContiguousKV(ours.config.num_hidden_layers))
+    out = ours(ids, torch.arange(n), ContiguousKV(ours.config))
     assert (out - ref).abs().max().item() <= TOL
 
 
@@ -67,7 +67,7 @@ def test_chunked_and_incremental_equal_one_pass(pair):
     ids = torch.randint(0, ours.config.vocab_size, (n,), generator=torch.Generator().manual_seed(7))
     ref = hf_logits(hf, ids)
     for chunk in (max(1, w - 1), w + 3):  # chunk < window and > window
-        kv = ContiguousKV(ours.config.num_hidden_layers)
+        kv = ContiguousKV(ours.config)
         outs = [ours(ids[s:s + chunk], torch.arange(s, min(n, s + chunk)), kv) for s in range(0, n, chunk)]
         assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
@@ -80,7 +80,7 @@ def test_greedy_decoding_five_windows_past_the_prompt(pair):
     with torch.no_grad():
         ref = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
                           eos_token_id=None, pad_token_id=0)[0, len(prompt):]
-    kv = ContiguousKV(ours.config.num_hidden_layers)
+    kv = ContiguousKV(ours.config)
     logits = ours(prompt, torch.arange(len(prompt)), kv, logits_for="last")
     got = []
     for i in range(steps):
@@ -99,7 +99,7 @@ def test_tiny_default_loads_into_transformers():
     hf.load_state_dict({**hf.state_dict(), **ours.state_dict(),
                         **{k: v for k, v in ours.named_buffers() if "e_score_correction_bias" in k}})
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
-    assert (ours(ids, torch.arange(40), ContiguousKV(8)) - hf_logits(hf, ids)).abs().max().item() <= TOL
+    assert (ours(ids, torch.arange(40), ContiguousKV(ours.config)) - hf_logits(hf, ids)).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("page,chunk_vs_window", [(1, "smaller"), (4, "larger"), (16, "smaller")])
