@@ -123,6 +123,11 @@ class SimWorker:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def stepping(self) -> bool:
+        """Between start_step and end_step."""
+        return self._step is not None
+
     def load(self) -> dict:
         """Queued and running tokens (real), as a live worker reports them (llm_backend.kv.events.engine_load)."""
         s, U = self.scheduler, self.unit

@@ -13,6 +13,8 @@ BENCHMARKS = (
     ("kv", "kv_capacity", "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
     ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
     ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers generate (tiny, CPU)"),
+    ("scheduler", "scheduler", "simulated wait-queue policies on the long-context mix: TTFT vs FCFS at 70-90% load"),
+    ("routing", "routing", "simulated fleet on the Mooncake trace: every routing policy, 2/4/8 workers, 60-90% load"),
 )
 
 
