@@ -150,8 +150,6 @@ def main(args) -> dict:
                    "swa_pool_sizing": "auto (W(+N) per sequence + one chunk)" if args.swa_share is None
                    else f"--swa-share {args.swa_share}"},
         "contexts": rows,
-        "goal": "measured >= 0.97x theoretical at every context",
-        "goal_met": all(r["fraction_of_theoretical"] >= 0.97 for r in rows),
         "seconds": round(time.perf_counter() - t0, 2),
     }
 
