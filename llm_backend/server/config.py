@@ -1,49 +1,34 @@
-"""The LLM worker's serving flags (HTTP API, admission limits); the engine's own flags live with the engine."""
+"""The serving layer's settings (HTTP API, admission), read from the worker's flags. The flags themselves are
+fields of `LLMConfig` (llm_backend/config.py, the one flag source of `mimo-epd llm`), so the defaults here
+are taken from there."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+
+from llm_backend.config import LLMConfig
+
+
+def _default(name: str):
+    return field(default=LLMConfig.__dataclass_fields__[name].default)
 
 
 @dataclass
 class ServerConfig:
-    http_port: int = 0  # 0 = a free port (printed as `http HOST:PORT` before `ready`), -1 = no HTTP API
-    served_model_name: str = ""  # empty = the model's name (`tiny`, or the checkpoint directory's name)
-    chat_template: str = ""  # a jinja file overriding the checkpoint's template
-    max_waiting: int = 1024  # requests waiting for admission; beyond it new ones get 429 / RESOURCE_EXHAUSTED
-    default_max_tokens: int = 256  # chat completions without max_tokens
-    media_timeout_s: float = 60.0  # deadline for the encoder to answer a request's media
-
-    @staticmethod
-    def add_arguments(parser) -> None:
-        """Adds the flags the parser does not have yet (the engine's LLMConfig may define --http-port and
-        --max-waiting itself: one flag, one value, read by both)."""
-        have = set(getattr(parser, "_option_string_actions", {}))
-
-        def add(flag, **kw):
-            if flag not in have:
-                parser.add_argument(flag, **kw)
-
-        add("--http-port", type=int, default=0,
-            help="OpenAI-compatible HTTP API port; 0 = any free port, -1 = off (default: 0)")
-        add("--served-model-name", default="",
-            help="model id in the HTTP API (default: the model's name)")
-        add("--chat-template", default="",
-            help="jinja chat template file overriding the checkpoint's (default: the checkpoint's)")
-        add("--max-waiting", type=int, default=1024,
-            help="requests waiting for admission before new ones are refused with 429 (default: 1024)")
-        add("--default-max-tokens", type=int, default=256,
-            help="completion tokens of a chat request that sets no max_tokens (default: 256)")
-        add("--media-timeout-s", type=float, default=60.0,
-            help="seconds the encoder may take for one request's media (default: 60)")
+    http_port: int = _default("http_port")  # 0 = a free port (printed as `http HOST:PORT` before `ready`), -1 = off
+    served_model_name: str = _default("served_model_name")  # empty = `tiny` or the checkpoint directory's name
+    chat_template: str = _default("chat_template")  # a jinja file overriding the checkpoint's template
+    max_waiting: int = _default("max_waiting")  # waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED
+    default_max_tokens: int = _default("default_max_tokens")  # chat completions without max_tokens
+    media_timeout_s: float = _default("media_timeout_s")  # deadline for the encoder to answer a request's media
 
     @classmethod
-    def from_engine(cls, engine) -> "ServerConfig":
-        """Defaults, with the engine config's http_port / max_waiting where it has them."""
+    def from_engine(cls, engine) -> ServerConfig:
+        """The settings of the engine's LLMConfig (defaults for an engine built without one)."""
         cfg = getattr(engine, "config", None)
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls) if hasattr(cfg, f.name)})
 
     @classmethod
-    def from_args(cls, args) -> "ServerConfig":
+    def from_args(cls, args) -> ServerConfig:
         cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
         if cfg.http_port < -1 or cfg.http_port > 65535:
             raise ValueError(f"--http-port must be -1, 0 or a port number, got {cfg.http_port}")

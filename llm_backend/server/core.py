@@ -15,8 +15,6 @@ through the encoder), admit it to the engine, and turn the engine's token callba
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -24,6 +22,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
@@ -51,7 +50,7 @@ class ServeError(Exception):
         self.param, self.err_code, self.retry_after = param, err_code, retry_after
 
     @staticmethod
-    def invalid(message: str, param: str | None = None, err_code: str | None = None) -> "ServeError":
+    def invalid(message: str, param: str | None = None, err_code: str | None = None) -> ServeError:
         return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param, err_code=err_code)
 
 
@@ -111,11 +110,10 @@ class Result:
 
 
 class GenerationCore:
-    def __init__(self, engine, encoder_address: str | None = None, metrics=None, max_waiting: int = 256,
-                 default_max_tokens: int = 256, model_name: str = "tiny", max_message_mb: int = 512):
+    def __init__(self, engine, encoder_address: str | None = None, metrics=None, default_max_tokens: int = 256,
+                 model_name: str = "", max_message_mb: int = 512):
         self.engine = engine
         self.metrics = metrics
-        self.max_waiting = max_waiting
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name or getattr(engine, "model_name", "") or "tiny"
         self.encoder = None
@@ -125,15 +123,8 @@ class GenerationCore:
                 ("grpc.max_send_message_length", max_message_mb << 20)])
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
         self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
-        self._abort_reason = "reason" in inspect.signature(engine.abort).parameters
-        self._param_fields = {f.name for f in dataclasses.fields(self._params_cls())}
 
     # ------------------------------------------------------------------------------------ facts
-    def _params_cls(self):
-        from llm_backend import SamplingParams
-
-        return SamplingParams
-
     @property
     def tokenizer(self):
         return self.engine.tokenizer
@@ -144,20 +135,14 @@ class GenerationCore:
 
     @property
     def max_model_len(self) -> int:
-        return int(getattr(self.engine, "max_model_len", 0) or self.engine.full_pool.size)
+        return int(self.engine.max_model_len)
 
     @property
-    def eos_token_id(self) -> int | None:
-        return getattr(self.tokenizer, "eos_token_id", None)
+    def max_waiting(self) -> int:
+        return self.engine.config.max_waiting
 
     def stats(self) -> dict:
-        e = self.engine
-        if hasattr(e, "stats"):
-            return e.stats()
-        return {"running": len(e.running), "waiting": len(e.waiting),  # engines without stats()
-                "full_used": e.full_pool.size - e.full_pool.available(), "full_total": e.full_pool.size,
-                "swa_used": e.swa_pool.size - e.swa_pool.available(), "swa_total": e.swa_pool.size,
-                "prefix_hit_tokens": e.cache.stats.hit_tokens, "preemptions": e.preemptions}
+        return self.engine.stats()
 
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The engine tokenizer's ids (BOS first where it has one); without special tokens for text that a
@@ -168,9 +153,9 @@ class GenerationCore:
         return list(inner.encode(text, add_special_tokens=False).ids)
 
     def check_serving(self) -> None:
-        if getattr(self.engine, "loop_error", None) or not self.engine_alive():
+        if self.engine.loop_error is not None or not self.engine_alive():
             raise ServeError(grpc.StatusCode.UNAVAILABLE,
-                             f"the engine is down: {getattr(self.engine, 'loop_error', None) or 'its loop stopped'}")
+                             f"the engine is down: {self.engine.loop_error or 'its loop stopped'}")
 
     # ------------------------------------------------------------------------------------ media
     async def encode_media(self, items: list[encoder_pb2.MediaItem], timeout: float | None
@@ -228,33 +213,20 @@ class GenerationCore:
                 f"this worker holds at most {self.max_model_len} tokens per request, but {prompt_len + max_tokens} "
                 f"were asked for ({prompt_len} in the prompt, {max_tokens} in the completion); lower max_tokens",
                 param="max_tokens", err_code="context_length_exceeded")
-        stops = tuple(int(t) for t in stop_token_ids)
-        values = dict(max_tokens=max_tokens, stop_token_ids=stops, **kw)
-        if "ignore_eos" in self._param_fields:
-            values["ignore_eos"] = ignore_eos
-        elif not ignore_eos and self.eos_token_id is not None:  # an engine that does not stop at EOS itself
-            values["stop_token_ids"] = stops + (self.eos_token_id,)
         if top_logprobs:
-            if "top_logprobs" not in self._param_fields:
-                raise ServeError.invalid("top_logprobs is not supported by this engine", param="top_logprobs")
-            values["top_logprobs"] = top_logprobs
-            values["logprobs"] = True
-        params = self._params_cls()(**values)
+            kw["logprobs"] = True
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(int(t) for t in stop_token_ids),
+                                ignore_eos=ignore_eos, top_logprobs=top_logprobs, **kw)
+        cfg = self.engine.config
         try:
-            params.validate()
+            params.validate(cfg.max_tokens_limit, cfg.max_temperature)
         except ValueError as e:
             raise ServeError.invalid(str(e)) from None
         return params
 
-    def start(self, prep: Prepared, params, stop: list[str] | tuple[str, ...] = ()) -> "Generation":
+    def start(self, prep: Prepared, params, stop: list[str] | tuple[str, ...] = ()) -> Generation:
+        """Admits the request (the engine refuses it beyond --max-waiting: 429 / RESOURCE_EXHAUSTED)."""
         self.check_serving()
-        waiting = self.stats().get("waiting", 0)
-        if self.max_waiting and waiting >= self.max_waiting:
-            if self.metrics:
-                self.metrics.rejected.inc()
-            raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                             f"the worker is overloaded: {waiting} requests waiting (--max-waiting {self.max_waiting}); "
-                             "retry later", retry_after=1.0, err_code="overloaded")
         return Generation(self, prep, params, stop)
 
     async def generate(self, prep: Prepared, params, stop=()) -> Result:
@@ -272,17 +244,9 @@ class GenerationCore:
             gen.cancel()
         raise AssertionError("unreachable: events() always ends with a Final")
 
-    def abort(self, r, reason: str | None = None) -> None:
-        if reason and self._abort_reason:
-            self.engine.abort(r, reason=reason)
-        else:
-            self.engine.abort(r)
-
-
-def _engine_error(name: str):
-    import llm_backend.engine as eng  # PromptTooLong / OverloadedError, where the engine has them
-
-    return getattr(eng, name, None)
+    def abort(self, r, reason: str = "abort") -> None:
+        """"abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
+        self.engine.abort(r, reason=reason)
 
 
 class Generation:
@@ -295,37 +259,28 @@ class Generation:
         tok = core.tokenizer
         self.detok = IncrementalDetokenizer(tok, prep.prompt, core.vocab_size)
         self.stopper = StopMatcher(list(stop))
-        self.stop_ids = set(params.stop_token_ids)
-        if not getattr(params, "ignore_eos", False) and core.eos_token_id is not None:
-            self.stop_ids.add(core.eos_token_id)
-        self.want_top = int(getattr(params, "top_logprobs", 0) or 0)
+        self.want_top = params.top_logprobs
         self.done = False
         self.n_tokens = 0
         self.matched: str | int | None = None
-        push = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)  # noqa: E731
+        push = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
-        def on_token(r, t, lp):
-            top = None
-            if self.want_top:
-                tl = getattr(r, "top_logprobs", None)
-                top = list(tl[-1]) if tl else None
-            push(("token", t, lp, top))
+        def on_token(r, t, lp):  # the engine thread: read this position's alternatives now
+            push(("token", t, lp, list(r.top_logprobs[-1]) if self.want_top and r.top_logprobs else None))
 
         try:
             self.r = core.engine.add_request(prep.prompt, params, prep.media, on_token=on_token,
                                              on_finish=lambda r: push(("end", None, None, None)))
+        except PromptTooLong as e:
+            raise ServeError.invalid(str(e), param="messages", err_code="context_length_exceeded") from None
         except ValueError as e:
-            too_long = _engine_error("PromptTooLong")
-            code = "context_length_exceeded" if too_long and isinstance(e, too_long) else None
-            raise ServeError.invalid(str(e), param="messages" if code else None, err_code=code) from None
-        except RuntimeError as e:
-            overloaded = _engine_error("OverloadedError")
-            if overloaded is None or not isinstance(e, overloaded):
-                raise
+            raise ServeError.invalid(str(e)) from None
+        except OverloadedError as e:
             if core.metrics is not None:
                 core.metrics.rejected.inc()
             raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the worker is overloaded: {e}", retry_after=1.0,
                              err_code="overloaded") from None
+        self.stop_ids = self.r.stop_ids  # stop_token_ids, and the model's EOS unless ignore_eos
 
     async def events(self):
         core, m = self.core, self.core.metrics
@@ -361,7 +316,7 @@ class Generation:
         self.done = True
         r = self.r
         reason = r.finish_reason or "abort"
-        if reason.startswith("error"):
+        if reason == "error":
             if m is not None:
                 m.finished.labels("error").inc()
             raise self._error()
@@ -381,8 +336,7 @@ class Generation:
 
     def _error(self) -> ServeError:
         r = self.r
-        msg = getattr(r, "error", None) or r.finish_reason.removeprefix("error: ").removeprefix("error")
-        code = getattr(r, "error_code", None) or "resource_exhausted"
+        msg, code = r.error, r.error_code
         grpc_code = {"resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid": grpc.StatusCode.INVALID_ARGUMENT
                      }.get(code, grpc.StatusCode.INTERNAL)
         return ServeError(grpc_code, msg or "the request failed", retry_after=1.0 if code == "resource_exhausted" else None)

@@ -127,7 +127,7 @@ class LLMHTTPServer:
                                   "tokenizer_path": self.model_path, "dp_size": 1, "tp_size": 1,
                                   "context_length": self.core.max_model_len,
                                   "max_total_num_tokens": s.get("full_total"), "max_running_requests":
-                                  getattr(self.core.engine, "max_running", None),
+                                  self.core.engine.config.max_running,
                                   "max_waiting": self.core.max_waiting, "chat_template": self.template.origin,
                                   "internal_states": [s]})
 

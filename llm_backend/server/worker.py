@@ -28,8 +28,8 @@ async def serve_llm(engine, host: str, port: int, encoder_address: str | None, g
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     metrics = LLMMetrics()
-    core = GenerationCore(engine, encoder_address, metrics, max_waiting=config.max_waiting,
-                          default_max_tokens=config.default_max_tokens, model_name=name)
+    core = GenerationCore(engine, encoder_address, metrics, default_max_tokens=config.default_max_tokens,
+                          model_name=name)
     core.engine_alive = thread.is_alive
     metrics.watch(core.stats)
     thread.start()

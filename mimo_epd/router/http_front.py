@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web

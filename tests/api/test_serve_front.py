@@ -3,6 +3,7 @@ through the node's own encoders), the worker's endpoints forwarded, and a client
 mid-stream through the front aborting its request on the worker."""
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 
@@ -53,7 +54,7 @@ async def test_disconnect_through_the_front_aborts_on_the_worker(node):
         assert scrape(node.http_address)["llm_requests_running"] == 1  # /metrics is the worker's, forwarded
         r.close()
     deadline = time.monotonic() + 60
-    while scrape(node.http_address)["llm_requests_running"] != 0:
+    while (await asyncio.to_thread(scrape, node.http_address))["llm_requests_running"] != 0:
         assert time.monotonic() < deadline, "the worker kept generating for a client that left"
-        time.sleep(0.1)
+        await asyncio.sleep(0.1)
     assert scrape(node.http_address)["llm_requests_finished_total{reason=\"abort\"}"] >= 1
