@@ -25,6 +25,8 @@ import uuid
 
 import numpy as np
 
+from mimo_epd.common.parent import exit_with_parent  # re-exported: video/decode.py takes it from here
+
 from .decoders import DECODERS, check_decoder_name
 from .decoders.base import Decoded, Stage
 from .decoders.job import DecodeOptions, decode_item, decode_on_device, decodes_on_device
@@ -38,23 +40,6 @@ log = logging.getLogger(__name__)
 # ------------------------------------------------------------------------------- worker side
 _ARENA: mmap.mmap | None = None
 _SLOT_BYTES = 0
-
-
-def exit_with_parent(interval_s: float = 1.0) -> None:
-    """Makes a worker process exit when the process that started it dies (even by SIGKILL): a pool worker
-    otherwise blocks on its task queue forever, and every crash of a server would leave its workers behind."""
-    import threading
-    import time
-
-    parent = os.getppid()
-
-    def watch() -> None:
-        while True:
-            time.sleep(interval_s)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
 
 
 def ignore_sigint() -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, fields
 
 from encoder_server.config import EncoderServerConfig
 from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.common.parent import child_env, pid_alive
 from mimo_epd.router.encoder import EncoderRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
@@ -163,7 +164,8 @@ class ChildProcess:
         cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", self.host, "--port", str(self.port), *self.args]
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
-        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE)
+        # child_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=child_env())
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:
@@ -198,10 +200,47 @@ class ChildProcess:
             await self.proc.wait()
 
 
+SEGMENT_PREFIX = "mimo-epd-"
+
+
+def segment_name(pid: int) -> str:
+    """The node cache's name when `--shm-cache-name` is not given: the launcher's pid, so a stale one can be told."""
+    return f"{SEGMENT_PREFIX}{pid}"
+
+
+def remove_stale_segments(shm_dir: str = "/dev/shm", min_age_s: float = 60.0, names: list[str] | None = None) -> list[str]:
+    """Removes node caches (`mimo-epd-<pid>`, of `names` or all) whose launcher is dead: one killed by SIGKILL
+    never unlinks its own. Its encoders remove it as they exit (see run_encoder); this covers nodes whose every
+    process was killed. A segment younger than `min_age_s` is left alone (its launcher may live in another pid
+    namespace sharing /dev/shm, just started). Returns the names removed."""
+    import time
+
+    removed = []
+    try:
+        candidates = os.listdir(shm_dir) if names is None else names
+    except OSError:
+        return removed
+    for name in candidates:
+        pid = name[len(SEGMENT_PREFIX):] if name.startswith(SEGMENT_PREFIX) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            if time.time() - os.stat(path).st_mtime < min_age_s:
+                continue
+            os.unlink(path)
+            removed.append(name)
+        except OSError:  # gone already (another encoder was faster), or not ours
+            pass
+    return removed
+
+
 async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     from shm_cache import ShmCache
 
-    shm_name = enc.shm_cache_name or f"mimo-epd-{os.getpid()}"
+    for name in remove_stale_segments():
+        log.info("removed /dev/shm/%s, the cache of a node that died without removing it", name)
+    shm_name = enc.shm_cache_name or segment_name(os.getpid())
     shm = ShmCache.open(shm_name, enc.shm_cache_bytes)  # create (or attach) before the encoders do
     log.info("node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached")
     child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]

@@ -30,6 +30,9 @@ def run_llm(args) -> int:
     except ValueError as e:
         return error(str(e))
     setup_logging(cfg.log_level)
+    from .serve import exit_with_serve
+
+    exit_with_serve()  # started by `serve`: leave with it
     try:
         if cfg.torch_threads:
             import torch

@@ -137,6 +137,7 @@ def run_encoder(args) -> int:
     except ValueError as e:
         return error(str(e))
     setup_logging(config.log_level)
+    parent = exit_with_serve()
     try:
         return uvloop.run(serve_encoder(config))
     except (OSError, ValueError, FileNotFoundError, RuntimeError) as e:
@@ -144,6 +145,24 @@ def run_encoder(args) -> int:
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
+    finally:
+        if parent is not None and config.shm_cache_name:  # its launcher died (SIGKILL): nobody else removes the cache
+            from mimo_epd.launcher import remove_stale_segments
+
+            remove_stale_segments(min_age_s=0.0, names=[config.shm_cache_name])
+
+
+def exit_with_serve() -> int | None:
+    """A worker that `serve` started (it set MIMO_EPD_PARENT_PID) gets SIGTERM, its normal drain, when that
+    `serve` dies, even by SIGKILL: it would otherwise keep serving nobody. Returns that parent's pid."""
+    import signal
+
+    from mimo_epd.common.parent import exit_with_parent, marked_parent
+
+    parent = marked_parent()
+    if parent is not None:
+        exit_with_parent(signum=signal.SIGTERM, parent=parent)
+    return parent
 
 
 def run_serve(args) -> int:
