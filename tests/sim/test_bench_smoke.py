@@ -1,0 +1,49 @@
+"""`bench scheduler --quick` and `bench routing --quick`: one JSON object with the ratios, a PNG next to it,
+no grades."""
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+
+from mimo_epd.cli import main as cli
+from mimo_epd.sim.traces import DEFAULT_TRACE
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(argv):
+    buf = io.StringIO()
+    with redirect_stdout(buf):
+        assert cli(argv) == 0
+    return json.loads(buf.getvalue())
+
+
+def _no_grades(d):
+    text = json.dumps(d)
+    assert '"goal' not in text and "goal_met" not in text
+
+
+def test_bench_scheduler_quick(tmp_path):
+    d = _run(["bench", "scheduler", "--quick", "--out-dir", str(tmp_path)])
+    assert d["bench"] == "scheduler" and set(d["config"]["policies"]) == {"fcfs", "uncached_first", "uncached_first_buckets"}
+    r = d["ratios"]
+    assert r["long_ttft_p90_vs_fcfs"] > 0 and r["short_ttft_p99_vs_fcfs"] > 0 and r["policy"] != "fcfs"
+    assert (tmp_path / "bench_scheduler.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "bench_scheduler.json").read_text())["ratios"] == r
+    _no_grades(d)
+
+
+def test_bench_routing_quick(tmp_path, monkeypatch):
+    if not (ROOT / DEFAULT_TRACE).is_file():
+        pytest.skip("the Mooncake trace is not in ../shared/traces/")
+    monkeypatch.chdir(ROOT)
+    d = _run(["bench", "routing", "--quick", "--out-dir", str(tmp_path)])
+    r = d["ratios"]
+    assert (r["workers"], r["load"]) == (8, 0.8)
+    for k in ("affinity_hit_vs_round_robin", "affinity_hit_vs_best_peer", "affinity_ttft_p90_vs_best_peer"):
+        assert r[k] > 0
+    assert {p["policy"] for p in d["points"]} == {"affinity", "round_robin", "least_load", "cache_aware", "kv_cost"}
+    assert (tmp_path / "bench_routing.png").stat().st_size > 1000
+    _no_grades(d)
