@@ -24,12 +24,15 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         s = request.sampling
         gen = None
         try:
+            if any(not x for x in s.stop):
+                raise ServeError.invalid("sampling.stop: a stop string must not be empty", param="sampling.stop")
             prep = await core.prepare(text=request.prompt, token_ids=list(request.prompt_token_ids) or None,
                                       media_items=list(request.media), timeout=context.time_remaining())
             params = core.make_params(s.max_tokens or 16, len(prep.prompt), temperature=s.temperature,
                                       top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed if s.has_seed else None,
-                                      stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs)
-            gen = core.start(prep, params)
+                                      stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs,
+                                      ignore_eos=s.ignore_eos)
+            gen = core.start(prep, params, tuple(s.stop))
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     yield generator_pb2.GenerateResponse(final=generator_pb2.GenerateFinal(

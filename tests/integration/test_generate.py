@@ -105,3 +105,30 @@ def test_cli_generate_with_image(worker, tmp_path):
                         "--image", str(f), "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert '"completion_tokens": 4' in r.stderr and '"media_tokens": 24' in r.stderr  # 120x160 -> 112x168 -> 8x12 patches
+
+
+def test_stop_strings_and_ignore_eos_over_grpc(worker):
+    sampling = dict(max_tokens=24, ignore_eos=True, temperature=0.9, seed=5, has_seed=True)
+    base = generator_pb2.GenerateRequest(prompt="Stop here", sampling=generator_pb2.SamplingOptions(**sampling))
+    chunks = []
+    for msg in generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(base, timeout=120):
+        if msg.HasField("delta"):
+            chunks.append(msg.delta.text)
+        else:
+            assert msg.final.finish_reason == "length" and msg.final.completion_tokens == 24
+    text = "".join(chunks)
+    stop = text[5:7]  # two characters from the middle of the unconstrained text
+    assert len(stop) == 2
+    req = generator_pb2.GenerateRequest(prompt="Stop here", sampling=generator_pb2.SamplingOptions(**sampling, stop=[stop]))
+    got, final = [], None
+    for msg in generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(req, timeout=120):
+        if msg.HasField("delta"):
+            got.append(msg.delta.text)
+        else:
+            final = msg.final
+    assert final.finish_reason == "stop"
+    assert "".join(got) == text[:text.index(stop)]  # the stop string and what follows are not part of the text
+    with pytest.raises(grpc.RpcError) as e:
+        list(generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(
+            generator_pb2.GenerateRequest(prompt="x", sampling=generator_pb2.SamplingOptions(stop=[""])), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop" in e.value.details()
