@@ -9,10 +9,11 @@ from importlib import import_module
 BENCHMARKS = (
     ("cache-routing", "cache_routing", "cache hit rates: round-robin vs consistent hashing, private vs shared cache"),
     ("video", "video", "a long video: naive vs parallel vs the decode floor, and worker scaling"),
-    ("encoder", "encoder", "encoder QPS/latency: naive vs pipelined vs transformers, tiny and large"),
+    ("encoder", "encoder", "encoder QPS/latency: naive vs pipelined vs real peers (model-card path per request and batched)"),
     ("kv", "kv_capacity", "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
     ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
-    ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers generate (tiny, CPU)"),
+    ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers (continuous and static batching)"),
+    ("shm-index", "shm_index", "shm cache lookups (hit, miss) at 1K / 100K / 1M entries: the hash index vs a key scan"),
     ("scheduler", "scheduler", "simulated wait-queue policies on the long-context mix: TTFT vs FCFS at 70-90% load"),
     ("routing", "routing", "simulated fleet on the Mooncake trace: every routing policy, 2/4/8 workers, 60-90% load"),
 )
