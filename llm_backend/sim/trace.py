@@ -21,7 +21,7 @@ OUTPUT_BASE = 1 << 40  # made-up output ids live above any prompt id
 
 
 def length_class(tokens: int) -> str:
-    for name, lo, hi in BUCKETS:
+    for name, _, hi in BUCKETS:
         if tokens < hi:
             return name
     return BUCKETS[-1][0]

@@ -33,7 +33,7 @@ def run_one(cost, cfg, reqs) -> dict:
 
 def _ratios(by: dict, load: float) -> dict:
     fc = by.get(("fcfs", load))
-    others = {p: v for (p, l), v in by.items() if l == load and p != "fcfs" and v["ttft_s"]["long_ge_64K"].get("p90")}
+    others = {p: v for (p, ld), v in by.items() if ld == load and p != "fcfs" and v["ttft_s"]["long_ge_64K"].get("p90")}
     if not fc or not others or not fc["ttft_s"]["long_ge_64K"].get("p90"):
         return {}
     best = min(others, key=lambda p: others[p]["ttft_s"]["long_ge_64K"]["p90"])
@@ -64,9 +64,9 @@ def main(args) -> dict:
             by[(pol, load)] = res
             seconds[f"{pol}/{load}"] = round(time.perf_counter() - t0, 2)
     at = 0.8 if 0.8 in loads else loads[len(loads) // 2]
-    ratios = {**_ratios(by, at), "by_load": {str(l): _ratios(by, l) for l in loads}}
+    ratios = {**_ratios(by, at), "by_load": {str(ld): _ratios(by, ld) for ld in loads}}
     out_dir = Path(args.out_dir)
-    panels = {cls: {p: [(l, by[(p, l)]["ttft_s"][cls].get("p90") or 0.0) for l in loads] for p in SCHEDULERS}
+    panels = {cls: {p: [(ld, by[(p, ld)]["ttft_s"][cls].get("p90") or 0.0) for ld in loads] for p in SCHEDULERS}
               for cls in ("long_ge_64K", "short_lt_64K")}
     png = ttft_vs_load(out_dir / "bench_scheduler.png", "long-context mix: TTFT P90 vs load per wait-queue policy", panels)
     result = {
@@ -75,7 +75,7 @@ def main(args) -> dict:
                    "mix": "prompt lengths 80% 0-64K, 15% 64K-256K, 5% 256K-1M (log-uniform within), outputs 64-1024",
                    **describe(cost, cfg0)},
         "ratios": ratios,
-        "results": {f"{p}@{l}": v for (p, l), v in by.items()},
+        "results": {f"{p}@{ld}": v for (p, ld), v in by.items()},
         "plot": png, "seconds": {"total": round(time.perf_counter() - t_all, 1), **seconds},
     }
     (out_dir / "bench_scheduler.json").write_text(json.dumps(result, indent=1))
