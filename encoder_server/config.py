@@ -1,18 +1,18 @@
 """Every setting of the encoder server: one dataclass, one field per command-line flag.
 
-The CLI builds its flags from these fields (name, type, default, help), and the README's flag table
-is checked against them by a test, so the three never drift apart.
+The CLI builds its flags from these fields (name, type, default, help) through mimo_epd/common/flags.py, the
+same way every command does, and docs/cli.md is generated from the parsers, so a default is written once.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass
+
+from mimo_epd.common import flags
 
 from .decoders import check_decoder_name
 
-
-def _f(default, help: str, **kw):
-    return field(default=default, metadata={"help": help, **kw})
+_f = flags.flag
 
 
 @dataclass
@@ -81,22 +81,11 @@ class EncoderServerConfig:
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
-        for f in fields(cls):
-            if only is not None and f.name not in only:
-                continue
-            flag = "--" + f.name.replace("_", "-")
-            default = f.default if f.default is not MISSING else None
-            help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-            else:
-                typ = {"int": int, "float": float, "str": str}.get(f.type if isinstance(f.type, str) else f.type.__name__, str)
-                parser.add_argument(flag, type=typ, default=default, help=help_text)
+        flags.add_arguments(parser, cls, only=only)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EncoderServerConfig":
-        kwargs = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
-        cfg = cls(**kwargs)
+        cfg = flags.from_args(cls, args)
         cfg.validate()
         return cfg
 

@@ -95,6 +95,8 @@ class NodeConfig:
         from mimo_epd.router.llm import config_from_args
 
         cfg.routing = config_from_args(args)  # policy and state flags (LLMRouterConfig)
+        cfg.routing.model = cfg.llm_model  # the router tokenizes like the workers
+        cfg.chat_template = getattr(args, "llm_chat_template", "")  # and renders chats with their template
         cfg.routing.validate()
         cfg.llm_args = llm_passthrough_args(args)
         return cfg
@@ -127,18 +129,9 @@ def llm_passthrough_args(args) -> list[str]:
 
 def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
     """The command-line flags that reproduce `cfg` (non-default fields only)."""
-    defaults = EncoderServerConfig()
-    out: list[str] = []
-    for f in fields(cfg):
-        value = getattr(cfg, f.name)
-        if f.name in skip or value == getattr(defaults, f.name):
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, str(value)]
-    return out
+    from mimo_epd.common.flags import to_argv
+
+    return to_argv(cfg, skip=skip)
 
 
 class ChildProcess:
@@ -251,6 +244,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
     if node.join:
         return await join_node(enc, node, encoders, shm)
     metrics = None
+    metric_targets: dict[str, int] = {}  # the LLM router's own metrics (a loopback port), merged by NodeMetrics
     llm: ChildProcess | None = None
     llms: list[ChildProcess] = []
     heartbeats = []
@@ -264,7 +258,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         if enc.metrics_port:  # first, so that a port in use fails before any encoder starts
             from mimo_epd.node_metrics import NodeMetrics
 
-            metrics = NodeMetrics(lambda: {f"encoder-{e.index}": enc.metrics_port + 1 + e.index for e in encoders})
+            metrics = NodeMetrics(lambda: {**{f"encoder-{e.index}": enc.metrics_port + 1 + e.index for e in encoders},
+                                           **metric_targets})
             await metrics.start(enc.host, enc.metrics_port)
         await asyncio.gather(*(e.start() for e in encoders))
         router = EncoderRouter([e.endpoint for e in encoders],
@@ -305,12 +300,17 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
             for w in llms:
                 proxy.add_worker(w.endpoint, w.http_endpoint)
             await proxy.start()
+            if metrics is not None:
+                metric_targets["router"] = await proxy.metrics.start("127.0.0.1", 0)
             if shared:
                 heartbeats = register_encoders(proxy.state, encoders, node)
             if node.http_port >= 0:  # the workers' HTTP API on the node's address
                 from mimo_epd.router.http_front import HTTPFront
 
-                front = HTTPFront(proxy.http_upstream)
+                from llm_backend.server.chat_template import load_chat_template
+
+                # generation goes through the routing policy (tokenized like the workers), the rest by load
+                front = HTTPFront(router=proxy, template=load_chat_template(node.llm_model, node.chat_template))
                 http_port = await front.start(enc.host, node.http_port)
                 print(f"http {host}:{http_port}", flush=True)
         log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
@@ -344,6 +344,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         await asyncio.gather(*(h.stop() for h in heartbeats), return_exceptions=True)
         if proxy is not None:  # its feeds first: the workers stop on purpose now
             await proxy.close()
+            await proxy.metrics.close()
         await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]),
                              return_exceptions=True)
         if metrics is not None:

@@ -93,7 +93,7 @@ def probe(path: str, max_frames_total: int | None = None) -> VideoInfo:
                     keyframes.append(clock.index(pkt.pts))
                 n += 1
                 if max_frames_total and n > max_frames_total:
-                    raise VideoError(f"the video has more than {max_frames_total} frames (--max-video-frames)")
+                    raise VideoError(f"the video has more than {max_frames_total} frames (--max-video-frames-total)")
         except av.error.FFmpegError as e:
             raise VideoError(f"corrupted video data ({e.strerror or e})") from None
         if n == 0:
