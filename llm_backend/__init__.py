@@ -4,7 +4,16 @@
 - `kv/`: slot pools, the SWA-aware radix prefix cache, a running request's KV;
 - `engine/`: scheduler, model runner, and the offline engine `LLM(...).generate(prompts, SamplingParams(...))`;
 - `config.py`: every worker flag (`LLMConfig`); `tokenizer.py`: tokenizers.
-"""
-from .engine import LLM, PromptTooLong, RequestOutput, SamplingParams
 
+`from llm_backend import LLM, SamplingParams` imports the engine (and torch) on first use only: the routers and
+the CLI's --help import torch-free parts of this package (kv.events' block hashes, the tokenizer, LLMConfig).
+"""
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "PromptTooLong"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'llm_backend' has no attribute {name!r}")

@@ -68,7 +68,8 @@ def test_top_level_help_is_for_users():
 
 
 def test_light_commands_do_not_import_torch():
-    """--help, health and encode import only grpc and the stubs (torch costs seconds at every call)."""
+    """--help (serve, router and llm too: their flags come from torch-free modules), health and encode import only
+    grpc and the stubs (torch costs seconds at every call)."""
     code = """if True:
         import sys
         from mimo_epd.cli import build_parser, main
@@ -76,7 +77,8 @@ def test_light_commands_do_not_import_torch():
         assert "torch" not in sys.modules, "build_parser"
         for argv in (["health", "--server", "127.0.0.1:1", "--timeout", "0.2"],
                      ["encode", "--server", "127.0.0.1:1", "--timeout", "0.2", sys.argv[1]],
-                     ["--help"], ["health", "--help"], ["encode", "--help"], ["generate", "--help"]):
+                     ["--help"], ["health", "--help"], ["encode", "--help"], ["generate", "--help"],
+                     ["serve", "--help"], ["router", "--help"], ["llm", "--help"]):
             try:
                 main(argv)
             except SystemExit:

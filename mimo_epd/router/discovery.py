@@ -25,6 +25,7 @@ import grpc
 
 from mimo_epd.v1 import kv_events_pb2, kv_events_pb2_grpc
 
+from .channels import channel_options
 from .state import StateUnavailable
 
 log = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ class WorkerFeed:
         self.epoch, self.seq = "", 0
         self.ok: bool | None = False  # the last poll answered; None = another relay holds the lease
         self.block_size = 0
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = grpc.aio.insecure_channel(address, options=channel_options())  # quick reconnects
         self._stub = kv_events_pb2_grpc.KVEventsStub(self._channel)
         self._task: asyncio.Task | None = None
 
@@ -146,8 +147,7 @@ class EncoderSet:
     def sync(self, endpoints: set[str]) -> None:
         r = self.router
         for e in sorted(endpoints - set(r._channels)):
-            ch = grpc.aio.insecure_channel(e, options=[("grpc.max_receive_message_length", r.config.max_message_mb << 20),
-                                                       ("grpc.max_send_message_length", r.config.max_message_mb << 20)])
+            ch = grpc.aio.insecure_channel(e, options=channel_options(r.config.max_message_mb))
             from grpc_health.v1 import health_pb2_grpc
 
             from mimo_epd.v1 import encoder_pb2_grpc

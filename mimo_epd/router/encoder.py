@@ -23,6 +23,7 @@ import grpc
 import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from mimo_epd.router.channels import channel_options
 from mimo_epd.router.hash_ring import HashRing
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2_grpc
 
@@ -56,8 +57,7 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         self.config = config
         self.ring = HashRing(endpoints, vnodes=config.vnodes)
         self.alive: set[str] = set(endpoints)
-        opts = [("grpc.max_receive_message_length", config.max_message_mb << 20),
-                ("grpc.max_send_message_length", config.max_message_mb << 20)]
+        opts = channel_options(config.max_message_mb)  # quick reconnects to a restarted encoder
         self._channels = {e: grpc.aio.insecure_channel(e, options=opts) for e in endpoints}
         self._stubs = {e: encoder_pb2_grpc.EncoderStub(c) for e, c in self._channels.items()}
         self._health = {e: health_pb2_grpc.HealthStub(c) for e, c in self._channels.items()}
@@ -179,7 +179,7 @@ class GeneratorProxy(generator_pb2_grpc.GeneratorServicer):
         self._stub = None
 
     def connect(self, endpoint: str) -> None:
-        ch = grpc.aio.insecure_channel(endpoint, options=[("grpc.max_receive_message_length", 256 << 20)])
+        ch = grpc.aio.insecure_channel(endpoint, options=channel_options(256))
         self._stub = generator_pb2_grpc.GeneratorStub(ch)
 
     async def Generate(self, request, context):

@@ -1,17 +1,32 @@
-"""The router's HTTP front (`serve --http-port`): the LLM worker's HTTP API (OpenAI chat completions,
+"""The router's HTTP front (`serve --http-port`): the LLM workers' HTTP API (OpenAI chat completions,
 completions, models, SGLang-native /generate, health, metrics) on the node's public address.
 
-Every request is forwarded as-is to the worker's own HTTP port and its response streamed back chunk by
-chunk as it arrives (SSE streams stay streams). A client that disconnects cancels its handler, which
+Generation requests (`POST /v1/chat/completions`, `/v1/completions`, `/generate`) go through the same policy as
+gRPC Generate (mimo_epd/router/llm.py): the front tokenizes the prompt like the worker does (the same tokenizer,
+and for chat the same chat template with the same message normalisation, tokenized without special tokens), asks
+`LLMRouter.pick(prompt_token_ids)` for the workers in order, and forwards the request unchanged to the first
+one's HTTP API. A request with media is routed by load only (its placeholder ids come from the encoder's content
+keys), as in gRPC; a body the front cannot read is routed by load too, and the worker answers with its 400.
+
+The response is streamed back chunk by chunk as it arrives (SSE streams stay streams). The worker's cached
+tokens are read from the response (`usage.prompt_tokens_details.cached_tokens`, or `meta_info.cached_tokens`
+for /generate) and reported to the router (`report`), which compares them with its prediction. A stream that
+did not ask for usage is asked for it upstream and the usage is taken out again on the way back, so the client
+sees exactly what the worker would have sent it.
+
+When the chosen worker fails before any byte of the body reached the client (it cannot be reached, or answers
+503 / 429, or breaks off before its first body byte), the request goes to the next worker in the policy's order;
+a worker that could not be reached or answered 503 is skipped until it serves again. Once bytes have been sent,
+a worker that breaks off ends the client's response there. A client that disconnects cancels its handler, which
 closes the upstream connection, so the worker sees the disconnect and aborts the request (its KV freed).
-When the worker cannot be reached (not started yet, restarting, gone) the answer is a 503 in the OpenAI
-error format.
+Other paths (models, health, the worker's /metrics, server info) go to the least loaded live worker.
+When no worker can take a request the answer is a 503 in the OpenAI error format.
 """
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from typing import Callable
 
 import aiohttp
 from aiohttp import web
@@ -23,6 +38,9 @@ _SKIP_REQUEST = {"host", "connection", "keep-alive", "transfer-encoding", "te", 
                  "content-length", "accept-encoding"}
 _SKIP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server",
                   "date"}
+ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
+RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -31,10 +49,154 @@ def _error(status: int, message: str) -> web.Response:
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
+# ---------------------------------------------------------------------------------------------- prompts
+class Unroutable(ValueError):
+    """The body is not a request the front can tokenize (the worker will say why): route by load."""
+
+
+def chat_messages(messages) -> tuple[list[dict], bool]:
+    """The messages as the worker's template sees them (llm_backend/server/openai_protocol.parse_chat), and
+    whether any carries media."""
+    if not isinstance(messages, list) or not messages:
+        raise Unroutable("messages")
+    out, media = [], False
+    for m in messages:
+        if not isinstance(m, dict) or m.get("role") not in _ROLES:
+            raise Unroutable("message")
+        content = m.get("content")
+        if content is None and m["role"] == "assistant":
+            content = ""
+        if isinstance(content, str):
+            out.append({"role": _ROLES[m["role"]], "content": content})
+            continue
+        if not isinstance(content, list):
+            raise Unroutable("content")
+        parts = []
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            elif kind in ("image_url", "video_url"):
+                media = True
+                parts.append({"type": "image" if kind == "image_url" else "video"})
+            else:
+                raise Unroutable("content part")
+        out.append({"role": _ROLES[m["role"]], "content": parts})
+    return out, media
+
+
+class Tokenizer:
+    """The prompt token ids a worker would compute for a request body (see the module docstring)."""
+
+    def __init__(self, tokenizer, template):
+        self.tokenizer, self.template = tokenizer, template
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        inner = getattr(self.tokenizer, "tok", None)  # as GenerationCore.encode_text
+        if special or inner is None:
+            return list(self.tokenizer.encode(text))
+        return list(inner.encode(text, add_special_tokens=False).ids)
+
+    def prompt(self, kind: str, body) -> tuple[list[int], bool]:
+        """(token ids, has media); raises Unroutable."""
+        if not isinstance(body, dict):
+            raise Unroutable("body")
+        if kind == "chat":
+            messages, media = chat_messages(body.get("messages"))
+            try:
+                text = self.template.render(messages, add_generation_prompt=True)
+            except ValueError as e:  # ChatTemplateError: the worker reports it
+                raise Unroutable(str(e)) from None
+            return self._encode(text, False), media
+        if kind == "completion":
+            prompt = body.get("prompt")
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+                prompt = prompt[0]
+            return self._ids_or_text(prompt), False
+        ids, text = body.get("input_ids"), body.get("text")
+        if isinstance(text, list) and len(text) == 1:
+            text = text[0]
+        if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
+            ids = ids[0]
+        return self._ids_or_text(text if ids is None else ids), bool(body.get("image_data"))
+
+    def _ids_or_text(self, p) -> list[int]:
+        if isinstance(p, str):
+            return self._encode(p, True)
+        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            return list(p)
+        raise Unroutable("prompt")
+
+
+def cached_tokens(obj) -> int | None:
+    """The cached prompt tokens in a response body or stream event (OpenAI usage, or SGLang's meta_info)."""
+    if not isinstance(obj, dict):
+        return None
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details") or {}
+        if isinstance(details.get("cached_tokens"), int):
+            return details["cached_tokens"]
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict) and isinstance(meta.get("cached_tokens"), int):
+        return meta["cached_tokens"]
+    return None
+
+
+class SSEFilter:
+    """Reads an SSE stream as it passes: the cached tokens of its usage event, and (when the client did not ask
+    for usage and the front did) the usage taken out again."""
+
+    def __init__(self, strip_usage: bool):
+        self.strip = strip_usage
+        self.buf = b""
+        self.cached: int | None = None
+        self.events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        self.buf += chunk
+        out = []
+        while True:
+            end = self.buf.find(b"\n\n")
+            if end < 0:
+                break
+            event, self.buf = self.buf[:end + 2], self.buf[end + 2:]
+            out.append(self._event(event))
+        return b"".join(out)
+
+    def flush(self) -> bytes:
+        rest, self.buf = self.buf, b""
+        return rest
+
+    def _event(self, event: bytes) -> bytes:
+        self.events += 1
+        data = event[len(b"data: "):-2] if event.startswith(b"data: ") else None
+        if data is None or data == b"[DONE]":
+            return event
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return event
+        n = cached_tokens(obj)
+        if n is not None:
+            self.cached = n
+        if not self.strip or not isinstance(obj, dict) or "usage" not in obj:
+            return event
+        if obj.get("choices") == [] and obj.get("usage") is not None:
+            return b""  # the usage event the client did not ask for
+        del obj["usage"]
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"  # as the worker writes it
+
+
+# ---------------------------------------------------------------------------------------------- the front
 class HTTPFront:
-    def __init__(self, upstream: Callable[[], str | None], timeout_s: float = 3600.0, max_body_mb: int = 512):
-        """`upstream()` is the worker's current `host:port` (None while it is not up)."""
-        self.upstream = upstream
+    def __init__(self, upstream: Callable[[], str | None] | None = None, timeout_s: float = 3600.0,
+                 max_body_mb: int = 512, router=None, template=None):
+        """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
+        Without one, `upstream()` is the one worker's current `host:port` (None while it is not up)."""
+        self.router = router
+        self.upstream = upstream or (router.http_upstream if router is not None else (lambda: None))
+        self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
         self.max_body = max_body_mb << 20
         self._session: aiohttp.ClientSession | None = None
@@ -63,25 +225,41 @@ class HTTPFront:
         if session is not None:
             await session.close()
 
+    @staticmethod
+    def _headers(request: web.Request) -> dict:
+        return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        kind = ROUTED.get(request.path) if request.method == "POST" else None
+        if kind is not None and self.router is not None:
+            return await self._routed(request, kind)
         target = self.upstream()
         if not target:
             return _error(503, "the LLM worker is not running (starting or restarting); retry shortly")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
         body = await request.read()
         try:
             up = await self._session.request(request.method, f"http://{target}{request.path_qs}", data=body or None,
-                                             headers=headers, allow_redirects=False)
+                                             headers=self._headers(request), allow_redirects=False)
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
+        return await self._relay(request, up, target, None)
+
+    async def _relay(self, request, up, target: str, first: bytes | None, sse: SSEFilter | None = None,
+                     body_parts: list | None = None) -> web.StreamResponse:
+        """Streams `up` to the client (`first` = its first body chunk, already read)."""
         done = False
         try:
             resp = web.StreamResponse(status=up.status, reason=up.reason,
                                       headers={k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE})
             await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
+            chunks = up.content.iter_any()
+            if first is not None:
+                await self._write(resp, first, sse, body_parts)
+            async for chunk in chunks:
+                await self._write(resp, chunk, sse, body_parts)
+            if sse is not None and (rest := sse.flush()):
+                await resp.write(rest)
             await resp.write_eof()
             done = True
             return resp
@@ -93,3 +271,105 @@ class HTTPFront:
                 up.release()  # the connection goes back to the pool
             else:
                 up.close()  # cut: the worker sees the disconnect and aborts the request
+
+    @staticmethod
+    async def _write(resp, chunk: bytes, sse: SSEFilter | None, body_parts: list | None) -> None:
+        if sse is not None:
+            chunk = sse.feed(chunk)
+        elif body_parts is not None:
+            body_parts.append(chunk)
+        if chunk:
+            await resp.write(chunk)
+
+    async def _routed(self, request: web.Request, kind: str) -> web.StreamResponse:
+        router = self.router
+        raw = await request.read()
+        router.stats["requests"] += 1
+        body, upstream_raw, strip = None, raw, False
+        try:
+            body = json.loads(raw)
+            tokens, media = self.tokens.prompt(kind, body)
+        except (ValueError, UnicodeDecodeError):  # Unroutable is a ValueError
+            tokens, media = [], False
+        if media:  # placeholder ids come from the encoder's content keys: only BOS is predictable
+            tokens = tokens[:1]
+        streaming = isinstance(body, dict) and body.get("stream") is True
+        if streaming and kind != "generate":
+            so = body.get("stream_options")
+            if so is None or (isinstance(so, dict) and not so.get("include_usage")):
+                strip = True  # ask for the usage (cached tokens) and take it out again on the way back
+                upstream_raw = json.dumps({**body, "stream_options": {**(so or {}), "include_usage": True}}).encode()
+        headers = self._headers(request)
+        tried: list[str] = []
+        refusal: web.Response | None = None  # the last worker's own 429 / 503, answered when no other can
+        choices = await router.pick(tokens)
+        while choices:
+            choice = choices[0]
+            tried.append(choice.worker)
+            flight = router.started(choice, len(tokens), front="http")
+            try:
+                sent, failure = await self._try(request, choice, upstream_raw, headers, streaming, strip, flight)
+            finally:
+                router.finished(flight)
+            if isinstance(sent, web.StreamResponse) and not isinstance(failure, web.Response):
+                return sent
+            if isinstance(failure, web.Response):
+                refusal, failure = failure, f"HTTP {failure.status}"
+            choices = await router.pick(tokens, exclude=set(tried))
+            if choices:
+                router.retried()
+                log.info("retrying an HTTP request on the next worker after %s from %s", failure,
+                         choice.http_address)
+        router.failed()
+        if refusal is not None:
+            return refusal
+        return _error(503, f"no live LLM worker could take the request (tried {len(tried)})")
+
+    async def _try(self, request, choice, raw: bytes, headers: dict, streaming: bool, strip: bool, flight):
+        """(the response sent, None) or (None, why it can go to the next worker)."""
+        router = self.router
+        if not choice.http_address:
+            return None, "no HTTP address"
+        url = f"http://{choice.http_address}{request.path_qs}"
+        try:
+            up = await self._session.post(url, data=raw, headers=headers, allow_redirects=False)
+        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+            router.mark_down(choice, f"HTTP {type(e).__name__}")
+            return None, type(e).__name__
+        if up.status in RETRY_STATUS:
+            try:
+                text = await up.read()
+            except (aiohttp.ClientError, TimeoutError):
+                text = b""
+            finally:
+                up.release()
+            if up.status == 503:
+                router.mark_down(choice, "HTTP 503")
+            keep = {k: v for k, v in up.headers.items() if k.lower() in ("content-type", "retry-after")}
+            return None, web.Response(status=up.status, body=text, headers=keep)
+        chunks = up.content.iter_any()
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except (aiohttp.ClientError, TimeoutError) as e:  # broke off before any byte reached the client
+            up.close()
+            router.mark_down(choice, f"HTTP {type(e).__name__}")
+            return None, type(e).__name__
+        router.progressed(flight)
+        if streaming and up.status == 200:
+            sse = SSEFilter(strip)
+            resp = await self._relay(request, up, choice.http_address, first, sse=sse)
+            cached = sse.cached
+        else:
+            parts: list[bytes] = []
+            resp = await self._relay(request, up, choice.http_address, first, body_parts=parts)
+            cached = None
+            if up.status == 200:
+                try:
+                    cached = cached_tokens(json.loads(b"".join(parts)))
+                except ValueError:
+                    pass
+        if cached is not None:
+            router.report(choice, cached)
+        return resp, None

@@ -16,11 +16,16 @@ When the state is unreachable (Redis down) the router keeps serving: it routes b
 on the last workers it knew, logs it once, sets `router_state_degraded` to 1, probes the state every second
 and returns to KV-affinity routing when it answers.
 
-Other fronts (mimo_epd/router/http_front.py) use the same decisions:
+The HTTP front (mimo_epd/router/http_front.py) makes the same decisions through the same calls:
 
     choices = await router.pick(prompt_token_ids)      # ordered: try choices[0], then the next on failure
-    router.started(choice, len(prompt_token_ids)); ...; router.finished(choice)
+    flight = router.started(choice, len(prompt_token_ids), front="http"); ...; router.finished(flight)
     router.report(choice, cached_tokens)                # what the worker said it reused vs. the prediction
+
+Metrics (mimo_epd/router/metrics.py): requests per worker, retries, the prediction error, the degraded flag, the
+index size per worker. A worker marked down is re-checked through its gRPC health service every 100 ms on the
+router's own channel (which reconnects quickly, router/channels.py) and routed to again as soon as it says
+SERVING, or as soon as its KV-event feed answers.
 """
 from __future__ import annotations
 
@@ -33,9 +38,11 @@ import grpc
 
 from mimo_epd.v1 import generator_pb2_grpc
 
+from .channels import channel_options
 from .discovery import EncoderSet, WorkerFeed, member_id
 from .index import block_hashes, predict_tokens
 from .policies import POLICIES, Candidate, PolicyConfig, RequestView, make_policy
+from .metrics import RouterMetrics
 from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
 
 log = logging.getLogger(__name__)
@@ -154,6 +161,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                       "exact_predictions": 0}
         self._tasks: list[asyncio.Task] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._rechecks: dict[str, asyncio.Task] = {}
+        self.metrics = RouterMetrics(self)
         self.on_change = None  # callback(live worker ids)
         for spec in filter(None, (s.strip() for s in config.workers.split(","))):
             grpc_addr, _, http = spec.partition("/")
@@ -186,9 +195,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._rechecks.values()]:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._rechecks.values(), return_exceptions=True)
         await asyncio.gather(*(f.stop() for f in self.feeds.values()), return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         await self.state.close()
@@ -227,9 +236,24 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                     log.warning("router state %s answers again: KV-affinity routing resumed", self.config.router_state)
                 if not self.degraded:
                     await self.refresh()
+                    await self._index_sizes()
             except StateUnavailable as e:
                 self._degrade(e)
             await asyncio.sleep(self.config.discovery_interval_s if not self.degraded else 1.0)
+
+    async def _index_sizes(self) -> None:
+        """Blocks per worker in the index, for `router_index_blocks` (an HLEN per worker with Redis)."""
+        ids = list(self.workers)
+        if isinstance(self.state, MemoryState):
+            sizes = {w: self.state.index.blocks(w) for w in ids}
+        elif hasattr(self.state, "r") and ids:
+            pipe = self.state.r.pipeline(transaction=False)
+            for w in ids:
+                pipe.hlen(self.state._kv(w))
+            sizes = dict(zip(ids, await self.state._run(pipe.execute())))
+        else:
+            sizes = {}
+        self.metrics.index_blocks = {self.workers[w].address: int(n) for w, n in sizes.items() if w in self.workers}
 
     def _degrade(self, err) -> None:
         if not self.degraded:
@@ -279,10 +303,11 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         return [Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i)
                 for i, wid in enumerate(order)]
 
-    def started(self, choice: Choice, prompt_tokens: int) -> _Flight:
+    def started(self, choice: Choice, prompt_tokens: int, front: str = "grpc") -> _Flight:
         f = _Flight(choice, prompt_tokens)
         self.flights.setdefault(choice.worker, []).append(f)
         self.stats["picks"][choice.worker] = self.stats["picks"].get(choice.worker, 0) + 1
+        self.metrics.requests.labels(choice.address, front).inc()
         self._recount(choice.worker)
         return f
 
@@ -312,6 +337,18 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         s["cached_tokens"] += cached_tokens
         s["abs_error_tokens"] += abs(cached_tokens - choice.predicted_tokens)
         s["exact_predictions"] += int(cached_tokens == choice.predicted_tokens)
+        m = self.metrics
+        m.error.observe(cached_tokens - choice.predicted_tokens)
+        m.predicted.inc(choice.predicted_tokens)
+        m.cached.inc(cached_tokens)
+
+    def retried(self) -> None:
+        self.stats["retries"] += 1
+        self.metrics.retries.inc()
+
+    def failed(self) -> None:
+        self.stats["failed"] += 1
+        self.metrics.failed.inc()
 
     def mark_down(self, choice: Choice, why: str) -> None:
         if self.down.get(choice.worker, 0) < time.monotonic():
@@ -320,6 +357,31 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         feed = self.feeds.get(choice.worker)
         if feed is not None:
             feed.ok = False
+        task = self._rechecks.get(choice.worker)
+        if task is None or task.done():
+            self._rechecks[choice.worker] = asyncio.get_running_loop().create_task(
+                self._recheck(choice.worker, choice.address))
+
+    async def _recheck(self, wid: str, address: str) -> None:
+        """Routes to a worker that failed again as soon as its health service says SERVING (its feed may take a
+        poll longer, and a discovered worker has no feed here): polled every 100 ms on the Generate channel, so
+        that channel is connected again too."""
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self._channel(address))
+        while wid in self.down and wid in self.workers:
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    self.down.pop(wid, None)
+                    feed = self.feeds.get(wid)
+                    if feed is not None and feed.ok is False:
+                        feed.ok = True  # its next poll (a full snapshot for a new process) follows
+                    log.info("LLM worker %s serves again", address)
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            await asyncio.sleep(0.1)
 
     def http_upstream(self) -> str | None:
         """The HTTP address of the live worker with the fewest tokens in flight from this router (for a front
@@ -340,13 +402,14 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         return s
 
     # ------------------------------------------------------------------------------------------ gRPC Generate
-    def _stub(self, address: str):
+    def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
-        if ch is None:
-            ch = self._channels[address] = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", 256 << 20),
-                                  ("grpc.max_send_message_length", 256 << 20)])
-        return generator_pb2_grpc.GeneratorStub(ch)
+        if ch is None:  # quick reconnects: a restarted worker is routed to within ~1 s of serving again
+            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options(256))
+        return ch
+
+    def _stub(self, address: str):
+        return generator_pb2_grpc.GeneratorStub(self._channel(address))
 
     async def Generate(self, request, context):
         self.stats["requests"] += 1
@@ -373,19 +436,19 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                 return
             except grpc.aio.AioRpcError as e:
                 if flight.streaming or e.code() not in RETRY_CODES:
-                    self.stats["failed"] += 1
+                    self.failed()
                     if e.code() == grpc.StatusCode.UNAVAILABLE:
                         self.mark_down(choice, e.details() or e.code().name)
                     await context.abort(e.code(), e.details())
                 if e.code() == grpc.StatusCode.UNAVAILABLE:
                     self.mark_down(choice, e.details() or e.code().name)
-                self.stats["retries"] += 1
+                self.retried()
                 log.info("retrying a request on the next worker after %s from %s", e.code().name, choice.address)
             finally:
                 self.finished(flight)
                 call.cancel()
             choices = await self.pick(tokens, exclude={member_id("llm", a) for a in tried})
-        self.stats["failed"] += 1
+        self.failed()
         await context.abort(grpc.StatusCode.UNAVAILABLE,
                             f"no live LLM worker could take the request (tried {', '.join(tried) or 'none'})")
 
@@ -404,10 +467,13 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="the workers' model, for the tokenizer (default: tiny)")
     p.add_argument("--grace-period-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="serve the router's Prometheus metrics on this port's /metrics, 0 = off (default: 0)")
     add_policy_arguments(p)
 
 
-async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: float = 10.0) -> int:
+async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: float = 10.0,
+                       metrics_port: int = 0) -> int:
     from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2
@@ -433,6 +499,8 @@ async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: f
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
+    if metrics_port:
+        await router.metrics.start(host, metrics_port)
     await router.start()
     if encoders is not None:
         encoders.start()
@@ -445,6 +513,7 @@ async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: f
     await stop.wait()
     await drain.stop(server, health, grace_s)
     await router.close()
+    await router.metrics.close()
     if encoders is not None:
         await encoders.close()
     return 0
@@ -458,7 +527,8 @@ def main(args) -> int:
     try:
         config = config_from_args(args)
         config.validate()
-        return uvloop.run(serve_router(config, args.host, args.port, args.grace_period_s))
+        return uvloop.run(serve_router(config, args.host, args.port, args.grace_period_s,
+                                        getattr(args, "metrics_port", 0)))
     except (OSError, ValueError) as e:
         logging.getLogger("mimo_epd").error("cannot start the router: %s", e)
         return 1

@@ -1,0 +1,83 @@
+"""The LLM router's Prometheus metrics (its own registry, one per router).
+
+- `router_requests_total{worker,front}`: requests sent to each worker (retries count on the worker they went to;
+  front = grpc | http);
+- `router_retries_total`, `router_failed_total`: requests moved to the next worker, requests that failed;
+- `router_prediction_error_tokens`: reported cached tokens minus the index's prediction, per request (negative:
+  the worker reused less than predicted); `router_predicted_tokens_total` / `router_cached_tokens_total`;
+- `router_state_degraded`: 1 while the state (Redis) is unreachable and routing is by load only;
+- `router_index_blocks{worker}`: blocks the index holds for each worker; `router_live_workers`.
+
+`mimo-epd router --metrics-port P` serves them on P; `serve --metrics-port P` merges them into the node's one
+endpoint (label `process="router"`, mimo_epd/node_metrics.py).
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+# Signed token errors: exact predictions land in the 0 bucket; one block (16 tokens) off either way is common.
+ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096, float("inf"))
+
+
+class RouterMetrics:
+    def __init__(self, router):
+        self.router = router
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        self.requests = Counter("router_requests", "requests sent to each LLM worker", ["worker", "front"], registry=r)
+        self.retries = Counter("router_retries", "requests moved to the next worker after a failure", registry=r)
+        self.failed = Counter("router_failed", "requests that no worker could serve", registry=r)
+        self.error = Histogram("router_prediction_error_tokens",
+                               "reported cached tokens minus the predicted reusable tokens, per request",
+                               buckets=ERROR_BUCKETS, registry=r)
+        self.predicted = Counter("router_predicted_tokens", "predicted reusable prompt tokens", registry=r)
+        self.cached = Counter("router_cached_tokens", "cached prompt tokens the workers reported", registry=r)
+        self.degraded = Gauge("router_state_degraded", "1 while the router state is unreachable (routing by load only)",
+                              registry=r)
+        self.degraded.set_function(lambda: float(bool(router.degraded)))
+        self.live = Gauge("router_live_workers", "LLM workers this router routes to now", registry=r)
+        self.live.set_function(lambda: float(len(router.live())))
+        self.index_blocks: dict[str, int] = {}  # refreshed by the router's discovery loop
+        r.register(_IndexCollector(self))
+        self._runner = None
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def start(self, host: str, port: int) -> int:
+        """Serves /metrics on host:port (0 = a free port); returns the port."""
+        from aiohttp import web
+
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        async def handle(request):
+            return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        try:
+            await site.start()
+        except OSError as e:
+            await self.close()
+            raise OSError(f"cannot serve the router's metrics on {host}:{port}: {e.strerror or e}") from None
+        return site._server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+class _IndexCollector:
+    def __init__(self, metrics: RouterMetrics):
+        self.metrics = metrics
+
+    def collect(self):
+        g = GaugeMetricFamily("router_index_blocks", "blocks the page-hash index holds for each LLM worker",
+                              labels=["worker"])
+        for w, n in sorted(self.metrics.index_blocks.items()):
+            g.add_metric([w], float(n))
+        yield g
