@@ -1,21 +1,28 @@
-"""`mimo-epd chaos`: a fault campaign against a node (`serve --encoders 2` and its LLM worker) at saturation.
+"""`mimo-epd chaos`: a fault campaign against a fleet (or a single node) at saturation.
+
+Topologies (`--topology`):
+  fleet  (default when redis-server is installed) a redis-server, one node `serve --join redis://...` with
+         `--encoders 2 --llm-workers 2`, and `--routers 2` `mimo-epd router --router-state redis://...`
+         processes in front of it; the Locust users fail over between the routers (client side)
+  node   one `serve --encoders 2` (the router is the node process)
 
 Load: headless Locust (loadtest/chaos_users.py), closed loop, Encode of unique JPEGs and short Generate
-streams through the router; every request is logged with its start/end on CLOCK_MONOTONIC, so each
+streams through the router(s); every request is logged with its start/end on CLOCK_MONOTONIC, so each
 failure can be compared with what was in flight at the kill.
 
 Faults, SIGKILL on a schedule (`--fault-interval-s`, cycling through `--faults` until `--duration-s`):
-  encoder        one encoder process (alternating); the launcher restarts it on the same port
+  encoder        one encoder process (alternating); the node restarts it on the same port
   decode_worker  one decode process, a child of an encoder (found through /proc/<pid>/task/*/children)
-  llm            the LLM worker
-  router         the `serve` process itself (the single router: its encoders should go with it); the
-                 campaign measures the client-visible downtime and starts the node again on the same port
-  redis          Redis, when the node uses one (skipped otherwise)
+  llm            an LLM worker (alternating); the node restarts it, the routers retry on the other worker
+  router         fleet: one `mimo-epd router` (alternating), started again on its port by the campaign;
+                 node: the `serve` process itself (its children exit with it), started again on its port
+  redis          fleet: redis-server, started again (empty) after `--redis-down-s`; routing degrades to
+                 load only meanwhile
 Per fault: requests that failed after the kill, split into those that were in flight at the kill and those
 that started later, compared with the requests in flight on the killed process; time to the first success
 on the affected path; time until the replacement serves (health SERVING / a new process in place).
-Then a soak (`--soak-s`): RSS of every process of the node sampled every `--rss-interval-s`, reported
-before/after with the slope in MB/min after the first minute.
+Then a soak (`--soak-s`): RSS of every process sampled every `--rss-interval-s` (split into anonymous and
+shared-memory pages), reported before/after with the slope in MB/min after the first minute.
 
 One JSON object on stdout, progress lines on stderr. Numbers are measurements, not grades.
 """
@@ -24,6 +31,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -71,10 +79,12 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def rss_mb(pid: int) -> float | None:
+def rss_mb(pid: int, field: str = "VmRSS") -> float | None:
+    """Resident MB of `pid`: VmRSS, or one of its parts RssAnon (heap), RssShmem (shared memory it touched: the
+    node's embedding cache and decode arena count here in full for every process that mapped them), RssFile."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     except OSError:
         pass
@@ -116,16 +126,21 @@ def pid_listening_on(port: int) -> int | None:
 
 @dataclass
 class Node:
-    """The processes of one node, by role: router (the serve process), encoders by port, their decode
-    processes, the LLM worker."""
+    """The processes under test, by role: the serve process (`router` on a single node, `node` in a fleet,
+    where it routes nothing), encoders by port, their decode processes, the LLM workers, and in a fleet the
+    `mimo-epd router` processes and redis-server."""
     router: int
     encoders: dict[str, int] = field(default_factory=dict)    # "127.0.0.1:PORT" -> pid
     decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
     llms: dict[str, int] = field(default_factory=dict)        # LLM worker endpoint -> pid (--llm-workers N)
     redis: int | None = None
+    routers: dict[str, int] = field(default_factory=dict)     # fleet: router address -> pid
+    serve_role: str = "router"
 
     def roles(self) -> dict[str, int]:
-        out = {"router": self.router}
+        out = {self.serve_role: self.router}
+        for i, ep in enumerate(sorted(self.routers)):
+            out[f"router{i}"] = self.routers[ep]
         for i, ep in enumerate(sorted(self.encoders)):
             out[f"encoder{i}"] = self.encoders[ep]
             for j, d in enumerate(self.decoders.get(ep, [])):
@@ -236,6 +251,7 @@ class RssSampler(threading.Thread):
         super().__init__(daemon=True)
         self.get_node, self.interval_s = get_node, interval_s
         self.samples: dict[str, list[tuple[float, int, float]]] = {}  # role -> [(t, pid, MB)]
+        self.parts: dict[str, list[tuple[float, int, float, float]]] = {}  # role -> [(t, pid, anon MB, shmem MB)]
         self._stop = threading.Event()
 
     def sample(self) -> None:
@@ -247,6 +263,9 @@ class RssSampler(threading.Thread):
             mb = rss_mb(pid)
             if mb is not None:
                 self.samples.setdefault(role, []).append((now, pid, mb))
+                anon, shmem = rss_mb(pid, "RssAnon"), rss_mb(pid, "RssShmem")
+                if anon is not None and shmem is not None:
+                    self.parts.setdefault(role, []).append((now, pid, anon, shmem))
 
     def run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -271,7 +290,7 @@ def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
     return round(float(np.polyfit(t, y, 1)[0]), 3)
 
 
-def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float) -> dict:
+def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float, parts: dict | None = None) -> dict:
     out = {}
     for role, pts in sorted(samples.items()):
         window = [(t, pid, mb) for t, pid, mb in pts if t_start <= t <= t_end]
@@ -283,16 +302,68 @@ def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float) ->
         out[role] = {"pid": pid, "rss_before_mb": round(same[0][1], 1), "rss_after_mb": round(same[-1][1], 1),
                      "rss_max_mb": round(max(mb for _, mb in same), 1), "samples": len(same),
                      "slope_mb_per_min_after_warmup": slope_mb_per_min(after)}
+        sp = [(t, a, sh) for t, p, a, sh in (parts or {}).get(role, []) if p == pid and t_start <= t <= t_end]
+        if sp:
+            late = [x for x in sp if x[0] >= t_start + warmup_s]
+            out[role].update({
+                "anon_before_mb": round(sp[0][1], 1), "anon_after_mb": round(sp[-1][1], 1),
+                "anon_slope_mb_per_min_after_warmup": slope_mb_per_min([(t, a) for t, a, _ in late]),
+                "shmem_before_mb": round(sp[0][2], 1), "shmem_after_mb": round(sp[-1][2], 1)})
     return out
 
 
 # ------------------------------------------------------------------------------------------ the campaign
+class Redis:
+    """The fleet's redis-server: no persistence, so a restart comes back empty (the worst case for the routers:
+    every registration and index entry has to be written again)."""
+
+    def __init__(self, workdir: Path):
+        self.port, self.dir, self.proc = free_port(), workdir, None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.answers():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on 127.0.0.1:{self.port}")
+
+    def answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
 class Campaign:
     def __init__(self, args):
         self.args = args
         self.t0 = time.monotonic()
-        self.server = None          # ServerProcess when this campaign started the node
-        self.address = args.server
+        self.server = None          # ServerProcess of the serve this campaign started (the node)
+        self.address = args.server  # the first router's address
+        self.fleet = args.topology == "fleet"
+        self.routers: list = []     # fleet: ServerProcess of each `mimo-epd router`
+        self.router_ports: list[int] = []
+        self.redis: Redis | None = None
         self.node: Node | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="mimo-chaos-"))
         self.reqlog = RequestLog(self.workdir / "requests.jsonl")
@@ -301,37 +372,68 @@ class Campaign:
         self.skipped: list[dict] = []
         self.cycle: dict[str, int] = {}
         self.leftovers: list[str] = []
+        self.old_logs: list[str] = []  # logs of routers / nodes that were killed and replaced
 
     def rel(self, t: float) -> float:
         return round(t - self.t0, 3)
 
+    @property
+    def addresses(self) -> list[str]:
+        return [r.address for r in self.routers] if self.fleet else [self.address]
+
     # -------------------------------------------------------------- node
+    def llm_workers(self) -> int:
+        return self.args.llm_workers if self.args.llm_workers else (2 if self.fleet else 1)
+
     def serve_args(self) -> list[str]:
         # --http-port -1: the OpenAI HTTP API would take the fixed port 8000, which a second node (or a
         # test running alongside) may hold.
-        return ["--encoders", str(self.args.encoders), "--health-interval-s", "0.5", "--decode-workers", "2",
-                "--http-port", "-1",
-                "--shm-cache-bytes", str(256 << 20), "--port", str(self.port), *shlex.split(self.args.serve_args)]
+        common = ["--encoders", str(self.args.encoders), "--health-interval-s", "0.5", "--decode-workers", "2",
+                  "--llm-workers", str(self.llm_workers()), "--shm-cache-bytes", str(256 << 20)]
+        if self.fleet:  # a node that registers in Redis and runs no router; its gRPC port is unused
+            return [*common, "--join", self.redis.url, *shlex.split(self.args.serve_args)]
+        return [*common, "--http-port", "-1", "--port", str(self.port), *shlex.split(self.args.serve_args)]
+
+    def router_args(self, port: int) -> list[str]:
+        return ["--port", str(port), "--router-state", self.redis.url, *shlex.split(self.args.router_args)]
 
     def start_node(self) -> None:
         from mimo_epd.bench.common import start_server
 
+        if self.fleet:
+            self.redis = Redis(self.workdir)
+            self.redis.start()
+            log(f"redis-server on 127.0.0.1:{self.redis.port}")
         self.server = start_server(self.serve_args(), subcommand="serve", timeout=self.args.start_timeout_s)
-        self.address = self.server.address
+        if self.fleet:
+            self.router_ports = [free_port() for _ in range(self.args.routers)]
+            for port in self.router_ports:
+                self.routers.append(start_server(self.router_args(port), subcommand="router",
+                                                 timeout=self.args.start_timeout_s))
+            self.address = self.routers[0].address
+        else:
+            self.address = self.server.address
         self.refresh_node()
 
     def refresh_node(self) -> Node | None:
         pid = self.server.proc.pid if self.server else pid_listening_on(int(self.address.rsplit(":", 1)[1]))
         if pid is None or not alive(pid):
             return self.node
-        self.node = discover(pid)
+        node = discover(pid)
+        if self.fleet:
+            node.serve_role = "node"
+            node.routers = {r.address: r.proc.pid for r in self.routers if r.proc.poll() is None}
+            if self.redis and self.redis.proc and self.redis.proc.poll() is None:
+                node.redis = self.redis.proc.pid
+        self.node = node
         return self.node
 
     # -------------------------------------------------------------- load
     def start_load(self, images_dir: Path, with_llm: bool) -> None:
         classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else [])
         env = {**os.environ, "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path), "MIMO_EPD_IMAGES_DIR": str(images_dir),
-               "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s)}
+               "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s),
+               "MIMO_EPD_CHAOS_ROUTERS": ",".join(self.addresses)}
         cmd = [sys.executable, "-m", "locust", "-f", str(USERS_FILE), "--headless", "--users", str(self.args.users),
                "--spawn-rate", str(self.args.users), "--host", self.address, "--only-summary",
                "--csv", str(self.workdir / "locust"), "--stop-timeout", str(int(self.args.call_timeout_s) + 5),
@@ -363,23 +465,27 @@ class Campaign:
         if fault == "llm" and node.llms:
             ep = sorted(node.llms)[n % len(node.llms)]
             return node.llms[ep], {"endpoint": ep}
-        if fault == "router" and self.server is not None:
+        if fault == "router" and self.fleet and self.routers:
+            i = n % len(self.routers)
+            return self.routers[i].proc.pid, {"endpoint": self.routers[i].address, "router_index": i}
+        if fault == "router" and self.server is not None and not self.fleet:
             return node.router, {"endpoint": self.address, "children_before": children(node.router)}
-        if fault == "redis" and node.redis:
-            return node.redis, {}
+        if fault == "redis" and self.fleet and node.redis:
+            return node.redis, {"endpoint": f"127.0.0.1:{self.redis.port}"}
         return None
 
     def skip_reason(self, fault: str) -> str:
         if fault == "router" and self.server is None:
             return "attached to --server: the campaign cannot start the node again"
         if fault == "redis":
-            return "this node runs no Redis (a single router; the campaign does not start the serve --join / router --router-state topology yet)"
+            return "no Redis in this topology (--topology node: a single router with its state in memory)"
         if fault == "llm":
             return "this node runs no LLM worker"
         return f"no {fault} process found"
 
     def affected(self, fault: str, info: dict, ring_eps: list[str]):
-        """Which logged requests are on the killed process's path."""
+        """Which logged requests are on the killed process's path: those that may fail if they were in flight
+        at the kill."""
         if fault in ("encoder", "decode_worker"):
             from mimo_epd.router.hash_ring import HashRing
 
@@ -388,7 +494,17 @@ class Campaign:
             return lambda r: r["kind"] == "encode" and next(ring.owners(r["key"]), None) == ep
         if fault == "llm":
             return lambda r: r["kind"] == "generate"
+        if fault == "router" and self.fleet:  # the requests the killed router held (their first router)
+            return lambda r: r.get("router") == info["endpoint"]
+        if fault == "redis":  # not on any request's path: routing degrades, nothing may fail
+            return lambda r: False
         return lambda r: True
+
+    def recovery_path(self, fault: str, info: dict, ring_eps: list[str]):
+        """The requests whose first success after the kill tells that clients are served again."""
+        if fault in ("router", "redis") and self.fleet:
+            return lambda r: True  # every client, whichever router it reaches
+        return self.affected(fault, info, ring_eps)
 
     def inject(self, fault: str, deadline: float) -> None:
         picked = self.pick(fault)
@@ -404,12 +520,17 @@ class Campaign:
         t_kill = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         log(f"SIGKILL {fault} pid {pid} {info.get('endpoint', '')}")
-        is_affected = self.affected(fault, info, ring_eps)
+        is_affected = self.recovery_path(fault, info, ring_eps)
         out = {"fault": fault, "pid": pid, **{k: v for k, v in info.items() if k != "children_before"},
                "t_kill_s": self.rel(t_kill), "rss_mb_at_kill": rss_before and round(rss_before, 1), "ring": ring_eps}
-        if fault == "router":
+        if fault == "router" and self.fleet:
+            self.recover_fleet_router(t_kill, info, out)
+            mark = self.log_mark()  # the new router's log starts empty
+        elif fault == "router":
             self.recover_router(t_kill, info, out)
-            mark = 0  # a new node, a new log
+            mark = self.log_mark()  # a new node, a new log
+        elif fault == "redis":
+            self.recover_redis(t_kill, out)
         out["_log_mark"] = mark
         waits = self.wait_recovered(fault, pid, info, t_kill, is_affected, deadline, out)
         out.update(waits)
@@ -424,12 +545,16 @@ class Campaign:
             self.server.proc.wait(10)
         except subprocess.TimeoutExpired:
             pass
-        time.sleep(2.0)  # give the encoders' parent-death watch time to act
-        orphans = [c for c in info["children_before"] if alive(c)]
-        out["orphans_2s_after"] = [{"pid": c, "cmd": cmdline(c)[:80]} for c in orphans]
+        self.old_logs.append("".join(self.server.stderr_lines))
+        # Its children get SIGTERM the moment it dies (parent-death signal) and drain: give them the time.
+        t = time.monotonic()
+        family = info["children_before"] + [g for c in info["children_before"] for g in children(c)]
+        while time.monotonic() - t < self.args.orphan_wait_s and any(alive(c) for c in family):
+            time.sleep(0.1)
+        out["children_exited_s"] = round(time.monotonic() - t_kill, 3) if not any(alive(c) for c in family) else None
+        orphans = [c for c in family if alive(c)]
+        out["orphans_after_wait"] = [{"pid": c, "cmd": cmdline(c)[:80]} for c in orphans]
         for c in orphans:  # this campaign started them: never leave them behind
-            for g in children(c):
-                os.kill(g, signal.SIGKILL)
             os.kill(c, signal.SIGKILL)
         seg = Path(f"/dev/shm/mimo-epd-{self.server.proc.pid}")  # the killed launcher's cache segment
         out["shm_segment_left"] = seg.exists()
@@ -440,31 +565,82 @@ class Campaign:
         out["restart_s"] = round(time.monotonic() - t, 3)
         self.refresh_node()
 
-    def log_lines_since(self, mark: int) -> list[str]:
-        return self.server.stderr_lines[mark:] if self.server else []
+    def recover_fleet_router(self, t_kill: float, info: dict, out: dict) -> None:
+        """One of the routers: the clients fail over to the others; start it again on its port."""
+        from mimo_epd.bench.common import start_server
 
-    def log_mark(self) -> int:
-        return len(self.server.stderr_lines) if self.server else 0
+        i = info["router_index"]
+        old = self.routers[i]
+        try:
+            old.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            pass
+        self.old_logs.append("".join(old.stderr_lines))
+        time.sleep(self.args.router_down_s)  # clients run on the other router(s) meanwhile
+        t = time.monotonic()
+        self.routers[i] = start_server(self.router_args(self.router_ports[i]), subcommand="router",
+                                       timeout=self.args.start_timeout_s)
+        out["down_s"] = round(t - t_kill, 3)
+        out["restart_s"] = round(time.monotonic() - t, 3)
+        self.refresh_node()
+
+    def recover_redis(self, t_kill: float, out: dict) -> None:
+        """Redis is down for `--redis-down-s`, then comes back empty."""
+        self.redis.proc.wait()
+        time.sleep(self.args.redis_down_s)
+        t = time.monotonic()
+        self.redis.start()
+        out["down_s"] = round(t - t_kill, 3)
+        out["restart_s"] = round(time.monotonic() - t, 3)
+        self.refresh_node()
+
+    # -------------------------------------------------------------- logs
+    def router_logs(self) -> list[list[str]]:
+        """The logs that tell the routers' view (hash ring, state): the routers in a fleet, else the node."""
+        if self.fleet:
+            return [r.stderr_lines for r in self.routers]
+        return [self.server.stderr_lines] if self.server else []
+
+    def log_mark(self) -> dict:
+        return {"node": len(self.server.stderr_lines) if self.server else 0,
+                "routers": [len(x) for x in self.router_logs()]}
+
+    def log_has(self, needle: str, mark: dict, where: str) -> bool:
+        """`needle` in the node's log (where='node') or in every router's log (where='routers') since `mark`."""
+        if where == "node":
+            return bool(self.server) and any(needle in ln for ln in self.server.stderr_lines[mark["node"]:])
+        logs = self.router_logs()
+        marks = mark["routers"] + [0] * (len(logs) - len(mark["routers"]))
+        return bool(logs) and all(any(needle in ln for ln in lines[m:]) for lines, m in zip(logs, marks))
 
     def wait_recovered(self, fault, pid, info, t_kill, is_affected, deadline, out) -> dict:
         """Polls until the affected path has served a request started after the kill, the killed process has
-        a serving replacement, the router reports SERVING and (when this campaign runs the node and so reads
-        its log) the router took the encoder back into its ring / the decode pool says it replaced its
-        processes."""
+        a serving replacement, the router(s) report SERVING and (when this campaign runs the node and so reads
+        the logs) the routers took the encoder back into their rings / the decode pool says it replaced its
+        processes / the routers say KV-affinity routing resumed."""
         res: dict = {}
         want = {"first_success_s", "replaced_s", "health_serving_s"}
-        log_key = {"encoder": "rejoined_ring_s", "decode_worker": "pool_replaced_s"}.get(fault) if self.server else None
+        log_key = None
+        if self.server:
+            log_key = {"encoder": "rejoined_ring_s", "decode_worker": "pool_replaced_s"}.get(fault)
+            if fault == "redis":
+                log_key = "affinity_resumed_s"
         if log_key:
             want.add(log_key)
-        mark = out.pop("_log_mark", 0)
+        mark = out.pop("_log_mark", self.log_mark())
         end = min(deadline, t_kill + self.args.recover_timeout_s)
         while time.monotonic() < end:
             now = time.monotonic()
             recs = self.reqlog.refresh()
             if log_key and log_key not in res:
-                needle = (f"encoder {info['endpoint']} rejoined the ring" if fault == "encoder"
-                          else "replaced the decode processes")
-                if any(needle in ln for ln in self.log_lines_since(mark)):
+                if fault == "encoder":
+                    ok = (self.log_has(f"encoder {info['endpoint']} rejoined the ring", mark, "routers")
+                          or self.log_has(f"encoder {info['endpoint']} joined the ring", mark, "routers"))
+                elif fault == "decode_worker":
+                    ok = self.log_has("replaced the decode processes", mark, "node")
+                else:
+                    ok = self.log_has("KV-affinity routing resumed", mark, "routers")
+                if ok:
                     res[log_key] = round(now - t_kill, 3)
             if "first_success_s" not in res:
                 ok = [r["t1"] for r in recs if r["t0"] >= t_kill and r["code"] == "OK" and is_affected(r)]
@@ -484,9 +660,9 @@ class Campaign:
                     new = node.llms.get(info["endpoint"])
                     if new and new != pid and health_serving(info["endpoint"], 0.5):
                         res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), new
-                else:
-                    res["replaced_s"] = round(out.get("restart_s", 0.0), 3)
-            if "health_serving_s" not in res and health_serving(self.address, 0.5):
+                else:  # router, redis: started again by this campaign
+                    res["replaced_s"] = round(out.get("down_s", 0.0) + out.get("restart_s", 0.0), 3)
+            if "health_serving_s" not in res and all(health_serving(a, 0.5) for a in self.addresses):
                 res["health_serving_s"] = round(time.monotonic() - t_kill, 3)
             if want <= set(res):
                 break
@@ -496,8 +672,9 @@ class Campaign:
         return res
 
     def wait_settled(self, expect: dict, deadline: float) -> float:
-        """Before the next fault: every encoder serving with its decode processes, the LLM worker serving, and
-        (from the router's log) no encoder out of the ring, so one fault never lands on another's recovery."""
+        """Before the next fault: every encoder serving with its decode processes, the LLM workers serving,
+        every router serving, Redis answering, and (from the routers' logs) no encoder out of any ring, so one
+        fault never lands on another's recovery."""
         t = time.monotonic()
         waiting = ""
         while time.monotonic() < deadline:
@@ -505,18 +682,23 @@ class Campaign:
             checks = {"encoders": len(node.encoders) >= expect["encoders"],
                       "decoders": all(len(node.decoders.get(ep, [])) >= expect["decoders"] for ep in node.encoders),
                       "encoder_health": all(health_serving(ep, 0.5) for ep in node.encoders),
-                      "llm": len(node.llms) >= expect["llm"] and all(health_serving(ep, 0.5) for ep in node.llms)}
+                      "llm": len(node.llms) >= expect["llm"] and all(health_serving(ep, 0.5) for ep in node.llms),
+                      "routers": all(health_serving(a, 0.5) for a in self.addresses),
+                      "redis": self.redis is None or self.redis.answers()}
             waiting = ",".join(k for k, v in checks.items() if not v)
             ok = not waiting
             if ok and self.server:
-                state: dict[str, bool] = {}
-                for ln in self.server.stderr_lines:
-                    for ep in node.encoders:
-                        if f"encoder {ep} left the ring" in ln:
-                            state[ep] = False
-                        elif f"encoder {ep} rejoined the ring" in ln:
-                            state[ep] = True
-                ok = all(state.values())
+                for lines in self.router_logs():
+                    state: dict[str, bool] = {}
+                    for ln in lines:
+                        for ep in node.encoders:
+                            if f"encoder {ep} left the ring" in ln:
+                                state[ep] = False
+                            elif f"encoder {ep} rejoined the ring" in ln or f"encoder {ep} joined the ring" in ln:
+                                state[ep] = True
+                    ok = ok and all(state.values())
+                    if self.fleet:  # a fresh router's ring: every encoder in it
+                        ok = ok and set(node.encoders) <= set(state)
                 waiting = "" if ok else "ring"
             if ok:
                 break
@@ -546,6 +728,8 @@ class Campaign:
                 "failed_started_after_kill": sum(1 for r in failed if r["t0"] >= t_kill),
                 "failed_codes": codes,
                 "failed_examples": sorted({f"{r['kind']} {r['code']}: {r['details'][:120]}" for r in failed})[:5],
+                "failed_over": sum(1 for r in records if t_kill <= r["t1"] < t_next and r.get("attempts", 1) > 1
+                                   and r["code"] == "OK"),
                 "window_s": round(t_next - t_kill, 3),
             })
             f["failed_beyond_inflight_on_killed_path"] = max(0, f["failed"] - f["inflight_on_killed_path"])
@@ -561,7 +745,8 @@ class Campaign:
             (images_dir / name).write_bytes(data)
         if not self.address:
             self.port = free_port()
-            log(f"starting serve --encoders {a.encoders} on 127.0.0.1:{self.port}")
+            log(f"starting {'a fleet: redis-server, serve --join' if self.fleet else 'serve'} --encoders {a.encoders} "
+                f"--llm-workers {self.llm_workers()}" + (f", {a.routers} routers" if self.fleet else ""))
             self.start_node()
         node = self.refresh_node()
         if node is None:
@@ -575,7 +760,7 @@ class Campaign:
         sampler.start()
         self.start_load(images_dir, with_llm=bool(node.llms))
         t_load = time.monotonic()
-        # warm up: every kind of request has succeeded at least once (or 30 s)
+        # warm up: every kind of request has succeeded at least once (or --warmup-s)
         kinds = {"encode"} | ({"generate"} if node.llms else set())
         t_warm = time.monotonic()
         while time.monotonic() - t_warm < a.warmup_s:
@@ -609,7 +794,7 @@ class Campaign:
             time.sleep(a.soak_s)
             sampler.sample()
             soak.update({"warmup_s": round(warmup, 1),
-                         "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup)})
+                         "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup, sampler.parts)})
         t_end = time.monotonic()
         sampler.stop()
         self.stop_load()
@@ -631,7 +816,8 @@ class Campaign:
 
         first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
         result = {
-            "chaos": "serve", "server": self.address, "started_node": self.server is not None,
+            "chaos": "serve", "topology": a.topology, "server": self.address, "routers": self.addresses,
+            "started_node": self.server is not None,
             "encoders": len(self._ring_eps), "llm_workers": len(node.llms), "users": a.users,
             "duration_s": a.duration_s, "fault_interval_s": round(interval, 3), "requested_faults": faults,
             "load": {"before_faults": phase(t_load, first_kill), "faults": phase(first_kill, t_end_faults),
@@ -647,20 +833,27 @@ class Campaign:
 
     def close(self, result: dict | None) -> None:
         self.stop_load()
-        if self.server is not None:
-            node = self.node
-            rc = self.server.stop(timeout=60)
-            time.sleep(0.2)  # the log reader thread drains the last lines
-            (self.workdir / "serve.log").write_text("".join(self.server.stderr_lines))
+        if self.server is None:
+            return
+        node = self.node
+        for r in self.routers:  # routers first (they drain), then the node, then Redis
+            r.stop(timeout=30)
+        rc = self.server.stop(timeout=60)
+        if self.redis:
+            self.redis.stop()
+        time.sleep(0.2)  # the log reader threads drain the last lines
+        logs = self.old_logs + ["".join(r.stderr_lines) for r in self.routers] + ["".join(self.server.stderr_lines)]
+        (self.workdir / "serve.log").write_text("\n".join(logs))
+        if result is not None:
+            result["serve_exit_code"] = rc
+            result["router_exit_codes"] = [r.proc.returncode for r in self.routers]
+        if node:  # nothing of the node may outlive it
+            time.sleep(1.0)
+            left = [p for p in node.roles().values() if alive(p) and p != self.server.proc.pid]
+            for p in left:
+                os.kill(p, signal.SIGKILL)
             if result is not None:
-                result["serve_exit_code"] = rc
-            if node:  # nothing of the node may outlive it
-                time.sleep(1.0)
-                left = [p for p in node.roles().values() if alive(p) and p != self.server.proc.pid]
-                for p in left:
-                    os.kill(p, signal.SIGKILL)
-                if result is not None:
-                    result["processes_left_after_stop"] = len(left)
+                result["processes_left_after_stop"] = len(left)
 
 
 def run(args) -> int:
@@ -673,6 +866,14 @@ def run(args) -> int:
     if unknown:
         print(f"error: unknown faults {unknown}; choose from {','.join(FAULTS)}", file=sys.stderr)
         return 2
+    if args.topology == "auto":
+        args.topology = "node" if args.server or shutil.which("redis-server") is None else "fleet"
+    if args.topology == "fleet" and args.server:
+        print("error: --server attaches to one node: use --topology node", file=sys.stderr)
+        return 2
+    if args.topology == "fleet" and shutil.which("redis-server") is None:
+        print("error: --topology fleet needs redis-server (the Debian package redis-server)", file=sys.stderr)
+        return 2
     c = Campaign(args)
     result = None
     try:
@@ -684,6 +885,19 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--topology", choices=["auto", "fleet", "node"], default="auto",
+                   help="fleet: redis-server + `serve --join` + --routers `mimo-epd router`, clients failing over "
+                        "between them; node: one `serve`; auto: fleet when redis-server is installed (default: auto)")
+    p.add_argument("--routers", type=int, default=2, help="fleet: `mimo-epd router` processes (default: 2)")
+    p.add_argument("--llm-workers", type=int, default=0,
+                   help="LLM workers of the node (0 = 2 in a fleet, 1 on a single node) (default: 0)")
+    p.add_argument("--router-args", default="", help="extra flags for each `mimo-epd router` (default: '')")
+    p.add_argument("--redis-down-s", type=float, default=5.0,
+                   help="redis fault: seconds Redis stays down before the campaign starts it again (default: 5)")
+    p.add_argument("--router-down-s", type=float, default=0.0,
+                   help="fleet router fault: seconds before the campaign starts the killed router again (default: 0)")
+    p.add_argument("--orphan-wait-s", type=float, default=10.0,
+                   help="node router fault: how long the killed serve's children get to exit (default: 10)")
     p.add_argument("--duration-s", type=float, default=120.0, help="seconds of the fault phase (default: 120)")
     p.add_argument("--soak-s", type=float, default=600.0, help="seconds of load after the faults, RSS sampled (default: 600)")
     p.add_argument("--faults", default=",".join(FAULTS),

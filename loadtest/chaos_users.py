@@ -9,7 +9,13 @@ Configuration by environment (set by the campaign):
     MIMO_EPD_CHAOS_LOG     the JSON-lines file to append to
     MIMO_EPD_IMAGES_DIR    directory of JPEG files sent as bytes (each made unique by a trailing token)
     MIMO_EPD_CALL_TIMEOUT  per-call deadline in seconds (default 60)
-The server address is Locust's --host (host:port, no scheme).
+    MIMO_EPD_CHAOS_ROUTERS comma list of router addresses (host:port); default: Locust's --host
+
+Failover between routers (client side, as a client of a fleet would do it): each user has a home router (users
+spread over them); a call that fails with UNAVAILABLE before any response (a dead router refuses the
+connection; a request it held dies with its socket) is sent again to the next router, and the one that failed
+is passed over for a second. A stream that already delivered tokens is not retried: it failed in flight. The
+log line says which router a request went to first (`router`) and how many it tried (`attempts`).
 """
 from __future__ import annotations
 
@@ -39,24 +45,53 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.initia
                    ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
 
 
+ROUTERS = [a for a in os.environ.get("MIMO_EPD_CHAOS_ROUTERS", "").split(",") if a]
+PASS_OVER_S = 1.0  # a router that refused a call is tried last for this long
+_down_until: dict[int, float] = {}  # router index -> monotonic time (shared by the users of this process)
+_users = 0
+
+
 class _ChaosUser(User):
     abstract = True
     wait_time = constant(0)
 
     def on_start(self) -> None:
-        self.channel = grpc.insecure_channel(self.host, options=CHANNEL_OPTIONS)
+        global _users
+        self.addresses = ROUTERS or [self.host]
+        self.channels = [grpc.insecure_channel(a, options=CHANNEL_OPTIONS) for a in self.addresses]
+        self.home = _users % len(self.addresses)
+        _users += 1
 
     def on_stop(self) -> None:
-        self.channel.close()
+        for ch in self.channels:
+            ch.close()
+
+    def _order(self) -> list[int]:
+        n = len(self.addresses)
+        order = [(self.home + k) % n for k in range(n)]
+        now = time.monotonic()
+        return sorted(order, key=lambda i: _down_until.get(i, 0.0) > now)  # stable: passed-over ones last
 
     def _record(self, kind: str, t0: float, key: str, call) -> None:
+        """`call(i)` runs the request on router i; returns normally or raises grpc.RpcError."""
         code, details, exc = "OK", "", None
-        try:
-            call()
-        except grpc.RpcError as e:
-            exc, code, details = e, e.code().name, (e.details() or "")[:200]
+        order = self._order()
+        attempts = 0
+        for i in order:
+            attempts += 1
+            try:
+                call(i)
+                code, details, exc = "OK", "", None
+                break
+            except grpc.RpcError as e:
+                exc, code, details = e, e.code().name, (e.details() or "")[:200]
+                started = getattr(e, "started", False)
+                if e.code() != grpc.StatusCode.UNAVAILABLE or started:
+                    break
+                _down_until[i] = time.monotonic() + PASS_OVER_S  # and on to the next router
         t1 = time.monotonic()
-        _LOG.write(json.dumps({"kind": kind, "t0": t0, "t1": t1, "code": code, "key": key, "details": details}) + "\n")
+        _LOG.write(json.dumps({"kind": kind, "t0": t0, "t1": t1, "code": code, "key": key, "details": details,
+                               "router": self.addresses[order[0]], "attempts": attempts}) + "\n")
         self.environment.events.request.fire(request_type="grpc", name=kind, response_time=(t1 - t0) * 1e3,
                                              response_length=0, exception=exc, context={})
         if exc is not None:
@@ -69,14 +104,15 @@ class EncodeUser(_ChaosUser):
 
     def on_start(self) -> None:
         super().on_start()
-        self.stub = encoder_pb2_grpc.EncoderStub(self.channel)
+        self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
 
     @task
     def encode(self) -> None:
         data = random.choice(IMAGES) + b"mimo-epd:" + uuid.uuid4().hex.encode()
         key = "h:" + xxhash.xxh3_128_hexdigest(data)  # the router's routing key for inline bytes
         req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data)])
-        self._record("encode", time.monotonic(), key, lambda: self.stub.Encode(req, timeout=TIMEOUT))
+        # unary: an UNAVAILABLE means no response arrived, so another router may take it
+        self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
 
 
 class GenerateUser(_ChaosUser):
@@ -85,10 +121,21 @@ class GenerateUser(_ChaosUser):
 
     def on_start(self) -> None:
         super().on_start()
-        self.stub = generator_pb2_grpc.GeneratorStub(self.channel)
+        self.stubs = [generator_pb2_grpc.GeneratorStub(ch) for ch in self.channels]
 
     @task
     def generate(self) -> None:
         req = generator_pb2.GenerateRequest(prompt=f"chaos {uuid.uuid4().hex[:8]}: tell me a story",
                                             sampling=generator_pb2.SamplingOptions(max_tokens=8))
-        self._record("generate", time.monotonic(), "", lambda: list(self.stub.Generate(req, timeout=TIMEOUT)))
+        deadline = time.monotonic() + TIMEOUT
+
+        def call(i: int) -> None:
+            got = 0
+            try:
+                for _ in self.stubs[i].Generate(req, timeout=max(0.1, deadline - time.monotonic())):
+                    got += 1
+            except grpc.RpcError as e:
+                e.started = got > 0  # tokens were streamed: a retry elsewhere would repeat them
+                raise
+
+        self._record("generate", time.monotonic(), "", call)
