@@ -587,7 +587,12 @@ class Campaign:
     def recover_redis(self, t_kill: float, out: dict) -> None:
         """Redis is down for `--redis-down-s`, then comes back empty."""
         self.redis.proc.wait()
-        time.sleep(self.args.redis_down_s)
+        # Meanwhile the routers must keep serving (health SERVING), routing by load only.
+        checks, end = [], t_kill + self.args.redis_down_s
+        while time.monotonic() < end:
+            checks.append(all(health_serving(a, 0.5) for a in self.addresses))
+            time.sleep(max(0.0, min(0.5, end - time.monotonic())))
+        out["routers_serving_while_down"] = f"{sum(checks)}/{len(checks)} health checks"
         t = time.monotonic()
         self.redis.start()
         out["down_s"] = round(t - t_kill, 3)
