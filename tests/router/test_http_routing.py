@@ -156,3 +156,51 @@ async def test_unreachable_worker_is_retried_on_the_next(two_workers):
         await front.close()
         await router.close()
         await asyncio.sleep(0)
+
+
+def test_a_restarted_worker_is_routed_to_again_within_seconds(two_workers):
+    """A chaos finding: with gRPC's default reconnect backoff the router's channels to a restarted worker kept
+    failing for 7-18 s after it served again. With 100 ms / 1 s backoff (router/channels.py) and the health
+    re-check, requests reach it again within a few seconds of its ready line."""
+    import signal
+    import time
+
+    import grpc
+
+    from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+
+    a, b = two_workers
+    mport = free_port()
+    r = start_server(["--workers", f"{a.address},{b.address}", "--llm-policy", "round_robin", "--member-ttl-s", "2",
+                      "--metrics-port", str(mport)], "router")
+
+    def served_by_a() -> float:
+        return scrape(mport).get(f'router_requests_total{{front="grpc",worker="{a.address}"}}', 0.0)
+
+    def generate() -> None:
+        with grpc.insecure_channel(r.address) as ch:
+            for _ in generator_pb2_grpc.GeneratorStub(ch).Generate(generator_pb2.GenerateRequest(
+                    prompt="are you back?", sampling=generator_pb2.SamplingOptions(max_tokens=1)), timeout=30):
+                pass
+
+    try:
+        for _ in range(2):
+            generate()
+        assert served_by_a() == 1
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait()
+        for _ in range(2):  # they go to b meanwhile
+            generate()
+        time.sleep(10.0)  # down long enough for gRPC's default backoff to grow to ~10 s between attempts
+        port = a.address.rsplit(":", 1)[1]
+        restarted = start_server(["--port", port, "--http-port", "-1", "--kv-cache-tokens", "4096",
+                                  "--swa-cache-tokens", "1024", "--torch-threads", "1"], "llm")
+        two_workers[0] = restarted  # stopped by the fixture
+        ready = time.monotonic()
+        before = served_by_a()
+        while served_by_a() == before:
+            assert time.monotonic() - ready < 5.0, "the router did not route to the restarted worker within 5 s"
+            generate()
+            time.sleep(0.1)
+    finally:
+        r.stop()
