@@ -339,6 +339,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         s["exact_predictions"] += int(cached_tokens == choice.predicted_tokens)
         m = self.metrics
         m.error.observe(cached_tokens - choice.predicted_tokens)
+        m.abs_error.inc(abs(cached_tokens - choice.predicted_tokens))
         m.predicted.inc(choice.predicted_tokens)
         m.cached.inc(cached_tokens)
 
@@ -467,13 +468,19 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="the workers' model, for the tokenizer (default: tiny)")
     p.add_argument("--grace-period-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
+    p.add_argument("--http-port", type=int, default=-1,
+                   help="serve the workers' HTTP API (OpenAI, /generate) through this router's policy on this port, "
+                        "0 = any free port (printed as `http HOST:PORT` before `ready`), -1 = off (default: -1)")
+    p.add_argument("--chat-template", default="",
+                   help="the workers' --chat-template file, when they have one: the HTTP front renders chats "
+                        "with it to tokenize them like the workers (default: the model's)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve the router's Prometheus metrics on this port's /metrics, 0 = off (default: 0)")
     add_policy_arguments(p)
 
 
 async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: float = 10.0,
-                       metrics_port: int = 0) -> int:
+                       metrics_port: int = 0, http_port: int = -1, chat_template: str = "") -> int:
     from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2
@@ -504,6 +511,15 @@ async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: f
     await router.start()
     if encoders is not None:
         encoders.start()
+    front = None
+    shown = f"[{host}]" if ":" in host else host
+    if http_port >= 0:
+        from llm_backend.server.chat_template import load_chat_template
+
+        from .http_front import HTTPFront
+
+        front = HTTPFront(router=router, template=load_chat_template(config.model, chat_template))
+        print(f"http {shown}:{await front.start(host, http_port)}", flush=True)
     await server.start()
     await set_serving(health, names)
     log.info("LLM router (%s, state %s) on %s:%d", config.policy, config.router_state, host, bound)
@@ -512,6 +528,8 @@ async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: f
     stop_on_signals(stop)
     await stop.wait()
     await drain.stop(server, health, grace_s)
+    if front is not None:
+        await front.close()
     await router.close()
     await router.metrics.close()
     if encoders is not None:
@@ -528,7 +546,7 @@ def main(args) -> int:
         config = config_from_args(args)
         config.validate()
         return uvloop.run(serve_router(config, args.host, args.port, args.grace_period_s,
-                                        getattr(args, "metrics_port", 0)))
+                                        args.metrics_port, args.http_port, args.chat_template))
     except (OSError, ValueError) as e:
         logging.getLogger("mimo_epd").error("cannot start the router: %s", e)
         return 1

@@ -4,7 +4,8 @@
   front = grpc | http);
 - `router_retries_total`, `router_failed_total`: requests moved to the next worker, requests that failed;
 - `router_prediction_error_tokens`: reported cached tokens minus the index's prediction, per request (negative:
-  the worker reused less than predicted); `router_predicted_tokens_total` / `router_cached_tokens_total`;
+  the worker reused less than predicted), `router_prediction_abs_error_tokens_total` (its absolute value, summed);
+  `router_predicted_tokens_total` / `router_cached_tokens_total`;
 - `router_state_degraded`: 1 while the state (Redis) is unreachable and routing is by load only;
 - `router_index_blocks{worker}`: blocks the index holds for each worker; `router_live_workers`.
 
@@ -30,6 +31,8 @@ class RouterMetrics:
         self.error = Histogram("router_prediction_error_tokens",
                                "reported cached tokens minus the predicted reusable tokens, per request",
                                buckets=ERROR_BUCKETS, registry=r)
+        self.abs_error = Counter("router_prediction_abs_error_tokens", "sum of |reported - predicted| cached tokens",
+                                 registry=r)
         self.predicted = Counter("router_predicted_tokens", "predicted reusable prompt tokens", registry=r)
         self.cached = Counter("router_cached_tokens", "cached prompt tokens the workers reported", registry=r)
         self.degraded = Gauge("router_state_degraded", "1 while the router state is unreachable (routing by load only)",
