@@ -78,7 +78,8 @@ def test_light_commands_do_not_import_torch():
         for argv in (["health", "--server", "127.0.0.1:1", "--timeout", "0.2"],
                      ["encode", "--server", "127.0.0.1:1", "--timeout", "0.2", sys.argv[1]],
                      ["--help"], ["health", "--help"], ["encode", "--help"], ["generate", "--help"],
-                     ["serve", "--help"], ["router", "--help"], ["llm", "--help"]):
+                     ["serve", "--help"], ["router", "--help"], ["llm", "--help"],
+                     ["bench", "routing-live", "--help"]):
             try:
                 main(argv)
             except SystemExit:
