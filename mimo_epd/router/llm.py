@@ -118,6 +118,7 @@ class WorkerView:
     local_queued: int = 0
     local_running: int = 0
     registered: bool = False  # seen in the registry at the last refresh
+    registered_at: float = 0.0  # when it was last seen there (monotonic)
 
 
 @dataclass
@@ -155,6 +156,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self.down: dict[str, float] = {}
         self.flights: dict[str, list[_Flight]] = {}
         self.degraded = False
+        # Until then, members missing from the registry stay: a Redis that comes back empty is refilled by the
+        # next heartbeats, and dropping every worker meanwhile would fail requests with "tried none".
+        self._keep_members_until = 0.0
         self.encoders = EncoderSet(encoders) if encoders is not None else None
         self.stats = {"requests": 0, "retries": 0, "failed": 0, "degraded_picks": 0, "picks": {},
                       "predictions": 0, "predicted_tokens": 0, "cached_tokens": 0, "abs_error_tokens": 0,
@@ -208,6 +212,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         llm = {m: f for m, f in members.items() if f.get("kind") == "llm"}
         for w in self.workers.values():
             w.registered = w.id in llm
+            if w.registered:
+                w.registered_at = time.monotonic()
         for wid, f in llm.items():
             w = self.workers.get(wid)
             if w is None and self.feeds:
@@ -216,23 +222,26 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                 w = self.workers[wid] = WorkerView(wid, f.get("address", wid.split("/", 1)[-1]))
                 log.info("LLM worker %s joined (node %s)", w.address, f.get("node", "?"))
             w.registered = True
+            w.registered_at = time.monotonic()
             w.http_address = f.get("http_address", w.http_address)
             w.block_size = int(f.get("block_size") or w.block_size or 16)
             w.load = {k: int(f.get(k) or 0) for k in LOAD_FIELDS}
-        if not self.feeds:  # discovered workers leave when their registration expires
+        keep = time.monotonic() < self._keep_members_until
+        if not self.feeds and not keep:  # discovered workers leave when their registration expires
             for wid in [w for w in self.workers if w not in llm]:
                 log.info("LLM worker %s left (its registration expired)", self.workers[wid].address)
                 del self.workers[wid]
         if self.encoders is not None:
             enc = {f["address"] for f in members.values() if f.get("kind") == "encoder" and f.get("address")}
             if enc:
-                self.encoders.sync(enc)
+                self.encoders.sync(enc | set(self.encoders.router._channels) if keep else enc)
 
     async def _discovery_loop(self) -> None:
         while True:
             try:
                 if self.degraded and await self.state.ping():
                     self.degraded = False
+                    self._keep_members_until = time.monotonic() + self.config.member_ttl_s
                     log.warning("router state %s answers again: KV-affinity routing resumed", self.config.router_state)
                 if not self.degraded:
                     await self.refresh()
@@ -268,7 +277,11 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             if until is not None and until > now:
                 continue
             feed = self.feeds.get(wid)
-            if feed is not None and not self.degraded and not (feed.ok or (feed.ok is None and w.registered)):
+            # Another relay writes this worker (feed.ok is None): it is live while registered, and for one TTL after
+            # its last registration, which spans a relay handover (the old lease and entries expire before the
+            # next relay's first write; a dead worker is caught by the retry and mark_down meanwhile).
+            if feed is not None and not self.degraded and not (feed.ok or (feed.ok is None and (
+                    w.registered or now - w.registered_at < self.config.member_ttl_s))):
                 continue
             out.append(w)
         return out
