@@ -41,13 +41,20 @@ def marked_parent() -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs. A zombie does not: a SIGKILLed `serve` stays one until whoever started it reaps it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # someone else's process: alive
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:  # gone since kill(0), or no /proc at all (not Linux: kill(0) answered)
+        return not os.path.isdir("/proc/self")
+    except (OSError, IndexError):
+        return True
 
 
 def _set_pdeathsig(signum: int) -> bool:
