@@ -39,9 +39,26 @@ class LLMConfig:
     page_size: int = flag(1, "full-pool page size, tokens (prefix-cache match granularity)", _KV)
     prefix_cache: bool = flag(True, "SWA-aware radix prefix cache", _KV)
     release_interval: int = flag(16, "decode steps between releases of SWA slots that left the window", _KV)
+    # --- KV tiers (docs/kv-tiers.md) ------------------------------------------------------------
+    host_kv_bytes: int = flag(0, "host KV tier, bytes (0 = off): device-evicted pages are kept there and stay "
+                                 "matchable", _KV)
+    host_kv_policy: str = flag("lru", "host tier eviction: lru or fifo", _KV, choices=("lru", "fifo"))
+    host_kv_write: str = flag("back", "host tier writes: back (on device eviction) or through (on insert)", _KV,
+                              choices=("back", "through"))
+    kv_store: str = flag("", "shared KV tier: redis://host:port/db (empty = off); pages are content-addressed", _KV)
+    kv_store_ttl_s: int = flag(3600, "TTL of a page in the shared KV tier, seconds", _KV)
+    kv_store_timeout_s: float = flag(0.5, "shared KV tier socket timeout; on an error it is skipped for "
+                                          "--kv-store-retry-s", _KV)
+    kv_store_retry_s: float = flag(5.0, "seconds the shared KV tier is skipped after an error", _KV)
+    swa_backfill: bool = flag(False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA "
+                                     "eviction tombstones it", _KV)
+    swa_checkpoint_interval: int = flag(0, "denser SWA checkpoints: keep the window before every multiple of this "
+                                           "many tokens when trimming SWA (0 = only node ends)", _KV)
     # --- scheduling ----------------------------------------------------------------------------
     chunk_size: int = flag(512, "prefill chunk, tokens", _SCHED)
     max_running: int = flag(16, "requests running at once", _SCHED)
+    max_prefill_tokens: int = flag(8192, "prefill tokens per step, shared by the running prompts oldest first "
+                                         "(decode tokens always run; 0 = no cap)", _SCHED)
     fcfs: bool = flag(False, "first come first served instead of fewest uncached tokens first", _SCHED)
     wait_penalty: float = flag(2048.0, "uncached tokens forgiven per second of waiting, so nothing starves", _SCHED)
     length_buckets: str = flag("65536,262144", "prompt-length bucket bounds; buckets take turns at admission", _SCHED)
@@ -62,8 +79,12 @@ class LLMConfig:
                      "max_running", "max_waiting", "max_tokens_limit", "grace_period_s", "max_temperature"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        if self.torch_threads < 0 or self.wait_penalty < 0:
-            raise ValueError("--torch-threads and --wait-penalty must be >= 0")
+        if self.host_kv_bytes < 0 or self.swa_checkpoint_interval < 0 or self.kv_store_ttl_s <= 0:
+            raise ValueError("--host-kv-bytes and --swa-checkpoint-interval must be >= 0, --kv-store-ttl-s positive")
+        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--kv-store must be a redis:// URL, got {self.kv_store!r}")
+        if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
+            raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
         if self.http_port < -1:
             raise ValueError(f"--http-port must be -1 (off), 0 (any) or a port, got {self.http_port}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

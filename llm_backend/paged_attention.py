@@ -59,8 +59,9 @@ class PagedBatch:
     cover tokens [0, start + n) (SWA entries outside the window may be None)."""
 
     def __init__(self, pools: KVPools, seqs: list[tuple[list[int], list[int | None], int, int]],
-                 use_triton: bool | None = None):
+                 use_triton: bool | None = None, wait=None):
         self.pools = pools
+        self.wait = wait  # wait(layer): blocks until that layer's queued KV loads are done (kv.tiers.loader)
         device = next(iter(pools.k.values())).device
         self.use_triton = triton_enabled(device) if use_triton is None else use_triton
         w = pools.window
@@ -102,6 +103,8 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
         """Writes this step's k/v [T, Hkv, D|Dv] into the layer's pool and returns attention [T, Hq, Dv]."""
+        if self.wait is not None:
+            self.wait(layer)
         sliding = self.pools.sliding[layer]
         k_cache, v_cache = self.pools.k[layer], self.pools.v[layer]
         slots = self.new_slots[sliding]

@@ -64,10 +64,13 @@ class LLM:
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
         self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
         self.pools = self.runner.pools
+        self.tiers = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
+        self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
         self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=cfg.chunk_size,
                                    max_running=cfg.max_running, enable_prefix_cache=cfg.prefix_cache,
                                    release_interval=cfg.release_interval, fcfs=cfg.fcfs,
-                                   wait_penalty=cfg.wait_penalty, length_buckets=cfg.buckets())
+                                   wait_penalty=cfg.wait_penalty, length_buckets=cfg.buckets(),
+                                   max_prefill_tokens=cfg.max_prefill_tokens)
         self.max_model_len = self.scheduler.max_seq_len
         self._eos = self._eos_ids()
         self._ids = itertools.count()
@@ -75,6 +78,29 @@ class LLM:
         self._wake = threading.Condition(self._lock)
         self.loop_error: BaseException | None = None
         self.step_errors = 0
+
+    def _tiers(self, cfg: LLMConfig, mcfg):
+        """The host tier (its bytes split between full and SWA KV in the device pools' proportion) and the shared
+        store, wired to the cache and the runner (llm_backend.kv.tiers)."""
+        from ..kv.tiers import KVTiers, RedisKVStore
+        from ..kv.tiers.host import token_bytes
+
+        full_b, swa_b = token_bytes(self.pools)
+        dev_full, dev_swa = self.full_pool.size * full_b, self.swa_pool.size * swa_b
+        full_share = dev_full / max(dev_full + dev_swa, 1)
+        host_full = int(cfg.host_kv_bytes * full_share) // max(full_b, 1)
+        host_swa = int(cfg.host_kv_bytes * (1 - full_share)) // max(swa_b, 1)
+        store = None
+        if cfg.kv_store:
+            dtype = str(self.pools.k[0].dtype).removeprefix("torch.")
+            ns = f"{self.model_name}:{mcfg.num_hidden_layers}:{mcfg.window}:{cfg.page_size}:{dtype}"
+            store = RedisKVStore(cfg.kv_store, ns, ttl_s=cfg.kv_store_ttl_s, timeout_s=cfg.kv_store_timeout_s,
+                                 retry_s=cfg.kv_store_retry_s)
+        tiers = KVTiers(self.cache, host_full, host_swa, policy=cfg.host_kv_policy,
+                        write_through=cfg.host_kv_write == "through", swa_backfill=cfg.swa_backfill, store=store)
+        tiers.attach(self.pools)
+        self.runner.tiers = tiers
+        return tiers
 
     @classmethod
     def from_config(cls, config: LLMConfig) -> "LLM":
@@ -116,7 +142,8 @@ class LLM:
                 "full_used": self.full_pool.size - self.full_pool.available(), "full_total": self.full_pool.size,
                 "swa_used": self.swa_pool.size - self.swa_pool.available(), "swa_total": self.swa_pool.size,
                 "prefix_hit_tokens": self.cache.stats.hit_tokens, "prompt_tokens": s.prompt_tokens,
-                "generated_tokens": s.generated_tokens, "preemptions": s.preemptions, "step_errors": self.step_errors}
+                "generated_tokens": s.generated_tokens, "preemptions": s.preemptions, "step_errors": self.step_errors,
+                **(self.tiers.metrics() if self.tiers is not None else {})}
 
     # ----------------------------------------------------------------------------------- public
     def generate(self, prompts: list[str] | str | None = None, sampling_params: SamplingParams | None = None,

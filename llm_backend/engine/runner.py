@@ -26,6 +26,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
         self.device = p.device
+        self.tiers = None  # kv.tiers.KVTiers: KV queued from the host / shared store is loaded layer by layer
 
     def _inputs(self, seg: Segment):
         r, start, n = seg
@@ -44,9 +45,15 @@ class ModelRunner:
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
-        paged = PagedBatch(self.pools, [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)])  # type: ignore[union-attr]
-        logits = self.model.forward_batch([self._inputs(s) for s in segments],
-                                          ["all" if s.all_logits else "last" for s in segments], paged)
+        load = self.tiers.start_load() if self.tiers is not None else None
+        try:
+            paged = PagedBatch(self.pools, [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
+                               wait=load.wait if load is not None else None)
+            logits = self.model.forward_batch([self._inputs(s) for s in segments],
+                                              ["all" if s.all_logits else "last" for s in segments], paged)
+        finally:
+            if load is not None:
+                load.finish()
         return [self._result(s, lg) for s, lg in zip(segments, logits)]
 
     def _result(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:

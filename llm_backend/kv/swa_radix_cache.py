@@ -36,7 +36,7 @@ from .pools import SlotPool
 
 
 class Node:
-    __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_need", "last_access", "id")
+    __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_need", "last_access", "id", "host")
     _ids = itertools.count()
 
     def __init__(self, key: list[int], full: list[int], swa: list[int | None], parent: "Node | None"):
@@ -49,6 +49,8 @@ class Node:
         self.swa_need: dict[int, int] = {}
         self.last_access = 0
         self.id = next(Node._ids)
+        # Host-tier copy (kv.tiers.HostCopy) or None; with tiers on, `full` is None once the device copy is evicted.
+        self.host = None
 
     @property
     def swa_locks(self) -> int:
@@ -96,12 +98,19 @@ class SWARadixCache:
         # Optional observer `on_event(kind, node)` (llm_backend.kv.events): "stored" after a leaf is added,
         # "removed" before a leaf is dropped, "swa" after a node's SWA slots were released or repaired.
         self.on_event = None
+        # KV tiers below the device (kv.tiers.KVTiers, sets itself here), or None: the methods below then behave
+        # exactly as without tiers.
+        self.tiers = None
+        # Denser SWA checkpoints (0 = off): trimming also keeps the W tokens before every multiple of this many
+        # tokens, so a shared prefix that ends inside a node (a system prompt, not chunk-aligned) is cut back at
+        # most this far instead of to the previous node end.
+        self.swa_checkpoint_interval = 0
 
     # ----------------------------------------------------------------------------------- structure
     def _split(self, node: Node, at: int) -> Node:
         """Splits `node` so that its first `at` tokens become a new parent; returns that parent."""
         parent = node.parent
-        head = Node(node.key[:at], node.full[:at], node.swa[:at], parent)
+        head = Node(node.key[:at], node.full[:at] if node.full is not None else None, node.swa[:at], parent)
         head.full_locks, head.last_access = node.full_locks, node.last_access  # every path through node passes head
         # An SWA lock that needed r tokens at `node` now gets len(tail) of them from the tail and reaches the head
         # only if r exceeds that; copying the count would leave locks on the head that no unlock ever reaches.
@@ -110,9 +119,11 @@ class SWARadixCache:
             if need > tail_len:
                 head.swa_need[need - tail_len] = head.swa_need.get(need - tail_len, 0) + count
         parent.children[self._edge(node.key)] = head
-        node.key, node.full, node.swa = node.key[at:], node.full[at:], node.swa[at:]
+        node.key, node.full, node.swa = node.key[at:], node.full[at:] if node.full is not None else None, node.swa[at:]
         node.parent = head
         head.children[self._edge(node.key)] = node
+        if self.tiers is not None:
+            self.tiers.split(head, node, at)
         return head
 
     def _edge(self, key) -> tuple:
@@ -163,6 +174,8 @@ class SWARadixCache:
 
     # ----------------------------------------------------------------------------------- lookups
     def match_prefix(self, tokens: list[int]) -> Match:
+        if self.tiers is not None:
+            return self.tiers.match(tokens)  # may load host / store KV into fresh device slots
         self.stats.lookups += 1
         path, m = self._walk(list(tokens))
         full = [s for node in path for s in node.full]
@@ -181,6 +194,8 @@ class SWARadixCache:
     def peek_prefix_length(self, tokens: list[int]) -> int:
         """The window-safe length `match_prefix(tokens)` would return, read-only: no split, no LRU refresh, no
         statistics (a scheduler scores waiting requests with it without reordering eviction)."""
+        if self.tiers is not None:
+            return self.tiers.peek(tokens)
         node, i, swa = self.root, 0, []
         P = self.page_size
         tokens = list(tokens)
@@ -251,6 +266,8 @@ class SWARadixCache:
         repaired = []
         for node in path:
             before = self.stats.repairs
+            if node.full is None:  # host-only node (tiers): the fresh device KV makes it device-resident again
+                node.full = list(full[pos:pos + len(node.key)])
             for j in range(len(node.key)):
                 p = pos + j
                 if full[p] != node.full[j]:
@@ -282,6 +299,8 @@ class SWARadixCache:
                 leaf.last_access = stamp
                 if self.on_event is not None:
                     self.on_event("stored", leaf)
+                if self.tiers is not None:
+                    self.tiers.on_insert(leaf)
         if self.on_event is not None:
             for node in repaired:
                 self.on_event("swa", node)
@@ -319,6 +338,11 @@ class SWARadixCache:
     def _remove_leaf(self, node: Node) -> int:
         if self.on_event is not None:
             self.on_event("removed", node)
+        if self.tiers is not None:
+            self.tiers.on_remove(node)  # to the shared store; its host copy is freed
+        if node.full is None:  # host-only
+            del node.parent.children[self._edge(node.key)]
+            return 0
         self.full_pool.free(node.full)
         self.swa_pool.free([s for s in node.swa if s is not None])
         del node.parent.children[self._edge(node.key)]
@@ -328,13 +352,30 @@ class SWARadixCache:
         """Removes `start` and then its ancestors while each is an unlocked tombstone leaf; returns the full
         slots freed (the caller counts them in `stats.full_evicted`, once)."""
         n, freed = start, 0
-        while n is not self.root and not n.children and n.tombstone and n.full_locks == 0 and n.swa_locks == 0:
+        while n is not self.root and not n.children and n.tombstone and n.full_locks == 0 and n.swa_locks == 0 \
+                and (n.host is None or not n.host.swa):  # a host SWA window still makes it a match end
             parent = n.parent
             freed += self._remove_leaf(n)
             n = parent
         return freed
 
+    def _trim_positions(self, node: Node) -> list[int]:
+        """Token indexes of `node` whose SWA trimming frees: outside its last W, and (denser checkpoints) outside
+        the W tokens before each multiple of `swa_checkpoint_interval`."""
+        tail = max(0, len(node.swa) - self.window)
+        K = self.swa_checkpoint_interval
+        if not K:
+            return [j for j in range(tail) if node.swa[j] is not None]
+        start, n = 0, node.parent
+        while n is not None and n is not self.root:
+            start += len(n.key)
+            n = n.parent
+        W = self.window
+        return [j for j in range(tail) if node.swa[j] is not None and (K > W and (start + j) % K < K - W)]
+
     def _trimmable(self, node: Node) -> int:
+        if self.swa_checkpoint_interval:
+            return len(self._trim_positions(node))
         return sum(s is not None for s in node.swa[: max(0, len(node.swa) - self.window)])
 
     def evict_swa(self, num: int) -> int:
@@ -349,16 +390,25 @@ class SWARadixCache:
         heap, _ = self._lru_heap(self._trimmable)
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
-            tail = max(0, len(node.swa) - self.window)
-            live = [s for s in node.swa[:tail] if s is not None]
-            self.swa_pool.free(live)
-            node.swa[:tail] = [None] * tail
+            if self.swa_checkpoint_interval:
+                js = self._trim_positions(node)
+                live = [node.swa[j] for j in js]
+                self.swa_pool.free(live)
+                for j in js:
+                    node.swa[j] = None
+            else:
+                tail = max(0, len(node.swa) - self.window)
+                live = [s for s in node.swa[:tail] if s is not None]
+                self.swa_pool.free(live)
+                node.swa[:tail] = [None] * tail
             freed += len(live)
             if live and self.on_event is not None:
                 self.on_event("swa", node)
         heap = self._lru_heap(lambda n: n.swa_locks == 0 and n.live_swa)[0] if freed < num else []
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
+            if self.tiers is not None:
+                self.tiers.backfill(node)  # SWA back-fill: the node-end window goes to the host first
             live = [s for s in node.swa if s is not None]
             self.swa_pool.free(live)
             node.swa = [None] * len(node.swa)
@@ -380,6 +430,8 @@ class SWARadixCache:
 
     def evict_full(self, num: int) -> int:
         """Frees at least `num` full slots if it can (LRU over unlocked leaves; parents follow)."""
+        if self.tiers is not None:
+            return self.tiers.evict_full(num)  # write-back to the host keeps nodes in the tree
         heap, rank = self._lru_heap(lambda n: not n.children and n.full_locks == 0)
         freed = 0
         while heap and freed < num:
@@ -402,7 +454,7 @@ class SWARadixCache:
         """Slots the tree holds, split into evictable and protected (locked), per pool."""
         out = {"full": {"evictable": 0, "protected": 0}, "swa": {"evictable": 0, "protected": 0}}
         for n in self._nodes():
-            out["full"]["protected" if n.full_locks else "evictable"] += len(n.full)
+            out["full"]["protected" if n.full_locks else "evictable"] += len(n.full) if n.full is not None else 0
             out["swa"]["protected" if n.swa_locks else "evictable"] += n.live_swa
         return out
 

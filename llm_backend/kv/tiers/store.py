@@ -1,0 +1,268 @@
+"""The shared KV tier (L3): content-addressed pages in a Redis server every worker uses (issue #15 item 3).
+
+A page is `page_size` tokens starting at a multiple of it, named by the chained page hash of
+`llm_backend.kv.events.block_hashes` (equal hashes = equal token prefixes), under a namespace that names the
+model shape and dtype (two models never share a key). Its value holds the full-attention layers' KV of the page
+and, when the page ends where a match may end, the sliding layers' KV of the W tokens before its end (a sliding
+layer needs exactly those to go on from there); a page without that window is only a path to later pages.
+
+Value layout: b"MKV1" | u32 header length | JSON header {hash, page, window, dtype, shapes} | u64 xxh3 checksum of
+the payload | payload (every tensor's bytes, in header order). A value whose magic, hash, shapes, dtype, length or
+checksum does not match is a miss (`corrupt` in the stats), never KV.
+
+Writes are asynchronous (a bounded queue drained by one thread: a full queue drops the page, it is a cache);
+reads happen at admission. The server bounds memory itself (maxmemory + an LRU policy); the tier sets a TTL. Any
+Redis error marks the tier down for `retry_s`: meanwhile lookups are misses and writes are dropped, so requests
+never fail because the store did.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import xxhash
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MKV1"
+
+
+@dataclass
+class PageData:
+    """One page: `full` = {layer: (k, v)} of its P tokens, `swa` = {layer: (k, v)} of the window before its end
+    (empty: not a match end). In bookkeeping mode (the benchmark) both are empty and only `nbytes` is set."""
+    hash: int
+    full: dict = field(default_factory=dict)
+    swa: dict = field(default_factory=dict)
+    has_window: bool = False
+    nbytes: int = 0
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+
+
+def encode_page(p: PageData) -> bytes:
+    tensors, shapes = [], []
+    dtype = None
+    for part in ("full", "swa"):
+        for layer in sorted(getattr(p, part)):
+            k, v = getattr(p, part)[layer]
+            for t in (k, v):
+                dtype = str(t.dtype).removeprefix("torch.")
+                tensors.append(_tensor_bytes(t))
+                shapes.append([part, layer, list(t.shape)])
+    payload = b"".join(tensors)
+    header = json.dumps({"hash": p.hash, "window": p.has_window, "dtype": dtype, "shapes": shapes}).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)) + payload
+
+
+def decode_page(raw: bytes, want_hash: int, expect: dict, dtype: torch.dtype) -> PageData | None:
+    """The page, or None when anything does not match what was asked for (`expect`: {(part, layer): shape})."""
+    try:
+        if raw[:4] != MAGIC:
+            return None
+        (hlen,) = struct.unpack_from("<I", raw, 4)
+        header = json.loads(raw[8:8 + hlen])
+        (checksum,) = struct.unpack_from("<Q", raw, 8 + hlen)
+        payload = memoryview(raw)[16 + hlen:]
+        if header["hash"] != want_hash or header["dtype"] != str(dtype).removeprefix("torch."):
+            return None
+        if xxhash.xxh3_64_intdigest(payload) != checksum:
+            return None
+        esz = torch.empty(0, dtype=dtype).element_size()
+        out = PageData(want_hash, has_window=bool(header["window"]), nbytes=len(raw))
+        pos, pending = 0, {}
+        for part, layer, shape in header["shapes"]:
+            key = (part, layer)
+            if key not in expect:
+                return None
+            want = expect[key][1 if key in pending else 0]  # (k shape, v shape): k comes first
+            if part == "full" and list(shape) != list(want):
+                return None
+            if part == "swa" and (list(shape[1:]) != list(want[1:]) or shape[0] > want[0]):
+                return None
+            n = int(np.prod(shape)) * esz
+            if pos + n > len(payload):
+                return None
+            t = torch.frombuffer(bytearray(payload[pos:pos + n]), dtype=torch.uint8).view(dtype).reshape(shape)
+            pos += n
+            if key in pending:
+                getattr(out, part)[layer] = (pending.pop(key), t)
+            else:
+                pending[key] = t
+        if pos != len(payload) or pending:
+            return None
+        full_layers = {layer for part, layer in expect if part == "full"}
+        if set(out.full) != full_layers:
+            return None
+        if out.has_window and set(out.swa) != {layer for part, layer in expect if part == "swa"}:
+            return None
+        return out
+    except (ValueError, KeyError, TypeError, struct.error, RuntimeError):
+        return None
+
+
+@dataclass
+class StoreStats:
+    gets: int = 0
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    puts: int = 0
+    dropped: int = 0  # writes dropped: queue full or the store down
+    errors: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class RedisKVStore:
+    def __init__(self, url: str, namespace: str, *, ttl_s: int = 3600, timeout_s: float = 0.5, retry_s: float = 5.0,
+                 max_queue: int = 1024):
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix = f"mimo:kv:{namespace}:".encode()
+        self.ttl_s, self.retry_s = ttl_s, retry_s
+        self.stats = StoreStats()
+        self._down_until = 0.0
+        self._q: queue.Queue = queue.Queue(max_queue)
+        self._stop = False
+        self._writer = threading.Thread(target=self._drain, name="kv-store-writer", daemon=True)
+        self._writer.start()
+        self.expect: dict = {}
+        self.dtype = torch.float32
+
+    def key(self, h: int) -> bytes:
+        return self.prefix + f"{h:016x}".encode()
+
+    @property
+    def up(self) -> bool:
+        return time.monotonic() >= self._down_until
+
+    def _failed(self, e: Exception) -> None:
+        self.stats.errors += 1
+        self._down_until = time.monotonic() + self.retry_s
+        log.warning("KV store unavailable (%s): skipped for %.0f s", e, self.retry_s)
+
+    def get_many(self, hashes: list[int]) -> list[PageData | None]:
+        if not hashes or not self.up:
+            return [None] * len(hashes)
+        self.stats.gets += len(hashes)
+        try:
+            raws = self.client.mget([self.key(h) for h in hashes])
+        except Exception as e:  # noqa: BLE001 - the store is optional: any failure is a miss
+            self._failed(e)
+            return [None] * len(hashes)
+        out = []
+        for h, raw in zip(hashes, raws):
+            if raw is None:
+                self.stats.misses += 1
+                out.append(None)
+                continue
+            page = decode_page(raw, h, self.expect, self.dtype)
+            if page is None:
+                self.stats.corrupt += 1
+            else:
+                self.stats.hits += 1
+                self.stats.bytes_read += len(raw)
+            out.append(page)
+        return out
+
+    def put(self, page: PageData) -> None:
+        if not self.up:
+            self.stats.dropped += 1
+            return
+        try:
+            self._q.put_nowait(page)
+        except queue.Full:
+            self.stats.dropped += 1
+
+    def _drain(self) -> None:
+        while not self._stop:
+            try:
+                page = self._q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            try:
+                if page is None:
+                    continue
+                raw = encode_page(page)
+                if self.up:
+                    self.client.set(self.key(page.hash), raw, ex=self.ttl_s)
+                    self.stats.puts += 1
+                    self.stats.bytes_written += len(raw)
+                else:
+                    self.stats.dropped += 1
+            except Exception as e:  # noqa: BLE001
+                self._failed(e)
+            finally:
+                self._q.task_done()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Waits until queued writes are done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout_s
+        while self._q.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.flush(2.0)
+        self._stop = True
+        self._writer.join(1.0)
+
+
+class MemoryKVStore:
+    """An in-process stand-in with the same interface, bounded by bytes, LRU (the benchmark: it replays several
+    workers in one process; the tests use the real Redis store)."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity = capacity_bytes
+        self.used = 0
+        self.pages: OrderedDict[int, PageData] = OrderedDict()
+        self.stats = StoreStats()
+        self.up = True
+
+    def get_many(self, hashes):
+        out = []
+        for h in hashes:
+            self.stats.gets += 1
+            p = self.pages.get(h)
+            if p is None:
+                self.stats.misses += 1
+            else:
+                self.stats.hits += 1
+                self.stats.bytes_read += p.nbytes
+                self.pages.move_to_end(h)
+            out.append(p)
+        return out
+
+    def put(self, page: PageData) -> None:
+        old = self.pages.pop(page.hash, None)
+        if old is not None:
+            self.used -= old.nbytes
+            if old.has_window and not page.has_window:
+                page = old  # keep the richer value
+        self.pages[page.hash] = page
+        self.used += page.nbytes
+        self.stats.puts += 1
+        self.stats.bytes_written += page.nbytes
+        while self.used > self.capacity and self.pages:
+            _, p = self.pages.popitem(last=False)
+            self.used -= p.nbytes
+
+    def flush(self, timeout_s: float = 0) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,228 @@
+"""KV tiers (issue #15): greedy outputs are the same with the host tier and the shared Redis tier on as with no
+cache at all, under heavy eviction of both device pools (hits that end in the host tier and in the store, a page
+another worker wrote), corrupt store values are misses, a dead Redis is skipped, and the slot accounting of every
+tier holds after any sequence of operations (hypothesis)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llm_backend import LLM, SamplingParams
+from llm_backend.kv import RequestKV, SlotPool, SWARadixCache
+from llm_backend.kv.tiers import KVTiers, MemoryKVStore
+from tests.llm.test_engine import small_model
+from tests.router.conftest import redis_server  # noqa: F401 - the real redis-server fixture
+
+SP = SamplingParams(max_tokens=5)
+# Tiny model, many short steps: one intra-op thread avoids thread thrash on a shared machine (the outputs are the
+# same with any thread count).
+torch.set_num_threads(1)
+
+
+def workload(seed=0, n=16, systems=4):
+    rng = random.Random(seed)
+    sys_prompts = [[rng.randrange(61) for _ in range(40)] for _ in range(systems)]
+    return [sys_prompts[i % systems] + [rng.randrange(61) for _ in range(rng.randrange(3, 20))] for i in range(n)]
+
+
+def run(model, prompts, **kw):
+    """Two requests at a time through tiny pools: heavy eviction of both pools."""
+    opts = dict(kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4,
+                max_running=2)
+    opts.update(kw)
+    llm = LLM(model, **opts)
+    outs = []
+    for i in range(0, len(prompts), 2):
+        outs += [o.output_token_ids for o in llm.generate(prompt_token_ids=prompts[i:i + 2], sampling_params=SP)]
+    return outs, llm
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model(8, 1)
+
+
+@pytest.fixture(scope="module")
+def cold(model):
+    return run(model, workload(), prefix_cache=False)[0]
+
+
+@pytest.mark.parametrize("opts", [dict(host_kv_bytes=10**6), dict(host_kv_bytes=60_000),
+                                  dict(host_kv_bytes=10**6, host_kv_write="through", host_kv_policy="fifo"),
+                                  dict(host_kv_bytes=10**6, swa_backfill=True, swa_checkpoint_interval=16)])
+def test_host_tier_outputs_equal_no_cache_under_heavy_eviction(model, cold, opts):
+    outs, llm = run(model, workload(), **opts)
+    assert outs == cold
+    st_ = llm.stats()
+    assert st_["kv_tier_hit_host"] > 0 and st_["kv_tier_pages_d2h"] > 0  # hits that ended in the host tier
+    assert st_["kv_load_loads"] > 0  # loaded layer by layer in the forward
+    base = run(model, workload())[1].stats()["prefix_hit_tokens"]
+    assert st_["prefix_hit_tokens"] > base  # the tier adds hits
+    acc = llm.tiers.accounting()
+    for k in ("host_full_pages", "host_swa"):
+        assert acc[k]["held"] + acc[k]["free"] == acc[k]["total"]
+
+
+def test_tiers_off_is_the_plain_cache(model):
+    llm = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16)
+    assert llm.tiers is None and llm.cache.tiers is None and llm.runner.tiers is None
+    assert not any(k.startswith("kv_tier") for k in llm.stats())
+
+
+def test_layerwise_load_waits_per_layer(model):
+    """Each layer's attention waits for that layer's copy only: attend(l) is called after copy l is done."""
+    from llm_backend.kv.tiers.loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
+    from llm_backend.paged_attention import KVPools
+    from llm_backend.kv.tiers.host import HostKV
+    import torch
+
+    pools = KVPools(model.config, 32, 32)
+    host = HostKV(pools, 32, 32)
+    for layer in host.k:
+        host.k[layer].normal_()
+        host.v[layer].normal_()
+    pending = PendingLoads()
+    pending.add_host(False, [0, 1, 2, 3], [8, 9, 10, 11])
+    pending.add_host(True, [5], [7])
+    stats = LoadStats()
+    load = LayerwiseLoad(LoadPlan(pending, pools, host), stats)
+    for layer in pools.k:
+        load.wait(layer)
+        src, dst = ([5], [7]) if pools.sliding[layer] else ([0, 1, 2, 3], [8, 9, 10, 11])
+        assert torch.equal(pools.k[layer][dst], host.k[layer][src])
+        assert torch.equal(pools.v[layer][dst], host.v[layer][src])
+    load.finish()
+    assert stats.loads == 1 and stats.copy_s > 0 and stats.exposed_s <= stats.copy_s + 1.0
+
+
+# ----------------------------------------------------------------------------------------------- shared store
+def store_run(model, url, prompts, **kw):
+    return run(model, prompts, kv_store=url, **kw)
+
+
+def test_store_page_written_by_one_worker_is_loaded_by_another(model, cold, redis_server):  # noqa: F811
+    prompts = workload()
+    outs_a, a = store_run(model, redis_server.url, prompts)
+    assert outs_a == cold
+    a.cache.evict_full(10**9)  # everything leaves worker A: its pages go to Redis
+    a.tiers.store.flush()
+    assert a.tiers.store.stats.puts > 0
+    outs_b, b = store_run(model, redis_server.url, prompts)  # a fresh worker: its own tree is empty
+    assert outs_b == cold
+    s = b.stats()
+    assert s["kv_tier_hit_store"] > 0 and s["kv_tier_pages_s2d"] > 0 and s["kv_store_hits"] > 0
+    assert s["kv_store_corrupt"] == 0
+
+
+def test_store_with_host_tier_outputs_equal(model, cold, redis_server):  # noqa: F811
+    outs, llm = store_run(model, redis_server.url, workload(), host_kv_bytes=30_000)
+    assert outs == cold
+    llm.tiers.store.flush()
+    outs2, llm2 = store_run(model, redis_server.url, workload(), host_kv_bytes=30_000)
+    assert outs2 == cold and llm2.stats()["kv_tier_hit_store"] > 0
+
+
+def test_corrupted_store_values_are_misses(model, cold, redis_server):  # noqa: F811
+    import redis
+
+    _, a = store_run(model, redis_server.url, workload())
+    a.cache.evict_full(10**9)
+    a.tiers.store.flush()
+    r = redis.Redis.from_url(redis_server.url)
+    keys = r.keys(b"mimo:kv:*")
+    assert keys
+    for i, k in enumerate(keys):
+        v = bytearray(r.get(k))
+        if i % 3 == 0:
+            v[-1] ^= 0xFF  # payload flipped: checksum mismatch
+        elif i % 3 == 1:
+            v = v[: len(v) // 2]  # truncated
+        else:
+            v[:4] = b"XXXX"  # not a page
+        r.set(k, bytes(v))
+    fresh = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, kv_store=redis_server.url)
+    hashes = [int(k.rsplit(b":", 1)[1], 16) for k in keys]
+    assert fresh.tiers.store.get_many(hashes) == [None] * len(keys)
+    assert fresh.tiers.store.stats.corrupt == len(keys)
+    # A run over the corrupted store: the corrupt pages are misses (later hits come from pages it writes itself).
+    outs, b = store_run(model, redis_server.url, workload())
+    assert outs == cold and b.stats()["kv_store_corrupt"] > 0
+
+
+def test_redis_killed_mid_run_requests_never_fail(model, cold, redis_server):  # noqa: F811
+    prompts = workload()
+    llm = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4,
+              max_running=2, kv_store=redis_server.url, kv_store_timeout_s=0.2)
+    outs = []
+    for i in range(0, len(prompts), 2):
+        if i == 8:
+            redis_server.stop()
+        res = llm.generate(prompt_token_ids=prompts[i:i + 2], sampling_params=SP)
+        assert all(o.finish_reason == "length" for o in res)
+        outs += [o.output_token_ids for o in res]
+    assert outs == cold
+    s = llm.stats()
+    assert s["kv_store_errors"] >= 1 and s["kv_store_up"] == 0
+
+
+# ----------------------------------------------------------------------------------------------- accounting
+W = 8
+OPS = st.lists(st.tuples(st.sampled_from(["start", "compute", "finish", "evict_full", "evict_swa", "abort"]),
+                         st.integers(0, 10**6)), min_size=5, max_size=60)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.booleans())
+def test_property_accounting_across_tiers(ops, page, backfill, with_store):
+    full_pool, swa_pool = SlotPool("full", 240, page), SlotPool("swa", 100)
+    cache = SWARadixCache(full_pool, swa_pool, W, page)
+    store = MemoryKVStore(10**9) if with_store else None
+    tiers = KVTiers(cache, 160, 60, swa_backfill=backfill, store=store, token_bytes=(10, 10))
+    prefixes = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
+    running: list[tuple[RequestKV, list[int]]] = []
+    for op, x in ops:
+        rng = random.Random(x)
+        if op == "start" and len(running) < 3:
+            toks = prefixes[x % 3][: rng.randrange(4, 40)] + [rng.randrange(6) for _ in range(rng.randrange(0, 12))]
+            r = RequestKV(cache, toks, release_interval=4)
+            assert r.cached_tokens <= len(toks) and r.cached_tokens % page == 0
+            assert len(r.full) == r.cached_tokens and all(s is not None for s in r.full)
+            running.append((r, toks))
+        elif op == "compute" and running:
+            r, toks = running[x % len(running)]
+            n = min(len(toks) - len(r.tokens), 1 + x % 9)
+            if n > 0 and cache.make_room(n + page, n):
+                try:
+                    r.extend(toks[len(r.tokens):len(r.tokens) + n])
+                    r.checkpoint()
+                except Exception as e:  # PoolExhausted
+                    assert "pool" in str(e)
+        elif op in ("finish", "abort") and running:
+            r, _ = running.pop(x % len(running))
+            r.finish(cache_result=op == "finish")
+        elif op == "evict_full":
+            cache.evict_full(1 + x % 60)
+        elif op == "evict_swa":
+            cache.evict_swa(1 + x % 30)
+        acc = cache.accounting()
+        infl_full = sum(r.own_full_slots() for r, _ in running)
+        infl_swa = sum(r.own_swa_live() for r, _ in running)
+        assert full_pool.available() + acc["full"]["evictable"] + acc["full"]["protected"] + infl_full == full_pool.size
+        assert swa_pool.available() + acc["swa"]["evictable"] + acc["swa"]["protected"] + infl_swa == swa_pool.size
+        hacc = tiers.accounting()
+        for k in ("host_full_pages", "host_swa"):
+            assert hacc[k]["held"] + hacc[k]["free"] == hacc[k]["total"], (k, hacc)
+        # the device-resident nodes are a top of the tree; host-only nodes have a full host copy
+        for n in cache._nodes():
+            if n.full is None:
+                assert n.host is not None and n.host.pages is not None
+                assert all(c.full is None for c in n.children.values())
+                assert all(s is None for s in n.swa)
+    for r, _ in running:
+        r.finish()
+    cache.evict_full(10**9)
+    cache.evict_swa(10**9)
