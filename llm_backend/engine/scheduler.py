@@ -57,13 +57,18 @@ class SegmentResult(NamedTuple):
 class Scheduler:
     def __init__(self, cache: SWARadixCache, full_pool: SlotPool, swa_pool: SlotPool, *, chunk_size: int,
                  max_running: int, enable_prefix_cache: bool, release_interval: int, fcfs: bool,
-                 wait_penalty: float, length_buckets: tuple[int, ...], clock=time.monotonic):
+                 wait_penalty: float, length_buckets: tuple[int, ...], clock=time.monotonic,
+                 max_prefill_tokens: int = 0):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
         self.enable_prefix_cache, self.release_interval = enable_prefix_cache, release_interval
         self.fcfs, self.wait_penalty = fcfs, wait_penalty
         self.length_buckets = tuple(sorted(length_buckets))
         self.clock = clock
+        # Prefill tokens per step (0 = no cap). Decode tokens always run; prefill chunks take the budget oldest
+        # first, so a step never carries several long chunks at once and short requests' decodes are not held
+        # behind multi-second steps (the simulator found the uncapped policy thrashing on long-context mixes).
+        self.max_prefill_tokens = max_prefill_tokens
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the oldest first
         self.admitted: list[int] = []  # request ids in admission order (observability, tests)
@@ -71,7 +76,8 @@ class Scheduler:
         self.peak_swa_per_request = 0
         self.prompt_tokens = self.generated_tokens = 0
         self._next_bucket = 0
-        self._uncached: dict[int, tuple[int, int]] = {}  # request id -> (uncached tokens, step it was computed)
+        self._uncached: dict[int, tuple[int, int]] = {}
+        self._headroom: int | None = None  # request id -> (uncached tokens, step it was computed)
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
@@ -104,6 +110,7 @@ class Scheduler:
         self._refresh_memos()
         now = self.clock()
         blocked = None
+        self._headroom = None  # computed at the first admission of this step
         while self.waiting and len(self.running) < self.max_running:
             r = self._pick(now)
             if not self._admit(r):
@@ -122,21 +129,32 @@ class Scheduler:
                                     f"{self.swa_pool.size} tokens); raise --kv-cache-tokens / --swa-cache-tokens",
                         "resource_exhausted")
         segments = []
+        budget = self.max_prefill_tokens or None
         for r in list(self.running):
             if r not in self.running:  # preempted while an older request made room
                 continue
-            seg = self._segment(r)
+            assert r.kv is not None
+            todo = len(r.tokens) - len(r.kv.tokens)
+            if todo > 1 and budget is not None:  # a prefill chunk: it takes what is left of the step's budget
+                if budget <= 0:
+                    continue
+                seg = self._segment(r, min(self.chunk_size, todo, budget))
+                if seg is not None:
+                    budget -= seg.n
+            else:
+                seg = self._segment(r)
             if seg is not None:
                 segments.append(seg)
         return segments
 
-    def _segment(self, r: Request) -> Segment | None:
-        """Reserves slots for r's next chunk or token, preempting younger requests if needed."""
+    def _segment(self, r: Request, limit: int | None = None) -> Segment | None:
+        """Reserves slots for r's next chunk or token (at most `limit` tokens), preempting younger requests if
+        needed."""
         kv = r.kv
         assert kv is not None, "a running request has its KV"
         while True:
             start = len(kv.tokens)
-            n = min(self.chunk_size, len(r.tokens) - start)
+            n = min(limit or self.chunk_size, len(r.tokens) - start)
             if self.cache.make_room(n + self.full_pool.page_size, n):  # a new page at most beyond n
                 try:
                     kv.extend(r.tokens[start:start + n])
@@ -265,15 +283,30 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed, so such requests match nothing.
         use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
         kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
-        first = min(self.chunk_size, len(tokens) - kv.cached_tokens)
-        if not self.cache.make_room(first + self.full_pool.page_size, first):
+        uncached = len(tokens) - kv.cached_tokens
+        first = min(self.chunk_size, uncached)
+        # The whole uncached prompt must fit in what running prompts leave over (free + evictable full slots),
+        # not just its first chunk: admitting prompts whose sum cannot fit only makes them preempt each other.
+        need = uncached + self.full_pool.page_size
+        if (self.running and need > self._prefill_headroom()) or \
+                not self.cache.make_room(first + self.full_pool.page_size, first):
             kv.finish(cache_result=False)
             return False
+        self._headroom = self._prefill_headroom() - need
         r.kv = kv
         if not r.output:  # a preempted request keeps its first admission's figure
             r.cached_tokens = kv.cached_tokens
             self.prompt_tokens += len(r.prompt)
         return True
+
+    def _prefill_headroom(self) -> int:
+        """Full slots prompts could still take this step: free + evictable, minus what running prompts still need
+        (computed once per step, then decremented per admission)."""
+        if self._headroom is None:
+            pending = sum(len(q.prompt) - len(q.kv.tokens) for q in self.running
+                          if q.kv is not None and len(q.kv.tokens) < len(q.prompt))
+            self._headroom = self.full_pool.available() + self.cache.accounting()["full"]["evictable"] - pending
+        return self._headroom
 
     def _release(self, r: Request) -> None:
         assert r.kv is not None

@@ -29,6 +29,7 @@ class WorkerConfig:
     page_size: int = 1
     chunk_size: int = 512
     max_running: int = 16
+    max_prefill_tokens: int = 0  # prefill tokens per step (real tokens; 0 = no cap), as the engine's flag
     prefix_cache: bool = True
     release_interval: int = 16
     fcfs: bool = False
@@ -64,7 +65,8 @@ class SimWorker:
         self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=max(1, c.chunk_size // U),
                                    max_running=c.max_running, enable_prefix_cache=c.prefix_cache,
                                    release_interval=c.release_interval, fcfs=c.fcfs, wait_penalty=c.wait_penalty / U,
-                                   length_buckets=tuple(b // U for b in c.length_buckets), clock=lambda: self.now)
+                                   length_buckets=tuple(b // U for b in c.length_buckets), clock=lambda: self.now,
+                                   max_prefill_tokens=c.max_prefill_tokens // U)
         self.runner = SimRunner(cost, U)
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []

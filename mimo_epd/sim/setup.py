@@ -26,6 +26,8 @@ def add_model_flags(p, shape="flash", kv_gib=40.0, page=128, chunk=8192, max_run
     g.add_argument("--page-size", type=int, default=page, help=f"full-pool page, tokens (default: {page})")
     g.add_argument("--chunk-size", type=int, default=chunk, help=f"prefill chunk, tokens (default: {chunk})")
     g.add_argument("--max-running", type=int, default=max_running, help=f"running requests per worker (default: {max_running})")
+    g.add_argument("--max-prefill-tokens", type=int, default=-1,
+                   help="prefill tokens per step, oldest prompt first (-1 = one chunk, 0 = no cap) (default: -1)")
     g.add_argument("--wait-penalty", type=float, default=2048.0,
                    help="uncached tokens forgiven per second waited (default: 2048)")
     g.add_argument("--unit", type=int, default=unit,
@@ -47,7 +49,8 @@ def build(args, scheduler: str = "uncached_first_buckets") -> tuple[CostModel, W
                          f"cannot hold one request's window + chunk ({need} tokens)")
     cfg = WorkerConfig(full_tokens=full, swa_tokens=swa, page_size=args.page_size, chunk_size=args.chunk_size,
                        max_running=args.max_running, fcfs=fcfs, wait_penalty=args.wait_penalty, length_buckets=buckets,
-                       unit=args.unit)
+                       unit=args.unit, max_prefill_tokens=args.chunk_size if args.max_prefill_tokens < 0
+                       else args.max_prefill_tokens)
     return cost, cfg
 
 
@@ -55,4 +58,5 @@ def describe(cost: CostModel, cfg: WorkerConfig) -> dict:
     return {"shape": cost.shape.describe(), "profile": cost.profile.to_json(),
             "worker": {"full_pool_tokens": cfg.full_tokens, "swa_pool_tokens": cfg.swa_tokens,
                        "page_size": cfg.page_size, "chunk_size": cfg.chunk_size, "max_running": cfg.max_running,
+                       "max_prefill_tokens": cfg.max_prefill_tokens,
                        "wait_penalty": cfg.wait_penalty, "unit": cfg.unit}}

@@ -21,7 +21,7 @@ import threading
 
 import grpc
 import pytest
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from mimo_epd.v1 import encoder_pb2 as pb
@@ -199,18 +199,12 @@ def test_special_files_are_refused_without_blocking(fuzz_server, tree, rel):
     assert out.code in {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED}, out
 
 
-# Known failures (docs/reliability.md): the local-path reader lets OSError(ENAMETOOLONG) and ValueError
-# ("embedded null byte") escape as INTERNAL. strict: these flip to failures once fixed, so the marks go.
-_KNOWN = "INTERNAL: {} escapes from the local-path reader (encoder_server/fetch/client.py _read_local)"
-
-
+# Regressions (#18): these came back INTERNAL (OSError ENAMETOOLONG, ValueError "embedded null byte") from the
+# local-path reader before it mapped them to INVALID_ARGUMENT.
 @pytest.mark.parametrize("rel", [
-    pytest.param("a" * 256 + ".jpg", id="name-over-NAME_MAX",
-                 marks=pytest.mark.xfail(strict=True, reason=_KNOWN.format("OSError ENAMETOOLONG"))),
-    pytest.param(("a" * 200 + "/") * 25 + "x.jpg", id="path-over-PATH_MAX",
-                 marks=pytest.mark.xfail(strict=True, reason=_KNOWN.format("OSError ENAMETOOLONG"))),
-    pytest.param("good.jpg\x00.png", id="nul-byte",
-                 marks=pytest.mark.xfail(strict=True, reason=_KNOWN.format("ValueError: embedded null byte"))),
+    pytest.param("a" * 256 + ".jpg", id="name-over-NAME_MAX"),
+    pytest.param(("a" * 200 + "/") * 25 + "x.jpg", id="path-over-PATH_MAX"),
+    pytest.param("good.jpg\x00.png", id="nul-byte"),
 ])
 def test_malformed_paths_get_a_client_status(fuzz_server, tree, rel):
     out = fuzz_server.encode(pb.MediaItem(path=f"{tree['root']}/{rel}"))
@@ -226,9 +220,6 @@ def outside_key(fuzz_server):
 @given(data=st.data())
 def test_fuzzed_paths(fuzz_server, tree, outside_key, data):
     path = data.draw(paths(tree["root"]))
-    # The known failures above (xfail there) are kept out of this search so that it looks for new ones;
-    # drop this line once test_malformed_paths_get_a_client_status passes.
-    assume("\x00" not in path and len(path) < 4096 and all(len(c.encode()) <= 255 for c in path.split("/")))
     out = fuzz_server.encode(pb.MediaItem(path=path), deadline_s=15)
     assert out.code in PATH_ALLOWED, (path, out)
     if out.code == grpc.StatusCode.OK:
