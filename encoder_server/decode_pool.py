@@ -30,7 +30,6 @@ from mimo_epd.common.parent import exit_with_parent  # re-exported: video/decode
 from .decoders import DECODERS, check_decoder_name
 from .decoders.base import Decoded, Stage
 from .decoders.job import DecodeOptions, decode_item, decode_on_device, decodes_on_device
-from .errors import DecodeError
 
 __all__ = ["DECODERS", "Decoded", "DecodeOptions", "DecodePool", "Stage", "decode_job", "decode_on_device",
            "decodes_on_device", "exit_with_parent", "ignore_sigint", "remove_stale_arenas"]

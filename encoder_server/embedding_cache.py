@@ -9,12 +9,11 @@ Entries are immutable: content keys name the bytes and everything that shaped th
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 import json
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-
 import torch
 
 

@@ -160,8 +160,8 @@ def resize_pil(image: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
 
 def resize_torch(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """[N, 3, H, W] uint8 on any device -> [N, 3, H', W'] uint8, bicubic with antialiasing (torchvision)."""
-    from torchvision.transforms.v2 import functional as TF
     from torchvision.transforms import InterpolationMode
+    from torchvision.transforms.v2 import functional as TF
 
     return TF.resize(batch, list(size), interpolation=InterpolationMode.BICUBIC, antialias=True)
 

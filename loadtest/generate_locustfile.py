@@ -29,11 +29,10 @@ import random
 import time
 from pathlib import Path
 
-from locust import User, constant, events, task  # noqa: F401 - locust first: it monkey-patches for gevent
-
 import grpc  # noqa: E402
 import requests  # noqa: E402
 from grpc.experimental import gevent as grpc_gevent  # noqa: E402
+from locust import User, constant, events, task  # noqa: F401 - locust first: it monkey-patches for gevent
 
 grpc_gevent.init_gevent()
 

@@ -20,10 +20,9 @@ import time
 import uuid
 from pathlib import Path
 
-from locust import User, constant, task  # locust first: it monkey-patches for gevent
-
 import grpc  # noqa: E402
 from grpc.experimental import gevent as grpc_gevent  # noqa: E402
+from locust import User, constant, task  # locust first: it monkey-patches for gevent
 
 grpc_gevent.init_gevent()
 

@@ -98,7 +98,7 @@ def run(args) -> int:
             first = next(iter(images))
             err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
             if err is not None:
-                hint = f"; is the server running? (`make serve` starts one on 127.0.0.1:50051)" \
+                hint = "; is the server running? (`make serve` starts one on 127.0.0.1:50051)" \
                     if err.code() == grpc.StatusCode.UNAVAILABLE else ""
                 print(f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
                       file=sys.stderr)

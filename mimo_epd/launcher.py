@@ -245,7 +245,6 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         return await join_node(enc, node, encoders, shm)
     metrics = None
     metric_targets: dict[str, int] = {}  # the LLM router's own metrics (a loopback port), merged by NodeMetrics
-    llm: ChildProcess | None = None
     llms: list[ChildProcess] = []
     heartbeats = []
     proxy = None
@@ -296,7 +295,6 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         host = f"[{enc.host}]" if ":" in enc.host else enc.host
         if proxy is not None:  # the LLM workers send media through this router
             llms = await start_llm_workers(node, f"127.0.0.1:{port}")
-            llm = llms[0]
             for w in llms:
                 proxy.add_worker(w.endpoint, w.http_endpoint)
             await proxy.start()

@@ -146,7 +146,7 @@ def _fake_pil(root: Path, version: str, simd_hash_matches: bool) -> None:
     RECORDs list PIL/_version.py; only the one that wrote it last has the file's hash."""
     pkg = root / "PIL"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(f"from ._version import __version__\n")
+    (pkg / "__init__.py").write_text("from ._version import __version__\n")
     body = f"__version__ = {version!r}\n".encode()
     (pkg / "_version.py").write_bytes(body)
     good = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()

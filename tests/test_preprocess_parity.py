@@ -11,8 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from encoder_server.preprocess import (ImageSizeError, PreprocessConfig, normalize_patchify, patchify_frames,
-                                       preprocess_images, smart_resize)
+from encoder_server.preprocess import (
+    ImageSizeError,
+    PreprocessConfig,
+    normalize_patchify,
+    patchify_frames,
+    preprocess_images,
+    smart_resize,
+)
 from tests.conftest import textured
 
 transformers = pytest.importorskip("transformers")

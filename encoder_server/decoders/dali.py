@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import DecodeRequest, Decoded, Stage
+from .base import Decoded, DecodeRequest, Stage
 from .jpeg_check import check_jpeg_data
 
 _PIPES: dict = {}  # "cpu" / "mixed" -> a built pipeline (one per process, used by one thread at a time)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from ..errors import DecodeError
 from ..preprocess import PreprocessConfig, target_size
 from . import get_decoder
-from .base import DecodeRequest, Decoded, Stage
+from .base import Decoded, DecodeRequest, Stage
 from .draft import draft_size
 from .probe import probe
 

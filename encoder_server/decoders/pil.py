@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import DecodeError
-from .base import DecodeRequest, Decoded
+from .base import Decoded, DecodeRequest
 from .jpeg_check import check_jpeg_data
 
 

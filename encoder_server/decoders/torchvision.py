@@ -5,7 +5,7 @@ image, and any JPEG torchvision refuses (CMYK...), is decoded by the `pil` backe
 warnings are checked first (jpeg_check), as torchvision decodes a truncated file with grey rows."""
 from __future__ import annotations
 
-from .base import DecodeRequest, Decoded, Stage
+from .base import Decoded, DecodeRequest, Stage
 from .jpeg_check import check_jpeg_data
 
 

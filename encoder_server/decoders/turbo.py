@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .base import DecodeRequest, Decoded
+from .base import Decoded, DecodeRequest
 from .draft import dct_scale
 from .jpeg_check import damage_error, jpeg_damage
 

@@ -21,7 +21,7 @@ from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
 from ..embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from ..errors import ItemError, from_client_input, invalid
-from ..fetch import FairFetchScheduler, FetchLimits, Fetcher, UrlPolicy, parse_networks, url_host
+from ..fetch import FairFetchScheduler, Fetcher, FetchLimits, UrlPolicy, parse_networks, url_host
 from ..metrics import EncoderMetrics
 from ..models import LoadedVisionModel, load_vision_model
 from ..preprocess import PreprocessConfig, preprocess_images

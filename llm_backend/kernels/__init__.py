@@ -11,8 +11,8 @@ import os
 
 import torch
 
-from .attention import decode_attention, decode_attention_torch, extend_attention, extend_attention_torch
 from ._triton import triton
+from .attention import decode_attention, decode_attention_torch, extend_attention, extend_attention_torch
 from .moe import align_by_expert, fused_moe, fused_moe_torch, grouped_gemm, topk_routing, topk_routing_torch
 
 # "triton" forces the Triton kernels (tests run them on the CPU under TRITON_INTERPRET=1); "torch" forces

@@ -26,6 +26,7 @@ The torch twins (`*_torch`) have the same signatures; they are the tests' oracle
 from __future__ import annotations
 
 import torch
+
 from ._triton import jit, tl, triton
 
 _MIN_DOT_ROWS = 16  # tl.dot needs every dimension >= 16 on the GPU

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
 from ._triton import jit, tl, triton
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on the GPU

@@ -102,7 +102,8 @@ def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.
 
 def transformers_twin(model: MiMoV2FlashForCausalLM):
     """The same weights in transformers' own `MiMoV2FlashForCausalLM` (baselines and parity checks)."""
-    from transformers import MiMoV2FlashConfig as HFConfig, MiMoV2FlashForCausalLM as HFModel
+    from transformers import MiMoV2FlashConfig as HFConfig
+    from transformers import MiMoV2FlashForCausalLM as HFModel
 
     cfg = {k: v for k, v in model.config.to_hf_dict().items() if k != "model_type" and v is not None}
     p = next(model.parameters())

@@ -263,7 +263,8 @@ class Generation:
         self.done = False
         self.n_tokens = 0
         self.matched: str | int | None = None
-        push = lambda item: self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        def push(item):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
         def on_token(r, t, lp):  # the engine thread: read this position's alternatives now
             push(("token", t, lp, list(r.top_logprobs[-1]) if self.want_top and r.top_logprobs else None))

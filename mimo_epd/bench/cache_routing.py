@@ -31,7 +31,7 @@ def build_workload(catalog: int, requests: int, zipf: float, seed: int, hidden: 
     rng = np.random.default_rng(seed)
     cfg = PreprocessConfig()
     tokens = []
-    for i in range(catalog):
+    for _ in range(catalog):
         h, w = SIZES[rng.integers(len(SIZES))]
         t, gh, gw = grid_for(h, w, cfg)
         tokens.append(t * gh * gw // 4)

@@ -239,9 +239,9 @@ def main(args) -> dict:
     mix = parse_mix(args.mix)
     t0 = time.perf_counter()
     images = generate_pool([(h, w) for h, w, _ in mix], args.per_size)
-    from encoder_server.preprocess import pillow_simd_active
-
     import transformers
+
+    from encoder_server.preprocess import pillow_simd_active
 
     out: dict = {"bench": "encoder", "config": {
         "requests": args.requests, "concurrency": args.concurrency, "mix": args.mix, "images_per_size": args.per_size,

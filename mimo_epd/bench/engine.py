@@ -27,7 +27,6 @@ import random
 import sys
 import time
 
-import numpy as np
 import torch
 
 from llm_backend import LLM, SamplingParams

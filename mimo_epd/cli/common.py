@@ -36,8 +36,14 @@ class FrameProgress:
 
     def __init__(self, names: list[str], unit: str = "frames", disable: bool = False):
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
 
         self.unit = unit
         self._progress = Progress(TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(),

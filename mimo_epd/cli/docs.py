@@ -79,7 +79,7 @@ def render(parser: argparse.ArgumentParser) -> str:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             helps.update({c.dest: c.help for c in action._choices_actions})
-    for path, sub in commands:
+    for path, _sub in commands:
         if len(path) == 1:
             out.append(f"| [`mimo-epd {path[0]}`](#mimo-epd-{path[0]}) | {_cell(helps.get(path[0], ''))} |")
     out.append("")

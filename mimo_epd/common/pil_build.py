@@ -37,7 +37,7 @@ def loaded_pil_distribution() -> tuple[str, str]:
             if str(f).replace("\\", "/") == "PIL/_version.py" and os.path.realpath(dist.locate_file(f)) == loaded:
                 same_hash = f.hash is not None and f.hash.mode == "sha256" and f.hash.value == digest
                 owners.append((dist.metadata["Name"], dist.version, same_hash))
-    for name, version, same_hash in owners:
+    for name, _version, same_hash in owners:
         if same_hash:
             return name.lower(), PIL.__version__
     for name, version, _ in owners:

@@ -9,7 +9,7 @@ from PIL import Image
 from encoder_server import decoders
 from encoder_server.config import EncoderServerConfig
 from encoder_server.decode_pool import DecodeOptions, decode_job
-from encoder_server.decoders.base import DecodeRequest, Decoded, Stage
+from encoder_server.decoders.base import Decoded, DecodeRequest, Stage
 from encoder_server.decoders.job import decode_item, decode_on_device
 from encoder_server.decoders.probe import probe
 from encoder_server.preprocess import PreprocessConfig

@@ -2,7 +2,6 @@
 documented format, tiny and elongated images and video frames, Ctrl-C."""
 from __future__ import annotations
 
-import io
 import os
 import signal
 import time
@@ -11,7 +10,6 @@ import grpc
 import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from PIL import Image
 
 from mimo_epd.v1 import encoder_pb2 as pb
 from mimo_epd.v1 import encoder_pb2_grpc

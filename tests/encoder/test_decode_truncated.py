@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from encoder_server.decode_pool import DecodeOptions, decode_job, decode_on_device
 from encoder_server.decoders import decode_image
 from encoder_server.decoders.jpeg_check import check_jpeg_data, jpeg_damage
-from encoder_server.decode_pool import DecodeOptions, decode_job, decode_on_device
 from encoder_server.errors import DecodeError
 from encoder_server.preprocess import PreprocessConfig
 from tests.conftest import encode_image, textured

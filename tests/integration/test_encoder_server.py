@@ -27,7 +27,6 @@ from PIL import Image
 from mimo_epd.common.content_key import bytes_digest
 from mimo_epd.v1 import encoder_pb2 as pb
 from mimo_epd.v1 import encoder_pb2_grpc
-
 from tests.conftest import ROOT, encode_image, start_server, textured
 
 pytestmark = pytest.mark.integration

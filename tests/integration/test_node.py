@@ -93,9 +93,9 @@ def test_killing_an_encoder_keeps_requests_succeeding_and_it_rejoins(node):
 
 
 def test_video_through_the_router_keeps_timestamps_on_a_shared_cache_hit(node):
-    from mimo_epd.testing.video_gen import make_test_video
-
     import tempfile
+
+    from mimo_epd.testing.video_gen import make_test_video
     with tempfile.TemporaryDirectory() as d:
         make_test_video(f"{d}/v.mp4", 10, width=160, height=120, preset="ultrafast")
         data = open(f"{d}/v.mp4", "rb").read()

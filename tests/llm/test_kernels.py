@@ -11,8 +11,17 @@ import torch
 
 triton = pytest.importorskip("triton")
 from llm_backend.kernels import (  # noqa: E402
-    align_by_expert, decode_attention, decode_attention_torch, extend_attention, extend_attention_torch, fused_moe,
-    fused_moe_torch, topk_routing, topk_routing_torch, triton_enabled)
+    align_by_expert,
+    decode_attention,
+    decode_attention_torch,
+    extend_attention,
+    extend_attention_torch,
+    fused_moe,
+    fused_moe_torch,
+    topk_routing,
+    topk_routing_torch,
+    triton_enabled,
+)
 from llm_backend.models.mimo_v2_flash import Experts, MiMoV2FlashConfig, TopkRouter  # noqa: E402
 from tests.llm.reference import attention_reference, moe_reference  # noqa: E402
 

@@ -75,10 +75,11 @@ def test_tiers_off_is_the_plain_cache(model):
 
 def test_layerwise_load_waits_per_layer(model):
     """Each layer's attention waits for that layer's copy only: attend(l) is called after copy l is done."""
+    import torch
+
+    from llm_backend.kv.tiers.host import HostKV
     from llm_backend.kv.tiers.loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
     from llm_backend.paged_attention import KVPools
-    from llm_backend.kv.tiers.host import HostKV
-    import torch
 
     pools = KVPools(model.config, 32, 32)
     host = HostKV(pools, 32, 32)

@@ -172,7 +172,6 @@ def test_after_a_recovery_every_entry_is_verified_on_its_first_read(name):
 def test_index_stays_exact_under_churn_with_tombstones_and_bounded_probes(name):
     """Thousands of puts through a small slot table: every eviction leaves a tombstone, the table is rebuilt
     when they pile up; every live key is found in at most MAX_PROBE buckets, every evicted one is a miss."""
-    from shm_cache.index import MAX_PROBE
 
     with ShmCache.open(name, 4 * MB, max_entries=512) as c:
         live_keys = {}

@@ -37,6 +37,7 @@ class HfImagePath:
 
     def __init__(self, checkpoint: str, min_pixels: int, max_pixels: int, patch_size: int = 14):
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
         # In transformers 5, `Qwen2VLImageProcessor` is the torchvision ("fast") backend; the PIL one is
         # `Qwen2VLImageProcessorPil`. The older `...Fast` name is a deprecated alias of the same class.
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor

@@ -50,8 +50,8 @@ def run(args) -> dict:
     import logging
 
     import numpy as np
-    import torch
     import qwen_vl_utils.vision_process as vp
+    import torch
 
     from encoder_server.models import load_vision_model
     from encoder_server.preprocess import PreprocessConfig
