@@ -202,12 +202,15 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
         n = m.get("router_prediction_error_tokens_count", 0.0)
         exact = m.get('router_prediction_error_tokens_bucket{le="0.0"}', 0) - m.get(
             'router_prediction_error_tokens_bucket{le="-1.0"}', 0)
-        out["prediction"] = {"requests": int(n),
-                             "mean_abs_error_tokens": round(m.get("router_prediction_abs_error_tokens_total", 0) / n, 2)
-                             if n else None,
-                             "mean_error_tokens": round(m.get("router_prediction_error_tokens_sum", 0) / n, 2)
-                             if n else None,
-                             "exact_fraction": round(exact / n, 3) if n else None}
+        within = m.get('router_prediction_error_tokens_bucket{le="16.0"}', 0) - m.get(
+            'router_prediction_error_tokens_bucket{le="-16.0"}', 0)
+        over = m.get("router_prediction_over_tokens_total", 0.0)
+        under = m.get("router_prediction_under_tokens_total", 0.0)
+        out["prediction"] = {"requests": int(n),  # error = reported cached tokens - predicted
+                             "mean_abs_error_tokens": round((over + under) / n, 2) if n else None,
+                             "mean_error_tokens": round((over - under) / n, 2) if n else None,
+                             "exact_fraction": round(exact / n, 3) if n else None,
+                             "within_one_block_fraction": round(within / n, 3) if n else None}
         return out, results
     finally:
         if router is not None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 
 import grpc
@@ -128,6 +129,7 @@ class Choice:
     http_address: str
     predicted_tokens: int
     rank: int
+    hashes: tuple[int, ...] = ()  # the prompt's block hashes (remembered for this worker when it answers)
 
 
 @dataclass
@@ -166,6 +168,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self._tasks: list[asyncio.Task] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
+        self._recent: dict[str, OrderedDict[int, float]] = {}  # worker -> block hash -> remembered until
         self.metrics = RouterMetrics(self)
         self.on_change = None  # callback(live worker ids)
         for spec in filter(None, (s.strip() for s in config.workers.split(","))):
@@ -304,6 +307,10 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if self.degraded:
             self.stats["degraded_picks"] += 1
         predicted = {w.id: predict_tokens(states.get(w.id, []), B, len(tokens)) for w in workers}
+        if not self.degraded:  # what this router saw answered, not in the index yet
+            cap = max(0, (len(tokens) - 1) // B)
+            for w in workers:
+                predicted[w.id] = max(predicted[w.id], self._recent_match(w.id, hashes[:cap]) * B)
         cands = []
         for w in workers:
             q = max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
@@ -313,8 +320,35 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         order = self.policy.rank(view, cands)
         self.policy.observe(view, order[0])
         by_id = {w.id: w for w in workers}
-        return [Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i)
+        return [Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i, tuple(hashes))
                 for i, wid in enumerate(order)]
+
+    # A worker publishes a request's blocks when it caches them, and the feed brings them a poll later: a client
+    # that sends its next turn as soon as the answer arrives is routed before the index knows. So the router
+    # also remembers, for one member TTL, the blocks of the prompts each worker has just answered (its own,
+    # local knowledge; the index stays the feeds' alone) and predicts the longer of the two matches.
+    def _remember(self, choice: Choice) -> None:
+        if not choice.hashes:
+            return
+        recent = self._recent.setdefault(choice.worker, OrderedDict())
+        now = time.monotonic()
+        until = now + self.config.member_ttl_s
+        for h in choice.hashes:
+            recent[h] = until
+            recent.move_to_end(h)
+        while recent and (next(iter(recent.values())) < now or len(recent) > 65536):
+            recent.popitem(last=False)
+
+    def _recent_match(self, wid: str, hashes) -> int:
+        recent = self._recent.get(wid)
+        if not recent:
+            return 0
+        now, n = time.monotonic(), 0
+        for h in hashes:
+            if recent.get(h, 0.0) < now:
+                break
+            n += 1
+        return n
 
     def started(self, choice: Choice, prompt_tokens: int, front: str = "grpc") -> _Flight:
         f = _Flight(choice, prompt_tokens)
@@ -350,9 +384,11 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         s["cached_tokens"] += cached_tokens
         s["abs_error_tokens"] += abs(cached_tokens - choice.predicted_tokens)
         s["exact_predictions"] += int(cached_tokens == choice.predicted_tokens)
+        self._remember(choice)
         m = self.metrics
         m.error.observe(cached_tokens - choice.predicted_tokens)
-        m.abs_error.inc(abs(cached_tokens - choice.predicted_tokens))
+        m.over.inc(max(0, cached_tokens - choice.predicted_tokens))
+        m.under.inc(max(0, choice.predicted_tokens - cached_tokens))
         m.predicted.inc(choice.predicted_tokens)
         m.cached.inc(cached_tokens)
 

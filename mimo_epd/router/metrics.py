@@ -4,7 +4,9 @@
   front = grpc | http);
 - `router_retries_total`, `router_failed_total`: requests moved to the next worker, requests that failed;
 - `router_prediction_error_tokens`: reported cached tokens minus the index's prediction, per request (negative:
-  the worker reused less than predicted), `router_prediction_abs_error_tokens_total` (its absolute value, summed);
+  the worker reused less than predicted; no `_sum`, as for any histogram with negative buckets), and its two
+  signs summed apart: `router_prediction_over_tokens_total` (reused beyond the prediction),
+  `router_prediction_under_tokens_total` (predicted but not reused);
   `router_predicted_tokens_total` / `router_cached_tokens_total`;
 - `router_state_degraded`: 1 while the state (Redis) is unreachable and routing is by load only;
 - `router_index_blocks{worker}`: blocks the index holds for each worker; `router_live_workers`.
@@ -31,8 +33,10 @@ class RouterMetrics:
         self.error = Histogram("router_prediction_error_tokens",
                                "reported cached tokens minus the predicted reusable tokens, per request",
                                buckets=ERROR_BUCKETS, registry=r)
-        self.abs_error = Counter("router_prediction_abs_error_tokens", "sum of |reported - predicted| cached tokens",
-                                 registry=r)
+        # the histogram has negative buckets, so prometheus_client exports no _sum for it: the two signs apart
+        self.over = Counter("router_prediction_over_tokens", "cached tokens reported beyond the prediction",
+                            registry=r)
+        self.under = Counter("router_prediction_under_tokens", "predicted tokens the worker did not reuse", registry=r)
         self.predicted = Counter("router_predicted_tokens", "predicted reusable prompt tokens", registry=r)
         self.cached = Counter("router_cached_tokens", "cached prompt tokens the workers reported", registry=r)
         self.degraded = Gauge("router_state_degraded", "1 while the router state is unreachable (routing by load only)",
