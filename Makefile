@@ -5,7 +5,12 @@ PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install install-dev protos bench docs clean
+.PHONY: serve test lint install install-dev protos bench docs clean
+
+# The public modules that are type-checked (the shared base, the caches, the engine, the configs, the policies).
+TYPED = mimo_epd/common shm_cache llm_backend/engine llm_backend/config.py llm_backend/tokenizer.py \
+	llm_backend/kv/pools.py llm_backend/kv/request_kv.py encoder_server/config.py encoder_server/errors.py \
+	mimo_epd/router/policies.py mimo_epd/router/index.py
 
 $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)
@@ -29,8 +34,12 @@ install-dev: $(VENV)/.installed-dev
 serve: $(VENV)/.installed
 	$(VENV)/bin/mimo-epd serve $(ARGS)
 
-test: $(VENV)/.installed-dev
+test: lint
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy $(TYPED)
 
 # Regenerates the committed gRPC stubs (tests/test_protos.py checks they are current).
 protos: $(VENV)/.installed-dev

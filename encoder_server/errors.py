@@ -61,7 +61,7 @@ def from_client_input(exc: BaseException) -> ItemError | None:
     client's errors, never INTERNAL. An OSError with another errno (EIO, EMFILE, ENOSPC) is the
     server's trouble: UNAVAILABLE, retry."""
     if isinstance(exc, OSError):
-        code = _ERRNO_STATUS.get(exc.errno, grpc.StatusCode.UNAVAILABLE)
+        code = _ERRNO_STATUS.get(exc.errno or 0, grpc.StatusCode.UNAVAILABLE)
         reason = exc.strerror or str(exc)
         return ItemError(code, f"{reason}" + (f": {exc.filename}" if exc.filename else ""))
     if isinstance(exc, ValueError):  # UnicodeError included

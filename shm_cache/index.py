@@ -69,7 +69,7 @@ class HashIndex:
         self._hi = buf[keys_offset + 8 * n: keys_offset + 16 * n].cast("Q")
 
     def release(self) -> None:
-        self.counts = self.table = self.key_lo = self.key_hi = None
+        self.counts = self.table = self.key_lo = self.key_hi = None  # type: ignore[assignment]
         self._t.release()
         self._lo.release()
         self._hi.release()

@@ -98,8 +98,8 @@ SLOT_DTYPE = np.dtype([
 PIN_DTYPE = np.dtype([("pid", "<i4"), ("slot", "<i4"), ("gen", "<u8")])
 # Hot paths read and write header counters through a memoryview (a Python int per access, several times
 # cheaper than a numpy field): the 8-byte fields' indices in it.
-_H = {f: HEADER_DTYPE.fields[f][1] // 8 for f in HEADER_DTYPE.names if HEADER_DTYPE.fields[f][0].itemsize == 8
-      and f != "magic"}
+_HF: dict = dict(HEADER_DTYPE.fields or {})
+_H = {f: _HF[f][1] // 8 for f in (HEADER_DTYPE.names or ()) if _HF[f][0].itemsize == 8 and f != "magic"}
 H_HITS, H_MISSES, H_CLOCK, H_RECOV, H_GEN = _H["hits"], _H["misses"], _H["clock"], _H["recoveries"], _H["generation"]
 H_INSERTS, H_BYTES, H_HINT, H_REJECTED, H_VERIF, H_CORRUPT = (_H["inserts"], _H["bytes_used"], _H["slot_hint"],
                                                              _H["rejected"], _H["verifications"], _H["corrupt"])
@@ -220,9 +220,9 @@ class ShmCache:
         self._pin_hint = 0
         # Views for the hot paths (lookups, reads, puts): one per slot column and pin column, and the header
         # as machine words; numpy structured-field access would cost a view per access.
-        self._col = {f: self._slots[f] for f in SLOT_DTYPE.names}
+        self._col = {f: self._slots[f] for f in (SLOT_DTYPE.names or ())}
         self._pin_pid, self._pin_slot, self._pin_gen = self._pins["pid"], self._pins["slot"], self._pins["gen"]
-        d = HEADER_DTYPE.fields["dirty"][1]
+        d = _HF["dirty"][1]
         self._dirty = buf[d:d + 4].cast("I")
         self._hq = buf[:HEADER_DTYPE.itemsize].cast("Q")
 
@@ -341,7 +341,7 @@ class ShmCache:
         except BufferError:  # entries still exported to callers: leave the mapping to the GC
             pass
         os.close(self._fd)
-        self._mm = None
+        self._mm = None  # type: ignore[assignment]
 
     def unlink(self) -> None:
         """Removes the segment name (processes that have it open keep their mapping)."""
@@ -569,7 +569,8 @@ class ShmCache:
             self._hdr["evictions"] -= 1  # dropped as corrupt, not evicted
             return None
         arr = np.frombuffer(raw[:n], _NUMPY_OF[name]).reshape(tuple(s["shape"][: int(s["ndim"])]))
-        return Entry(arr, name, tuple(int(x) for x in s["grid"]), None, -1, raw[n:] if m else None)
+        gt, gh, gw = (int(x) for x in s["grid"])
+        return Entry(arr, name, (gt, gh, gw), None, -1, raw[n:] if m else None)
 
     def _take_pin_locked(self, slot: int) -> int:
         pid = self._pin_pid

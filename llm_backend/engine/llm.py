@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import fields
+from typing import Any
 
 import torch
 
@@ -64,7 +65,7 @@ class LLM:
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
         self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
         self.pools = self.runner.pools
-        self.tiers = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
+        self.tiers: Any = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
         self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
         self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=cfg.chunk_size,
                                    max_running=cfg.max_running, enable_prefix_cache=cfg.prefix_cache,

@@ -7,7 +7,7 @@ embeddings replace the token embeddings at their prompt positions.
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -26,7 +26,7 @@ class ModelRunner:
         p = next(model.parameters())
         self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
         self.device = p.device
-        self.tiers = None  # kv.tiers.KVTiers: KV queued from the host / shared store is loaded layer by layer
+        self.tiers: Any = None  # kv.tiers.KVTiers: KV queued from the host / shared store is loaded layer by layer
 
     def _inputs(self, seg: Segment):
         r, start, n = seg

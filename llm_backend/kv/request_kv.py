@@ -86,7 +86,7 @@ class RequestKV:
         if self._steps % self.release_interval == 0:
             self.release_out_of_window()
 
-    def window_slots(self) -> list[int]:
+    def window_slots(self) -> list[int | None]:
         """The SWA slots a next token attends over (must all be live)."""
         w = self.swa[max(0, len(self.tokens) - self.cache.window):]
         if any(s is None for s in w):

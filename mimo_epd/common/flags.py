@@ -30,7 +30,7 @@ def flag_name(name: str, prefix: str = "") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls, only: set[str] | None = None, prefix: str = "",
-                  skip: set[str] = frozenset(), default_group: str = "") -> None:
+                  skip: frozenset[str] | set[str] = frozenset(), default_group: str = "") -> None:
     """Adds one flag per field of `cls` (grouped by the fields' `group` metadata)."""
     groups: dict[str, Any] = {}
     for f in fields(cls):
@@ -62,7 +62,7 @@ def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):
     return cls(**kw)
 
 
-def to_argv(cfg, prefix: str = "", skip: set[str] = frozenset()) -> list[str]:
+def to_argv(cfg, prefix: str = "", skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
     """The flags that reproduce `cfg` (non-default fields only), e.g. to start a child process with it."""
     defaults = type(cfg)()
     out: list[str] = []

@@ -23,8 +23,8 @@ def loaded_pil_distribution() -> tuple[str, str]:
 
     loaded = os.path.join(os.path.dirname(os.path.realpath(PIL.__file__)), "_version.py")
     try:
-        with open(loaded, "rb") as f:
-            digest = base64.urlsafe_b64encode(hashlib.sha256(f.read()).digest()).rstrip(b"=").decode()
+        with open(loaded, "rb") as fh:
+            digest = base64.urlsafe_b64encode(hashlib.sha256(fh.read()).digest()).rstrip(b"=").decode()
     except OSError:
         digest = None
     owners: list[tuple[str, str, bool]] = []
@@ -34,7 +34,7 @@ def loaded_pil_distribution() -> tuple[str, str]:
         except metadata.PackageNotFoundError:
             continue
         for f in dist.files or []:
-            if str(f).replace("\\", "/") == "PIL/_version.py" and os.path.realpath(dist.locate_file(f)) == loaded:
+            if str(f).replace("\\", "/") == "PIL/_version.py" and os.path.realpath(str(dist.locate_file(f))) == loaded:
                 same_hash = f.hash is not None and f.hash.mode == "sha256" and f.hash.value == digest
                 owners.append((dist.metadata["Name"], dist.version, same_hash))
     for name, _version, same_hash in owners:

@@ -58,7 +58,7 @@ class MemoryIndex:
 
     def states(self, hashes, workers) -> dict[str, list[int]]:
         """Per worker, the state of each block of `hashes` (stops at the first block no worker holds)."""
-        out = {w: [] for w in workers}
+        out: dict[str, list[int]] = {w: [] for w in workers}
         for h in hashes:
             entry = self._by_hash.get(h)
             if not entry:
