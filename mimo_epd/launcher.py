@@ -303,9 +303,8 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
             if shared:
                 heartbeats = register_encoders(proxy.state, encoders, node)
             if node.http_port >= 0:  # the workers' HTTP API on the node's address
-                from mimo_epd.router.http_front import HTTPFront
-
                 from llm_backend.server.chat_template import load_chat_template
+                from mimo_epd.router.http_front import HTTPFront
 
                 # generation goes through the routing policy (tokenized like the workers), the rest by load
                 front = HTTPFront(router=proxy, template=load_chat_template(node.llm_model, node.chat_template))

@@ -221,8 +221,9 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
 
 def run_gateway(sessions, args, shared=None) -> tuple[dict, dict]:
     try:
-        import sglang_router  # noqa: F401
         from importlib.metadata import version
+
+        import sglang_router  # noqa: F401
         gw_version = version("sglang-router")
     except ImportError:
         return {"error": f"sglang-router is not installed (pip install 'sglang-router=={GATEWAY_VERSION}', "

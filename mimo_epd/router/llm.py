@@ -42,8 +42,8 @@ from mimo_epd.v1 import generator_pb2_grpc
 from .channels import channel_options
 from .discovery import EncoderSet, WorkerFeed, member_id
 from .index import block_hashes, predict_tokens
-from .policies import POLICIES, Candidate, PolicyConfig, RequestView, make_policy
 from .metrics import RouterMetrics
+from .policies import POLICIES, Candidate, PolicyConfig, RequestView, make_policy
 from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
 
 log = logging.getLogger(__name__)

@@ -54,7 +54,6 @@ class RouterMetrics:
     async def start(self, host: str, port: int) -> int:
         """Serves /metrics on host:port (0 = a free port); returns the port."""
         from aiohttp import web
-
         from prometheus_client import CONTENT_TYPE_LATEST
 
         async def handle(request):
