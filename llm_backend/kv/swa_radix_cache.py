@@ -130,24 +130,34 @@ class SWARadixCache:
         """Children are keyed by their first page: two children never share a first page."""
         return tuple(key[: self.page_size])
 
-    def _walk(self, tokens: list[int]) -> tuple[list[Node], int]:
-        """Follows `tokens` from the root, splitting a node where the match ends inside it."""
-        node, i, path = self.root, 0, []
+    def _match(self, tokens: list[int]):
+        """Read-only: (node, k) for each node `tokens` follows from the root, k its matched tokens (whole pages);
+        the last one may match only part of its node."""
+        node, i = self.root, 0
         P = self.page_size
         while i + P <= len(tokens):
             child = node.children.get(tuple(tokens[i:i + P]))
             if child is None:
-                break
+                return
             k = 0
             limit = min(len(child.key), len(tokens) - i)
             while k < limit and child.key[k] == tokens[i + k]:
                 k += 1
             k -= k % P  # nodes start and end on page boundaries
+            yield child, k
+            if k < len(child.key):
+                return
+            i += k
+            node = child
+
+    def _walk(self, tokens: list[int]) -> tuple[list[Node], int]:
+        """Follows `tokens` from the root, splitting a node where the match ends inside it."""
+        path, i = [], 0
+        for child, k in self._match(tokens):
             if k < len(child.key):
                 child = self._split(child, k)
             path.append(child)
             i += k
-            node = child
         return path, i
 
     def _window_safe(self, swa: list[int | None], m: int) -> int:
@@ -196,23 +206,11 @@ class SWARadixCache:
         statistics (a scheduler scores waiting requests with it without reordering eviction)."""
         if self.tiers is not None:
             return self.tiers.peek(tokens)
-        node, i, swa = self.root, 0, []
-        P = self.page_size
-        tokens = list(tokens)
-        while i + P <= len(tokens):
-            child = node.children.get(tuple(tokens[i:i + P]))
-            if child is None:
-                break
-            k = 0
-            limit = min(len(child.key), len(tokens) - i)
-            while k < limit and child.key[k] == tokens[i + k]:
-                k += 1
-            k -= k % P
+        swa: list[int | None] = []
+        i = 0
+        for child, k in self._match(list(tokens)):
             swa.extend(child.swa[:k])
             i += k
-            if k < len(child.key):
-                break
-            node = child
         return self._window_safe(swa, i)
 
     # ----------------------------------------------------------------------------------- locks

@@ -403,23 +403,12 @@ class KVTiers:
 
     def peek(self, tokens: list[int]) -> int:
         """Read-only window-safe length across the device and the host (the store is not asked)."""
-        c, P = self.cache, self.P
-        node, i, avail = c.root, 0, []
-        tokens = list(tokens)
-        while i + P <= len(tokens):
-            child = node.children.get(tuple(tokens[i:i + P]))
-            if child is None:
-                break
-            k = 0
-            limit = min(len(child.key), len(tokens) - i)
-            while k < limit and child.key[k] == tokens[i + k]:
-                k += 1
-            k -= k % P
+        c = self.cache
+        avail: list = []
+        i = 0
+        for child, k in c._match(list(tokens)):
             avail.extend(self._avail([child])[:k])
             i += k
-            if k < len(child.key):
-                break
-            node = child
         return c._window_safe(avail, i)
 
     def _store_lookup(self, tokens: list[int], m: int) -> list[PageData]:
