@@ -16,7 +16,9 @@ Per run: the cached-token fraction (cached / prompt tokens, from the workers' us
 the router's prediction error (its /metrics: mean |reported - predicted| cached tokens, exact share; not for the
 gateway, which predicts nothing it reports), and the load imbalance over the workers (max / mean of requests and
 of busy time = the sum of their requests' latencies, from each worker's own /metrics). Every run's texts are
-compared with the affinity run's, request by request. `ratios` are ours / the other's.
+compared with the affinity run's, request by request. After the workload, `front_overhead` times the front
+alone: the median TTFT of sequential one-token requests with one short prompt, straight to a worker and through
+the front. `ratios` are ours / the other's.
 """
 from __future__ import annotations
 
@@ -130,6 +132,21 @@ async def drive(base: str, sessions, concurrency: int, max_tokens: int) -> tuple
         return results, time.perf_counter() - t0, errors
 
 
+async def front_overhead(base: str, direct: str, n: int = 20) -> dict:
+    """Median TTFT of `n` sequential one-token requests with one short prompt (a prefix hit after the first),
+    straight to a worker and through the front: what the front itself adds per request, without queueing."""
+    import aiohttp
+
+    msgs = [{"role": "user", "content": "a short prompt to time the front itself"}]
+    out = {}
+    async with aiohttp.ClientSession() as http:
+        for name, url in (("direct_ms", direct), ("through_ms", base)):
+            await _chat(http, url, msgs, 1)  # warm: connection and cache
+            t = [(await _chat(http, url, msgs, 1))["ttft_s"] * 1e3 for _ in range(n)]
+            out[name] = round(float(np.median(t)), 2)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- processes
 def start_workers(n: int, args) -> list:
     wargs = ["--http-port", "0", "--kv-cache-tokens", str(args.kv_cache_tokens), "--swa-cache-tokens",
@@ -198,7 +215,7 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
         results, wall, errors = asyncio.run(drive(f"http://{router.http_address}", sessions, args.concurrency,
                                                   args.max_tokens))
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
-        m = scrape(mport)
+        m = scrape(mport)  # before the overhead probe below: the prediction figures are the workload's
         n = m.get("router_prediction_error_tokens_count", 0.0)
         exact = m.get('router_prediction_error_tokens_bucket{le="0.0"}', 0) - m.get(
             'router_prediction_error_tokens_bucket{le="-1.0"}', 0)
@@ -211,6 +228,8 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
                              "mean_error_tokens": round((over - under) / n, 2) if n else None,
                              "exact_fraction": round(exact / n, 3) if n else None,
                              "within_one_block_fraction": round(within / n, 3) if n else None}
+        out["front_overhead"] = asyncio.run(front_overhead(f"http://{router.http_address}",
+                                                           f"http://{workers[0].http_address}"))
         return out, results
     finally:
         if router is not None:
@@ -253,6 +272,8 @@ def run_gateway(sessions, args, shared=None) -> tuple[dict, dict]:
         results, wall, errors = asyncio.run(drive(f"http://127.0.0.1:{port}", sessions, args.concurrency,
                                                   args.max_tokens))
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
+        out["front_overhead"] = asyncio.run(front_overhead(f"http://127.0.0.1:{port}",
+                                                           f"http://{workers[0].http_address}"))
         out.update(version=gw_version, policy=args.gateway_policy,
                    note="the gateway found no tokenizer for model 'tiny' (it tries HuggingFace, unreachable here); "
                         "cache_aware routes on the request text, which needs none")

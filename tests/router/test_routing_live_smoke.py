@@ -26,6 +26,7 @@ def test_routing_live_quick():
         assert run["requests"] == out["requests"] == 12 and run["errors"] == 0, (name, run)
         assert sum(run["requests_per_worker"]) == 12 and run["prediction"]["requests"] == 12
         assert run["ttft_p90_ms"] >= run["ttft_p50_ms"] > 0 and run["qps"] > 0
+        assert run["front_overhead"]["through_ms"] > 0 and run["front_overhead"]["direct_ms"] > 0
     # sessions stick to their worker: every later turn reuses the earlier ones (round_robin alternates workers)
     assert runs["affinity"]["cached_fraction"] > runs["round_robin"]["cached_fraction"]
     assert out["ratios"]["affinity_cached_vs_round_robin"] > 1
