@@ -124,6 +124,46 @@ def test_prefix_cache_bench_quick(tmp_path):
     assert {"swa_aware_vs_full_kv", "swa_aware_vs_unbounded"} <= set(out["ratios"])
 
 
+def test_prefix_cache_tiers_quick(tmp_path):
+    """--tiers: every tier mode reports hit tokens and the tiers' traffic; a host tier never loses hits here and
+    nothing beats the unbounded cache (it hits every prefix seen before)."""
+    import os
+
+    from tests.conftest import ROOT as root
+
+    trace = os.path.join(os.path.dirname(root), "shared", "traces", "conversation_trace.jsonl")
+    if not os.path.isfile(trace):
+        trace = synthetic_trace(tmp_path / "trace.jsonl")
+    out = run_bench("prefix-cache", "--trace", trace, "--tiers", timeout=120)
+    no_grades(out)
+    modes = out["modes"]
+    tiered = {"l1_l2", "l1_l2_swa_backfill", "l1_l2_swa_checkpoint", "l1_l2_l3_round_robin", "l1_l2_l3_affinity"}
+    assert {"swa_aware", "full_kv", "unbounded", "l1"} | tiered == set(modes) == set(out["hit_token_rate"])
+    assert out["config"]["requests"] <= 300
+    for name, m in modes.items():
+        assert m["hit_token_rate"] == out["hit_token_rate"][name]
+        assert 0 <= m["hit_tokens"] <= m["prompt_tokens"], name
+    for name in tiered:
+        t = modes[name]["tiers"]
+        for d in ("d2h", "h2d", "s2d"):
+            assert t[f"pages_{d}"] >= 0 and t[f"bytes_{d}"] >= 0, (name, t)
+        assert (t["pages_h2d"] > 0) == (t["hit_host"] > 0), (name, t)
+        # The tiers count a hit in whole token units; the bench caps each request's hit at its real length.
+        tier_hits = t["hit_device"] + t["hit_host"] + t["hit_store"]
+        assert modes[name]["hit_tokens"] <= tier_hits <= modes[name]["hit_tokens"] + 128 * out["config"]["requests"]
+    for name in ("l1_l2_l3_round_robin", "l1_l2_l3_affinity"):
+        assert modes[name]["workers"] == 4 and len(modes[name]["hit_tokens_per_worker"]) == 4
+        assert modes[name]["store"]["gets"] > 0  # every worker asks the shared store where its tree's match ends
+    assert max(modes["l1_l2_l3_affinity"]["hit_tokens_per_worker"]) < modes["l1_l2_l3_affinity"]["hit_tokens"]
+    hits = {k: m["hit_tokens"] for k, m in modes.items()}
+    assert hits["l1"] == hits["swa_aware"]  # L1 is the SWA-aware replay at the same budget
+    assert hits["l1_l2"] >= hits["l1"]
+    assert all(hits["unbounded"] >= v for v in hits.values()), hits
+    assert modes["l1_l2"]["tiers"]["pages_d2h"] > 0  # the device evicted into the host tier
+    assert {"l1_l2_vs_unbounded", "l3_round_robin_vs_affinity"} <= set(out["ratios"])
+    assert out["ratios"]["l1_l2_vs_unbounded"] == round(hits["l1_l2"] / hits["unbounded"], 3)
+
+
 def test_engine_bench_quick():
     out = run_bench("engine")
     no_grades(out)

@@ -17,6 +17,22 @@ cache evicts LRU when a pool runs out). Output tokens are not in the trace's ids
 Tokens are simulated in units of `--token-unit` (default 128 = the window): a block is 4 units, the window one
 unit; block boundaries and the window are multiples of it, so window-safe matching at block granularity is
 exact. Hit tokens are counted in real tokens (a partial last block counts its real length).
+
+`--tiers` adds the KV tiers below the device pools (llm_backend.kv.tiers, docs/kv-tiers.md), each at the same
+device budget as `swa_aware`:
+
+- `l1`: device pools only (the `swa_aware` replay itself);
+- `l1_l2`: plus a host tier of `--host-factor` x the device bytes (split like the device pools);
+- `l1_l2_swa_backfill`, `l1_l2_swa_checkpoint`: `l1_l2` with one hit-rate switch on (`l1_l2` is the off case);
+- `l1_l2_l3_round_robin`, `l1_l2_l3_affinity`: 4 workers (`--workers`) in this process, each with its own device
+  pools and host tier, sharing one store (an in-process `MemoryKVStore` of `--store-factor` x one worker's device
+  bytes, or the Redis at `--kv-store`); requests go round robin or to the longest cached prefix (the router's own
+  `RoundRobin` / `Affinity` policies, each worker's predicted match = its cache's read-only peek over device+host);
+- `unbounded`: as above.
+Without `--kv-store` the tiers run in bookkeeping mode (slots, pages and bytes are counted, no tensor is copied;
+bytes are those of the MiMo shape). A Redis store needs real values, so with `--kv-store` the tiers copy tiny
+tensors (one full + one sliding layer, one head of dim 1, float16); its pages carry those and its byte counters
+are theirs (the page counts are comparable).
 """
 from __future__ import annotations
 
@@ -24,6 +40,7 @@ import json
 import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
 from llm_backend.models import PRO_SHAPE_CONFIG
@@ -62,7 +79,7 @@ class Replay:
     """One cache configuration replaying the trace."""
 
     def __init__(self, name: str, full_units: int, swa_units: int, window_units: int, page_units: int,
-                 chunk_units: int, evict_fraction: float):
+                 chunk_units: int, evict_fraction: float, tiers: dict | None = None):
         self.name = name
         self.full_pool = SlotPool("full", full_units, page_units)
         self.swa_pool = SlotPool("swa", swa_units)
@@ -75,9 +92,19 @@ class Replay:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.skipped = 0
+        self.tiers = None
+        if tiers is not None:
+            self.tiers = make_tiers(self.cache, **tiers)
+
+    def peek(self, units: list[int]) -> int:
+        return self.cache.peek_prefix_length(units)
 
     def request(self, units: list[int], input_length: int, unit: int) -> None:
         kv = RequestKV(self.cache, units, NEVER_RELEASE)
+        if self.tiers is not None:
+            load = self.tiers.start_load()  # as the runner's next forward: the hit's queued host/store copies
+            if load is not None:
+                load.finish()
         self.prompt_tokens += input_length
         self.hit_tokens += min(kv.cached_tokens * unit, input_length)
         done = kv.cached_tokens
@@ -103,13 +130,63 @@ class Replay:
                 "uncacheable_requests": self.skipped}
 
 
+def make_tiers(cache, host_full: int, host_swa: int, unit_bytes: tuple[int, int], evict_fraction: float,
+               swa_backfill: bool = False, checkpoint_units: int = 0, store=None, data: bool = False):
+    from llm_backend.kv.tiers import KVTiers
+
+    cache.swa_checkpoint_interval = checkpoint_units
+    tiers = KVTiers(cache, host_full, host_swa, swa_backfill=swa_backfill, store=store, token_bytes=unit_bytes,
+                    evict_fraction=evict_fraction)
+    if data:  # a Redis store round-trips real values: tiny device tensors, one full and one sliding layer
+        import torch
+
+        full, swa = cache.full_pool.size, cache.swa_pool.size
+        pools = SimpleNamespace(k={0: torch.zeros(full, 1, 1, dtype=torch.float16),
+                                   1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+                                v={0: torch.zeros(full, 1, 1, dtype=torch.float16),
+                                   1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+                                sliding={0: False, 1: True})
+        tiers.attach(pools)
+    return tiers
+
+
+TIER_KEYS = ("hit_device", "hit_host", "hit_store", "pages_d2h", "pages_h2d", "pages_s2d", "pages_to_store",
+             "swa_d2h", "swa_h2d", "swa_s2d", "bytes_d2h", "bytes_h2d", "bytes_s2d", "host_evictions", "backfills",
+             "fallbacks")
+
+
+def combine(name: str, replays: list[Replay], unit: int, store=None) -> dict:
+    """One mode's result over its workers: hit tokens summed, the tiers' counters summed (units -> tokens)."""
+    out = {"hit_tokens": sum(r.hit_tokens for r in replays), "prompt_tokens": sum(r.prompt_tokens for r in replays)}
+    out["hit_token_rate"] = round(out["hit_tokens"] / max(out["prompt_tokens"], 1), 4)
+    out["workers"] = len(replays)
+    if len(replays) > 1:
+        out["hit_tokens_per_worker"] = [r.hit_tokens for r in replays]
+    out["uncacheable_requests"] = sum(r.skipped for r in replays)
+    out["evicted_units"] = {"full": sum(r.cache.stats.full_evicted for r in replays),
+                            "swa": sum(r.cache.stats.swa_evicted for r in replays)}
+    tiers = [r.tiers for r in replays if r.tiers is not None]
+    if tiers:
+        t = {k: sum(getattr(x.stats, k) for x in tiers) for k in TIER_KEYS}
+        for k in ("hit_device", "hit_host", "hit_store", "swa_d2h", "swa_h2d", "swa_s2d"):
+            t[k] *= unit  # units -> tokens (a page is one unit: page counts are pages of --page-size tokens)
+        out["tiers"] = t
+        out["host_units"] = {"full": tiers[0].full.size if tiers[0].full else 0,
+                             "swa": tiers[0].swa.size if tiers[0].swa else 0}
+    if store is not None:
+        store.flush()
+        out["store"] = store.stats.as_dict()
+    return out
+
+
 def main(args) -> dict:
     cfg = PRO_SHAPE_CONFIG
     unit, page = args.token_unit, args.page_size
     if BLOCK % unit or cfg.window % unit or page % unit or args.chunk_size % unit:
         raise SystemExit(f"--token-unit {unit} must divide the block (512), the window ({cfg.window}), "
                          f"--page-size ({page}) and --chunk-size ({args.chunk_size})")
-    trace = load_trace(args.trace, 1000 if args.quick and not args.requests else args.requests)
+    quick = 300 if args.tiers else 1000
+    trace = load_trace(args.trace, quick if args.quick and not args.requests else args.requests)
     reqs = [(prompt_units(r, unit), r["input_length"]) for r in trace]
     unique_blocks = len({h for r in trace for h in r["hash_ids"]})
     esz = 2  # bf16
@@ -134,10 +211,26 @@ def main(args) -> dict:
             replay.request(units, length, unit)
         results[name] = replay.result()
         seconds[name] = round(time.perf_counter() - t0, 2)
+    tier_config = None
+    if args.tiers:
+        stamps = [float(r.get("timestamp", 0)) / 1e3 for r in trace]  # Mooncake timestamps are milliseconds
+        tier_config = run_tiers(args, reqs, stamps, results, seconds, modes["swa_aware"], unit, w, c, p, full_b, swa_b,
+                                cfg)
     rate = {k: v["hit_token_rate"] for k, v in results.items()}
-    ratios = {"swa_aware_vs_full_kv": round(results["swa_aware"]["hit_tokens"] / max(results["full_kv"]["hit_tokens"], 1), 3),
-              "swa_aware_vs_unbounded": round(results["swa_aware"]["hit_tokens"] / max(results["unbounded"]["hit_tokens"], 1), 3)}
-    return {
+    hits = {k: v["hit_tokens"] for k, v in results.items()}
+
+    def ratio(a, b):
+        return round(hits[a] / max(hits[b], 1), 3)
+
+    ratios = {"swa_aware_vs_full_kv": ratio("swa_aware", "full_kv"), "swa_aware_vs_unbounded": ratio("swa_aware", "unbounded")}
+    if args.tiers:
+        ratios.update({"l1_l2_vs_unbounded": ratio("l1_l2", "unbounded"), "l1_vs_unbounded": ratio("l1", "unbounded"),
+                       "l1_l2_vs_l1": ratio("l1_l2", "l1"),
+                       "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
+                       "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
+                       "swa_backfill_on_vs_off": ratio("l1_l2_swa_backfill", "l1_l2"),
+                       "swa_checkpoint_on_vs_off": ratio("l1_l2_swa_checkpoint", "l1_l2")})
+    out = {
         "bench": "prefix-cache",
         "config": {"trace": args.trace, "requests": len(reqs), "unique_blocks": unique_blocks,
                    "shape": "MiMo-V2.5-Pro (10 full + 60 sliding layers, 8 KV heads, head dims 192/128, window 128)",
@@ -150,6 +243,128 @@ def main(args) -> dict:
         "modes": results,
         "seconds": seconds,
     }
+    if tier_config is not None:
+        out["config"]["tiers"] = tier_config
+    return out
+
+
+class FluidLoad:
+    """Each worker's queued prefill tokens over trace time, for the routing policies' load signal: a worker
+    drains `rate` tokens/s and gains each request's uncached tokens. The replay is one request at a time, so
+    without this every worker looks idle and affinity would send everything to the first worker holding the
+    trace's shared first block. `rate` is set so the fleet runs at `--fleet-load` of its prefill capacity."""
+
+    def __init__(self, workers: int, rate: float):
+        self.rate, self.backlog, self.t = rate, [0.0] * workers, 0.0
+
+    def at(self, t: float) -> list[int]:
+        dt, self.t = max(0.0, t - self.t), max(t, self.t)
+        self.backlog = [max(0.0, b - self.rate * dt) for b in self.backlog]
+        return [int(b) for b in self.backlog]
+
+    def add(self, worker: int, tokens: int) -> None:
+        self.backlog[worker] += tokens
+
+
+def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
+    """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
+    from mimo_epd.router.policies import Affinity, Candidate, RequestView, RoundRobin
+
+    if args.swa_checkpoint_interval % unit or 0 < args.swa_checkpoint_interval <= cfg.window:
+        raise SystemExit(f"--swa-checkpoint-interval {args.swa_checkpoint_interval} must be a multiple of "
+                         f"--token-unit ({unit}) and larger than the window ({cfg.window})")
+    if args.host_factor <= 0 or args.store_factor <= 0 or args.workers < 1 or args.fleet_load <= 0:
+        raise SystemExit("--host-factor, --store-factor and --fleet-load must be positive, --workers at least 1")
+    span = max(stamps) - min(stamps)
+    prompt_tokens = sum(length for _, length in reqs)
+    rate = prompt_tokens / span / args.workers / args.fleet_load if span > 0 else 0.0
+    ubytes = (full_b * unit, swa_b * unit)  # the tiers count a unit as a token: per-unit bytes
+    dev_full, dev_swa = l1.full_pool.size * ubytes[0], l1.swa_pool.size * ubytes[1]
+    device_bytes = dev_full + dev_swa
+    host_bytes = int(device_bytes * args.host_factor)
+    share = dev_full / max(device_bytes, 1)  # the host bytes split like the device pools' (as engine.LLM does)
+    host_full, host_swa = int(host_bytes * share) // ubytes[0], int(host_bytes * (1 - share)) // ubytes[1]
+    K = args.swa_checkpoint_interval // unit
+    # The switch comparison's K when the flag is 0: one prefill chunk. Denser checkpoints cost SWA slots, which
+    # are scarce at this budget: on the first 2000 requests K = 512 / 2048 / 8192 gave 0.23x / 0.73x / 1.01x of
+    # the hit tokens without checkpoints.
+    switch_k = K or max(args.chunk_size, 2 * cfg.window) // unit
+    data = bool(args.kv_store)
+
+    def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True):
+        t = dict(host_full=host_full if host else 0, host_swa=host_swa if host else 0, unit_bytes=ubytes,
+                 evict_fraction=args.evict_fraction, swa_backfill=backfill, checkpoint_units=k, store=store, data=data)
+        return Replay(name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t)
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        results[name] = fn()
+        seconds[name] = round(time.perf_counter() - t0, 2)
+
+    def single(r: Replay):
+        for units, length in reqs:
+            r.request(units, length, unit)
+        return combine(r.name, [r], unit)
+
+    results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
+    seconds["l1"] = seconds["swa_aware"]
+    timed("l1_l2", lambda: single(replay("l1_l2", backfill=False, k=0)))
+    timed("l1_l2_swa_backfill", lambda: single(replay("l1_l2_swa_backfill", backfill=True, k=0)))
+    timed("l1_l2_swa_checkpoint", lambda: single(replay("l1_l2_swa_checkpoint", backfill=False,
+                                                        k=switch_k)))
+    store_bytes = int(device_bytes * args.store_factor)
+
+    def fleet(name, policy):
+        store = new_store(args, store_bytes, cfg, p)
+        try:
+            workers = [replay(f"{name}[{i}]", store=store) for i in range(args.workers)]
+            names = [str(i) for i in range(args.workers)]
+            load = FluidLoad(args.workers, rate)
+            for (units, length), t in zip(reqs, stamps):
+                view = RequestView(length, BLOCK)
+                queued = load.at(t)
+                cands = [Candidate(n, matched_tokens=min(wk.peek(units) * unit, length), queued_tokens=q)
+                         for n, wk, q in zip(names, workers, queued)]
+                pick = policy.rank(view, cands)[0]
+                policy.observe(view, pick)
+                wk = workers[int(pick)]
+                before = wk.hit_tokens
+                wk.request(units, length, unit)
+                load.add(int(pick), length - (wk.hit_tokens - before))
+            return combine(name, workers, unit, store)
+        finally:
+            store.close()
+
+    timed("l1_l2_l3_round_robin", lambda: fleet("l1_l2_l3_round_robin", RoundRobin()))
+    timed("l1_l2_l3_affinity", lambda: fleet("l1_l2_l3_affinity", Affinity()))
+    return {"device_bytes": device_bytes, "host_factor": args.host_factor, "host_bytes": host_bytes,
+            "host_units": {"full": host_full, "swa": host_swa}, "workers": args.workers,
+            "store": args.kv_store or "memory", "store_bytes": None if args.kv_store else store_bytes,
+            "store_factor": args.store_factor, "swa_backfill": args.swa_backfill,
+            "swa_checkpoint_interval": args.swa_checkpoint_interval,
+            "swa_checkpoint_interval_switch": switch_k * unit,
+            "data_mode": data, "fleet_load": args.fleet_load, "prefill_tokens_per_s_per_worker": round(rate, 1),
+            "routing": "round_robin = the router's RoundRobin (request i to worker i % workers); affinity = the "
+                       "router's Affinity on each worker's peeked prefix and its simulated queued prefill tokens",
+            "page_counts": "pages of --page-size tokens; swa_* and hit_* in tokens"}
+
+
+def new_store(args, capacity: int, cfg, page: int):
+    from llm_backend.kv.tiers import MemoryKVStore, RedisKVStore
+
+    if not args.kv_store:
+        return MemoryKVStore(capacity)
+    import uuid
+
+    # A namespace of its own per run: the pages of an earlier run (or another fleet mode) are never hit.
+    store = RedisKVStore(args.kv_store, f"bench-prefix-cache:{uuid.uuid4().hex}:{cfg.window}:{page}:float16",
+                         ttl_s=3600, max_queue=1 << 20)
+    try:
+        store.client.ping()
+    except Exception as e:  # noqa: BLE001 - a bench with an unreachable store says so
+        store.close()
+        raise SystemExit(f"--kv-store {args.kv_store}: {e}") from None
+    return store
 
 
 def add_arguments(p) -> None:
@@ -165,4 +380,22 @@ def add_arguments(p) -> None:
     p.add_argument("--token-unit", type=int, default=128, help="tokens per simulated slot (default: 128)")
     p.add_argument("--evict-fraction", type=float, default=0.01,
                    help="evict at least this fraction of a pool at a time (default: 0.01)")
-    p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): the first 1000 requests")
+    p.add_argument("--quick", action="store_true",
+                   help="a seconds-long version (CI): the first 1000 requests (300 with --tiers)")
+    p.add_argument("--tiers", action="store_true",
+                   help="also replay with the KV tiers: L1, L1+L2, L1+L2+L3 over --workers workers (round robin and "
+                        "affinity), the hit-rate switches on and off (docs/kv-tiers.md)")
+    p.add_argument("--host-factor", type=float, default=4.0, help="--tiers: host tier bytes / device bytes (default: 4)")
+    p.add_argument("--store-factor", type=float, default=4.0,
+                   help="--tiers: in-process shared store bytes / one worker's device bytes (default: 4)")
+    p.add_argument("--workers", type=int, default=4, help="--tiers: workers sharing the L3 store (default: 4)")
+    p.add_argument("--fleet-load", type=float, default=0.7,
+                   help="--tiers: offered prompt tokens / the fleet's simulated prefill capacity, which sets the "
+                        "queued-token load the affinity policy weighs against the prefix match (default: 0.7)")
+    p.add_argument("--kv-store", default="",
+                   help="--tiers: a real Redis (redis://host:port/db) as the shared store instead of an in-process one")
+    p.add_argument("--swa-backfill", action="store_true",
+                   help="--tiers: SWA back-fill on in the L1+L2+L3 modes (the switch comparison runs either way)")
+    p.add_argument("--swa-checkpoint-interval", type=int, default=0,
+                   help="--tiers: denser SWA checkpoints every K tokens in the L1+L2+L3 modes, and K for the switch "
+                        "comparison (0: off there, --chunk-size for the comparison; default: 0)")
