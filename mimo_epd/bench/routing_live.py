@@ -110,7 +110,8 @@ async def _chat(session, base: str, messages: list[dict], max_tokens: int) -> di
             "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
 
 
-async def drive(base: str, sessions, concurrency: int, max_tokens: int) -> tuple[dict, float, list[str]]:
+async def drive(base: str, sessions, concurrency: int, max_tokens: int, request_timeout_s: float = 120.0
+                ) -> tuple[dict, float, list[str]]:
     """Closed loop: `concurrency` clients, each running whole sessions in turn order. Returns the results by
     (session, turn), the wall time and the errors."""
     import aiohttp
@@ -118,7 +119,7 @@ async def drive(base: str, sessions, concurrency: int, max_tokens: int) -> tuple
     results: dict[tuple[int, int], dict] = {}
     errors: list[str] = []
     queue = iter(range(len(sessions)))
-    timeout = aiohttp.ClientTimeout(total=600)
+    timeout = aiohttp.ClientTimeout(total=request_timeout_s)  # a stuck request is an error, not a stalled run
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         async def client():
             for s in queue:
@@ -213,7 +214,7 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
         router = start_server(["--workers", spec, "--llm-policy", policy, "--http-port", "0", "--metrics-port",
                                str(mport), "--log-level", "warning"], "router", timeout=120)
         results, wall, errors = asyncio.run(drive(f"http://{router.http_address}", sessions, args.concurrency,
-                                                  args.max_tokens))
+                                                  args.max_tokens, args.request_timeout_s))
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
         m = scrape(mport)  # before the overhead probe below: the prediction figures are the workload's
         n = m.get("router_prediction_error_tokens_count", 0.0)
@@ -270,7 +271,7 @@ def run_gateway(sessions, args, shared=None) -> tuple[dict, dict]:
                                      f"{''.join(log)[-800:]}", "version": gw_version}, {}
                 time.sleep(0.3)
         results, wall, errors = asyncio.run(drive(f"http://127.0.0.1:{port}", sessions, args.concurrency,
-                                                  args.max_tokens))
+                                                  args.max_tokens, args.request_timeout_s))
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
         out["front_overhead"] = asyncio.run(front_overhead(f"http://127.0.0.1:{port}",
                                                            f"http://{workers[0].http_address}"))
@@ -293,6 +294,20 @@ def _mismatches(a: dict, b: dict) -> int:
     return sum(1 for k in a.keys() & b.keys() if a[k]["text"] != b[k]["text"]) + len(a.keys() ^ b.keys())
 
 
+def _mismatch_detail(a: dict, b: dict, limit: int = 3) -> list[dict]:
+    """The first requests whose texts differ: which, and the cached tokens each run had for it (a prefix hit in
+    one run and a recompute in the other is where float rounding can differ)."""
+    out = []
+    for k in sorted(a.keys() & b.keys()):
+        if a[k]["text"] != b[k]["text"] and len(out) < limit:
+            n = next((i for i, (x, y) in enumerate(zip(a[k]["text"], b[k]["text"])) if x != y),
+                     min(len(a[k]["text"]), len(b[k]["text"])))
+            out.append({"session": k[0], "turn": k[1], "prompt_tokens": a[k]["prompt_tokens"],
+                        "cached_affinity": a[k]["cached_tokens"], "cached_here": b[k]["cached_tokens"],
+                        "first_differing_char": n})
+    return out
+
+
 def _ratio(x, y):
     return round(x / y, 3) if x is not None and y else None
 
@@ -310,6 +325,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gateway-policy", default="cache_aware", help="the gateway's policy (default: cache_aware)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="each worker's full KV pool (default: 16384)")
     p.add_argument("--swa-cache-tokens", type=int, default=4096, help="each worker's SWA pool (default: 4096)")
+    p.add_argument("--request-timeout-s", type=float, default=120.0,
+                   help="a request still unanswered after this long counts as an error (default: 120)")
     p.add_argument("--quick", action="store_true",
                    help="a smoke run: 4 sessions x 3 turns, 2 clients, 2 tokens, affinity and round_robin (and the "
                         "gateway) on one pair of workers, each run's prompts tagged apart; no output comparison")
@@ -349,6 +366,9 @@ def main(args) -> dict:
             w.stop()
     out["outputs_mismatched_vs_affinity"] = {p: None if shared else _mismatches(texts["affinity"], texts[p])
                                              for p in policies if p != "affinity"}
+    if not shared:
+        out["output_mismatch_detail"] = {p: d for p in policies if p != "affinity"
+                                         if (d := _mismatch_detail(texts["affinity"], texts[p]))}
     a = out["policies"]["affinity"]
     rr = out["policies"].get("round_robin")
     ok_gw = gw is not None and "error" not in gw
