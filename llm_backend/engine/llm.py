@@ -218,24 +218,43 @@ class LLM:
         """One round: the scheduler picks the segments, the runner computes them, the scheduler books the result.
         An exception in the forward fails the requests of this step (with a clear error) and nothing else."""
         with self._lock:
-            segments = self.scheduler.schedule()
+            try:
+                segments = self.scheduler.schedule()
+            except Exception as e:  # noqa: BLE001 - a bug in the bookkeeping: fail what it touched, keep serving
+                self._fail(list(self.scheduler.running) + self.scheduler.in_hand(), "scheduling", e)
+                return
         if not segments:
             return
         try:
             results = self.runner.execute(segments)
         except Exception as e:  # noqa: BLE001 - a request must never take the worker down
-            self.step_errors += 1
-            log.exception("a forward over %d requests failed; failing them", len(segments))
-            code = "resource_exhausted" if isinstance(e, torch.OutOfMemoryError) else "internal"
             with self._lock:
-                for seg in segments:
-                    r = seg.request
-                    if r in self.scheduler.running:
-                        self.scheduler.running.remove(r)
-                    self.scheduler.finish(r, "error", f"the forward failed: {type(e).__name__}: {e}", code)
+                self._fail([seg.request for seg in segments], "the forward", e)
             return
         with self._lock:
-            self.scheduler.complete(segments, results)
+            try:
+                self.scheduler.complete(segments, results)
+            except Exception as e:  # noqa: BLE001
+                self._fail([seg.request for seg in segments], "booking the step", e)
+
+    def _fail(self, requests: list[Request], what: str, e: Exception) -> None:
+        """Fails `requests` (frees their KV) after an unexpected error in `what`; the loop goes on."""
+        self.step_errors += 1
+        log.exception("%s failed for %d requests; failing them", what, len(requests))
+        code = "resource_exhausted" if isinstance(e, torch.OutOfMemoryError) else "internal"
+        s = self.scheduler
+        for r in requests:
+            for queue in (s.running, s.waiting):
+                if r in queue:
+                    queue.remove(r)
+            try:
+                s.finish(r, "error", f"{what} failed: {type(e).__name__}: {e}", code)
+            except Exception:  # noqa: BLE001 - its KV may be half released: drop the reference, keep serving
+                log.exception("request %d: could not release its KV", r.id)
+                r.kv = None
+                r.finish_reason, r.error, r.error_code = "error", f"{what} failed: {e}", code
+                if r.on_finish:
+                    r.on_finish(r)
 
     def output(self, r: Request) -> RequestOutput:
         p = r.params

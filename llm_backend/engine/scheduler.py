@@ -77,7 +77,8 @@ class Scheduler:
         self.prompt_tokens = self.generated_tokens = 0
         self._next_bucket = 0
         self._uncached: dict[int, tuple[int, int]] = {}
-        self._headroom: int | None = None  # request id -> (uncached tokens, step it was computed)
+        self._headroom: int | None = None
+        self._in_hand: Request | None = None  # the waiting request being admitted (failed if admission raises)  # request id -> (uncached tokens, step it was computed)
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
@@ -97,6 +98,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def in_hand(self) -> list[Request]:
+        """The waiting request whose admission was under way, if any (so a failure there cannot repeat forever)."""
+        return [self._in_hand] if self._in_hand is not None and self._in_hand in self.waiting else []
+
     # ----------------------------------------------------------------------------------- one step
     def schedule(self) -> list[Segment]:
         """Steps 1-3 of the module docstring; returns the segments of the next forward."""
@@ -113,7 +118,10 @@ class Scheduler:
         self._headroom = None  # computed at the first admission of this step
         while self.waiting and len(self.running) < self.max_running:
             r = self._pick(now)
-            if not self._admit(r):
+            self._in_hand = r
+            admitted = self._admit(r)
+            self._in_hand = None
+            if not admitted:
                 blocked = r
                 break
             self.waiting.remove(r)

@@ -113,3 +113,22 @@ def test_eos_stops_unless_ignore_eos():
     while llm.has_work():
         llm.step()
     assert r.finish_reason == "length" and len(r.output) == 5
+
+
+def test_a_failing_admission_fails_that_request_and_the_engine_goes_on(monkeypatch):
+    llm = LLM(small_model(4, 1))
+    real = llm.scheduler._admit
+    calls = {"n": 0}
+
+    def flaky(r):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("bookkeeping bug")
+        return real(r)
+
+    monkeypatch.setattr(llm.scheduler, "_admit", flaky)
+    bad = llm.add_request([1, 2, 3], SamplingParams(max_tokens=3))
+    llm.step()
+    assert bad.finish_reason == "error" and "bookkeeping bug" in bad.error and not llm.has_work()
+    good = llm.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_tokens=3))[0]
+    assert good.finish_reason == "length"
