@@ -108,7 +108,8 @@ class EncodePipeline:
             torch.set_num_threads(c.torch_threads)
         await self.fetcher.start()
         await self.decode_pool.start()  # workers start now, not on the first request
-        await asyncio.get_running_loop().run_in_executor(self._preprocess_pool, self._warm_up)
+        # The warm-up runs the tower too, so it runs where every tower call runs: the batcher's forward thread.
+        await asyncio.wrap_future(self.batcher.call_on_forward_thread(self._warm_up))
         spawn = asyncio.get_running_loop().create_task
         st = self.stages
         self._tasks += [spawn(self._worker(self.decode_q, st.decode), name=f"decode-{i}")

@@ -56,10 +56,9 @@ def _run(args) -> int:
 
 
 def _calibrate_flags(p) -> None:
-    from llm_backend.sim.cost import PROFILE_DIR
-
-    p.add_argument("--out", default=str(PROFILE_DIR / "cpu-measured.json"),
-                   help="where the fitted profile is written (default: the package's cpu-measured.json)")
+    p.add_argument("--out", default="",
+                   help="where the fitted profile is written (empty = the package's cpu-measured.json, which the "
+                        "simulator uses by default) (default: '')")
     p.add_argument("--waves", type=int, default=5, help="waves of 8 requests per workload (default: 5)")
     p.add_argument("--seed", type=int, default=1, help="training workload seed; the held-out one is seed+1 (default: 1)")
 
@@ -68,10 +67,12 @@ def _calibrate(args) -> int:
     from pathlib import Path
 
     from llm_backend.sim.calibrate import calibrate
+    from llm_backend.sim.cost import PROFILE_DIR
 
     prof, report = calibrate(seed=args.seed, holdout_seed=args.seed + 1, waves=args.waves)
-    Path(args.out).write_text(json.dumps(prof.to_json(), indent=1) + "\n")
-    print(json.dumps({"command": "sim calibrate", "profile": prof.to_json(), "fit": report, "written": args.out}))
+    out = args.out or str(PROFILE_DIR / "cpu-measured.json")
+    Path(out).write_text(json.dumps(prof.to_json(), indent=1) + "\n")
+    print(json.dumps({"command": "sim calibrate", "profile": prof.to_json(), "fit": report, "written": out}))
     return 0
 
 
