@@ -39,6 +39,7 @@ test: lint
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(TYPED)
 
 # Regenerates the committed gRPC stubs (tests/test_protos.py checks they are current).

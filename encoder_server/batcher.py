@@ -14,6 +14,7 @@ Policy:
 The tower packs variable-size items with block-diagonal attention, so batching never changes an
 item's embedding (tests check that a batched item equals the item encoded alone).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,11 +52,18 @@ class BatchStats:
 
 
 class Batcher:
-    def __init__(self, forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
-                 on_done: Callable[[BatchItem, torch.Tensor, float, float], None] | None = None,
-                 max_batch_tokens: int, max_wait_ms: float, queue_depth: int, merge_unit: int = 4,
-                 max_batch_items: int | None = None,
-                 on_batch: Callable[[int, int, float], None] | None = None):
+    def __init__(
+        self,
+        forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        *,
+        on_done: Callable[[BatchItem, torch.Tensor, float, float], None] | None = None,
+        max_batch_tokens: int,
+        max_wait_ms: float,
+        queue_depth: int,
+        merge_unit: int = 4,
+        max_batch_items: int | None = None,
+        on_batch: Callable[[int, int, float], None] | None = None,
+    ):
         self.forward = forward
         self.on_done = on_done
         self.max_batch_tokens = max_batch_tokens
@@ -116,7 +124,11 @@ class Batcher:
                 raise
             except Exception as e:  # noqa: BLE001 - fail the batch's items, keep serving
                 log.exception("vision forward failed for a batch of %d items", len(batch))
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(e, torch.OutOfMemoryError) else grpc.StatusCode.INTERNAL
+                code = (
+                    grpc.StatusCode.RESOURCE_EXHAUSTED
+                    if isinstance(e, torch.OutOfMemoryError)
+                    else grpc.StatusCode.INTERNAL
+                )
                 for b in batch:
                     b.job.fail(ItemError(code, f"vision forward failed: {type(e).__name__}: {e}"))
                 continue

@@ -3,6 +3,7 @@
 The CLI builds its flags from these fields (name, type, default, help) through mimo_epd/common/flags.py, the
 same way every command does, and docs/cli.md is generated from the parsers, so a default is written once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,9 @@ class EncoderServerConfig:
     preprocess: str = _f("auto", "preprocessing preset: auto (from the checkpoint), qwen2_5_vl or mimo_v2_5")
     min_pixels: int = _f(0, "override the preset's min_pixels (0 = keep)")
     max_pixels: int = _f(0, "override the preset's max_pixels (0 = keep)")
-    resize_backend: str = _f("auto", "auto (PIL on a CPU with pillow-simd, else torch), torch (torchvision on --device) or pil")
+    resize_backend: str = _f(
+        "auto", "auto (PIL on a CPU with pillow-simd, else torch), torch (torchvision on --device) or pil"
+    )
     grace_period_s: float = _f(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish")
     max_message_mb: int = _f(256, "largest gRPC message accepted or sent, in MiB")
     log_level: str = _f("info", "debug, info, warning or error")
@@ -49,34 +52,56 @@ class EncoderServerConfig:
     # --- fetching ------------------------------------------------------------------------------
     fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
     fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
-    fetch_per_host: int = _f(8, "URLs fetched at once from one host (of --fetch-concurrency), so one slow host cannot take every fetch slot")
+    fetch_per_host: int = _f(
+        8, "URLs fetched at once from one host (of --fetch-concurrency), so one slow host cannot take every fetch slot"
+    )
     max_redirects: int = _f(5, "redirects followed per URL (each re-checked against the URL policy)")
-    allow_private_urls: bool = _f(False, "allow URLs that resolve to loopback/private/link-local addresses "
-                                         "(cloud metadata addresses stay refused)")
+    allow_private_urls: bool = _f(
+        False,
+        "allow URLs that resolve to loopback/private/link-local addresses (cloud metadata addresses stay refused)",
+    )
     url_allowlist: str = _f("", "comma-separated IPs/CIDRs that may be fetched even though private, e.g. 127.0.0.1/32")
     allowed_local_dir: str = _f("", "directory under which MediaItem.path may read files (empty = paths disabled)")
     # --- pipeline (each optimisation has a switch, so benchmarks can compare them) -----------------
     pipeline: bool = _f(True, "overlap requests and stages; off = one request at a time, stage after stage")
     batching: bool = _f(True, "batch items across requests into one forward; off = one item per forward")
     decode_workers: int = _f(2, "decoder processes, pixels handed back through shared memory (0 = decode in a thread)")
-    decoder: str = _f("turbo", "image decoder: turbo (libjpeg-turbo straight into numpy via simplejpeg, pixels identical "
-                               "to pil), pil (pillow-simd when installed), torchvision (decode_jpeg) or dali (NVIDIA "
-                               "DALI, CPU pipeline; needs the dali extra); non-JPEG images always use PIL")
+    decoder: str = _f(
+        "turbo",
+        "image decoder: turbo (libjpeg-turbo straight into numpy via simplejpeg, pixels identical "
+        "to pil), pil (pillow-simd when installed), torchvision (decode_jpeg) or dali (NVIDIA "
+        "DALI, CPU pipeline; needs the dali extra); non-JPEG images always use PIL",
+    )
     jpeg_draft: bool = _f(True, "decode JPEGs at a reduced DCT scale when the target is at most half the source")
-    resize_in: str = _f("auto", "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
-                                "the decode processes) or auto (decoder on a CPU, device on CUDA)")
-    decode_inflight: int = _f(2, "decode jobs in flight per decoder process: one decoding, the next already "
-                                 "queued, so a process never waits on the server between images")
-    decode_slot_bytes: int = _f(32 << 20, "size of each shared-memory slot for decoded pixels (bigger images come back pickled)")
-    torch_threads: int = _f(0, "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, "
-                               "whichever of one thread or every core measures more throughput, re-checked as load changes)")
+    resize_in: str = _f(
+        "auto",
+        "where images are resized: device (torch on --device), decoder (PIL/pillow-simd in "
+        "the decode processes) or auto (decoder on a CPU, device on CUDA)",
+    )
+    decode_inflight: int = _f(
+        2,
+        "decode jobs in flight per decoder process: one decoding, the next already "
+        "queued, so a process never waits on the server between images",
+    )
+    decode_slot_bytes: int = _f(
+        32 << 20, "size of each shared-memory slot for decoded pixels (bigger images come back pickled)"
+    )
+    torch_threads: int = _f(
+        0,
+        "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, "
+        "whichever of one thread or every core measures more throughput, re-checked as load changes)",
+    )
     metrics_port: int = _f(0, "serve Prometheus metrics on this port at /metrics (0 = off)")
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
     max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")
     max_wait_ms: float = _f(5.0, "how long the batcher waits for more items once it has one")
-    cache_bytes: int = _f(512 << 20, "in-process embedding cache size in bytes, used without --shm-cache-name (0 = no cache)")
-    shm_cache_name: str = _f("", "node-local shared-memory embedding cache to use, created or attached by name "
-                                 "(empty = the in-process cache)")
+    cache_bytes: int = _f(
+        512 << 20, "in-process embedding cache size in bytes, used without --shm-cache-name (0 = no cache)"
+    )
+    shm_cache_name: str = _f(
+        "",
+        "node-local shared-memory embedding cache to use, created or attached by name (empty = the in-process cache)",
+    )
     shm_cache_bytes: int = _f(1 << 30, "size of the shared-memory cache when this process creates it")
 
     @classmethod
@@ -90,14 +115,40 @@ class EncoderServerConfig:
         return cfg
 
     def validate(self) -> None:
-        positive = ["max_video_bytes", "max_video_seconds", "max_video_frames_total", "video_decode_workers",
-                    "max_concurrent_videos", "decode_inflight", "decode_slot_bytes", "shm_cache_bytes", "max_items_per_request", "max_item_bytes", "max_image_pixels", "max_pending", "queue_depth",
-                    "fetch_concurrency", "max_batch_tokens", "preprocess_threads", "max_message_mb"]
+        positive = [
+            "max_video_bytes",
+            "max_video_seconds",
+            "max_video_frames_total",
+            "video_decode_workers",
+            "max_concurrent_videos",
+            "decode_inflight",
+            "decode_slot_bytes",
+            "shm_cache_bytes",
+            "max_items_per_request",
+            "max_item_bytes",
+            "max_image_pixels",
+            "max_pending",
+            "queue_depth",
+            "fetch_concurrency",
+            "max_batch_tokens",
+            "preprocess_threads",
+            "max_message_mb",
+        ]
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("decode_workers", "torch_threads", "metrics_port", "max_redirects", "cache_bytes", "min_pixels", "max_pixels", "max_wait_ms",
-                     "fetch_timeout_s", "grace_period_s"):
+        for name in (
+            "decode_workers",
+            "torch_threads",
+            "metrics_port",
+            "max_redirects",
+            "cache_bytes",
+            "min_pixels",
+            "max_pixels",
+            "max_wait_ms",
+            "fetch_timeout_s",
+            "grace_period_s",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
         if self.video_decode_mode not in ("process", "thread"):

@@ -13,6 +13,7 @@ bigger than a slot comes back pickled (counted in `fallbacks`).
 A decode process that dies (the OOM killer, a crash in a codec library) is replaced and the images it
 held are decoded again, once (see `DecodePool`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,19 @@ from .decoders import DECODERS, check_decoder_name
 from .decoders.base import Decoded, Stage
 from .decoders.job import DecodeOptions, decode_item, decode_on_device, decodes_on_device
 
-__all__ = ["DECODERS", "Decoded", "DecodeOptions", "DecodePool", "Stage", "decode_job", "decode_on_device",
-           "decodes_on_device", "exit_with_parent", "ignore_sigint", "remove_stale_arenas"]
+__all__ = [
+    "DECODERS",
+    "Decoded",
+    "DecodeOptions",
+    "DecodePool",
+    "Stage",
+    "decode_job",
+    "decode_on_device",
+    "decodes_on_device",
+    "exit_with_parent",
+    "ignore_sigint",
+    "remove_stale_arenas",
+]
 log = logging.getLogger(__name__)
 
 
@@ -61,8 +73,9 @@ def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int)
         try:
             fd = os.open(arena_path, os.O_RDWR)
         except OSError:  # the server's /proc entry is not readable here: pixels come back pickled
-            log.warning("decode worker %d cannot open the shared arena %s: pixels travel pickled", os.getpid(),
-                        arena_path)
+            log.warning(
+                "decode worker %d cannot open the shared arena %s: pixels travel pickled", os.getpid(), arena_path
+            )
             return
         _ARENA = mmap.mmap(fd, os.fstat(fd).st_size)
         os.close(fd)
@@ -84,7 +97,7 @@ def decode_job(data: bytes | None, opts: DecodeOptions, slot: int, size: int = 0
     if data is None:
         if _ARENA is None:  # cannot happen: once a worker reports no arena, the pool sends every item pickled
             raise RuntimeError("decode worker without the shared arena was handed an item through it")
-        data = _ARENA[slot * _SLOT_BYTES:slot * _SLOT_BYTES + size]
+        data = _ARENA[slot * _SLOT_BYTES : slot * _SLOT_BYTES + size]
     d = decode_item(data, opts)
     pixels = d.pixels
     meta = (d.source_size, d.draft_scale, d.stage)
@@ -113,7 +126,7 @@ def remove_stale_arenas(shm_dir: str = "/dev/shm", min_age_s: float = 60.0) -> l
     except OSError:
         return removed
     for name in names:
-        pid = name[len(ARENA_PREFIX):].split("-", 1)[0] if name.startswith(ARENA_PREFIX) else ""
+        pid = name[len(ARENA_PREFIX) :].split("-", 1)[0] if name.startswith(ARENA_PREFIX) else ""
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
@@ -132,8 +145,12 @@ def remove_stale_arenas(shm_dir: str = "/dev/shm", min_age_s: float = 60.0) -> l
         except OSError:
             pass
     if removed:
-        log.warning("removed %d decode arenas left in %s by servers that died while starting: %s", len(removed),
-                    shm_dir, removed)
+        log.warning(
+            "removed %d decode arenas left in %s by servers that died while starting: %s",
+            len(removed),
+            shm_dir,
+            removed,
+        )
     return removed
 
 
@@ -165,14 +182,16 @@ class DecodePool:
             dali.check_available()
         self.on_device = decodes_on_device(opts)
         if self.on_device and opts.resize:
-            raise ValueError(f"--decoder {opts.decoder} decodes on {opts.device}: resize there too "
-                             "(--resize-in device or auto)")
+            raise ValueError(
+                f"--decoder {opts.decoder} decodes on {opts.device}: resize there too (--resize-in device or auto)"
+            )
 
     async def start(self) -> None:
         if self.on_device:  # one thread drives the GPU decoder; the decode processes are not needed
             self._executor = concurrent.futures.ThreadPoolExecutor(1, "gpu-decode")
-            log.info("decoding JPEGs on %s with %s (nvJPEG); --decode-workers unused", self.opts.device,
-                     self.opts.decoder)
+            log.info(
+                "decoding JPEGs on %s with %s (nvJPEG); --decode-workers unused", self.opts.device, self.opts.decoder
+            )
             return
         if self.workers <= 0:
             return
@@ -204,21 +223,24 @@ class DecodePool:
         loop = asyncio.get_running_loop()
         seen: set[int] = set()
         for hold in (0.2, 0.5, 1.0, 2.0, 4.0):
-            for pid, mapped in await asyncio.gather(*(loop.run_in_executor(self._executor, _started, hold)
-                                                      for _ in range(self.workers))):
+            for pid, mapped in await asyncio.gather(
+                *(loop.run_in_executor(self._executor, _started, hold) for _ in range(self.workers))
+            ):
                 seen.add(pid)
                 if not mapped and not self._pickled:
                     self._pickled = True  # a worker without the arena cannot read a slot: send items pickled
                     log.warning("decode worker %d could not map the shared arena: items travel pickled", pid)
             if len(seen) >= self.workers:
                 return
-        log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen),
-                    self.workers)
+        log.warning("only %d of %d decode workers started in time; the rest start on demand", len(seen), self.workers)
 
     def _new_executor(self) -> concurrent.futures.ProcessPoolExecutor:
         return concurrent.futures.ProcessPoolExecutor(
-            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init,
-            initargs=(f"/proc/{os.getpid()}/fd/{self._arena_fd}", self.slot_bytes, self.opts.max_pixels))
+            self.workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_worker_init,
+            initargs=(f"/proc/{os.getpid()}/fd/{self._arena_fd}", self.slot_bytes, self.opts.max_pixels),
+        )
 
     async def _replace_executor(self, generation: int) -> None:
         """Replaces a broken executor (once, however many jobs saw it break). The old one's surviving
@@ -238,8 +260,11 @@ class DecodePool:
                 await self._start_all()
             except concurrent.futures.process.BrokenProcessPool:
                 pass  # killed again while starting: the retry meets it and replaces it once more
-            log.warning("a decode process died; replaced the decode processes (%d so far) and retrying the "
-                        "images that were in flight", self.respawns)
+            log.warning(
+                "a decode process died; replaced the decode processes (%d so far) and retrying the "
+                "images that were in flight",
+                self.respawns,
+            )
 
     @property
     def max_inflight(self) -> int:
@@ -272,14 +297,17 @@ class DecodePool:
                 if executor is None:
                     raise concurrent.futures.process.BrokenProcessPool("the decode pool is stopped")
                 job, size, job_slot = data, 0, -1 if self._pickled else slot
-                if len(data) <= self.slot_bytes and not self._pickled:  # the bytes go in through the slot too, not pickled through a pipe
+                if (
+                    len(data) <= self.slot_bytes and not self._pickled
+                ):  # the bytes go in through the slot too, not pickled through a pipe
                     # (written again on a retry: the dead process may have begun writing pixels over them)
                     size = len(data)
-                    self._arena[slot * self.slot_bytes:slot * self.slot_bytes + size] = data
+                    self._arena[slot * self.slot_bytes : slot * self.slot_bytes + size] = data
                     job = None
                 try:
                     kind, payload, meta = await asyncio.get_running_loop().run_in_executor(
-                        executor, decode_job, job, self.opts, job_slot, size)
+                        executor, decode_job, job, self.opts, job_slot, size
+                    )
                     break
                 except concurrent.futures.process.BrokenProcessPool:
                     await self._replace_executor(generation)

@@ -7,6 +7,7 @@
 
 Entries are immutable: content keys name the bytes and everything that shaped the embedding.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,8 +65,15 @@ class EmbeddingLRU:
         return True
 
     def stats(self) -> dict:
-        return {"entries": len(self._entries), "bytes_used": self.bytes_used, "capacity_bytes": self.capacity_bytes,
-                "hits": self.hits, "misses": self.misses, "inserts": self.inserts, "evictions": self.evictions}
+        return {
+            "entries": len(self._entries),
+            "bytes_used": self.bytes_used,
+            "capacity_bytes": self.capacity_bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "inserts": self.inserts,
+            "evictions": self.evictions,
+        }
 
 
 class ShmEmbeddingStore:

@@ -1,4 +1,5 @@
 """Errors that map to a gRPC status and name the item they concern."""
+
 from __future__ import annotations
 
 import errno
@@ -45,10 +46,14 @@ def denied(reason: str) -> ItemError:
 
 # errno values that say the client's input was wrong (a path, a name), not that the server is in trouble.
 _ERRNO_STATUS = {
-    errno.ENOENT: grpc.StatusCode.NOT_FOUND, errno.ENOTDIR: grpc.StatusCode.NOT_FOUND,
-    errno.EACCES: grpc.StatusCode.PERMISSION_DENIED, errno.EPERM: grpc.StatusCode.PERMISSION_DENIED,
-    errno.ENAMETOOLONG: grpc.StatusCode.INVALID_ARGUMENT, errno.ELOOP: grpc.StatusCode.INVALID_ARGUMENT,
-    errno.EISDIR: grpc.StatusCode.INVALID_ARGUMENT, errno.EINVAL: grpc.StatusCode.INVALID_ARGUMENT,
+    errno.ENOENT: grpc.StatusCode.NOT_FOUND,
+    errno.ENOTDIR: grpc.StatusCode.NOT_FOUND,
+    errno.EACCES: grpc.StatusCode.PERMISSION_DENIED,
+    errno.EPERM: grpc.StatusCode.PERMISSION_DENIED,
+    errno.ENAMETOOLONG: grpc.StatusCode.INVALID_ARGUMENT,
+    errno.ELOOP: grpc.StatusCode.INVALID_ARGUMENT,
+    errno.EISDIR: grpc.StatusCode.INVALID_ARGUMENT,
+    errno.EINVAL: grpc.StatusCode.INVALID_ARGUMENT,
     errno.EILSEQ: grpc.StatusCode.INVALID_ARGUMENT,
 }
 

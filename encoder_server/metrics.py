@@ -1,5 +1,6 @@
 """Prometheus metrics of one encoder (`--metrics-port`): per-stage latency histograms, busy time per
 stage (for utilisation), queue depths, batch sizes, request rate and errors by status."""
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -14,17 +15,27 @@ class EncoderMetrics:
         self.items = Counter("encoder_items", "items received", registry=r)
         self.errors = Counter("encoder_errors", "failed requests by gRPC status", ["code"], registry=r)
         self.cache = Counter("encoder_cache_lookups", "embedding cache lookups", ["result"], registry=r)
-        self.stage_seconds = Histogram("encoder_stage_seconds", "time an item spent in a stage", ["stage"],
-                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.request_seconds = Histogram("encoder_request_seconds", "Encode latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.busy = Counter("encoder_stage_busy_seconds", "seconds a stage's workers spent working", ["stage"], registry=r)
+        self.stage_seconds = Histogram(
+            "encoder_stage_seconds", "time an item spent in a stage", ["stage"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.request_seconds = Histogram(
+            "encoder_request_seconds", "Encode latency", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.busy = Counter(
+            "encoder_stage_busy_seconds", "seconds a stage's workers spent working", ["stage"], registry=r
+        )
         self.workers = Gauge("encoder_stage_workers", "parallel workers of a stage", ["stage"], registry=r)
         self.queue_depth = Gauge("encoder_queue_depth", "items waiting in a stage's input queue", ["queue"], registry=r)
         self.pending = Gauge("encoder_pending_items", "items admitted and not yet answered", registry=r)
-        self.batch_items = Histogram("encoder_batch_items", "items per vision forward",
-                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
-        self.batch_patches = Histogram("encoder_batch_patches", "vision patches per forward",
-                                       buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536), registry=r)
+        self.batch_items = Histogram(
+            "encoder_batch_items", "items per vision forward", buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r
+        )
+        self.batch_patches = Histogram(
+            "encoder_batch_patches",
+            "vision patches per forward",
+            buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
+            registry=r,
+        )
         self.decode_fallbacks = Counter("encoder_decode_pickled", "decoded images too large for a shm slot", registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:

@@ -11,6 +11,7 @@ exactly in the order and layout of transformers' `Qwen2VLImageProcessor`:
 4. patchify: a still image becomes `temporal_patch_size` identical frames; patches are ordered
    merge-block-major so that each `merge x merge` group the vision merger folds is contiguous.
 """
+
 from __future__ import annotations
 
 import math
@@ -120,6 +121,7 @@ def grid_for(height: int, width: int, config: PreprocessConfig, frames: int = 1)
 # Resize
 # ---------------------------------------------------------------------------------------------
 
+
 def pillow_simd_active() -> bool:
     from importlib import metadata
 
@@ -170,8 +172,10 @@ def resize_torch(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 # Normalize + patchify
 # ---------------------------------------------------------------------------------------------
 
-def normalize_patchify(resized: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32,
-                       fold_time: bool = False) -> torch.Tensor:
+
+def normalize_patchify(
+    resized: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32, fold_time: bool = False
+) -> torch.Tensor:
     """Torch reference: [N, 3, H, W] uint8 (already resized) -> [N * gh * gw, 3*T*P*P] normalized patches.
 
     Rescale and normalize are fused as transformers does: (x - 255*mean) / (255*std) in fp32.
@@ -205,7 +209,9 @@ def patchify_uint8(image: np.ndarray, config: PreprocessConfig) -> np.ndarray:
     return np.ascontiguousarray(x).reshape(gh * gw, c * p * p)
 
 
-def patchify_frames(frames: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def patchify_frames(
+    frames: torch.Tensor, config: PreprocessConfig, out_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Normalized frames [T, 3, H, W] float -> patches [gt*gh*gw, 3*T'*P*P] (T padded with its last frame)."""
     t, c, h, w = frames.shape
     p, m, tp = config.patch_size, config.merge_size, config.temporal_patch_size
@@ -260,10 +266,15 @@ def _to_tensor(arr) -> torch.Tensor:
     return torch.from_numpy(arr)
 
 
-def preprocess_images(images: Sequence, config: PreprocessConfig | str = "qwen2_5_vl", device=None,
-                      out_dtype: torch.dtype = torch.float32, resize_backend: str = "auto",
-                      source_sizes: Sequence[tuple[int, int]] | None = None,
-                      fold_time: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def preprocess_images(
+    images: Sequence,
+    config: PreprocessConfig | str = "qwen2_5_vl",
+    device=None,
+    out_dtype: torch.dtype = torch.float32,
+    resize_backend: str = "auto",
+    source_sizes: Sequence[tuple[int, int]] | None = None,
+    fold_time: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Images (HxWx3 uint8 numpy arrays or tensors) -> (pixel_values, grid_thw), like the HF processor.
 
     resize_backend: "torch" (torchvision on `device`, batched per shape), "pil" (PIL on the CPU,

@@ -4,6 +4,7 @@
 pipeline, serves on `host:port`, prints `ready host:port` once serving, and on SIGTERM/SIGINT stops
 accepting, lets in-flight requests finish within `--grace-period-s`, and returns 0.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,14 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
     if modality is None:
         raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown modality {item.modality}", index)
     v = item.video
-    return ItemRequest(source, modality, item.content_hash, video_fps=v.fps, video_max_frames=v.max_frames,
-                       video_min_frames=v.min_frames)
+    return ItemRequest(
+        source,
+        modality,
+        item.content_hash,
+        video_fps=v.fps,
+        video_max_frames=v.max_frames,
+        video_min_frames=v.min_frames,
+    )
 
 
 def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
@@ -84,7 +91,9 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
         except ItemError as e:
             log.info("Encode %s failed: %s %s", request.request_id or "-", e.code.name, e)
             await context.abort(e.code, str(e))
-        log.debug("Encode %s: %d items in %.1f ms", request.request_id or "-", len(results), (time.perf_counter() - t0) * 1e3)
+        log.debug(
+            "Encode %s: %d items in %.1f ms", request.request_id or "-", len(results), (time.perf_counter() - t0) * 1e3
+        )
         response = encoder_pb2.EncodeResponse(model=self.pipeline.model_id)
         for r in results:
             fill_item(response.items.add(), r)
@@ -92,15 +101,21 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
         # so an unsendable reply is a clear INVALID_ARGUMENT, never a transport error after the work.
         size, limit = response.ByteSize(), self.pipeline.config.max_message_mb << 20
         if size > limit:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the reply is {size / (1 << 20):.1f} MiB, over the largest message this server sends "
-                                f"({self.pipeline.config.max_message_mb} MiB, --max-message-mb); send fewer or smaller "
-                                "items per request")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the reply is {size / (1 << 20):.1f} MiB, over the largest message this server sends "
+                f"({self.pipeline.config.max_message_mb} MiB, --max-message-mb); send fewer or smaller "
+                "items per request",
+            )
         return response
 
 
-async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None = None,
-                        stop: asyncio.Event | None = None, announce: bool = True) -> int:
+async def serve_encoder(
+    config: EncoderServerConfig,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    announce: bool = True,
+) -> int:
     pipeline = EncodePipeline(config)
     await pipeline.start()
     server, drain = new_server(config.max_message_mb)
@@ -113,8 +128,14 @@ async def serve_encoder(config: EncoderServerConfig, ready: asyncio.Event | None
     await server.start()
     await set_serving(health, [SERVICE_NAME])
     host = f"[{config.host}]" if ":" in config.host else config.host
-    log.info("encoder serving model %s on %s:%d (device %s, preprocessing %s)", pipeline.model_id, host, port,
-             config.device, pipeline.preprocess_config)
+    log.info(
+        "encoder serving model %s on %s:%d (device %s, preprocessing %s)",
+        pipeline.model_id,
+        host,
+        port,
+        config.device,
+        pipeline.preprocess_config,
+    )
     if announce:
         print(f"ready {host}:{port}", flush=True)
     if ready is not None:

@@ -8,6 +8,7 @@
 `from llm_backend import LLM, SamplingParams` imports the engine (and torch) on first use only: the routers and
 the CLI's --help import torch-free parts of this package (kv.events' block hashes, the tokenizer, LLMConfig).
 """
+
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "PromptTooLong"]
 
 

@@ -3,6 +3,7 @@
 The CLI builds the flags from these fields (mimo_epd.common.flags), `LLM.from_config` builds the engine
 from them, and `serve` passes them through to its workers, so each default is written here and nowhere else.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,63 +21,100 @@ class LLMConfig:
     port: int = flag(50061, "gRPC port (0 = pick a free one; the ready line tells which)", _SERVE)
     http_port: int = flag(0, "HTTP port of the OpenAI-compatible API (0 = pick a free one, -1 = off)", _SERVE)
     device: str = flag("cpu", "torch device (cpu, cuda, cuda:1)", _SERVE)
-    dtype: str = flag("auto", "weights, activations and KV: float32, bfloat16, float16 or auto (bfloat16 on CUDA, "
-                              "else float32)", _SERVE, choices=("auto", "float32", "bfloat16", "float16"))
+    dtype: str = flag(
+        "auto",
+        "weights, activations and KV: float32, bfloat16, float16 or auto (bfloat16 on CUDA, else float32)",
+        _SERVE,
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     torch_threads: int = flag(0, "intra-op threads for the forward (0 = torch's default: every core)", _SERVE)
-    encoder: str = flag("", "encoder (or router) address for media items (empty = requests with media are refused)",
-                        _SERVE)
+    encoder: str = flag(
+        "", "encoder (or router) address for media items (empty = requests with media are refused)", _SERVE
+    )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
-    chat_template: str = flag("", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)",
-                              _SERVE)
+    chat_template: str = flag(
+        "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
+    )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
     # --- KV cache ------------------------------------------------------------------------------
     kv_cache_tokens: int = flag(16384, "full-attention KV pool, tokens", _KV)
-    swa_cache_tokens: int = flag(4096, "sliding-window KV pool, tokens (at least window + chunk + release interval)",
-                                 _KV)
+    swa_cache_tokens: int = flag(
+        4096, "sliding-window KV pool, tokens (at least window + chunk + release interval)", _KV
+    )
     page_size: int = flag(1, "full-pool page size, tokens (prefix-cache match granularity)", _KV)
     prefix_cache: bool = flag(True, "SWA-aware radix prefix cache", _KV)
     release_interval: int = flag(16, "decode steps between releases of SWA slots that left the window", _KV)
     # --- KV tiers (docs/kv-tiers.md) ------------------------------------------------------------
-    host_kv_bytes: int = flag(0, "host KV tier, bytes (0 = off): device-evicted pages are kept there and stay "
-                                 "matchable", _KV)
+    host_kv_bytes: int = flag(
+        0, "host KV tier, bytes (0 = off): device-evicted pages are kept there and stay matchable", _KV
+    )
     host_kv_policy: str = flag("lru", "host tier eviction: lru or fifo", _KV, choices=("lru", "fifo"))
-    host_kv_write: str = flag("back", "host tier writes: back (on device eviction) or through (on insert)", _KV,
-                              choices=("back", "through"))
+    host_kv_write: str = flag(
+        "back", "host tier writes: back (on device eviction) or through (on insert)", _KV, choices=("back", "through")
+    )
     kv_store: str = flag("", "shared KV tier: redis://host:port/db (empty = off); pages are content-addressed", _KV)
     kv_store_ttl_s: int = flag(3600, "TTL of a page in the shared KV tier, seconds", _KV)
-    kv_store_timeout_s: float = flag(0.5, "shared KV tier socket timeout; on an error it is skipped for "
-                                          "--kv-store-retry-s", _KV)
+    kv_store_timeout_s: float = flag(
+        0.5, "shared KV tier socket timeout; on an error it is skipped for --kv-store-retry-s", _KV
+    )
     kv_store_retry_s: float = flag(5.0, "seconds the shared KV tier is skipped after an error", _KV)
-    swa_backfill: bool = flag(False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA "
-                                     "eviction tombstones it", _KV)
-    swa_checkpoint_interval: int = flag(0, "denser SWA checkpoints: keep the window before every multiple of this "
-                                           "many tokens when trimming SWA (0 = only node ends)", _KV)
+    swa_backfill: bool = flag(
+        False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA eviction tombstones it", _KV
+    )
+    swa_checkpoint_interval: int = flag(
+        0,
+        "denser SWA checkpoints: keep the window before every multiple of this "
+        "many tokens when trimming SWA (0 = only node ends)",
+        _KV,
+    )
     # --- scheduling ----------------------------------------------------------------------------
     chunk_size: int = flag(512, "prefill chunk, tokens", _SCHED)
     max_running: int = flag(16, "requests running at once", _SCHED)
-    max_prefill_tokens: int = flag(8192, "prefill tokens per step, shared by the running prompts oldest first "
-                                         "(decode tokens always run; 0 = no cap)", _SCHED)
+    max_prefill_tokens: int = flag(
+        8192,
+        "prefill tokens per step, shared by the running prompts oldest first (decode tokens always run; 0 = no cap)",
+        _SCHED,
+    )
     fcfs: bool = flag(False, "first come first served instead of fewest uncached tokens first", _SCHED)
     wait_penalty: float = flag(2048.0, "uncached tokens forgiven per second of waiting, so nothing starves", _SCHED)
     length_buckets: str = flag("65536,262144", "prompt-length bucket bounds; buckets take turns at admission", _SCHED)
     # --- limits --------------------------------------------------------------------------------
-    max_waiting: int = flag(1024, "requests queued and not yet running; beyond it new ones are refused "
-                                  "(RESOURCE_EXHAUSTED / HTTP 429)", _LIMITS)
-    max_tokens_limit: int = flag(2**31 - 1, "largest max_tokens a request may ask for (a sequence also ends when the KV pool cannot hold it longer)", _LIMITS)
+    max_waiting: int = flag(
+        1024,
+        "requests queued and not yet running; beyond it new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)",
+        _LIMITS,
+    )
+    max_tokens_limit: int = flag(
+        2**31 - 1,
+        "largest max_tokens a request may ask for (a sequence also ends when the KV pool cannot hold it longer)",
+        _LIMITS,
+    )
     max_temperature: float = flag(100.0, "largest sampling temperature accepted", _LIMITS)
 
     def buckets(self) -> tuple[int, ...]:
         try:
             return tuple(sorted(int(x) for x in self.length_buckets.split(",") if x.strip()))
         except ValueError:
-            raise ValueError(f"--length-buckets must be comma-separated integers, got {self.length_buckets!r}") from None
+            raise ValueError(
+                f"--length-buckets must be comma-separated integers, got {self.length_buckets!r}"
+            ) from None
 
     def validate(self) -> None:
-        for name in ("kv_cache_tokens", "swa_cache_tokens", "page_size", "chunk_size", "release_interval",
-                     "max_running", "max_waiting", "max_tokens_limit", "grace_period_s", "max_temperature"):
+        for name in (
+            "kv_cache_tokens",
+            "swa_cache_tokens",
+            "page_size",
+            "chunk_size",
+            "release_interval",
+            "max_running",
+            "max_waiting",
+            "max_tokens_limit",
+            "grace_period_s",
+            "max_temperature",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.host_kv_bytes < 0 or self.swa_checkpoint_interval < 0 or self.kv_store_ttl_s <= 0:

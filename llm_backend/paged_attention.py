@@ -12,6 +12,7 @@ so a slot table is built per layer *type*, once per step, and shared by all laye
 Decode tokens (one query per sequence) go through the paged decode kernel, prefill chunks through the
 extend kernel: Triton on CUDA, the vectorised torch references on the CPU (`kernels.attention`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,8 +24,14 @@ from .kernels.attention import decode_attention, decode_attention_torch, extend_
 
 
 class KVPools:
-    def __init__(self, cfg, full_slots: int, swa_slots: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        cfg,
+        full_slots: int,
+        swa_slots: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
         self.k, self.v = {}, {}
         for i, kind in enumerate(cfg.layer_types):
             n = full_slots if kind == "full_attention" else swa_slots
@@ -40,6 +47,7 @@ class KVPools:
 @dataclass
 class _Group:
     """Sequences of one kind (decode or extend) for one layer type."""
+
     rows: torch.Tensor  # positions of their query rows in the step's token order
     slot_table: torch.Tensor  # [B, max_cols] int32
     kv_lens: torch.Tensor  # [B] int32
@@ -50,7 +58,7 @@ def _table(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     table = torch.zeros(len(rows), width, dtype=torch.int32)
     for b, r in enumerate(rows):
-        table[b, :len(r)] = torch.tensor(r, dtype=torch.int32)
+        table[b, : len(r)] = torch.tensor(r, dtype=torch.int32)
     return table.to(device), torch.tensor([len(r) for r in rows], dtype=torch.int32, device=device)
 
 
@@ -58,8 +66,13 @@ class PagedBatch:
     """One step: `seqs` = [(full_slots, swa_slots, start, n)] per sequence, in token order; the slot lists
     cover tokens [0, start + n) (SWA entries outside the window may be None)."""
 
-    def __init__(self, pools: KVPools, seqs: list[tuple[list[int], list[int | None], int, int]],
-                 use_triton: bool | None = None, wait=None):
+    def __init__(
+        self,
+        pools: KVPools,
+        seqs: list[tuple[list[int], list[int | None], int, int]],
+        use_triton: bool | None = None,
+        wait=None,
+    ):
         self.pools = pools
         self.wait = wait  # wait(layer): blocks until that layer's queued KV loads are done (kv.tiers.loader)
         device = next(iter(pools.k.values())).device
@@ -87,21 +100,40 @@ class PagedBatch:
             offsets.append(t)
             t += n
         self.num_tokens = t
-        self.new_slots = {False: torch.tensor(new_full, dtype=torch.long, device=device),
-                          True: torch.tensor(new_swa, dtype=torch.long, device=device)}
+        self.new_slots = {
+            False: torch.tensor(new_full, dtype=torch.long, device=device),
+            True: torch.tensor(new_swa, dtype=torch.long, device=device),
+        }
         self.groups: dict[bool, list[_Group]] = {False: [], True: []}
-        q_starts = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device) \
-            if q_lens else None
+        q_starts = (
+            torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+            if q_lens
+            else None
+        )
         for sliding in (False, True):
             for kind in ("decode", "extend"):
                 if not rows[kind]:
                     continue
                 table, lens = _table(tables[sliding][kind], device)
-                self.groups[sliding].append(_Group(torch.tensor(rows[kind], dtype=torch.long, device=device), table,
-                                                   lens, q_starts if kind == "extend" else None))
+                self.groups[sliding].append(
+                    _Group(
+                        torch.tensor(rows[kind], dtype=torch.long, device=device),
+                        table,
+                        lens,
+                        q_starts if kind == "extend" else None,
+                    )
+                )
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-               sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        sinks: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Writes this step's k/v [T, Hkv, D|Dv] into the layer's pool and returns attention [T, Hq, Dv]."""
         if self.wait is not None:
             self.wait(layer)

@@ -1,4 +1,5 @@
 """Tokenizers: bytes for the embedded `tiny` model, a checkpoint's `tokenizer.json` through `tokenizers`."""
+
 from __future__ import annotations
 
 import json

@@ -26,6 +26,7 @@ shared-memory pages), reported before/after with the slope in MB/min after the f
 
 One JSON object on stdout, progress lines on stderr. Numbers are measurements, not grades.
 """
+
 from __future__ import annotations
 
 import json
@@ -129,12 +130,13 @@ class Node:
     """The processes under test, by role: the serve process (`router` on a single node, `node` in a fleet,
     where it routes nothing), encoders by port, their decode processes, the LLM workers, and in a fleet the
     `mimo-epd router` processes and redis-server."""
+
     router: int
-    encoders: dict[str, int] = field(default_factory=dict)    # "127.0.0.1:PORT" -> pid
+    encoders: dict[str, int] = field(default_factory=dict)  # "127.0.0.1:PORT" -> pid
     decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
-    llms: dict[str, int] = field(default_factory=dict)        # LLM worker endpoint -> pid (--llm-workers N)
+    llms: dict[str, int] = field(default_factory=dict)  # LLM worker endpoint -> pid (--llm-workers N)
     redis: int | None = None
-    routers: dict[str, int] = field(default_factory=dict)     # fleet: router address -> pid
+    routers: dict[str, int] = field(default_factory=dict)  # fleet: router address -> pid
     serve_role: str = "router"
 
     def roles(self) -> dict[str, int]:
@@ -181,8 +183,11 @@ def health_answers(address: str) -> bool:
             health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         return True
     except grpc.RpcError as e:
-        return e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                                grpc.StatusCode.UNIMPLEMENTED)
+        return e.code() not in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.UNIMPLEMENTED,
+        )
 
 
 def discover(router_pid: int) -> Node:
@@ -299,16 +304,26 @@ def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float, pa
         pid = window[-1][1]
         same = [(t, mb) for t, p, mb in window if p == pid]  # the process alive at the end (restarts excluded)
         after = [(t, mb) for t, mb in same if t >= t_start + warmup_s]
-        out[role] = {"pid": pid, "rss_before_mb": round(same[0][1], 1), "rss_after_mb": round(same[-1][1], 1),
-                     "rss_max_mb": round(max(mb for _, mb in same), 1), "samples": len(same),
-                     "slope_mb_per_min_after_warmup": slope_mb_per_min(after)}
+        out[role] = {
+            "pid": pid,
+            "rss_before_mb": round(same[0][1], 1),
+            "rss_after_mb": round(same[-1][1], 1),
+            "rss_max_mb": round(max(mb for _, mb in same), 1),
+            "samples": len(same),
+            "slope_mb_per_min_after_warmup": slope_mb_per_min(after),
+        }
         sp = [(t, a, sh) for t, p, a, sh in (parts or {}).get(role, []) if p == pid and t_start <= t <= t_end]
         if sp:
             late = [x for x in sp if x[0] >= t_start + warmup_s]
-            out[role].update({
-                "anon_before_mb": round(sp[0][1], 1), "anon_after_mb": round(sp[-1][1], 1),
-                "anon_slope_mb_per_min_after_warmup": slope_mb_per_min([(t, a) for t, a, _ in late]),
-                "shmem_before_mb": round(sp[0][2], 1), "shmem_after_mb": round(sp[-1][2], 1)})
+            out[role].update(
+                {
+                    "anon_before_mb": round(sp[0][1], 1),
+                    "anon_after_mb": round(sp[-1][1], 1),
+                    "anon_slope_mb_per_min_after_warmup": slope_mb_per_min([(t, a) for t, a, _ in late]),
+                    "shmem_before_mb": round(sp[0][2], 1),
+                    "shmem_after_mb": round(sp[-1][2], 1),
+                }
+            )
     return out
 
 
@@ -326,9 +341,26 @@ class Redis:
 
     def start(self, timeout: float = 10.0) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.answers():
@@ -358,10 +390,10 @@ class Campaign:
     def __init__(self, args):
         self.args = args
         self.t0 = time.monotonic()
-        self.server = None          # ServerProcess of the serve this campaign started (the node)
+        self.server = None  # ServerProcess of the serve this campaign started (the node)
         self.address = args.server  # the first router's address
         self.fleet = args.topology == "fleet"
-        self.routers: list = []     # fleet: ServerProcess of each `mimo-epd router`
+        self.routers: list = []  # fleet: ServerProcess of each `mimo-epd router`
         self.router_ports: list[int] = []
         self.redis: Redis | None = None
         self.node: Node | None = None
@@ -388,8 +420,18 @@ class Campaign:
     def serve_args(self) -> list[str]:
         # --http-port -1: the OpenAI HTTP API would take the fixed port 8000, which a second node (or a
         # test running alongside) may hold.
-        common = ["--encoders", str(self.args.encoders), "--health-interval-s", "0.5", "--decode-workers", "2",
-                  "--llm-workers", str(self.llm_workers()), "--shm-cache-bytes", str(256 << 20)]
+        common = [
+            "--encoders",
+            str(self.args.encoders),
+            "--health-interval-s",
+            "0.5",
+            "--decode-workers",
+            "2",
+            "--llm-workers",
+            str(self.llm_workers()),
+            "--shm-cache-bytes",
+            str(256 << 20),
+        ]
         if self.fleet:  # a node that registers in Redis and runs no router; its gRPC port is unused
             return [*common, "--join", self.redis.url, *shlex.split(self.args.serve_args)]
         return [*common, "--http-port", "-1", "--port", str(self.port), *shlex.split(self.args.serve_args)]
@@ -408,8 +450,9 @@ class Campaign:
         if self.fleet:
             self.router_ports = [free_port() for _ in range(self.args.routers)]
             for port in self.router_ports:
-                self.routers.append(start_server(self.router_args(port), subcommand="router",
-                                                 timeout=self.args.start_timeout_s))
+                self.routers.append(
+                    start_server(self.router_args(port), subcommand="router", timeout=self.args.start_timeout_s)
+                )
             self.address = self.routers[0].address
         else:
             self.address = self.server.address
@@ -431,14 +474,38 @@ class Campaign:
     # -------------------------------------------------------------- load
     def start_load(self, images_dir: Path, with_llm: bool) -> None:
         classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else [])
-        env = {**os.environ, "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path), "MIMO_EPD_IMAGES_DIR": str(images_dir),
-               "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s),
-               "MIMO_EPD_CHAOS_ROUTERS": ",".join(self.addresses)}
-        cmd = [sys.executable, "-m", "locust", "-f", str(USERS_FILE), "--headless", "--users", str(self.args.users),
-               "--spawn-rate", str(self.args.users), "--host", self.address, "--only-summary",
-               "--csv", str(self.workdir / "locust"), "--stop-timeout", str(int(self.args.call_timeout_s) + 5),
-               "--loglevel", "WARNING", *classes]
-        self.locust = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(self.workdir / "locust.log", "w"))
+        env = {
+            **os.environ,
+            "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path),
+            "MIMO_EPD_IMAGES_DIR": str(images_dir),
+            "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s),
+            "MIMO_EPD_CHAOS_ROUTERS": ",".join(self.addresses),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(USERS_FILE),
+            "--headless",
+            "--users",
+            str(self.args.users),
+            "--spawn-rate",
+            str(self.args.users),
+            "--host",
+            self.address,
+            "--only-summary",
+            "--csv",
+            str(self.workdir / "locust"),
+            "--stop-timeout",
+            str(int(self.args.call_timeout_s) + 5),
+            "--loglevel",
+            "WARNING",
+            *classes,
+        ]
+        self.locust = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(self.workdir / "locust.log", "w")
+        )
 
     def stop_load(self) -> None:
         if self.locust and self.locust.poll() is None:
@@ -521,8 +588,14 @@ class Campaign:
         os.kill(pid, signal.SIGKILL)
         log(f"SIGKILL {fault} pid {pid} {info.get('endpoint', '')}")
         is_affected = self.recovery_path(fault, info, ring_eps)
-        out = {"fault": fault, "pid": pid, **{k: v for k, v in info.items() if k != "children_before"},
-               "t_kill_s": self.rel(t_kill), "rss_mb_at_kill": rss_before and round(rss_before, 1), "ring": ring_eps}
+        out = {
+            "fault": fault,
+            "pid": pid,
+            **{k: v for k, v in info.items() if k != "children_before"},
+            "t_kill_s": self.rel(t_kill),
+            "rss_mb_at_kill": rss_before and round(rss_before, 1),
+            "ring": ring_eps,
+        }
         if fault == "router" and self.fleet:
             self.recover_fleet_router(t_kill, info, out)
             mark = self.log_mark()  # the new router's log starts empty
@@ -578,8 +651,9 @@ class Campaign:
         self.old_logs.append("".join(old.stderr_lines))
         time.sleep(self.args.router_down_s)  # clients run on the other router(s) meanwhile
         t = time.monotonic()
-        self.routers[i] = start_server(self.router_args(self.router_ports[i]), subcommand="router",
-                                       timeout=self.args.start_timeout_s)
+        self.routers[i] = start_server(
+            self.router_args(self.router_ports[i]), subcommand="router", timeout=self.args.start_timeout_s
+        )
         out["down_s"] = round(t - t_kill, 3)
         out["restart_s"] = round(time.monotonic() - t, 3)
         self.refresh_node()
@@ -607,13 +681,15 @@ class Campaign:
         return [self.server.stderr_lines] if self.server else []
 
     def log_mark(self) -> dict:
-        return {"node": len(self.server.stderr_lines) if self.server else 0,
-                "routers": [len(x) for x in self.router_logs()]}
+        return {
+            "node": len(self.server.stderr_lines) if self.server else 0,
+            "routers": [len(x) for x in self.router_logs()],
+        }
 
     def log_has(self, needle: str, mark: dict, where: str) -> bool:
         """`needle` in the node's log (where='node') or in every router's log (where='routers') since `mark`."""
         if where == "node":
-            return bool(self.server) and any(needle in ln for ln in self.server.stderr_lines[mark["node"]:])
+            return bool(self.server) and any(needle in ln for ln in self.server.stderr_lines[mark["node"] :])
         logs = self.router_logs()
         marks = mark["routers"] + [0] * (len(logs) - len(mark["routers"]))
         return bool(logs) and all(any(needle in ln for ln in lines[m:]) for lines, m in zip(logs, marks))
@@ -639,8 +715,9 @@ class Campaign:
             recs = self.reqlog.refresh()
             if log_key and log_key not in res:
                 if fault == "encoder":
-                    ok = (self.log_has(f"encoder {info['endpoint']} rejoined the ring", mark, "routers")
-                          or self.log_has(f"encoder {info['endpoint']} joined the ring", mark, "routers"))
+                    ok = self.log_has(f"encoder {info['endpoint']} rejoined the ring", mark, "routers") or self.log_has(
+                        f"encoder {info['endpoint']} joined the ring", mark, "routers"
+                    )
                 elif fault == "decode_worker":
                     ok = self.log_has("replaced the decode processes", mark, "node")
                 else:
@@ -684,12 +761,14 @@ class Campaign:
         waiting = ""
         while time.monotonic() < deadline:
             node = self.refresh_node()
-            checks = {"encoders": len(node.encoders) >= expect["encoders"],
-                      "decoders": all(len(node.decoders.get(ep, [])) >= expect["decoders"] for ep in node.encoders),
-                      "encoder_health": all(health_serving(ep, 0.5) for ep in node.encoders),
-                      "llm": len(node.llms) >= expect["llm"] and all(health_serving(ep, 0.5) for ep in node.llms),
-                      "routers": all(health_serving(a, 0.5) for a in self.addresses),
-                      "redis": self.redis is None or self.redis.answers()}
+            checks = {
+                "encoders": len(node.encoders) >= expect["encoders"],
+                "decoders": all(len(node.decoders.get(ep, [])) >= expect["decoders"] for ep in node.encoders),
+                "encoder_health": all(health_serving(ep, 0.5) for ep in node.encoders),
+                "llm": len(node.llms) >= expect["llm"] and all(health_serving(ep, 0.5) for ep in node.llms),
+                "routers": all(health_serving(a, 0.5) for a in self.addresses),
+                "redis": self.redis is None or self.redis.answers(),
+            }
             waiting = ",".join(k for k, v in checks.items() if not v)
             ok = not waiting
             if ok and self.server:
@@ -725,18 +804,23 @@ class Campaign:
             codes: dict[str, int] = {}
             for r in failed:
                 codes[r["code"]] = codes.get(r["code"], 0) + 1
-            f.update({
-                "inflight_at_kill": len(inflight),
-                "inflight_on_killed_path": sum(1 for r in inflight if is_aff(r)),
-                "failed": len(failed),
-                "failed_inflight_at_kill": sum(1 for r in failed if r["t0"] < t_kill),
-                "failed_started_after_kill": sum(1 for r in failed if r["t0"] >= t_kill),
-                "failed_codes": codes,
-                "failed_examples": sorted({f"{r['kind']} {r['code']}: {r['details'][:120]}" for r in failed})[:5],
-                "failed_over": sum(1 for r in records if t_kill <= r["t1"] < t_next and r.get("attempts", 1) > 1
-                                   and r["code"] == "OK"),
-                "window_s": round(t_next - t_kill, 3),
-            })
+            f.update(
+                {
+                    "inflight_at_kill": len(inflight),
+                    "inflight_on_killed_path": sum(1 for r in inflight if is_aff(r)),
+                    "failed": len(failed),
+                    "failed_inflight_at_kill": sum(1 for r in failed if r["t0"] < t_kill),
+                    "failed_started_after_kill": sum(1 for r in failed if r["t0"] >= t_kill),
+                    "failed_codes": codes,
+                    "failed_examples": sorted({f"{r['kind']} {r['code']}: {r['details'][:120]}" for r in failed})[:5],
+                    "failed_over": sum(
+                        1
+                        for r in records
+                        if t_kill <= r["t1"] < t_next and r.get("attempts", 1) > 1 and r["code"] == "OK"
+                    ),
+                    "window_s": round(t_next - t_kill, 3),
+                }
+            )
             f["failed_beyond_inflight_on_killed_path"] = max(0, f["failed"] - f["inflight_on_killed_path"])
 
     # -------------------------------------------------------------- run
@@ -750,15 +834,20 @@ class Campaign:
             (images_dir / name).write_bytes(data)
         if not self.address:
             self.port = free_port()
-            log(f"starting {'a fleet: redis-server, serve --join' if self.fleet else 'serve'} --encoders {a.encoders} "
-                f"--llm-workers {self.llm_workers()}" + (f", {a.routers} routers" if self.fleet else ""))
+            log(
+                f"starting {'a fleet: redis-server, serve --join' if self.fleet else 'serve'} --encoders {a.encoders} "
+                f"--llm-workers {self.llm_workers()}" + (f", {a.routers} routers" if self.fleet else "")
+            )
             self.start_node()
         node = self.refresh_node()
         if node is None:
             raise RuntimeError(f"no process listens on {self.address}")
         self._ring_eps = sorted(node.encoders)
-        expect = {"encoders": len(node.encoders), "llm": len(node.llms),
-                  "decoders": min((len(v) for v in node.decoders.values()), default=0)}
+        expect = {
+            "encoders": len(node.encoders),
+            "llm": len(node.llms),
+            "decoders": min((len(v) for v in node.decoders.values()), default=0),
+        }
         log(f"node {self.address}: " + json.dumps(node.roles()))
         sampler = RssSampler(lambda: self.node, a.rss_interval_s)
         sampler.sample()
@@ -798,8 +887,12 @@ class Campaign:
             warmup = min(60.0, a.soak_s / 2)  # "after the first minute"; half of a shorter soak
             time.sleep(a.soak_s)
             sampler.sample()
-            soak.update({"warmup_s": round(warmup, 1),
-                         "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup, sampler.parts)})
+            soak.update(
+                {
+                    "warmup_s": round(warmup, 1),
+                    "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup, sampler.parts),
+                }
+            )
         t_end = time.monotonic()
         sampler.stop()
         self.stop_load()
@@ -812,26 +905,49 @@ class Campaign:
             for kind in sorted({r["kind"] for r in rs}):
                 k = [r for r in rs if r["kind"] == kind]
                 lat = sorted(r["t1"] - r["t0"] for r in k if r["code"] == "OK")
-                by[kind] = {"requests": len(k), "failures": sum(r["code"] != "OK" for r in k),
-                            "qps": round(len(k) / max(1e-9, t_b - t_a), 3),
-                            "p50_ms": round(lat[len(lat) // 2] * 1e3, 1) if lat else None,
-                            "p90_ms": round(lat[int(len(lat) * 0.9)] * 1e3, 1) if lat else None}
-            return {"seconds": round(t_b - t_a, 3), "requests": len(rs),
-                    "failures": sum(r["code"] != "OK" for r in rs), "by_kind": by}
+                by[kind] = {
+                    "requests": len(k),
+                    "failures": sum(r["code"] != "OK" for r in k),
+                    "qps": round(len(k) / max(1e-9, t_b - t_a), 3),
+                    "p50_ms": round(lat[len(lat) // 2] * 1e3, 1) if lat else None,
+                    "p90_ms": round(lat[int(len(lat) * 0.9)] * 1e3, 1) if lat else None,
+                }
+            return {
+                "seconds": round(t_b - t_a, 3),
+                "requests": len(rs),
+                "failures": sum(r["code"] != "OK" for r in rs),
+                "by_kind": by,
+            }
 
         first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
         result = {
-            "chaos": "serve", "topology": a.topology, "server": self.address, "routers": self.addresses,
+            "chaos": "serve",
+            "topology": a.topology,
+            "server": self.address,
+            "routers": self.addresses,
             "started_node": self.server is not None,
-            "encoders": len(self._ring_eps), "llm_workers": len(node.llms), "users": a.users,
-            "duration_s": a.duration_s, "fault_interval_s": round(interval, 3), "requested_faults": faults,
-            "load": {"before_faults": phase(t_load, first_kill), "faults": phase(first_kill, t_end_faults),
-                     "soak": phase(t_end_faults, t_end)},
-            "failures_outside_fault_windows": sum(1 for r in records if r["code"] != "OK"
-                                                  and not (first_kill <= r["t1"] < t_end_faults)),
-            "faults": self.faults, "skipped": self.skipped, "soak": soak,
-            "rss_mb_now": {role: round(mb, 1) for role, pid in (self.refresh_node().roles().items() if self.node else [])
-                           if (mb := rss_mb(pid)) is not None},
+            "encoders": len(self._ring_eps),
+            "llm_workers": len(node.llms),
+            "users": a.users,
+            "duration_s": a.duration_s,
+            "fault_interval_s": round(interval, 3),
+            "requested_faults": faults,
+            "load": {
+                "before_faults": phase(t_load, first_kill),
+                "faults": phase(first_kill, t_end_faults),
+                "soak": phase(t_end_faults, t_end),
+            },
+            "failures_outside_fault_windows": sum(
+                1 for r in records if r["code"] != "OK" and not (first_kill <= r["t1"] < t_end_faults)
+            ),
+            "faults": self.faults,
+            "skipped": self.skipped,
+            "soak": soak,
+            "rss_mb_now": {
+                role: round(mb, 1)
+                for role, pid in (self.refresh_node().roles().items() if self.node else [])
+                if (mb := rss_mb(pid)) is not None
+            },
             "request_log": str(self.reqlog.path),
         }
         return result
@@ -890,32 +1006,81 @@ def run(args) -> int:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--topology", choices=["auto", "fleet", "node"], default="auto",
-                   help="fleet: redis-server + `serve --join` + --routers `mimo-epd router`, clients failing over "
-                        "between them; node: one `serve`; auto: fleet when redis-server is installed (default: auto)")
+    p.add_argument(
+        "--topology",
+        choices=["auto", "fleet", "node"],
+        default="auto",
+        help="fleet: redis-server + `serve --join` + --routers `mimo-epd router`, clients failing over "
+        "between them; node: one `serve`; auto: fleet when redis-server is installed (default: auto)",
+    )
     p.add_argument("--routers", type=int, default=2, help="fleet: `mimo-epd router` processes (default: 2)")
-    p.add_argument("--llm-workers", type=int, default=0,
-                   help="LLM workers of the node (0 = 2 in a fleet, 1 on a single node) (default: 0)")
+    p.add_argument(
+        "--llm-workers",
+        type=int,
+        default=0,
+        help="LLM workers of the node (0 = 2 in a fleet, 1 on a single node) (default: 0)",
+    )
     p.add_argument("--router-args", default="", help="extra flags for each `mimo-epd router` (default: '')")
-    p.add_argument("--redis-down-s", type=float, default=5.0,
-                   help="redis fault: seconds Redis stays down before the campaign starts it again (default: 5)")
-    p.add_argument("--router-down-s", type=float, default=0.0,
-                   help="fleet router fault: seconds before the campaign starts the killed router again (default: 0)")
-    p.add_argument("--orphan-wait-s", type=float, default=10.0,
-                   help="node router fault: how long the killed serve's children get to exit (default: 10)")
+    p.add_argument(
+        "--redis-down-s",
+        type=float,
+        default=5.0,
+        help="redis fault: seconds Redis stays down before the campaign starts it again (default: 5)",
+    )
+    p.add_argument(
+        "--router-down-s",
+        type=float,
+        default=0.0,
+        help="fleet router fault: seconds before the campaign starts the killed router again (default: 0)",
+    )
+    p.add_argument(
+        "--orphan-wait-s",
+        type=float,
+        default=10.0,
+        help="node router fault: how long the killed serve's children get to exit (default: 10)",
+    )
     p.add_argument("--duration-s", type=float, default=120.0, help="seconds of the fault phase (default: 120)")
-    p.add_argument("--soak-s", type=float, default=600.0, help="seconds of load after the faults, RSS sampled (default: 600)")
-    p.add_argument("--faults", default=",".join(FAULTS),
-                   help=f"comma list, killed in turn every --fault-interval-s (default: {','.join(FAULTS)})")
-    p.add_argument("--fault-interval-s", type=float, default=20.0,
-                   help="seconds between kills (shortened so every fault fits in --duration-s) (default: 20)")
+    p.add_argument(
+        "--soak-s", type=float, default=600.0, help="seconds of load after the faults, RSS sampled (default: 600)"
+    )
+    p.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help=f"comma list, killed in turn every --fault-interval-s (default: {','.join(FAULTS)})",
+    )
+    p.add_argument(
+        "--fault-interval-s",
+        type=float,
+        default=20.0,
+        help="seconds between kills (shortened so every fault fits in --duration-s) (default: 20)",
+    )
     p.add_argument("--users", type=int, default=8, help="concurrent Locust users, 3 Encode : 1 Generate (default: 8)")
-    p.add_argument("--server", default="", help="attach to this running `serve` (host:port) instead of starting one (default: '')")
+    p.add_argument(
+        "--server", default="", help="attach to this running `serve` (host:port) instead of starting one (default: '')"
+    )
     p.add_argument("--encoders", type=int, default=2, help="encoders of the node this campaign starts (default: 2)")
-    p.add_argument("--serve-args", default="", help="extra flags for the `serve` this campaign starts, e.g. '--no-llm' (default: '')")
-    p.add_argument("--vnodes", type=int, default=160, help="the router's --vnodes, to tell which encoder owned an item (default: 160)")
-    p.add_argument("--recover-timeout-s", type=float, default=90.0, help="longest wait for a fault to recover (default: 90)")
-    p.add_argument("--warmup-s", type=float, default=60.0, help="longest wait for the first successes before the first fault (default: 60)")
+    p.add_argument(
+        "--serve-args",
+        default="",
+        help="extra flags for the `serve` this campaign starts, e.g. '--no-llm' (default: '')",
+    )
+    p.add_argument(
+        "--vnodes",
+        type=int,
+        default=160,
+        help="the router's --vnodes, to tell which encoder owned an item (default: 160)",
+    )
+    p.add_argument(
+        "--recover-timeout-s", type=float, default=90.0, help="longest wait for a fault to recover (default: 90)"
+    )
+    p.add_argument(
+        "--warmup-s",
+        type=float,
+        default=60.0,
+        help="longest wait for the first successes before the first fault (default: 60)",
+    )
     p.add_argument("--rss-interval-s", type=float, default=5.0, help="seconds between RSS samples (default: 5)")
     p.add_argument("--call-timeout-s", type=float, default=60.0, help="deadline of each load request (default: 60)")
-    p.add_argument("--start-timeout-s", type=float, default=240.0, help="longest wait for the node to be ready (default: 240)")
+    p.add_argument(
+        "--start-timeout-s", type=float, default=240.0, help="longest wait for the node to be ready (default: 240)"
+    )

@@ -17,6 +17,7 @@ connection; a request it held dies with its socket) is sent again to the next ro
 is passed over for a second. A stream that already delivered tokens is not retried: it failed in flight. The
 log line says which router a request went to first (`router`) and how many it tried (`attempts`).
 """
+
 from __future__ import annotations
 
 import json
@@ -40,8 +41,12 @@ TIMEOUT = float(os.environ.get("MIMO_EPD_CALL_TIMEOUT", "60"))
 _LOG = open(os.environ.get("MIMO_EPD_CHAOS_LOG", os.devnull), "a", buffering=1)  # one line per write
 # A killed router comes back on the same port within seconds: reconnect quickly instead of gRPC's
 # default backoff (up to two minutes), which would be measured as downtime the server did not have.
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 256 << 20), ("grpc.initial_reconnect_backoff_ms", 100),
-                   ("grpc.min_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 500)]
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 << 20),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+]
 
 
 ROUTERS = [a for a in os.environ.get("MIMO_EPD_CHAOS_ROUTERS", "").split(",") if a]
@@ -89,16 +94,31 @@ class _ChaosUser(User):
                     break
                 _down_until[i] = time.monotonic() + PASS_OVER_S  # and on to the next router
         t1 = time.monotonic()
-        _LOG.write(json.dumps({"kind": kind, "t0": t0, "t1": t1, "code": code, "key": key, "details": details,
-                               "router": self.addresses[order[0]], "attempts": attempts}) + "\n")
-        self.environment.events.request.fire(request_type="grpc", name=kind, response_time=(t1 - t0) * 1e3,
-                                             response_length=0, exception=exc, context={})
+        _LOG.write(
+            json.dumps(
+                {
+                    "kind": kind,
+                    "t0": t0,
+                    "t1": t1,
+                    "code": code,
+                    "key": key,
+                    "details": details,
+                    "router": self.addresses[order[0]],
+                    "attempts": attempts,
+                }
+            )
+            + "\n"
+        )
+        self.environment.events.request.fire(
+            request_type="grpc", name=kind, response_time=(t1 - t0) * 1e3, response_length=0, exception=exc, context={}
+        )
         if exc is not None:
             time.sleep(0.05)  # a refused call returns at once: do not spin while the node is down
 
 
 class EncodeUser(_ChaosUser):
     """Encode one unique JPEG (its bytes end with a random token: never a cache hit)."""
+
     weight = 3
 
     def on_start(self) -> None:
@@ -116,6 +136,7 @@ class EncodeUser(_ChaosUser):
 
 class GenerateUser(_ChaosUser):
     """A short greedy generation (text only) streamed from the LLM worker through the router."""
+
     weight = 1
 
     def on_start(self) -> None:
@@ -124,8 +145,10 @@ class GenerateUser(_ChaosUser):
 
     @task
     def generate(self) -> None:
-        req = generator_pb2.GenerateRequest(prompt=f"chaos {uuid.uuid4().hex[:8]}: tell me a story",
-                                            sampling=generator_pb2.SamplingOptions(max_tokens=8))
+        req = generator_pb2.GenerateRequest(
+            prompt=f"chaos {uuid.uuid4().hex[:8]}: tell me a story",
+            sampling=generator_pb2.SamplingOptions(max_tokens=8),
+        )
         deadline = time.monotonic() + TIMEOUT
 
         def call(i: int) -> None:

@@ -7,6 +7,7 @@ grouped by status, and the same per API. `--workload chat` shares a few system p
 grows multi-turn sessions (prefix caching matters); `--workload images` adds an inline image to every
 question.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,12 @@ def _percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "avg_ms": None}
     a = np.asarray(values)
-    return {"p50_ms": round(float(np.percentile(a, 50)), 2), "p90_ms": round(float(np.percentile(a, 90)), 2),
-            "p99_ms": round(float(np.percentile(a, 99)), 2), "avg_ms": round(float(a.mean()), 2)}
+    return {
+        "p50_ms": round(float(np.percentile(a, 50)), 2),
+        "p90_ms": round(float(np.percentile(a, 90)), 2),
+        "p99_ms": round(float(np.percentile(a, 99)), 2),
+        "avg_ms": round(float(a.mean()), 2),
+    }
 
 
 def summarize(records: list[dict]) -> dict:
@@ -39,13 +44,21 @@ def summarize(records: list[dict]) -> dict:
     tokens = sum(r["tokens"] for r in ok)
     by_status = Counter(r["error"].split(":", 1)[0] for r in records if r["error"])
     e2e = _percentiles([r["e2e_ms"] for r in ok])
-    return {"requests": len(records), "failures": len(records) - len(ok), "seconds": round(wall, 3),
-            "qps": round(len(records) / wall, 3) if wall > 0 else 0.0, **e2e, "e2e_ms": e2e,
-            "ttft_ms": _percentiles([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
-            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
-            "failures_by_status": dict(by_status),
-            "failure_examples": {k: next(r["error"] for r in records if r["error"] and r["error"].startswith(k))[:300]
-                                 for k in by_status}}
+    return {
+        "requests": len(records),
+        "failures": len(records) - len(ok),
+        "seconds": round(wall, 3),
+        "qps": round(len(records) / wall, 3) if wall > 0 else 0.0,
+        **e2e,
+        "e2e_ms": e2e,
+        "ttft_ms": _percentiles([r["ttft_ms"] for r in ok if r["ttft_ms"] is not None]),
+        "completion_tokens": tokens,
+        "tokens_per_s": round(tokens / wall, 2) if wall > 0 else 0.0,
+        "failures_by_status": dict(by_status),
+        "failure_examples": {
+            k: next(r["error"] for r in records if r["error"] and r["error"].startswith(k))[:300] for k in by_status
+        },
+    }
 
 
 def run(args) -> int:
@@ -77,13 +90,37 @@ def run(args) -> int:
         if http and "://" not in http:
             http = "http://" + http
         results = out_dir / "records.json"
-        env = {**os.environ, "MIMO_EPD_GEN_HTTP": http, "MIMO_EPD_GEN_GRPC": grpc_addr,
-               "MIMO_EPD_GEN_GRPC_SHARE": str(args.grpc_share), "MIMO_EPD_GEN_WORKLOAD": args.workload,
-               "MIMO_EPD_GEN_MAX_TOKENS": str(args.max_tokens), "MIMO_EPD_GEN_IMAGES_DIR": str(img_dir),
-               "MIMO_EPD_GEN_RESULTS": str(results)}
-        cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(args.users),
-               "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time, "--host", http or grpc_addr,
-               "--csv", str(out_dir / "locust"), "--only-summary", "--stop-timeout", "60"]
+        env = {
+            **os.environ,
+            "MIMO_EPD_GEN_HTTP": http,
+            "MIMO_EPD_GEN_GRPC": grpc_addr,
+            "MIMO_EPD_GEN_GRPC_SHARE": str(args.grpc_share),
+            "MIMO_EPD_GEN_WORKLOAD": args.workload,
+            "MIMO_EPD_GEN_MAX_TOKENS": str(args.max_tokens),
+            "MIMO_EPD_GEN_IMAGES_DIR": str(img_dir),
+            "MIMO_EPD_GEN_RESULTS": str(results),
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--headless",
+            "--users",
+            str(args.users),
+            "--spawn-rate",
+            str(args.spawn_rate),
+            "--run-time",
+            args.run_time,
+            "--host",
+            http or grpc_addr,
+            "--csv",
+            str(out_dir / "locust"),
+            "--only-summary",
+            "--stop-timeout",
+            "60",
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     finally:
         if server is not None:
@@ -93,12 +130,22 @@ def run(args) -> int:
         print("error: locust wrote no records", file=sys.stderr)
         return 1
     records = json.loads(results.read_text())
-    summary = {"loadtest": "generate", "workload": args.workload, "http": http, "grpc": grpc_addr,
-               "users": args.users, "spawn_rate": args.spawn_rate, "run_time": args.run_time,
-               "max_tokens": args.max_tokens, "grpc_share": args.grpc_share if grpc_addr else 0.0,
-               "csv": str(out_dir / "locust_stats.csv"), **summarize(records),
-               "by_api": {api: summarize([r for r in records if r["api"] == api])
-                          for api in sorted({r["api"] for r in records})}}
+    summary = {
+        "loadtest": "generate",
+        "workload": args.workload,
+        "http": http,
+        "grpc": grpc_addr,
+        "users": args.users,
+        "spawn_rate": args.spawn_rate,
+        "run_time": args.run_time,
+        "max_tokens": args.max_tokens,
+        "grpc_share": args.grpc_share if grpc_addr else 0.0,
+        "csv": str(out_dir / "locust_stats.csv"),
+        **summarize(records),
+        "by_api": {
+            api: summarize([r for r in records if r["api"] == api]) for api in sorted({r["api"] for r in records})
+        },
+    }
     if summary["failures"]:
         print(f"loadtest: {summary['failures']} of {summary['requests']} requests failed:", file=sys.stderr)
         for code, example in summary["failure_examples"].items():
@@ -111,14 +158,25 @@ def add_arguments(p) -> None:
     p.add_argument("--users", type=int, default=4, help="concurrent Locust users (default: 4)")
     p.add_argument("--spawn-rate", type=float, default=4, help="users started per second (default: 4)")
     p.add_argument("--run-time", default="30s", help="Locust run time, e.g. 30s, 2m (default: 30s)")
-    p.add_argument("--workload", default="chat", choices=("chat", "images"),
-                   help="chat: shared system prompts, multi-turn sessions; images: an inline image per question "
-                        "(default: chat)")
-    p.add_argument("--http", default="", help="HTTP API base, e.g. http://127.0.0.1:8000; with --grpc empty too, a "
-                                              "`serve` is started here (default: '')")
+    p.add_argument(
+        "--workload",
+        default="chat",
+        choices=("chat", "images"),
+        help="chat: shared system prompts, multi-turn sessions; images: an inline image per question (default: chat)",
+    )
+    p.add_argument(
+        "--http",
+        default="",
+        help="HTTP API base, e.g. http://127.0.0.1:8000; with --grpc empty too, a "
+        "`serve` is started here (default: '')",
+    )
     p.add_argument("--grpc", default="", help="Generate address, e.g. 127.0.0.1:50051 (default: '')")
-    p.add_argument("--grpc-share", type=float, default=0.25,
-                   help="fraction of requests sent over gRPC Generate when both APIs are given (default: 0.25)")
+    p.add_argument(
+        "--grpc-share",
+        type=float,
+        default=0.25,
+        help="fraction of requests sent over gRPC Generate when both APIs are given (default: 0.25)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request (default: 16)")
     p.add_argument("--serve-args", default="", help="extra flags for the `serve` started here (default: '')")
     p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")

@@ -19,6 +19,7 @@ Configuration by environment (set by the runner):
     MIMO_EPD_GEN_IMAGES_DIR  JPEG files for the images workload
     MIMO_EPD_GEN_RESULTS     where to write the raw records (JSON)
 """
+
 from __future__ import annotations
 
 import base64
@@ -57,8 +58,14 @@ SYSTEM_PROMPTS = [
     "You are a museum guide describing pictures to visitors. Describe composition, colour and light, then one "
     "historical detail. Keep a warm tone and never exceed three sentences per answer.",
 ]
-QUESTIONS = ["What should I check first?", "Can you explain that in more detail?", "And what about the cost?",
-             "Is there a faster way?", "What would you recommend instead?", "Summarise that in one line."]
+QUESTIONS = [
+    "What should I check first?",
+    "Can you explain that in more detail?",
+    "And what about the cost?",
+    "Is there a faster way?",
+    "What would you recommend instead?",
+    "Summarise that in one line.",
+]
 _records: list[dict] = []
 _users = itertools.count()
 
@@ -89,11 +96,26 @@ class GenerateUser(User):
 
     def _record(self, api: str, name: str, start: float, ttft: float | None, tokens: int, error: str | None) -> None:
         e2e = (time.perf_counter() - start) * 1e3
-        _records.append({"api": api, "start": start, "end": time.perf_counter(), "e2e_ms": e2e,
-                         "ttft_ms": ttft, "tokens": tokens, "error": error})
+        _records.append(
+            {
+                "api": api,
+                "start": start,
+                "end": time.perf_counter(),
+                "e2e_ms": e2e,
+                "ttft_ms": ttft,
+                "tokens": tokens,
+                "error": error,
+            }
+        )
         ev = self.environment.events.request
-        ev.fire(request_type=api, name=name, response_time=e2e, response_length=tokens,
-                exception=Exception(error) if error else None, context={})
+        ev.fire(
+            request_type=api,
+            name=name,
+            response_time=e2e,
+            response_length=tokens,
+            exception=Exception(error) if error else None,
+            context={},
+        )
         if ttft is not None and not error:
             ev.fire(request_type="ttft", name=name, response_time=ttft, response_length=0, exception=None, context={})
 
@@ -112,11 +134,20 @@ class GenerateUser(User):
         messages = [{"role": "system", "content": self.system}]
         for q, a in self.turns:
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-        content = question if image is None else [{"type": "image_url", "image_url": {"url": _data_url(image)}},
-                                                   {"type": "text", "text": question}]
+        content = (
+            question
+            if image is None
+            else [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": question}]
+        )
         messages.append({"role": "user", "content": content})
-        body = {"model": "", "messages": messages, "max_tokens": MAX_TOKENS, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": True}
+        body = {
+            "model": "",
+            "messages": messages,
+            "max_tokens": MAX_TOKENS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "ignore_eos": True,
+        }
         name = "chat stream" + (" +image" if image is not None else "")
         start = time.perf_counter()
         ttft, tokens, text, error = None, 0, [], None
@@ -150,8 +181,9 @@ class GenerateUser(User):
         prompt = f"<|system|>\n{self.system}\n" + "".join(f"<|user|>\n{q}\n<|assistant|>\n{a}\n" for q, a in self.turns)
         prompt += f"<|user|>\n{question}\n<|assistant|>\n"
         media = [encoder_pb2.MediaItem(data=image, modality=encoder_pb2.IMAGE)] if image is not None else []
-        req = generator_pb2.GenerateRequest(prompt=prompt, media=media,
-                                            sampling=generator_pb2.SamplingOptions(max_tokens=MAX_TOKENS))
+        req = generator_pb2.GenerateRequest(
+            prompt=prompt, media=media, sampling=generator_pb2.SamplingOptions(max_tokens=MAX_TOKENS)
+        )
         name = "Generate" + (" +image" if image is not None else "")
         start = time.perf_counter()
         ttft, tokens, text, error = None, 0, [], None

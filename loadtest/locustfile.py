@@ -11,6 +11,7 @@ Configuration by environment (set by `mimo-epd loadtest encoder`):
     MIMO_EPD_IMAGES_DIR   directory of JPEG files sent as bytes
 The server address is Locust's --host (host:port, no scheme).
 """
+
 from __future__ import annotations
 
 import os
@@ -62,9 +63,14 @@ class EncoderUser(User):
             length = resp.ByteSize()
         except grpc.RpcError as e:
             exc = GrpcFailure(e)
-        self.environment.events.request.fire(request_type="grpc", name=name,
-                                             response_time=(time.perf_counter() - start) * 1e3,
-                                             response_length=length, exception=exc, context={})
+        self.environment.events.request.fire(
+            request_type="grpc",
+            name=name,
+            response_time=(time.perf_counter() - start) * 1e3,
+            response_length=length,
+            exception=exc,
+            context={},
+        )
 
     @task
     def encode(self) -> None:

@@ -7,6 +7,7 @@ summary on stdout: QPS, P50/P90/P99, failures and `failures_by_status`. With `--
 URLs on a media server this command starts on 127.0.0.1; a server's URL policy refuses loopback
 addresses unless it runs with `--url-allowlist 127.0.0.1/32`, and the probe says so before the run.
 """
+
 from __future__ import annotations
 
 import csv
@@ -28,12 +29,24 @@ def _aggregated(stats_csv: Path) -> dict:
         rows = list(csv.DictReader(f))
     agg = next(r for r in rows if r["Name"] == "Aggregated")
     num = lambda k: float(agg[k]) if agg.get(k) not in (None, "", "N/A") else 0.0  # noqa: E731
-    return {"requests": int(num("Request Count")), "failures": int(num("Failure Count")),
-            "qps": round(num("Requests/s"), 3), "avg_ms": round(num("Average Response Time"), 2),
-            "p50_ms": num("50%"), "p90_ms": num("90%"), "p99_ms": num("99%"),
-            "by_task": {r["Name"]: {"requests": int(float(r["Request Count"])), "failures": int(float(r["Failure Count"])),
-                                    "p90_ms": float(r["90%"] or 0)}
-                        for r in rows if r["Name"] != "Aggregated"}}
+    return {
+        "requests": int(num("Request Count")),
+        "failures": int(num("Failure Count")),
+        "qps": round(num("Requests/s"), 3),
+        "avg_ms": round(num("Average Response Time"), 2),
+        "p50_ms": num("50%"),
+        "p90_ms": num("90%"),
+        "p99_ms": num("99%"),
+        "by_task": {
+            r["Name"]: {
+                "requests": int(float(r["Request Count"])),
+                "failures": int(float(r["Failure Count"])),
+                "p90_ms": float(r["90%"] or 0),
+            }
+            for r in rows
+            if r["Name"] != "Aggregated"
+        },
+    }
 
 
 def failures_by_status(failures_csv: Path) -> tuple[dict[str, int], dict[str, str]]:
@@ -76,8 +89,10 @@ def run(args) -> int:
     from mimo_epd.v1 import encoder_pb2
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
-        print("error: locust is not installed (it is a dependency of mimo-epd: `make install` reinstalls it)",
-              file=sys.stderr)
+        print(
+            "error: locust is not installed (it is a dependency of mimo-epd: `make install` reinstalls it)",
+            file=sys.stderr,
+        )
         return 2
     out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -98,28 +113,57 @@ def run(args) -> int:
             first = next(iter(images))
             err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
             if err is not None:
-                hint = "; is the server running? (`make serve` starts one on 127.0.0.1:50051)" \
-                    if err.code() == grpc.StatusCode.UNAVAILABLE else ""
-                print(f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
-                      file=sys.stderr)
+                hint = (
+                    "; is the server running? (`make serve` starts one on 127.0.0.1:50051)"
+                    if err.code() == grpc.StatusCode.UNAVAILABLE
+                    else ""
+                )
+                print(
+                    f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
+                    file=sys.stderr,
+                )
                 return 1
             urls = [media.url(n) for n in images] if media else []
             if urls:
                 err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
                 if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    print(f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
-                          f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
-                          "without --urls (every item sent as bytes)", file=sys.stderr)
+                    print(
+                        f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
+                        f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
+                        "without --urls (every item sent as bytes)",
+                        file=sys.stderr,
+                    )
                     return 2
                 if err is not None:
                     print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
                     return 1
             env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
-            cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", str(args.users),
-                   "--spawn-rate", str(args.spawn_rate), "--run-time", args.run_time, "--host", address,
-                   "--csv", str(out_dir / "locust"), "--only-summary", "--stop-timeout", "30"]
-            print(f"loadtest: {args.users} users for {args.run_time} against {address} "
-                  f"({'bytes and URLs' if urls else 'bytes'})", file=sys.stderr)
+            cmd = [
+                sys.executable,
+                "-m",
+                "locust",
+                "-f",
+                str(LOCUSTFILE),
+                "--headless",
+                "--users",
+                str(args.users),
+                "--spawn-rate",
+                str(args.spawn_rate),
+                "--run-time",
+                args.run_time,
+                "--host",
+                address,
+                "--csv",
+                str(out_dir / "locust"),
+                "--only-summary",
+                "--stop-timeout",
+                "30",
+            ]
+            print(
+                f"loadtest: {args.users} users for {args.run_time} against {address} "
+                f"({'bytes and URLs' if urls else 'bytes'})",
+                file=sys.stderr,
+            )
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
         finally:
             if server is not None:
@@ -130,9 +174,17 @@ def run(args) -> int:
         print("error: locust wrote no statistics", file=sys.stderr)
         return 1
     by_status, examples = failures_by_status(out_dir / "locust_failures.csv")
-    summary = {"loadtest": "encoder", "server": address, "users": args.users, "spawn_rate": args.spawn_rate,
-               "run_time": args.run_time, "items": "bytes+urls" if args.urls else "bytes",
-               "csv": str(stats_csv), **_aggregated(stats_csv), "failures_by_status": by_status}
+    summary = {
+        "loadtest": "encoder",
+        "server": address,
+        "users": args.users,
+        "spawn_rate": args.spawn_rate,
+        "run_time": args.run_time,
+        "items": "bytes+urls" if args.urls else "bytes",
+        "csv": str(stats_csv),
+        **_aggregated(stats_csv),
+        "failures_by_status": by_status,
+    }
     if by_status:
         print(f"loadtest: {summary['failures']} of {summary['requests']} requests failed:", file=sys.stderr)
         for code, n in by_status.items():
@@ -145,9 +197,14 @@ def add_arguments(p) -> None:
     p.add_argument("--users", type=int, default=8, help="concurrent Locust users (default: 8)")
     p.add_argument("--spawn-rate", type=float, default=8, help="users started per second (default: 8)")
     p.add_argument("--run-time", default="30s", help="Locust run time, e.g. 30s, 2m (default: 30s)")
-    p.add_argument("--server", default="", help="encoder or `serve` address; empty = start a local encoder (default: '')")
-    p.add_argument("--urls", action="store_true",
-                   help="also send items as URLs on a media server started here on 127.0.0.1 (the server needs "
-                        f"{_ALLOW_HINT}); default: every item is sent as bytes")
+    p.add_argument(
+        "--server", default="", help="encoder or `serve` address; empty = start a local encoder (default: '')"
+    )
+    p.add_argument(
+        "--urls",
+        action="store_true",
+        help="also send items as URLs on a media server started here on 127.0.0.1 (the server needs "
+        f"{_ALLOW_HINT}); default: every item is sent as bytes",
+    )
     p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")

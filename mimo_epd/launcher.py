@@ -11,6 +11,7 @@ encoder, and it rejoins the ring when healthy again. SIGTERM/SIGINT: the router 
 drains within the grace period, then the encoders get SIGTERM (and drain too), then the shared-memory
 segment is removed if this launcher created it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,35 +50,75 @@ class NodeConfig:
     def add_arguments(parser) -> None:
         import argparse
 
-        parser.add_argument("--encoders", type=int, default=1,
-                            help="encoder processes on this node, sharing one shm cache (default: 1)")
-        parser.add_argument("--health-interval-s", type=float, default=1.0,
-                            help="seconds between the router's health checks of each encoder (default: 1.0)")
-        parser.add_argument("--vnodes", type=int, default=160, help="virtual nodes per encoder on the hash ring (default: 160)")
-        parser.add_argument("--restart-encoders", action=argparse.BooleanOptionalAction, default=True,
-                            help="restart an encoder process that exits unexpectedly (default: on)")
-        parser.add_argument("--encoder-start-timeout-s", type=float, default=180.0,
-                            help="seconds to wait for an encoder's (or the LLM worker's) ready line (default: 180)")
-        parser.add_argument("--llm", action=argparse.BooleanOptionalAction, default=True,
-                            help="start an LLM worker and serve Generate through the router (default: on)")
+        parser.add_argument(
+            "--encoders", type=int, default=1, help="encoder processes on this node, sharing one shm cache (default: 1)"
+        )
+        parser.add_argument(
+            "--health-interval-s",
+            type=float,
+            default=1.0,
+            help="seconds between the router's health checks of each encoder (default: 1.0)",
+        )
+        parser.add_argument(
+            "--vnodes", type=int, default=160, help="virtual nodes per encoder on the hash ring (default: 160)"
+        )
+        parser.add_argument(
+            "--restart-encoders",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="restart an encoder process that exits unexpectedly (default: on)",
+        )
+        parser.add_argument(
+            "--encoder-start-timeout-s",
+            type=float,
+            default=180.0,
+            help="seconds to wait for an encoder's (or the LLM worker's) ready line (default: 180)",
+        )
+        parser.add_argument(
+            "--llm",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="start an LLM worker and serve Generate through the router (default: on)",
+        )
         parser.add_argument("--llm-model", default="tiny", help="the LLM worker's model (default: tiny)")
-        parser.add_argument("--llm-kv-cache-tokens", type=int, default=16384,
-                            help="the LLM worker's full-attention KV pool, tokens (default: 16384)")
-        parser.add_argument("--llm-swa-cache-tokens", type=int, default=4096,
-                            help="the LLM worker's sliding-window KV pool, tokens (default: 4096)")
-        parser.add_argument("--http-port", type=int, default=8000,
-                            help="the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, "
-                                 "-1 = off (default: 8000)")
+        parser.add_argument(
+            "--llm-kv-cache-tokens",
+            type=int,
+            default=16384,
+            help="the LLM worker's full-attention KV pool, tokens (default: 16384)",
+        )
+        parser.add_argument(
+            "--llm-swa-cache-tokens",
+            type=int,
+            default=4096,
+            help="the LLM worker's sliding-window KV pool, tokens (default: 4096)",
+        )
+        parser.add_argument(
+            "--http-port",
+            type=int,
+            default=8000,
+            help="the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off (default: 8000)",
+        )
         # --- the LLM-worker fleet (#13, docs/routing.md) -------------------------------------------------
-        parser.add_argument("--llm-workers", type=int, default=1,
-                            help="LLM worker processes on this node, each its own engine; on the CPU each gets "
-                                 "cores // N torch threads unless --llm-torch-threads is set (default: 1)")
-        parser.add_argument("--join", default="",
-                            help="redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with "
-                                 "heartbeats) for the routers that share it; no router of its own (default: off)")
-        parser.add_argument("--node-host", default="127.0.0.1",
-                            help="address the node's encoders and workers listen on and register under; use a "
-                                 "routable one when routers run on other machines (default: 127.0.0.1)")
+        parser.add_argument(
+            "--llm-workers",
+            type=int,
+            default=1,
+            help="LLM worker processes on this node, each its own engine; on the CPU each gets "
+            "cores // N torch threads unless --llm-torch-threads is set (default: 1)",
+        )
+        parser.add_argument(
+            "--join",
+            default="",
+            help="redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with "
+            "heartbeats) for the routers that share it; no router of its own (default: off)",
+        )
+        parser.add_argument(
+            "--node-host",
+            default="127.0.0.1",
+            help="address the node's encoders and workers listen on and register under; use a "
+            "routable one when routers run on other machines (default: 127.0.0.1)",
+        )
         from mimo_epd.router.llm import add_policy_arguments
 
         add_policy_arguments(parser)
@@ -103,8 +144,17 @@ class NodeConfig:
 
 
 # Worker flags `serve` sets itself, or already has under its own name.
-_LLM_OWN = {"host", "port", "encoder", "http_port", "log_level", "grace_period_s", "model", "kv_cache_tokens",
-            "swa_cache_tokens"}
+_LLM_OWN = {
+    "host",
+    "port",
+    "encoder",
+    "http_port",
+    "log_level",
+    "grace_period_s",
+    "model",
+    "kv_cache_tokens",
+    "swa_cache_tokens",
+}
 
 
 def add_llm_passthrough(parser) -> None:
@@ -137,8 +187,9 @@ def encoder_args(cfg: EncoderServerConfig, skip: set[str]) -> list[str]:
 class ChildProcess:
     """A `mimo-epd <subcommand>` server process on 127.0.0.1 (an encoder, or the LLM worker)."""
 
-    def __init__(self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder",
-                 host: str = "127.0.0.1"):
+    def __init__(
+        self, index: int, args: list[str], timeout_s: float, subcommand: str = "encoder", host: str = "127.0.0.1"
+    ):
         self.index, self.args, self.timeout_s, self.subcommand = index, args, timeout_s, subcommand
         self.host = host
         self.port = 0
@@ -154,7 +205,17 @@ class ChildProcess:
         return f"{self.host}:{self.http_port}" if self.http_port else ""
 
     async def start(self) -> None:
-        cmd = [sys.executable, "-m", "mimo_epd", self.subcommand, "--host", self.host, "--port", str(self.port), *self.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            self.subcommand,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
         # child_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL
@@ -164,7 +225,9 @@ class ChildProcess:
                 while True:
                     line = await self.proc.stdout.readline()
                     if not line:
-                        raise RuntimeError(f"{self.subcommand} {self.index} exited with {await self.proc.wait()} before it was ready")
+                        raise RuntimeError(
+                            f"{self.subcommand} {self.index} exited with {await self.proc.wait()} before it was ready"
+                        )
                     text = line.decode().strip()
                     if text.startswith("http ") and self.http_port is not None:
                         self.http_port = int(text.rsplit(":", 1)[1])
@@ -201,7 +264,9 @@ def segment_name(pid: int) -> str:
     return f"{SEGMENT_PREFIX}{pid}"
 
 
-def remove_stale_segments(shm_dir: str = "/dev/shm", min_age_s: float = 60.0, names: list[str] | None = None) -> list[str]:
+def remove_stale_segments(
+    shm_dir: str = "/dev/shm", min_age_s: float = 60.0, names: list[str] | None = None
+) -> list[str]:
     """Removes node caches (`mimo-epd-<pid>`, of `names` or all) whose launcher is dead: one killed by SIGKILL
     never unlinks its own. Its encoders remove it as they exit (see run_encoder); this covers nodes whose every
     process was killed. A segment younger than `min_age_s` is left alone (its launcher may live in another pid
@@ -214,7 +279,7 @@ def remove_stale_segments(shm_dir: str = "/dev/shm", min_age_s: float = 60.0, na
     except OSError:
         return removed
     for name in candidates:
-        pid = name[len(SEGMENT_PREFIX):] if name.startswith(SEGMENT_PREFIX) else ""
+        pid = name[len(SEGMENT_PREFIX) :] if name.startswith(SEGMENT_PREFIX) else ""
         if not pid.isdigit() or int(pid) == os.getpid() or pid_alive(int(pid)):
             continue
         path = os.path.join(shm_dir, name)
@@ -235,12 +300,19 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         log.info("removed /dev/shm/%s, the cache of a node that died without removing it", name)
     shm_name = enc.shm_cache_name or segment_name(os.getpid())
     shm = ShmCache.open(shm_name, enc.shm_cache_bytes)  # create (or attach) before the encoders do
-    log.info("node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached")
-    child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]
+    log.info(
+        "node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached"
+    )
+    child_cfg_args = encoder_args(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + [
+        "--shm-cache-name",
+        shm_name,
+    ]
     # --metrics-port is the node's one endpoint (mimo_epd/node_metrics.py); encoder i serves its own on PORT+1+i.
     metrics_args = lambda i: ["--metrics-port", str(enc.metrics_port + 1 + i)] if enc.metrics_port else []  # noqa: E731
-    encoders = [ChildProcess(i, child_cfg_args + metrics_args(i), node.encoder_start_timeout_s, host=node.node_host)
-                for i in range(node.encoders)]
+    encoders = [
+        ChildProcess(i, child_cfg_args + metrics_args(i), node.encoder_start_timeout_s, host=node.node_host)
+        for i in range(node.encoders)
+    ]
     if node.join:
         return await join_node(enc, node, encoders, shm)
     metrics = None
@@ -257,14 +329,20 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         if enc.metrics_port:  # first, so that a port in use fails before any encoder starts
             from mimo_epd.node_metrics import NodeMetrics
 
-            metrics = NodeMetrics(lambda: {**{f"encoder-{e.index}": enc.metrics_port + 1 + e.index for e in encoders},
-                                           **metric_targets})
+            metrics = NodeMetrics(
+                lambda: {**{f"encoder-{e.index}": enc.metrics_port + 1 + e.index for e in encoders}, **metric_targets}
+            )
             await metrics.start(enc.host, enc.metrics_port)
         await asyncio.gather(*(e.start() for e in encoders))
-        router = EncoderRouter([e.endpoint for e in encoders],
-                               RouterConfig(max_items_per_request=enc.max_items_per_request,
-                                            health_interval_s=node.health_interval_s, vnodes=node.vnodes,
-                                            max_message_mb=enc.max_message_mb))
+        router = EncoderRouter(
+            [e.endpoint for e in encoders],
+            RouterConfig(
+                max_items_per_request=enc.max_items_per_request,
+                health_interval_s=node.health_interval_s,
+                vnodes=node.vnodes,
+                max_message_mb=enc.max_message_mb,
+            ),
+        )
         server, drain = new_server(enc.max_message_mb)
         encoder_pb2_grpc.add_EncoderServicer_to_server(router, server)
         shared = node.llm and node.routing.router_state not in ("", "memory")
@@ -310,7 +388,9 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
                 front = HTTPFront(router=proxy, template=load_chat_template(node.llm_model, node.chat_template))
                 http_port = await front.start(enc.host, node.http_port)
                 print(f"http {host}:{http_port}", flush=True)
-        log.info("router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders])
+        log.info(
+            "router serving on %s:%d over %d encoders %s", host, port, len(encoders), [e.endpoint for e in encoders]
+        )
         print(f"ready {host}:{port}", flush=True)
 
         async def supervise(e: ChildProcess) -> None:
@@ -342,8 +422,7 @@ async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
         if proxy is not None:  # its feeds first: the workers stop on purpose now
             await proxy.close()
             await proxy.metrics.close()
-        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]),
-                             return_exceptions=True)
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]), return_exceptions=True)
         if metrics is not None:
             await metrics.close()
         if router is not None:
@@ -360,12 +439,23 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
     """`--llm-workers` worker processes (each its own engine), with every `--llm-*` flag passed through. On the CPU,
     each gets cores // N torch threads unless `--llm-torch-threads` says otherwise: N engines each using every
     core would fight over them."""
-    args = ["--model", node.llm_model, "--encoder", encoder_address, "--kv-cache-tokens", str(node.llm_kv_cache_tokens),
-            "--swa-cache-tokens", str(node.llm_swa_cache_tokens), *node.llm_args]
+    args = [
+        "--model",
+        node.llm_model,
+        "--encoder",
+        encoder_address,
+        "--kv-cache-tokens",
+        str(node.llm_kv_cache_tokens),
+        "--swa-cache-tokens",
+        str(node.llm_swa_cache_tokens),
+        *node.llm_args,
+    ]
     if "--torch-threads" not in args and node.llm_workers > 1:
         args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
-    workers = [ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
-               for i in range(node.llm_workers)]
+    workers = [
+        ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+        for i in range(node.llm_workers)
+    ]
     for w in workers:
         w.http_port = 0 if node.http_port >= 0 or node.join else None
     await asyncio.gather(*(w.start() for w in workers))
@@ -376,10 +466,16 @@ def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> 
     """Heartbeats that keep this node's live encoders in the shared registry (every router's hash ring)."""
     from mimo_epd.router.discovery import Heartbeat, member_id, node_name
 
-    return [Heartbeat(state, member_id("encoder", e.endpoint), {"kind": "encoder", "address": e.endpoint,
-                                                                "node": node_name()},
-                      node.routing.member_ttl_s,
-                      alive=lambda e=e: e.proc is not None and e.proc.returncode is None).start() for e in encoders]
+    return [
+        Heartbeat(
+            state,
+            member_id("encoder", e.endpoint),
+            {"kind": "encoder", "address": e.endpoint, "node": node_name()},
+            node.routing.member_ttl_s,
+            alive=lambda e=e: e.proc is not None and e.proc.returncode is None,
+        ).start()
+        for e in encoders
+    ]
 
 
 async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[ChildProcess], shm) -> int:
@@ -398,8 +494,16 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
         await asyncio.gather(*(e.start() for e in encoders))
         if node.llm:
             llms = await start_llm_workers(node, encoders[0].endpoint)
-            feeds = [WorkerFeed(state, w.endpoint, {"node": node_name(), "http_address": w.http_endpoint},
-                                node.routing.member_ttl_s, node.routing.poll_wait_ms).start() for w in llms]
+            feeds = [
+                WorkerFeed(
+                    state,
+                    w.endpoint,
+                    {"node": node_name(), "http_address": w.http_endpoint},
+                    node.routing.member_ttl_s,
+                    node.routing.poll_wait_ms,
+                ).start()
+                for w in llms
+            ]
         heartbeats = register_encoders(state, encoders, node)
         log.info("node %s joined %s: %d encoders, %d LLM workers", node_name(), node.join, len(encoders), len(llms))
         print(f"ready joined {node.join}", flush=True)

@@ -8,6 +8,7 @@ error). Why not prometheus_client's multiprocess mode: it needs a shared directo
 files, and the encoders' gauges (queue depth, workers) would need a merge policy each; one label per
 process keeps every series exactly as the process reported it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,8 +35,9 @@ def merge(texts: dict[str, str | None]) -> bytes:
             merged = families.get(fam.name)
             if merged is None:
                 merged = families[fam.name] = Metric(fam.name, fam.documentation, fam.type, fam.unit)
-            merged.samples += [Sample(s.name, {"process": process, **s.labels}, s.value, s.timestamp, s.exemplar)
-                               for s in fam.samples]
+            merged.samples += [
+                Sample(s.name, {"process": process, **s.labels}, s.value, s.timestamp, s.exemplar) for s in fam.samples
+            ]
 
     class _Merged:
         def collect(self):

@@ -1,4 +1,5 @@
 """Writes docs/cli.md from the CLI's parsers (`make docs`); `--check` exits 1 when the file is stale."""
+
 import sys
 from pathlib import Path
 

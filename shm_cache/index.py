@@ -15,6 +15,7 @@ finds no bucket within the bound, the table is rebuilt in place from its own liv
 Keys are content hashes (xxh3-128) already, but are mixed again so that structured keys (counters in tests,
 benchmarks) spread as well.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -64,9 +65,9 @@ class HashIndex:
         self.key_lo = np.frombuffer(buf, "<u8", n, keys_offset)
         self.key_hi = np.frombuffer(buf, "<u8", n, keys_offset + 8 * n)
         # memoryviews for the probes: indexing one gives a Python int, several times cheaper than numpy scalars
-        self._t = buf[offset + HEADER: offset + HEADER + 4 * self.capacity].cast("i")
-        self._lo = buf[keys_offset: keys_offset + 8 * n].cast("Q")
-        self._hi = buf[keys_offset + 8 * n: keys_offset + 16 * n].cast("Q")
+        self._t = buf[offset + HEADER : offset + HEADER + 4 * self.capacity].cast("i")
+        self._lo = buf[keys_offset : keys_offset + 8 * n].cast("Q")
+        self._hi = buf[keys_offset + 8 * n : keys_offset + 16 * n].cast("Q")
 
     def release(self) -> None:
         self.counts = self.table = self.key_lo = self.key_hi = None  # type: ignore[assignment]

@@ -52,6 +52,7 @@ a process that died inside the lock may lose that one update.
 
 Attach after fork: a forked child must open its own `ShmCache` (flock is per open file description).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -78,31 +79,74 @@ MAX_REF = 3  # GCLOCK: a saturating use counter; the hand decrements it and evic
 MAX_META_BYTES = 1 << 20  # an entry's metadata blob: timestamps and descriptions, not payloads
 NIL = -1
 
-HEADER_DTYPE = np.dtype([
-    ("magic", "S8"), ("version", "<u4"), ("dirty", "<u4"),
-    ("total_size", "<u8"), ("data_offset", "<u8"), ("data_size", "<u8"),
-    ("max_entries", "<u8"), ("max_pins", "<u8"), ("slots_offset", "<u8"), ("pins_offset", "<u8"),
-    ("keys_offset", "<u8"), ("state_offset", "<u8"), ("index_offset", "<u8"),
-    ("hand", "<u8"), ("hand_next", "<i8"), ("lhead", "<i8"), ("ltail", "<i8"), ("slot_hint", "<u8"),
-    ("clock", "<u8"), ("generation", "<u8"),
-    ("hits", "<u8"), ("misses", "<u8"), ("inserts", "<u8"), ("evictions", "<u8"), ("bytes_used", "<u8"),
-    ("recoveries", "<u8"), ("corrupt", "<u8"), ("rejected", "<u8"), ("verifications", "<u8"),
-])
+HEADER_DTYPE = np.dtype(
+    [
+        ("magic", "S8"),
+        ("version", "<u4"),
+        ("dirty", "<u4"),
+        ("total_size", "<u8"),
+        ("data_offset", "<u8"),
+        ("data_size", "<u8"),
+        ("max_entries", "<u8"),
+        ("max_pins", "<u8"),
+        ("slots_offset", "<u8"),
+        ("pins_offset", "<u8"),
+        ("keys_offset", "<u8"),
+        ("state_offset", "<u8"),
+        ("index_offset", "<u8"),
+        ("hand", "<u8"),
+        ("hand_next", "<i8"),
+        ("lhead", "<i8"),
+        ("ltail", "<i8"),
+        ("slot_hint", "<u8"),
+        ("clock", "<u8"),
+        ("generation", "<u8"),
+        ("hits", "<u8"),
+        ("misses", "<u8"),
+        ("inserts", "<u8"),
+        ("evictions", "<u8"),
+        ("bytes_used", "<u8"),
+        ("recoveries", "<u8"),
+        ("corrupt", "<u8"),
+        ("rejected", "<u8"),
+        ("verifications", "<u8"),
+    ]
+)
 # Keys and states live in their own contiguous arrays (struct of arrays), next to the records.
-SLOT_DTYPE = np.dtype([
-    ("offset", "<u8"), ("length", "<u8"), ("span", "<u8"), ("gen", "<u8"), ("last_access", "<u8"),
-    ("checksum", "<u8"), ("shape", "<i8", (4,)), ("grid", "<i4", (3,)), ("owner", "<i4"),
-    ("prev", "<i4"), ("next", "<i4"), ("meta_len", "<u4"), ("checked", "<u4"),
-    ("dtype", "u1"), ("ndim", "u1"), ("ref", "u1"),
-])
+SLOT_DTYPE = np.dtype(
+    [
+        ("offset", "<u8"),
+        ("length", "<u8"),
+        ("span", "<u8"),
+        ("gen", "<u8"),
+        ("last_access", "<u8"),
+        ("checksum", "<u8"),
+        ("shape", "<i8", (4,)),
+        ("grid", "<i4", (3,)),
+        ("owner", "<i4"),
+        ("prev", "<i4"),
+        ("next", "<i4"),
+        ("meta_len", "<u4"),
+        ("checked", "<u4"),
+        ("dtype", "u1"),
+        ("ndim", "u1"),
+        ("ref", "u1"),
+    ]
+)
 PIN_DTYPE = np.dtype([("pid", "<i4"), ("slot", "<i4"), ("gen", "<u8")])
 # Hot paths read and write header counters through a memoryview (a Python int per access, several times
 # cheaper than a numpy field): the 8-byte fields' indices in it.
 _HF: dict = dict(HEADER_DTYPE.fields or {})
 _H = {f: _HF[f][1] // 8 for f in (HEADER_DTYPE.names or ()) if _HF[f][0].itemsize == 8 and f != "magic"}
 H_HITS, H_MISSES, H_CLOCK, H_RECOV, H_GEN = _H["hits"], _H["misses"], _H["clock"], _H["recoveries"], _H["generation"]
-H_INSERTS, H_BYTES, H_HINT, H_REJECTED, H_VERIF, H_CORRUPT = (_H["inserts"], _H["bytes_used"], _H["slot_hint"],
-                                                             _H["rejected"], _H["verifications"], _H["corrupt"])
+H_INSERTS, H_BYTES, H_HINT, H_REJECTED, H_VERIF, H_CORRUPT = (
+    _H["inserts"],
+    _H["bytes_used"],
+    _H["slot_hint"],
+    _H["rejected"],
+    _H["verifications"],
+    _H["corrupt"],
+)
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "uint8", "int32", "int64", "uint16"]
 # bfloat16 has no numpy dtype: its bytes are stored and viewed as uint16.
@@ -212,7 +256,7 @@ class ShmCache:
         self._key_lo = np.frombuffer(buf, "<u8", n, int(h["keys_offset"]))
         self._key_hi = np.frombuffer(buf, "<u8", n, int(h["keys_offset"]) + 8 * n)
         self._state = np.frombuffer(buf, "u1", n, int(h["state_offset"]))
-        self._st = buf[int(h["state_offset"]): int(h["state_offset"]) + n]  # fast scalar reads
+        self._st = buf[int(h["state_offset"]) : int(h["state_offset"]) + n]  # fast scalar reads
         self._index = HashIndex(buf, int(h["index_offset"]), n, int(h["keys_offset"]))
         self._data_offset = int(h["data_offset"])
         self.data_size = int(h["data_size"])
@@ -223,8 +267,8 @@ class ShmCache:
         self._col = {f: self._slots[f] for f in (SLOT_DTYPE.names or ())}
         self._pin_pid, self._pin_slot, self._pin_gen = self._pins["pid"], self._pins["slot"], self._pins["gen"]
         d = _HF["dirty"][1]
-        self._dirty = buf[d:d + 4].cast("I")
-        self._hq = buf[:HEADER_DTYPE.itemsize].cast("Q")
+        self._dirty = buf[d : d + 4].cast("I")
+        self._hq = buf[: HEADER_DTYPE.itemsize].cast("Q")
 
     # ------------------------------------------------------------------ open / close
     @staticmethod
@@ -234,8 +278,15 @@ class ShmCache:
         return f"/dev/shm/{name}"
 
     @classmethod
-    def open(cls, name: str, size_bytes: int, max_entries: int = 65536, max_pins: int = 4096,
-             attach_timeout_s: float = 10.0, verify_sample_rate: float = 0.01) -> "ShmCache":
+    def open(
+        cls,
+        name: str,
+        size_bytes: int,
+        max_entries: int = 65536,
+        max_pins: int = 4096,
+        attach_timeout_s: float = 10.0,
+        verify_sample_rate: float = 0.01,
+    ) -> "ShmCache":
         """Creates the segment, or attaches when another process created it first (its size and slot count
         win). `verify_sample_rate`: the share of this process's reads that re-check an entry's hash even
         though nothing suggests it is broken (see the module docstring)."""
@@ -252,8 +303,10 @@ class ShmCache:
         try:
             if created and size_bytes < layout_min + (1 << 20):
                 os.unlink(path)
-                raise ValueError(f"shm cache size {size_bytes} is too small: at least {layout_min + (1 << 20)} "
-                                 f"bytes for {max_entries} entries and 1 MiB of data")
+                raise ValueError(
+                    f"shm cache size {size_bytes} is too small: at least {layout_min + (1 << 20)} "
+                    f"bytes for {max_entries} entries and 1 MiB of data"
+                )
             if created:
                 cls._initialise(fd, path, size_bytes, max_entries, max_pins)
             else:
@@ -272,8 +325,10 @@ class ShmCache:
             free = os.statvfs("/dev/shm")
             avail = free.f_bavail * free.f_frsize
             if size > avail:
-                raise ShmCacheError(f"shm cache of {size} bytes does not fit in /dev/shm ({avail} bytes free); "
-                                    "lower --shm-cache-bytes or enlarge /dev/shm")
+                raise ShmCacheError(
+                    f"shm cache of {size} bytes does not fit in /dev/shm ({avail} bytes free); "
+                    "lower --shm-cache-bytes or enlarge /dev/shm"
+                )
             try:
                 os.posix_fallocate(fd, 0, size)
             except OSError as e:
@@ -318,8 +373,10 @@ class ShmCache:
                     if magic == MAGIC:
                         return
                     if magic in OLD_MAGICS:
-                        raise ShmCacheError(f"{path} was created by an older mimo-epd (layout {magic.decode()}); "
-                                            "stop the processes using it and remove it")
+                        raise ShmCacheError(
+                            f"{path} was created by an older mimo-epd (layout {magic.decode()}); "
+                            "stop the processes using it and remove it"
+                        )
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
             if time.monotonic() > deadline:
@@ -332,8 +389,22 @@ class ShmCache:
         self._index.release()
         for mv in (self._st, self._dirty, self._hq):
             mv.release()
-        for name in ("_hdr", "_slots", "_pins", "_key_lo", "_key_hi", "_state", "_index", "_st", "_col",
-                     "_pin_pid", "_pin_slot", "_pin_gen", "_dirty", "_hq"):
+        for name in (
+            "_hdr",
+            "_slots",
+            "_pins",
+            "_key_lo",
+            "_key_hi",
+            "_state",
+            "_index",
+            "_st",
+            "_col",
+            "_pin_pid",
+            "_pin_slot",
+            "_pin_gen",
+            "_dirty",
+            "_hq",
+        ):
             setattr(self, name, None)
         self._buf.release()
         try:
@@ -474,7 +545,7 @@ class ShmCache:
         if self._st[hint] == EMPTY:
             return hint
         for a in list(range(hint, n, 4096)) + list(range(0, hint, 4096)):
-            free = np.flatnonzero(self._state[a:min(a + 4096, n)] == EMPTY)
+            free = np.flatnonzero(self._state[a : min(a + 4096, n)] == EMPTY)
             if len(free):
                 return a + int(free[0])
         return -1
@@ -511,8 +582,9 @@ class ShmCache:
                 return None
             epoch = hq[H_RECOV] & 0xFFFFFFFF
             if verify is None:
-                verify = int(col["checked"][i]) != epoch or (self.verify_sample_rate > 0
-                                                             and self._rng.random() < self.verify_sample_rate)
+                verify = int(col["checked"][i]) != epoch or (
+                    self.verify_sample_rate > 0 and self._rng.random() < self.verify_sample_rate
+                )
             pin = self._take_pin_locked(i)
             if pin < 0:  # every pin record is held: serve a private copy instead of a view
                 e = self._copy_entry_locked(i, verify)
@@ -535,7 +607,7 @@ class ShmCache:
         self._unlock(True)
         start = self._data_offset + off
         if verify:  # outside the lock: the pin keeps the bytes in place
-            ok = xxhash.xxh3_64_intdigest(self._buf[start:start + n + m]) == crc
+            ok = xxhash.xxh3_64_intdigest(self._buf[start : start + n + m]) == crc
             with self._critical() as h:
                 h["verifications"] += 1
                 live = int(self._slots["gen"][i]) == gen and self._st[i] == READY
@@ -552,7 +624,7 @@ class ShmCache:
             if not ok:
                 self._unpin(pin)
                 return None
-        meta = bytes(self._buf[start + n:start + n + m]) if m else None
+        meta = bytes(self._buf[start + n : start + n + m]) if m else None
         name = DTYPES[dt]
         arr = np.frombuffer(self._buf, _NUMPY_OF[name], n // _NUMPY_OF[name].itemsize, start).reshape(shape[:ndim])
         arr.flags.writeable = False
@@ -562,7 +634,7 @@ class ShmCache:
         s = self._slots[i]
         name = DTYPES[int(s["dtype"])]
         start, n, m = self._data_offset + int(s["offset"]), int(s["length"]), int(s["meta_len"])
-        raw = bytes(self._buf[start:start + n + m])
+        raw = bytes(self._buf[start : start + n + m])
         if verify and xxhash.xxh3_64_intdigest(raw) != int(s["checksum"]):
             self._hdr["corrupt"] += 1
             self._evict_locked(i)
@@ -603,8 +675,14 @@ class ShmCache:
             self._unlock(True)
 
     # ------------------------------------------------------------------ insertion
-    def put(self, key: bytes | str, array: np.ndarray, grid_thw: tuple[int, int, int] = (0, 0, 0),
-            dtype: str | None = None, meta: bytes | None = None) -> bool:
+    def put(
+        self,
+        key: bytes | str,
+        array: np.ndarray,
+        grid_thw: tuple[int, int, int] = (0, 0, 0),
+        dtype: str | None = None,
+        meta: bytes | None = None,
+    ) -> bool:
         """Stores a copy of `array` (and `meta`, a small blob returned with every hit as `Entry.meta`) under
         `key`. Returns False when the entry cannot be placed (larger than the arena, every candidate byte
         pinned or being written, or every slot pinned or being written). Entries are immutable: putting an
@@ -662,7 +740,7 @@ class ShmCache:
         dst[:n] = arr.reshape(-1).view(np.uint8)
         if m:
             dst[n:] = np.frombuffer(meta, np.uint8)
-        digest = xxhash.xxh3_64_intdigest(self._buf[start:start + n + m])
+        digest = xxhash.xxh3_64_intdigest(self._buf[start : start + n + m])
         with self._critical():
             if self._st[i] != WRITING or int(col["gen"][i]) != gen:
                 return False  # reclaimed meanwhile (cannot happen while we live; defensive)
@@ -773,12 +851,19 @@ class ShmCache:
             self._reap_dead_writers_locked()
             st = self._state
             return {
-                "hits": int(h["hits"][0]), "misses": int(h["misses"][0]), "inserts": int(h["inserts"][0]),
-                "evictions": int(h["evictions"][0]), "bytes_used": int(h["bytes_used"][0]),
-                "capacity_bytes": self.data_size, "entries": int((st == READY).sum()),
+                "hits": int(h["hits"][0]),
+                "misses": int(h["misses"][0]),
+                "inserts": int(h["inserts"][0]),
+                "evictions": int(h["evictions"][0]),
+                "bytes_used": int(h["bytes_used"][0]),
+                "capacity_bytes": self.data_size,
+                "entries": int((st == READY).sum()),
                 "max_entries": self.max_entries,
-                "writing": int((st == WRITING).sum()), "pinned": int((self._pins["pid"] != 0).sum()),
-                "recoveries": int(h["recoveries"][0]), "corrupt_dropped": int(h["corrupt"][0]),
-                "rejected": int(h["rejected"][0]), "verifications": int(h["verifications"][0]),
+                "writing": int((st == WRITING).sum()),
+                "pinned": int((self._pins["pid"] != 0).sum()),
+                "recoveries": int(h["recoveries"][0]),
+                "corrupt_dropped": int(h["corrupt"][0]),
+                "rejected": int(h["rejected"][0]),
+                "verifications": int(h["verifications"][0]),
                 "index_tombstones": int(self._index.counts[1]),
             }

@@ -1,4 +1,5 @@
 """Shared fixtures: generated test images and real encoder servers started as subprocesses."""
+
 from __future__ import annotations
 
 import io
@@ -24,11 +25,14 @@ def textured(h: int, w: int, seed: int = 0) -> np.ndarray:
     """Photo-like content (smooth gradients + texture + edges), HxWx3 uint8."""
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:h, 0:w].astype(np.float32)
-    img = np.stack([
-        128 + 90 * np.sin(x / (7 + seed % 5) + y / 13),
-        128 + 90 * np.cos(y / (5 + seed % 3) - x / 17),
-        (x * 255 / max(w - 1, 1) + y * 97 / max(h - 1, 1)) % 256,
-    ], -1)
+    img = np.stack(
+        [
+            128 + 90 * np.sin(x / (7 + seed % 5) + y / 13),
+            128 + 90 * np.cos(y / (5 + seed % 3) - x / 17),
+            (x * 255 / max(w - 1, 1) + y * 97 / max(h - 1, 1)) % 256,
+        ],
+        -1,
+    )
     img += rng.normal(0, 12, img.shape)
     return np.clip(img, 0, 255).astype(np.uint8)
 

@@ -1,4 +1,5 @@
 """Batcher policy: token budget, wait window, arrival order (no starvation), abandoned items."""
+
 import asyncio
 
 import torch
@@ -41,6 +42,7 @@ def test_budget_closes_batch_and_oversized_item_heads_next_batch():
         first = [x.job.name for x in await b.collect()]
         second = [x.job.name for x in await b.collect()]
         return first, second
+
     first, second = run(go())
     assert first == ["a", "b"]  # c would exceed 100
     assert second == ["c", "d"]  # c is held and leads: arrival order kept
@@ -53,6 +55,7 @@ def test_item_larger_than_budget_runs_alone_and_is_not_starved():
         for i in range(5):
             await b.submit(item(f"s{i}", 10))
         return [[x.job.name for x in await b.collect()] for _ in range(2)]
+
     batches = run(go())
     assert batches[0] == ["huge"]
     assert batches[1] == ["s0", "s1", "s2", "s3", "s4"]
@@ -66,6 +69,7 @@ def test_wait_window_closes_a_partial_batch():
         t0 = loop.time()
         batch = await b.collect()
         return [x.job.name for x in batch], loop.time() - t0
+
     names, waited = run(go())
     assert names == ["a"]
     assert waited >= 0.025
@@ -79,12 +83,14 @@ def test_late_item_within_window_joins_and_none_is_lost():
         async def late():
             await asyncio.sleep(0.02)
             await b.submit(item("b", 10))
+
         asyncio.get_running_loop().create_task(late())
         first = [x.job.name for x in await b.collect()]
         b.max_wait_s = 0.01
         await b.submit(item("c", 10))
         second = [x.job.name for x in await b.collect()]
         return first, second
+
     first, second = run(go())
     assert first == ["a", "b"] and second == ["c"]
 
@@ -95,6 +101,7 @@ def test_abandoned_items_are_dropped():
         await b.submit(item("a", 10, wanted=False))
         await b.submit(item("b", 10))
         return [x.job.name for x in await b.collect()]
+
     assert run(go()) == ["b"]
 
 
@@ -106,8 +113,14 @@ def test_run_splits_outputs_per_item_and_reports_timings():
         return torch.arange(pv.shape[0] // 4, dtype=torch.float32)[:, None].expand(-1, 3)
 
     async def go():
-        b = Batcher(forward, on_done=lambda it, emb, q, e: done.append((it.job.name, emb.shape[0], q, e)),
-                    max_batch_tokens=100, max_wait_ms=1, queue_depth=8, merge_unit=4)
+        b = Batcher(
+            forward,
+            on_done=lambda it, emb, q, e: done.append((it.job.name, emb.shape[0], q, e)),
+            max_batch_tokens=100,
+            max_wait_ms=1,
+            queue_depth=8,
+            merge_unit=4,
+        )
         task = asyncio.get_running_loop().create_task(b.run())
         await b.submit(item("a", 8))
         await b.submit(item("b", 16))
@@ -118,6 +131,7 @@ def test_run_splits_outputs_per_item_and_reports_timings():
         task.cancel()
         b.shutdown()
         return b.stats
+
     stats = run(go())
     assert [(n, k) for n, k, _, _ in done] == [("a", 2), ("b", 4)]
     assert all(q >= 0 and e >= 0 for _, _, q, e in done)
@@ -135,8 +149,9 @@ def test_forward_error_fails_items_and_batcher_continues():
 
     async def go():
         ok = []
-        b = Batcher(forward, on_done=lambda it, *_: ok.append(it.job.name), max_batch_tokens=10, max_wait_ms=1,
-                    queue_depth=8)
+        b = Batcher(
+            forward, on_done=lambda it, *_: ok.append(it.job.name), max_batch_tokens=10, max_wait_ms=1, queue_depth=8
+        )
         task = asyncio.get_running_loop().create_task(b.run())
         bad = item("bad", 8)
         await b.submit(bad)
@@ -149,6 +164,7 @@ def test_forward_error_fails_items_and_batcher_continues():
         task.cancel()
         b.shutdown()
         return bad.job.error, ok
+
     err, ok = run(go())
     assert err is not None and "boom" in str(err)
     assert ok == ["good"]

@@ -1,4 +1,5 @@
 """Each benchmark's --quick form runs and prints one JSON object of the documented shape (no timing asserts)."""
+
 import json
 import subprocess
 import sys
@@ -7,8 +8,13 @@ from tests.conftest import ROOT
 
 
 def run_bench(*args, timeout=600) -> dict:
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "bench", *args, "--quick"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-m", "mimo_epd", "bench", *args, "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stdout
@@ -79,8 +85,14 @@ def test_kv_bench_quick():
     no_grades(out)
     assert [r["context"] for r in out["contexts"]] == [8192, 32768]
     for r in out["contexts"]:
-        assert {"context", "seqs_hybrid", "seqs_full", "measured_ratio", "theoretical_ratio",
-                "fraction_of_theoretical"} <= set(r)
+        assert {
+            "context",
+            "seqs_hybrid",
+            "seqs_full",
+            "measured_ratio",
+            "theoretical_ratio",
+            "fraction_of_theoretical",
+        } <= set(r)
         assert r["seqs_full"] >= 1 and r["seqs_hybrid"] > r["seqs_full"]  # the dual pool holds more sequences
         assert r["measured_ratio"] <= r["theoretical_ratio"] * 1.001  # nothing beats the formula
         assert r["decode"]["seqs_hybrid"] <= r["seqs_hybrid"]  # W + N slots per sequence fit no more than W
@@ -91,7 +103,7 @@ def synthetic_trace(path, conversations=60, turns=5, seed=0) -> str:
     import random
 
     rng = random.Random(seed)
-    next_id = iter(range(1, 10 ** 9))
+    next_id = iter(range(1, 10**9))
     rows = []
     for c in range(conversations):
         blocks = [0]  # the shared system prompt
@@ -101,8 +113,17 @@ def synthetic_trace(path, conversations=60, turns=5, seed=0) -> str:
     rows.sort()
     with open(path, "w") as f:
         for ts, blocks in rows:
-            f.write(json.dumps({"timestamp": ts, "input_length": 512 * len(blocks) - rng.randint(0, 400),
-                                "output_length": 100, "hash_ids": blocks}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "timestamp": ts,
+                        "input_length": 512 * len(blocks) - rng.randint(0, 400),
+                        "output_length": 100,
+                        "hash_ids": blocks,
+                    }
+                )
+                + "\n"
+            )
     return str(path)
 
 

@@ -1,4 +1,5 @@
 """decode_image: every PIL mode to RGB, EXIF orientation, limits and clear errors; the decode pool's transport."""
+
 import io
 
 import numpy as np
@@ -70,10 +71,13 @@ def test_exif_orientation_applied():
     assert out.shape == (50, 30, 3)
 
 
-@pytest.mark.parametrize("data,fragment", [
-    (b"", "empty"),
-    (b"hello world, not an image", "unsupported"),
-])
+@pytest.mark.parametrize(
+    "data,fragment",
+    [
+        (b"", "empty"),
+        (b"hello world, not an image", "unsupported"),
+    ],
+)
 def test_bad_bytes(data, fragment):
     with pytest.raises(DecodeError, match=fragment):
         decode_image(data, LIMIT)
@@ -82,7 +86,7 @@ def test_bad_bytes(data, fragment):
 def test_corrupt_png_data():
     data = bytearray(encode_image(textured(64, 64), "PNG"))
     i = data.find(b"IDAT")
-    data[i + 20:i + 60] = b"\xff" * 40  # header intact, compressed stream broken
+    data[i + 20 : i + 60] = b"\xff" * 40  # header intact, compressed stream broken
     with pytest.raises(DecodeError, match="undecodable"):
         decode_image(bytes(data), LIMIT)
 
@@ -109,10 +113,12 @@ def test_decode_error_is_picklable():
 
 def _jpeg_cases():
     arr = textured(333, 517, seed=3)
-    cases = {"rgb-420": save(Image.fromarray(arr), "JPEG", quality=90),
-             "rgb-444": save(Image.fromarray(arr), "JPEG", quality=95, subsampling=0),
-             "progressive": save(Image.fromarray(arr), "JPEG", quality=85, progressive=True),
-             "grey": save(Image.fromarray(arr[..., 1], "L"), "JPEG", quality=90)}
+    cases = {
+        "rgb-420": save(Image.fromarray(arr), "JPEG", quality=90),
+        "rgb-444": save(Image.fromarray(arr), "JPEG", quality=95, subsampling=0),
+        "progressive": save(Image.fromarray(arr), "JPEG", quality=85, progressive=True),
+        "grey": save(Image.fromarray(arr[..., 1], "L"), "JPEG", quality=90),
+    }
     for o in range(1, 9):
         exif = Image.Exif()
         exif[0x0112] = o
@@ -231,8 +237,12 @@ def test_device_decode_path_falls_back_to_pil_and_keeps_the_limits():
     assert not decodes_on_device(DecodeOptions(max_pixels=1, decoder="turbo", device="cuda"))
     assert not decodes_on_device(DecodeOptions(max_pixels=1, decoder="torchvision", device="cpu"))
     with pytest.raises(ValueError, match="--resize-in device"):
-        DecodePool(2, DecodeOptions(max_pixels=1, decoder="torchvision", device="cuda", resize=True,
-                                    preprocess=PreprocessConfig()))
+        DecodePool(
+            2,
+            DecodeOptions(
+                max_pixels=1, decoder="torchvision", device="cuda", resize=True, preprocess=PreprocessConfig()
+            ),
+        )
 
 
 def test_stale_decode_arenas_of_dead_servers_are_removed(tmp_path):
@@ -246,8 +256,12 @@ def test_stale_decode_arenas_of_dead_servers_are_removed(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(dead.stdout)
     old = time.time() - 3600
-    names = {"dead": f"{ARENA_PREFIX}{dead_pid}-aaaa", "alive": f"{ARENA_PREFIX}{os.getppid()}-bbbb",
-             "young": f"{ARENA_PREFIX}{dead_pid}-cccc", "other": "someone-elses-segment"}
+    names = {
+        "dead": f"{ARENA_PREFIX}{dead_pid}-aaaa",
+        "alive": f"{ARENA_PREFIX}{os.getppid()}-bbbb",
+        "young": f"{ARENA_PREFIX}{dead_pid}-cccc",
+        "other": "someone-elses-segment",
+    }
     for key, name in names.items():
         (tmp_path / name).write_bytes(b"x")
         if key != "young":

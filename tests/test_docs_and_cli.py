@@ -1,5 +1,6 @@
 """The CLI's reference (docs/cli.md) is what the parsers generate; the README opens with the two commands; the
 CLI parses, validates, stays light (no torch for --help / health / encode) and keeps stdout for results."""
+
 import base64
 import hashlib
 import json
@@ -21,8 +22,14 @@ CLI_MD = Path(ROOT, "docs", "cli.md")
 
 
 def _run(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "mimo_epd", *args], capture_output=True, text=True, timeout=300,
-                          cwd=kw.pop("cwd", ROOT), **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "mimo_epd", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=kw.pop("cwd", ROOT),
+        **kw,
+    )
 
 
 def test_readme_opens_with_the_two_commands():
@@ -87,8 +94,13 @@ def test_light_commands_do_not_import_torch():
             assert "torch" not in sys.modules, argv
         print("ok")
     """
-    r = subprocess.run([sys.executable, "-c", code, str(Path(ROOT, "README.md"))], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(Path(ROOT, "README.md"))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]
 
 
@@ -127,8 +139,10 @@ def test_missing_file_is_named():
 
 def test_data_uri_item_names_are_short():
     payload = b"\xff\xd8" + bytes(range(256)) * 40
-    assert item_name("data:image/jpeg;base64," + base64.b64encode(payload).decode()) == \
-        f"data:image/jpeg;{len(payload)} bytes"
+    assert (
+        item_name("data:image/jpeg;base64," + base64.b64encode(payload).decode())
+        == f"data:image/jpeg;{len(payload)} bytes"
+    )
     assert item_name("data:image/png;base64," + base64.b64encode(b"abcd").decode()) == "data:image/png;4 bytes"
     assert item_name("data:,a%20b") == "data:text/plain;3 bytes"
     assert item_name("photo.jpg") == "photo.jpg"
@@ -151,23 +165,34 @@ def _fake_pil(root: Path, version: str, simd_hash_matches: bool) -> None:
     (pkg / "_version.py").write_bytes(body)
     good = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(body).digest()).rstrip(b"=").decode()
     bad = "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(b"other").digest()).rstrip(b"=").decode()
-    for name, dist_version, matches in (("pillow_simd", "12.1.1.post0", simd_hash_matches),
-                                        ("pillow", "11.0.0", not simd_hash_matches)):
+    for name, dist_version, matches in (
+        ("pillow_simd", "12.1.1.post0", simd_hash_matches),
+        ("pillow", "11.0.0", not simd_hash_matches),
+    ):
         info = root / f"{name}-{dist_version}.dist-info"
         info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {dist_version}\n")
+        (info / "METADATA").write_text(
+            f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: {dist_version}\n"
+        )
         (info / "top_level.txt").write_text("PIL\n")
         (info / "RECORD").write_text(f"PIL/__init__.py,,\nPIL/_version.py,{good if matches else bad},{len(body)}\n")
 
 
-@pytest.mark.parametrize("simd_wrote_last,expected", [(False, "pillow 11.0.0 (pillow-simd not active"),
-                                                      (True, "pillow-simd 12.1.1.post0")])
+@pytest.mark.parametrize(
+    "simd_wrote_last,expected", [(False, "pillow 11.0.0 (pillow-simd not active"), (True, "pillow-simd 12.1.1.post0")]
+)
 def test_version_reports_the_pil_that_is_really_loaded(tmp_path, simd_wrote_last, expected):
     """pip installing pillow over pillow-simd leaves pillow-simd's metadata behind: the check follows the files."""
     _fake_pil(tmp_path, "12.1.1.post0" if simd_wrote_last else "11.0.0", simd_wrote_last)
     code = "import PIL; from mimo_epd.cli.version import pil_line; print(PIL.__file__); print(pil_line())"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                       env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**__import__("os").environ, "PYTHONPATH": f"{tmp_path}:{ROOT}"},
+    )
     assert r.returncode == 0, r.stderr
     loaded, line = r.stdout.strip().splitlines()
     assert loaded.startswith(str(tmp_path)), loaded

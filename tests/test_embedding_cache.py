@@ -38,6 +38,7 @@ def test_shm_store_video_hit_always_carries_its_timestamps_after_heavy_eviction(
     name = f"mimo-test-{uuid.uuid4().hex[:12]}"
     store = ShmEmbeddingStore(name, 12 << 20)
     try:
+
         def video(i):
             meta = {"timestamps_s": [0.5 * i + g for g in range(4)], "video": {"fps": 2.0, "frames_sampled": 8}}
             return CachedEmbedding(torch.full((16, 64), float(i)), (4, 4, 4), meta)

@@ -3,6 +3,7 @@
 On a machine without CUDA the kernel runs under TRITON_INTERPRET=1 (set by tests/conftest.py before
 Triton is imported); with CUDA it runs on the GPU.
 """
+
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_matches_torch_reference(preset, n, gh, gw, dtype):
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
     else:  # one rounding of the same fp32 value: equal up to the last bit
-        torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2 ** -7)
+        torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
 
 
 def test_rejects_bad_shapes():

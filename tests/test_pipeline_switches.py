@@ -9,6 +9,7 @@ another order than a single-item one). The exception is JPEG draft decode, which
 documented bound (README: mean |diff| <= 2 levels, 99.9th percentile <= 8 levels of 255 after the
 resize); embeddings of a draft-decoded image stay within 5% relative L2 of the full decode's.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -49,7 +50,7 @@ async def run_pipeline(cfg: EncoderServerConfig, datas: list[bytes]) -> list[tor
     await p.start()
     try:
         # Two requests of two items each, at once.
-        reqs = [[ItemRequest(MediaSource("data", d)) for d in datas[i:i + 2]] for i in (0, 2)]
+        reqs = [[ItemRequest(MediaSource("data", d)) for d in datas[i : i + 2]] for i in (0, 2)]
         results = await asyncio.gather(*(p.encode(r) for r in reqs))
         return [it.embedding for res in results for it in res]
     finally:
@@ -65,20 +66,33 @@ def config(**kw) -> EncoderServerConfig:
 @pytest.fixture(scope="module")
 def reference():
     datas = images()
-    ref_full = asyncio.run(run_pipeline(config(pipeline=False, batching=False, decode_workers=0, jpeg_draft=False,
-                                                resize_in="device", decoder="pil"), datas))
+    ref_full = asyncio.run(
+        run_pipeline(
+            config(
+                pipeline=False, batching=False, decode_workers=0, jpeg_draft=False, resize_in="device", decoder="pil"
+            ),
+            datas,
+        )
+    )
     return datas, ref_full
 
 
 SWITCHES = list(itertools.product([True, False], [True, False], [0, 1], ["device", "decoder"]))
 
 
-@pytest.mark.parametrize("pipeline,batching,workers,resize_in", SWITCHES,
-                         ids=[f"pipe{int(a)}-batch{int(b)}-workers{c}-{d}" for a, b, c, d in SWITCHES])
+@pytest.mark.parametrize(
+    "pipeline,batching,workers,resize_in",
+    SWITCHES,
+    ids=[f"pipe{int(a)}-batch{int(b)}-workers{c}-{d}" for a, b, c, d in SWITCHES],
+)
 def test_switches_give_identical_embeddings(reference, pipeline, batching, workers, resize_in):
     datas, ref = reference
-    out = asyncio.run(run_pipeline(config(pipeline=pipeline, batching=batching, decode_workers=workers,
-                                          jpeg_draft=False, resize_in=resize_in), datas))
+    out = asyncio.run(
+        run_pipeline(
+            config(pipeline=pipeline, batching=batching, decode_workers=workers, jpeg_draft=False, resize_in=resize_in),
+            datas,
+        )
+    )
     for a, b in zip(out, ref):
         assert a.shape == b.shape
         assert (a - b).abs().max().item() <= 1e-5
@@ -110,8 +124,8 @@ def test_jpeg_draft_within_documented_bound(reference):
 def test_draft_pixel_bound(hw, scale):
     cfg = PreprocessConfig()
     data = encode_image(textured(*hw, seed=sum(hw)), "JPEG", quality=90)
-    full = decode_job(data, DecodeOptions(10 ** 9, jpeg_draft=False, resize=True, preprocess=cfg), -1)
-    draft = decode_job(data, DecodeOptions(10 ** 9, jpeg_draft=True, resize=True, preprocess=cfg), -1)
+    full = decode_job(data, DecodeOptions(10**9, jpeg_draft=False, resize=True, preprocess=cfg), -1)
+    draft = decode_job(data, DecodeOptions(10**9, jpeg_draft=True, resize=True, preprocess=cfg), -1)
     assert draft[2][1] == scale and full[2][1] == 1
     assert full[1].shape == draft[1].shape
     d = np.abs(full[1].astype(int) - draft[1].astype(int))

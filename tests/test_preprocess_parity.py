@@ -7,6 +7,7 @@ Tolerances:
   rounding to uint8; that difference is recorded (record_property), not asserted beyond a sanity bound.
 `grid_thw` must be identical in every case.
 """
+
 import numpy as np
 import pytest
 import torch
@@ -34,18 +35,56 @@ TINY = {
     "mimo_v2_5": [(29, 29), (10, 10), (1, 1), (31, 6000), (7, 100), (1, 150)],
 }
 SIZES = {
-    "qwen2_5_vl": [(29, 29), (28, 28), (30, 4500), (4500, 30), (1500, 1500), (1200, 1800), (333, 517), (101, 999),
-                   (1001, 77), (57, 57), (480, 640), (719, 1279), (64, 3000), (999, 1001), (55, 83), (250, 37)],
-    "mimo_v2_5": [(33, 33), (32, 32), (33, 4950), (4800, 32), (3700, 3600), (333, 517), (101, 999), (1001, 77),
-                  (65, 65), (480, 640), (719, 1279), (2001, 1499), (47, 2999), (77, 91), (250, 37)],
+    "qwen2_5_vl": [
+        (29, 29),
+        (28, 28),
+        (30, 4500),
+        (4500, 30),
+        (1500, 1500),
+        (1200, 1800),
+        (333, 517),
+        (101, 999),
+        (1001, 77),
+        (57, 57),
+        (480, 640),
+        (719, 1279),
+        (64, 3000),
+        (999, 1001),
+        (55, 83),
+        (250, 37),
+    ],
+    "mimo_v2_5": [
+        (33, 33),
+        (32, 32),
+        (33, 4950),
+        (4800, 32),
+        (3700, 3600),
+        (333, 517),
+        (101, 999),
+        (1001, 77),
+        (65, 65),
+        (480, 640),
+        (719, 1279),
+        (2001, 1499),
+        (47, 2999),
+        (77, 91),
+        (250, 37),
+    ],
 }
 CASES = [(preset, hw) for preset, sizes in SIZES.items() for hw in sizes + TINY[preset]]
 assert len(CASES) >= 40
 
 
 def hf_processors(cfg: PreprocessConfig):
-    kw = dict(patch_size=cfg.patch_size, merge_size=cfg.merge_size, temporal_patch_size=cfg.temporal_patch_size,
-              min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels, image_mean=list(cfg.mean), image_std=list(cfg.std))
+    kw = dict(
+        patch_size=cfg.patch_size,
+        merge_size=cfg.merge_size,
+        temporal_patch_size=cfg.temporal_patch_size,
+        min_pixels=cfg.min_pixels,
+        max_pixels=cfg.max_pixels,
+        image_mean=list(cfg.mean),
+        image_std=list(cfg.std),
+    )
     return Qwen2VLImageProcessor(**kw), Qwen2VLImageProcessorPil(**kw)
 
 
@@ -102,8 +141,10 @@ def test_smart_resize_rules():
         smart_resize(0, 10, 28, 3136, 1003520)
 
 
-@pytest.mark.parametrize("factor,min_pixels,max_pixels", [(28, 56 * 56, 28 * 28 * 1280), (32, 3136, 12845056),
-                                                          (28, 128 * 28 * 28, 768 * 28 * 28), (28, 1, 10 ** 7)])
+@pytest.mark.parametrize(
+    "factor,min_pixels,max_pixels",
+    [(28, 56 * 56, 28 * 28 * 1280), (32, 3136, 12845056), (28, 128 * 28 * 28, 768 * 28 * 28), (28, 1, 10**7)],
+)
 def test_smart_resize_equals_the_reference_on_every_small_size(factor, min_pixels, max_pixels):
     """Every (h, w) up to 70 x 70 and every aspect ratio around the 200 limit: the same target, and the same
     refusals (only aspect ratio > 200), as transformers' smart_resize."""
@@ -130,7 +171,9 @@ def test_video_style_patchify_pads_time_with_last_frame():
     assert torch.equal(out, padded)
     # One still image = two identical frames.
     img = torch.randint(0, 256, (1, 3, 56, 84), dtype=torch.uint8)
-    norm = (img.float() - torch.tensor(cfg.mean).view(1, 3, 1, 1) * 255) / (torch.tensor(cfg.std).view(1, 3, 1, 1) * 255)
+    norm = (img.float() - torch.tensor(cfg.mean).view(1, 3, 1, 1) * 255) / (
+        torch.tensor(cfg.std).view(1, 3, 1, 1) * 255
+    )
     torch.testing.assert_close(normalize_patchify(img, cfg), patchify_frames(norm, cfg))
 
 

@@ -1,4 +1,5 @@
 """URL policy decisions, made without any network access."""
+
 import asyncio
 
 import grpc
@@ -8,18 +9,44 @@ from encoder_server.errors import ItemError
 from encoder_server.fetch import parse_data_uri
 from encoder_server.fetch.url_policy import PolicyResolver, UrlPolicy, parse_networks
 
-REFUSED = ["http://127.0.0.1/a", "http://127.8.9.10/a", "http://10.0.0.1/a", "http://172.16.5.4/a", "http://192.168.0.1/a",
-           "http://169.254.169.254/latest", "http://169.254.1.1/", "http://[::1]/a", "http://[fe80::1]/a",
-           "http://[fd00::1]/a", "http://[::ffff:10.0.0.1]/a", "http://0.0.0.0/a", "http://100.64.0.1/a",
-           "http://224.0.0.1/a", "http://metadata.google.internal/",
-           # spellings the HTTP client normalises (IDNA) into a loopback / metadata literal
-           "http://１２７.０.０.１:8080/a", "http://127。0。0。1/a", "http://１６９.２５４.１６９.２５４/", "http://127.0.0.1./a",
-           # IPv6 forms carrying a refused IPv4 address, and site-local IPv6
-           "http://[::7f00:1]/a", "http://[::ffff:0:7f00:1]/a", "http://[64:ff9b::7f00:1]/a",
-           "http://[64:ff9b::a9fe:a9fe]/a", "http://[2002:7f00:1::]/a", "http://[2002:a9fe:a9fe::1]/a",
-           "http://[fec0::1]/a", "http://[64:ff9b:1::a00:1]/a", "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/a",
-           # legacy numeric IPv4 (inet_aton): refused outright, never retried as UNAVAILABLE
-           "http://2130706433/a", "http://0177.0.0.1/a", "http://127.1/a", "http://0x7f.1/a", "http://0x7f000001/a"]
+REFUSED = [
+    "http://127.0.0.1/a",
+    "http://127.8.9.10/a",
+    "http://10.0.0.1/a",
+    "http://172.16.5.4/a",
+    "http://192.168.0.1/a",
+    "http://169.254.169.254/latest",
+    "http://169.254.1.1/",
+    "http://[::1]/a",
+    "http://[fe80::1]/a",
+    "http://[fd00::1]/a",
+    "http://[::ffff:10.0.0.1]/a",
+    "http://0.0.0.0/a",
+    "http://100.64.0.1/a",
+    "http://224.0.0.1/a",
+    "http://metadata.google.internal/",
+    # spellings the HTTP client normalises (IDNA) into a loopback / metadata literal
+    "http://１２７.０.０.１:8080/a",
+    "http://127。0。0。1/a",
+    "http://１６９.２５４.１６９.２５４/",
+    "http://127.0.0.1./a",
+    # IPv6 forms carrying a refused IPv4 address, and site-local IPv6
+    "http://[::7f00:1]/a",
+    "http://[::ffff:0:7f00:1]/a",
+    "http://[64:ff9b::7f00:1]/a",
+    "http://[64:ff9b::a9fe:a9fe]/a",
+    "http://[2002:7f00:1::]/a",
+    "http://[2002:a9fe:a9fe::1]/a",
+    "http://[fec0::1]/a",
+    "http://[64:ff9b:1::a00:1]/a",
+    "http://[2001:0:4136:e378:8000:63bf:80ff:fffe]/a",
+    # legacy numeric IPv4 (inet_aton): refused outright, never retried as UNAVAILABLE
+    "http://2130706433/a",
+    "http://0177.0.0.1/a",
+    "http://127.1/a",
+    "http://0x7f.1/a",
+    "http://0x7f000001/a",
+]
 
 
 @pytest.mark.parametrize("url", REFUSED)
@@ -69,9 +96,16 @@ def test_embedded_ipv4_and_legacy_spellings():
         assert legacy_ipv4(name) is None, name
 
 
-@pytest.mark.parametrize("url,fragment", [("ftp://host/x", "scheme"), ("file:///etc/passwd", "scheme"),
-                                          ("http:///nohost", "no host"), ("http://u:p@example.com/", "credentials"),
-                                          ("http://example.com:99999/", "malformed")])
+@pytest.mark.parametrize(
+    "url,fragment",
+    [
+        ("ftp://host/x", "scheme"),
+        ("file:///etc/passwd", "scheme"),
+        ("http:///nohost", "no host"),
+        ("http://u:p@example.com/", "credentials"),
+        ("http://example.com:99999/", "malformed"),
+    ],
+)
 def test_malformed_urls(url, fragment):
     with pytest.raises(ItemError, match=fragment):
         UrlPolicy().check_url(url)

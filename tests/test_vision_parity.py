@@ -3,6 +3,7 @@
 Each config is instantiated by transformers with random weights, saved with save_pretrained, and
 loaded through our `load_vision_model`; three images of different sizes go through one packed forward.
 """
+
 import json
 
 import numpy as np
@@ -22,11 +23,29 @@ TOL = 1e-4
 
 CONFIGS = {
     # window 56 px / 14 px / merge 2 = windows of 2x2 merged tokens: every image is split into many windows.
-    "qwen-p14-small-windows": dict(depth=3, hidden_size=64, intermediate_size=96, num_heads=4, patch_size=14,
-                                   window_size=56, out_hidden_size=48, fullatt_block_indexes=[1], hidden_act="silu"),
+    "qwen-p14-small-windows": dict(
+        depth=3,
+        hidden_size=64,
+        intermediate_size=96,
+        num_heads=4,
+        patch_size=14,
+        window_size=56,
+        out_hidden_size=48,
+        fullatt_block_indexes=[1],
+        hidden_act="silu",
+    ),
     # MiMo-V2.5 style patch 16; window 128 px = 4x4 merged tokens; gelu MLP; last block full attention.
-    "mimo-p16": dict(depth=2, hidden_size=96, intermediate_size=128, num_heads=6, patch_size=16, window_size=128,
-                     out_hidden_size=32, fullatt_block_indexes=[1], hidden_act="gelu_pytorch_tanh"),
+    "mimo-p16": dict(
+        depth=2,
+        hidden_size=96,
+        intermediate_size=128,
+        num_heads=6,
+        patch_size=16,
+        window_size=128,
+        out_hidden_size=32,
+        fullatt_block_indexes=[1],
+        hidden_act="gelu_pytorch_tanh",
+    ),
 }
 SIZES = [(180, 250), (64, 64), (300, 140)]
 
@@ -93,8 +112,9 @@ def test_loads_visual_weights_of_a_full_checkpoint(tmp_path):
     state = {f"model.visual.{k}": v.contiguous() for k, v in hf.state_dict().items()}
     state["model.language_model.embed_tokens.weight"] = torch.zeros(10, 4)
     save_file(state, str(tmp_path / "model.safetensors"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl",
-                                                      "vision_config": hf.config.to_dict()}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "qwen2_5_vl", "vision_config": hf.config.to_dict()})
+    )
     ours = load_vision_model(str(tmp_path))
     grid = torch.tensor([[1, 8, 8]])
     pv = torch.randn(64, 3 * 2 * 14 * 14)
@@ -117,10 +137,20 @@ def test_tiny_model_is_deterministic_and_the_real_architecture():
         assert na == nb and torch.equal(pa, pb)
     # The tiny weights load into transformers' own class: same architecture, same parameter names.
     cfg = TINY_VISION_CONFIG
-    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(Qwen2_5_VLVisionConfig(
-        depth=cfg.depth, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_heads=cfg.num_heads,
-        patch_size=cfg.patch_size, window_size=cfg.window_size, out_hidden_size=cfg.out_hidden_size,
-        fullatt_block_indexes=cfg.fullatt_block_indexes, hidden_act=cfg.hidden_act), torch_dtype=torch.float32).eval()
+    hf = Qwen2_5_VisionTransformerPretrainedModel._from_config(
+        Qwen2_5_VLVisionConfig(
+            depth=cfg.depth,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_heads=cfg.num_heads,
+            patch_size=cfg.patch_size,
+            window_size=cfg.window_size,
+            out_hidden_size=cfg.out_hidden_size,
+            fullatt_block_indexes=cfg.fullatt_block_indexes,
+            hidden_act=cfg.hidden_act,
+        ),
+        torch_dtype=torch.float32,
+    ).eval()
     hf.load_state_dict(a.state_dict(), strict=True)
     pv, grid = preprocess_images([textured(200, 300)], "qwen2_5_vl", resize_backend="torch")
     with torch.no_grad():

@@ -10,6 +10,7 @@ and the decode processes' lifecycle are `encoder_server.decode_pool`.
 
 This module stays light (no PIL, numpy or torch import): `config.py` validates `--decoder` against it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,8 +41,9 @@ def get_decoder(name: str):
     return dec
 
 
-def decode_image(data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None, turbo: bool = False,
-                 rgbx: bool = False):
+def decode_image(
+    data: bytes, max_pixels: int, draft_size: tuple[int, int] | None = None, turbo: bool = False, rgbx: bool = False
+):
     """Decodes one image to HxWx3 uint8 with the `turbo` (fast JPEG path) or `pil` backend. `draft_size` (w, h),
     when set, lets a JPEG decode at a reduced DCT scale no smaller than that size; with `rgbx` the turbo path
     returns HxWx4 (RGB + padding) for a caller that resizes with PIL next. Raises DecodeError."""

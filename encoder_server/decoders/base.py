@@ -1,4 +1,5 @@
 """What every decoder takes and returns."""
+
 from __future__ import annotations
 
 import enum
@@ -11,6 +12,7 @@ if TYPE_CHECKING:
 
 class Stage(enum.Enum):
     """How far along the pixels of a `Decoded` are."""
+
     DECODED = "decoded"  # HxWx3 uint8 at the source size (or a JPEG draft scale of it)
     RESIZED = "resized"  # HxWx3 uint8 at the smart_resize target
     PATCHES = "patches"  # resized and cut into uint8 still-image patches [patches, 3*P*P]

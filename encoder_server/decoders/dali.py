@@ -2,6 +2,7 @@
 (nvJPEG) device when the server runs on CUDA. One pipeline per process, built on first use. JPEG only, full
 decode only; other formats, CMYK and any image DALI refuses go to the `pil` backend. libjpeg's truncation
 warnings are checked first (jpeg_check): DALI decodes a truncated file with grey rows."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -70,7 +71,9 @@ class DaliDecoder:
         if p.complete_jpeg and request.draft_size is None:
             check_jpeg_data(data)
             try:
-                pixels = decode_jpeg_dali(data) if request.device is None else decode_jpeg_dali_tensor(data, request.device)
+                pixels = (
+                    decode_jpeg_dali(data) if request.device is None else decode_jpeg_dali_tensor(data, request.device)
+                )
             except Exception:  # noqa: BLE001 - CMYK, progressive oddities...: PIL knows them and words its errors
                 pixels = None
             if pixels is not None and pixels.ndim == 3 and pixels.shape[2] == 3:

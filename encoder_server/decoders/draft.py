@@ -1,6 +1,7 @@
 """JPEG draft decode: when the smart_resize target is at most half the source in both dimensions, a JPEG
 is decoded directly at the largest DCT scale (1/2, 1/4, 1/8) whose result is still at least the target,
 then resized as usual (docs/decoding.md gives the measured bound on the difference from a full decode)."""
+
 from __future__ import annotations
 
 from ..preprocess import PreprocessConfig, target_size

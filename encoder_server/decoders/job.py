@@ -1,6 +1,7 @@
 """One image through a decode process: probe the header once, choose the draft scale, decode with the
 configured backend, and optionally resize (PIL / pillow-simd) and cut it into uint8 patches right there, so
 on a CPU deployment every heavy pixel operation runs in the decode processes (`--resize-in decoder`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

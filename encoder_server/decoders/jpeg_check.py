@@ -4,6 +4,7 @@ libjpeg reports a truncated or damaged entropy-coded stream as a *warning* and g
 out grey (a file cut in half and closed with an end-of-image marker decodes "fine" in PIL, torchvision and
 DALI). These warnings mean pixels were invented, so the image is refused; the harmless ones (extraneous bytes
 before a marker, an unknown JFIF revision, a bad ICC marker...) are not, as PIL accepts them."""
+
 from __future__ import annotations
 
 from ..errors import DecodeError
@@ -41,8 +42,13 @@ def check_jpeg_data(data: bytes) -> None:
         return
     try:
         h, w, colorspace, _ = _simplejpeg.decode_jpeg_header(data)
-        _simplejpeg.decode_jpeg(data, colorspace="CMYK" if colorspace == "CMYK" else "GRAY",
-                                min_width=(w + 7) // 8, min_height=(h + 7) // 8, strict=True)
+        _simplejpeg.decode_jpeg(
+            data,
+            colorspace="CMYK" if colorspace == "CMYK" else "GRAY",
+            min_width=(w + 7) // 8,
+            min_height=(h + 7) // 8,
+            strict=True,
+        )
     except ValueError as e:
         kind = jpeg_damage(str(e))
         if kind:

@@ -5,6 +5,7 @@ Normalisation applied to every image, so the tower always sees what a person see
 - every mode becomes RGB: palette and alpha images are composited on white, CMYK/YCbCr/LAB converted,
   16-bit and 32-bit integer images scaled (not clipped) to 8 bits, floats clipped to 0..1.
 The other backends hand PIL whatever they do not decode themselves, so this is also where errors are worded."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -2,6 +2,7 @@
 
 The draft policy, the decoders and the resize all need some of it; the `Probe` (with the opened, not yet
 loaded, PIL image) travels with the request so nothing opens the file a second time."""
+
 from __future__ import annotations
 
 import io
@@ -51,15 +52,20 @@ def probe(data: bytes, max_pixels: int) -> Probe:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=SUPPORTED_FORMATS)
     except UnidentifiedImageError:
-        raise DecodeError(f"unsupported or unrecognised image format (supported: {', '.join(SUPPORTED_FORMATS)})") from None
+        raise DecodeError(
+            f"unsupported or unrecognised image format (supported: {', '.join(SUPPORTED_FORMATS)})"
+        ) from None
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
-        raise DecodeError(f"image has too many pixels, over the limit of {max_pixels} (--max-image-pixels): {e}",
-                          "too_large") from None
+        raise DecodeError(
+            f"image has too many pixels, over the limit of {max_pixels} (--max-image-pixels): {e}", "too_large"
+        ) from None
     except Exception as e:  # noqa: BLE001 - PIL raises many types on malformed headers
         raise DecodeError(f"undecodable image: {e}") from None
     w, h = img.size
     if w * h > max_pixels:
-        raise DecodeError(f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)", "too_large")
+        raise DecodeError(
+            f"image is {w}x{h} = {w * h} pixels, over the limit of {max_pixels} (--max-image-pixels)", "too_large"
+        )
     if w == 0 or h == 0:
         raise DecodeError(f"image has an empty size {w}x{h}")
     orientation = 1

@@ -3,6 +3,7 @@
 JPEG only, and only for a full decode (JPEG draft decode goes through PIL, which has it); every other
 image, and any JPEG torchvision refuses (CMYK...), is decoded by the `pil` backend. libjpeg's truncation
 warnings are checked first (jpeg_check), as torchvision decodes a truncated file with grey rows."""
+
 from __future__ import annotations
 
 from .base import Decoded, DecodeRequest, Stage
@@ -14,8 +15,12 @@ def decode_jpeg_tensor(data: bytes, device="cpu"):
     import torch
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    return decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB,
-                       apply_exif_orientation=True, device=device).permute(1, 2, 0)
+    return decode_jpeg(
+        torch.frombuffer(bytearray(data), dtype=torch.uint8),
+        mode=ImageReadMode.RGB,
+        apply_exif_orientation=True,
+        device=device,
+    ).permute(1, 2, 0)
 
 
 class TorchvisionDecoder:

@@ -4,6 +4,7 @@ identical (tested), at about 1.7x the speed (no PIL image object, no copy out of
 `draft` would pick is requested, and the EXIF orientation applied with numpy. Its decode is strict, so a
 truncated or damaged file is refused rather than padded. Anything else (other formats, CMYK JPEGs, unusual
 files) goes to the `pil` backend."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,8 +52,13 @@ def decode_fast(data: bytes, request: DecodeRequest) -> np.ndarray | None:
     w, h = p.width, p.height
     s = dct_scale((w, h), request.draft_size)
     try:
-        arr = _simplejpeg.decode_jpeg(data, colorspace="RGBX" if request.rgbx else "RGB",
-                                      min_width=(w + s - 1) // s, min_height=(h + s - 1) // s, strict=True)
+        arr = _simplejpeg.decode_jpeg(
+            data,
+            colorspace="RGBX" if request.rgbx else "RGB",
+            min_width=(w + s - 1) // s,
+            min_height=(h + s - 1) // s,
+            strict=True,
+        )
     except ValueError as e:
         kind = jpeg_damage(str(e))
         if kind:  # strict mode caught what PIL would decode silently (grey rows in place of missing data)

@@ -7,6 +7,7 @@ The session's connector (`PolicyConnector`) checks the address of every socket i
 URL policy, before connecting and again on the connected peer, so the address checked is the address
 of the socket actually connected, however the URL spelled it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -119,8 +120,11 @@ class PolicyConnector(aiohttp.TCPConnector):
     async def _wrap_create_connection(self, *args, **kwargs):
         transport, protocol = await super()._wrap_create_connection(*args, **kwargs)
         peer = transport.get_extra_info("peername")
-        why = (f"URL refused by policy: the connection's peer address is unknown ({peer!r})"
-               if not peer or not isinstance(peer, tuple) else self._policy.refusal(peer[0], f"peer {peer[0]}"))
+        why = (
+            f"URL refused by policy: the connection's peer address is unknown ({peer!r})"
+            if not peer or not isinstance(peer, tuple)
+            else self._policy.refusal(peer[0], f"peer {peer[0]}")
+        )
         if why:
             transport.close()
             raise aiohttp.ClientConnectorError(kwargs["req"].connection_key, self._refuse(why))
@@ -146,11 +150,13 @@ class Fetcher:
         self._local_root = os.path.realpath(limits.allowed_local_dir) if limits.allowed_local_dir else None
 
     async def start(self) -> None:
-        connector = PolicyConnector(self.policy, limit=self.limits.pool_size, resolver=PolicyResolver(self.policy),
-                                    ttl_dns_cache=None)
+        connector = PolicyConnector(
+            self.policy, limit=self.limits.pool_size, resolver=PolicyResolver(self.policy), ttl_dns_cache=None
+        )
         # trust_env=False: never route through a proxy from the environment (it would bypass the address checks).
-        self._session = aiohttp.ClientSession(connector=connector, trust_env=False,
-                                              headers={"User-Agent": "mimo-epd-encoder/0.1"})
+        self._session = aiohttp.ClientSession(
+            connector=connector, trust_env=False, headers={"User-Agent": "mimo-epd-encoder/0.1"}
+        )
 
     async def close(self) -> None:
         if self._session is not None:
@@ -173,8 +179,10 @@ class Fetcher:
             async with asyncio.timeout(self.limits.timeout_s):
                 return await self._fetch_url(url, limit)
         except TimeoutError:
-            raise ItemError(grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"fetching {url} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)") from None
+            raise ItemError(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"fetching {url} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)",
+            ) from None
 
     async def _fetch_url(self, url: str, limit: int) -> bytes:
         assert self._session is not None, "Fetcher.start() was not called"
@@ -191,7 +199,10 @@ class Fetcher:
                         url = urljoin(url, location)
                         continue
                     if resp.status >= 400:
-                        raise ItemError(_status_for_http(resp.status), f"HTTP {resp.status} {resp.reason or ''} fetching {url}".rstrip())
+                        raise ItemError(
+                            _status_for_http(resp.status),
+                            f"HTTP {resp.status} {resp.reason or ''} fetching {url}".rstrip(),
+                        )
                     if resp.content_length is not None and resp.content_length > limit:
                         raise _too_large(limit)
                     buf = bytearray()
@@ -205,7 +216,9 @@ class Fetcher:
                 if why:
                     raise denied(f"{why} (fetching {url})") from None
                 raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
-        raise invalid(f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)")
+        raise invalid(
+            f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)"
+        )
 
     def _check_path(self, path: str) -> None:
         """Refuses a path the filesystem could never open, naming why (the OS would say it as an exception)."""
@@ -223,8 +236,10 @@ class Fetcher:
         for part in raw.split(b"/"):
             if len(part) > name_max:
                 shown = part[:40].decode(errors="replace")
-                raise invalid(f"path component {shown!r}... is {len(part)} bytes long, over the filesystem's limit "
-                              f"of {name_max} (NAME_MAX)")
+                raise invalid(
+                    f"path component {shown!r}... is {len(part)} bytes long, over the filesystem's limit "
+                    f"of {name_max} (NAME_MAX)"
+                )
 
     def _read_local(self, path: str, limit: int) -> bytes:
         if self._local_root is None:

@@ -3,6 +3,7 @@ them to one host, hosts served round-robin. One slow host (or one client sending
 therefore holds at most `per_host` fetch slots; fetches from every other host keep flowing.
 
 Only network fetches come here: inline bytes, `data:` URIs and local paths never wait behind a URL."""
+
 from __future__ import annotations
 
 import asyncio

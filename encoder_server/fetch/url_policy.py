@@ -18,6 +18,7 @@ Checks happen in three layers, each on the address the HTTP client will really u
    is checked against `check_address` before it connects and its peer address again once connected,
    so no spelling, resolver path or redirect can reach an address this policy refuses.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -35,13 +36,16 @@ IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # Instance-metadata endpoints of the large clouds; refused even with --allow-private-urls.
-METADATA_ADDRESSES = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean
-    "169.254.170.2",  # AWS ECS task metadata
-    "fd00:ec2::254",  # AWS IPv6
-    "100.100.100.200",  # Alibaba Cloud
-    "192.0.0.192",  # Oracle Cloud
-))
+METADATA_ADDRESSES = frozenset(
+    ipaddress.ip_address(a)
+    for a in (
+        "169.254.169.254",  # AWS, GCP, Azure, OpenStack, DigitalOcean
+        "169.254.170.2",  # AWS ECS task metadata
+        "fd00:ec2::254",  # AWS IPv6
+        "100.100.100.200",  # Alibaba Cloud
+        "192.0.0.192",  # Oracle Cloud
+    )
+)
 METADATA_HOSTNAMES = frozenset({"metadata.google.internal", "metadata", "instance-data"})
 
 _net = ipaddress.ip_network
@@ -130,7 +134,9 @@ class UrlPolicy:
         if isinstance(ip, ipaddress.IPv6Address):
             if ip in _LOCAL_NAT64 and not self.allow_private:
                 return f"URL refused by policy: {what} is a local-use NAT64 address ({ip})"
-            inner = [] if ip in _LOW32_EMBEDDING[-1][0] and int(ip) <= 1 else embedded_ipv4(ip)  # :: and ::1 are themselves
+            inner = (
+                [] if ip in _LOW32_EMBEDDING[-1][0] and int(ip) <= 1 else embedded_ipv4(ip)
+            )  # :: and ::1 are themselves
             for v4, name in inner:
                 why = self.refusal(v4, f"{what} ({ip}, {name} for {v4})")
                 if why:
@@ -141,12 +147,26 @@ class UrlPolicy:
             return None
         site_local = isinstance(ip, ipaddress.IPv6Address) and ip in _SITE_LOCAL
         if not ip.is_global or ip.is_multicast or ip.is_reserved or ip.is_unspecified or site_local:
-            kind = ("loopback" if ip.is_loopback else "link-local" if ip.is_link_local else
-                    "site-local" if site_local else "multicast" if ip.is_multicast else
-                    "unspecified" if ip.is_unspecified else "private" if ip.is_private else "non-public")
+            kind = (
+                "loopback"
+                if ip.is_loopback
+                else "link-local"
+                if ip.is_link_local
+                else "site-local"
+                if site_local
+                else "multicast"
+                if ip.is_multicast
+                else "unspecified"
+                if ip.is_unspecified
+                else "private"
+                if ip.is_private
+                else "non-public"
+            )
             article = "an" if kind[0] in "aeiou" else "a"
-            return (f"URL refused by policy: {what} resolves to {article} {kind} address ({ip}); "
-                    "use --url-allowlist or --allow-private-urls to allow it")
+            return (
+                f"URL refused by policy: {what} resolves to {article} {kind} address ({ip}); "
+                "use --url-allowlist or --allow-private-urls to allow it"
+            )
         return None
 
     def check_address(self, addr: str | IPAddress, what: str) -> None:
@@ -176,8 +196,10 @@ class UrlPolicy:
         except ValueError:
             legacy = legacy_ipv4(name)
             if legacy is not None:
-                raise denied(f"URL refused by policy: host {host} is a non-canonical spelling of the IPv4 address "
-                             f"{legacy}; write it as a dotted quad") from None
+                raise denied(
+                    f"URL refused by policy: host {host} is a non-canonical spelling of the IPv4 address "
+                    f"{legacy}; write it as a dotted quad"
+                ) from None
             return  # a name: checked on resolution by PolicyResolver, and on the socket by PolicyConnector
         self.check_address(ip, f"host {host}")
 

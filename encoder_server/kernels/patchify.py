@@ -7,6 +7,7 @@ identical frames), already in the output dtype. The unfused torch path materiali
 the whole image, a permuted copy and a T-times expanded copy; this reads 1 byte and writes
 T*sizeof(dtype) bytes per pixel, nothing else.
 """
+
 from __future__ import annotations
 
 import torch
@@ -15,9 +16,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _patchify_kernel(img_ptr, out_ptr, scale_ptr, shift_ptr,
-                     H, W, GH, GW,
-                     C: tl.constexpr, P: tl.constexpr, M: tl.constexpr, T: tl.constexpr, BLOCK: tl.constexpr):
+def _patchify_kernel(
+    img_ptr,
+    out_ptr,
+    scale_ptr,
+    shift_ptr,
+    H,
+    W,
+    GH,
+    GW,
+    C: tl.constexpr,
+    P: tl.constexpr,
+    M: tl.constexpr,
+    T: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0)
     per_image = GH * GW
     n = row // per_image
@@ -45,8 +58,9 @@ def _patchify_kernel(img_ptr, out_ptr, scale_ptr, shift_ptr,
         tl.store(base + t * (P * P), y, mask=mask)
 
 
-def patchify_triton(resized: torch.Tensor, config, out_dtype: torch.dtype = torch.float32,
-                    fold_time: bool = False) -> torch.Tensor:
+def patchify_triton(
+    resized: torch.Tensor, config, out_dtype: torch.dtype = torch.float32, fold_time: bool = False
+) -> torch.Tensor:
     """[N, C, H, W] uint8 (resized, H and W multiples of patch*merge) -> [N*gh*gw, C*T*P*P] in out_dtype
     (T = 1 with fold_time, see `normalize_patchify`)."""
     if resized.dtype != torch.uint8 or resized.ndim != 4:
@@ -61,6 +75,7 @@ def patchify_triton(resized: torch.Tensor, config, out_dtype: torch.dtype = torc
     shift = torch.tensor(config.mean, dtype=torch.float32, device=resized.device) * 255.0
     scale = torch.tensor(config.std, dtype=torch.float32, device=resized.device) * 255.0
     block = triton.next_power_of_2(c * p * p)
-    _patchify_kernel[(n * gh * gw,)](resized, out, scale, shift, h, w, gh, gw, C=c, P=p, M=m, T=t, BLOCK=block,
-                                     num_warps=4)
+    _patchify_kernel[(n * gh * gw,)](
+        resized, out, scale, shift, h, w, gh, gw, C=c, P=p, M=m, T=t, BLOCK=block, num_warps=4
+    )
     return out

@@ -6,6 +6,7 @@ nothing downloaded. `load_vision_model(PATH)` loads a checkpoint directory saved
 either a vision model alone (`model_type: qwen2_5_vl_vision`) or a full Qwen2.5-VL checkpoint, from
 which only the `visual.*` weights are read.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -20,21 +21,43 @@ from .qwen2_5_vision import Qwen2_5VisionTower, VisionConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Qwen2_5VisionTower", "VisionConfig", "LoadedVisionModel", "load_vision_model", "TINY_VISION_CONFIG",
-           "resolve_dtype", "save_checkpoint", "random_model"]
+__all__ = [
+    "Qwen2_5VisionTower",
+    "VisionConfig",
+    "LoadedVisionModel",
+    "load_vision_model",
+    "TINY_VISION_CONFIG",
+    "resolve_dtype",
+    "save_checkpoint",
+    "random_model",
+]
 
 # The embedded default: the real architecture at a size whose forward on a CPU is cheap next to image
 # decoding (the balance of a GPU deployment, where the CPU side is the bottleneck). Windowed attention
 # in every block keeps the cost linear in the image size; full-attention blocks are exercised by the
 # parity tests' configs. Output size 256 = the hidden size of the embedded tiny LLM.
 TINY_VISION_CONFIG = VisionConfig(
-    depth=4, hidden_size=32, hidden_act="silu", intermediate_size=64, num_heads=2, patch_size=14,
-    spatial_merge_size=2, temporal_patch_size=2, window_size=112, out_hidden_size=256,
+    depth=4,
+    hidden_size=32,
+    hidden_act="silu",
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=14,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+    window_size=112,
+    out_hidden_size=256,
     fullatt_block_indexes=[],
 )
 TINY_SEED = 0
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -93,7 +116,7 @@ def _vision_weights(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             pos = f".{k}".find(".visual.")
             if pos < 0:
                 continue
-            k = k[pos + len("visual."):]
+            k = k[pos + len("visual.") :]
         out[k] = v
     return out
 
@@ -107,8 +130,12 @@ def _checkpoint_id(directory: Path) -> str:
     return f"{directory.name}@{h.hexdigest()[:16]}"
 
 
-def load_vision_model(name_or_path: str, device: str | torch.device = "cpu", dtype: str | torch.dtype = torch.float32,
-                      return_info: bool = False):
+def load_vision_model(
+    name_or_path: str,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = torch.float32,
+    return_info: bool = False,
+):
     """Loads a vision tower; returns the module (or a `LoadedVisionModel` with `return_info=True`).
 
     The module's `forward(pixel_values, grid_thw)` returns `[total_tokens_after_merge, out_dim]`.
@@ -122,20 +149,27 @@ def load_vision_model(name_or_path: str, device: str | torch.device = "cpu", dty
         directory = Path(name_or_path)
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(
-                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json")
+                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json"
+            )
         cfg_dict = json.loads((directory / "config.json").read_text())
         model_type = cfg_dict.get("model_type", "")
         if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision"):
-            raise ValueError(f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
-                             "(expected qwen2_5_vl or qwen2_5_vl_vision)")
+            raise ValueError(
+                f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
+                "(expected qwen2_5_vl or qwen2_5_vl_vision)"
+            )
         cfg = VisionConfig.from_hf_dict(cfg_dict)
         model = Qwen2_5VisionTower(cfg)
         state = _vision_weights(_read_safetensors(directory))
         missing, unexpected = model.load_state_dict(state, strict=False)
         if missing:
-            raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} vision weights, e.g. {missing[:5]}")
+            raise ValueError(
+                f"model {name_or_path!r}: checkpoint lacks {len(missing)} vision weights, e.g. {missing[:5]}"
+            )
         if unexpected:
-            log.warning("model %s: ignoring %d unexpected weights, e.g. %s", name_or_path, len(unexpected), unexpected[:5])
+            log.warning(
+                "model %s: ignoring %d unexpected weights, e.g. %s", name_or_path, len(unexpected), unexpected[:5]
+            )
         pp = directory / "preprocessor_config.json"
         info = LoadedVisionModel(model, _checkpoint_id(directory), json.loads(pp.read_text()) if pp.is_file() else None)
     model.to(device=device, dtype=torch_dtype).eval()
@@ -159,8 +193,11 @@ def save_checkpoint(model: Qwen2_5VisionTower, directory: str | Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     cfg = model.config.to_dict()
     rope_theta = cfg.pop("rope_theta")
-    cfg.update(model_type="qwen2_5_vl_vision", num_heads=model.config.num_heads,
-               rope_parameters={"rope_type": "axial", "rope_theta": rope_theta})
+    cfg.update(
+        model_type="qwen2_5_vl_vision",
+        num_heads=model.config.num_heads,
+        rope_parameters={"rope_type": "axial", "rope_theta": rope_theta},
+    )
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
     return d

@@ -8,6 +8,7 @@ first axis, described by `grid_thw` (one `(t, h, w)` row per item, in patches). 
 block-diagonal: per window in the windowed blocks, per item in the full-attention blocks
 (`fullatt_block_indexes`), so packing never lets one image see another.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -220,7 +221,9 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.in_dim = cfg.hidden_size * cfg.spatial_merge_size**2
         self.ln_q = RMSNorm(cfg.hidden_size)
-        self.mlp = nn.Sequential(nn.Linear(self.in_dim, self.in_dim), nn.GELU(), nn.Linear(self.in_dim, cfg.out_hidden_size))
+        self.mlp = nn.Sequential(
+            nn.Linear(self.in_dim, self.in_dim), nn.GELU(), nn.Linear(self.in_dim, cfg.out_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.mlp(self.ln_q(x).view(-1, self.in_dim))
@@ -229,6 +232,7 @@ class PatchMerger(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # Index bookkeeping: positions, windows and attention segments of a packed batch.
 # ---------------------------------------------------------------------------------------------
+
 
 def rotary_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     """(h, w) position of every patch, in the processor's merge-block-major patch order. [S, 2]"""
@@ -243,7 +247,9 @@ def rotary_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
     return torch.cat(out)
 
 
-def window_index(grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def window_index(
+    grid_thw: torch.Tensor, merge: int, window_size: int, patch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reorders merged tokens so that each attention window is contiguous.
 
     Returns (index over merged tokens [S/merge^2], cu_window_seqlens over patches). Windows are

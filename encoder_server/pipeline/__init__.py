@@ -18,6 +18,7 @@ Every optimisation has a switch (see config.py): `--no-pipeline` serialises requ
 runs one item per forward, `--decode-workers 0` decodes in a thread, `--no-jpeg-draft`, `--resize-in`.
 With all of them off this is the naive server the benchmark compares against.
 """
+
 from .core import EncodePipeline
 from .jobs import ItemRequest, ItemResult, Job, Next
 

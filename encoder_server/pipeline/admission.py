@@ -1,5 +1,6 @@
 """Admission: how many items the server holds at once (`--max-pending`, the `--no-pipeline` lock), and
 de-duplication of identical items in flight (same content key: encoded once, the rest attach)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -29,16 +30,19 @@ class Admission:
 
     def _check_capacity(self, n: int) -> None:
         if self.load + n > self.max_pending:
-            raise ItemError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"server is at capacity ({self.load} items pending, --max-pending "
-                            f"{self.max_pending}); retry later")
+            raise ItemError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"server is at capacity ({self.load} items pending, --max-pending {self.max_pending}); retry later",
+            )
 
     @contextlib.asynccontextmanager
     async def admit(self, n: int):
         """Holds `n` items' worth of capacity for the body; raises RESOURCE_EXHAUSTED when there is none."""
         if n > self.max_pending:  # could never be admitted, however long the client waits
-            raise invalid(f"request has {n} items, more than this server ever admits at once "
-                          f"(--max-pending {self.max_pending}); split it")
+            raise invalid(
+                f"request has {n} items, more than this server ever admits at once "
+                f"(--max-pending {self.max_pending}); split it"
+            )
         self._check_capacity(n)
         if self._lock is not None:
             self.waiting += n

@@ -5,6 +5,7 @@ memory stays bounded; `--max-pending` refuses new work at once instead of queuei
 A stage returns where the job goes next (`Next`); `_route` puts it there. A stage that fails a job
 resolves its future with an `ItemError`, and later stages skip jobs whose future is already resolved.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,29 +46,49 @@ class EncodePipeline:
         else:
             self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
         policy = UrlPolicy(allow_private=config.allow_private_urls, allowlist=parse_networks(config.url_allowlist))
-        self.fetcher = Fetcher(FetchLimits(max_bytes=config.max_item_bytes, timeout_s=config.fetch_timeout_s,
-                                           max_redirects=config.max_redirects,
-                                           allowed_local_dir=config.allowed_local_dir or None,
-                                           pool_size=config.fetch_concurrency), policy)
+        self.fetcher = Fetcher(
+            FetchLimits(
+                max_bytes=config.max_item_bytes,
+                timeout_s=config.fetch_timeout_s,
+                max_redirects=config.max_redirects,
+                allowed_local_dir=config.allowed_local_dir or None,
+                pool_size=config.fetch_concurrency,
+            ),
+            policy,
+        )
         d = config.queue_depth
         # URL fetches only; inline bytes, data: URIs and paths are read where they arrive (`_route`).
         self.fetches = FairFetchScheduler(self._fetch, config.fetch_concurrency, config.fetch_per_host)
         self.decode_q: asyncio.Queue[Job] = asyncio.Queue(d)
         self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
-        self.batcher = Batcher(self._forward, on_done=self._on_encoded, max_batch_tokens=config.max_batch_tokens,
-                               max_wait_ms=config.max_wait_ms, queue_depth=d,
-                               merge_unit=self.model.module.config.spatial_merge_size ** 2,
-                               max_batch_items=None if config.batching else 1,
-                               on_batch=self._on_batch)
+        self.batcher = Batcher(
+            self._forward,
+            on_done=self._on_encoded,
+            max_batch_tokens=config.max_batch_tokens,
+            max_wait_ms=config.max_wait_ms,
+            queue_depth=d,
+            merge_unit=self.model.module.config.spatial_merge_size**2,
+            max_batch_items=None if config.batching else 1,
+            on_batch=self._on_batch,
+        )
         resize_in = config.resize_in
         if resize_in == "auto":
             resize_in = "device" if torch.device(config.device).type == "cuda" else "decoder"
         self.resize_in = resize_in
-        self.decode_pool = DecodePool(config.decode_workers, DecodeOptions(
-            max_pixels=config.max_image_pixels, decoder=config.decoder, jpeg_draft=config.jpeg_draft,
-            resize=resize_in == "decoder", patchify=resize_in == "decoder", preprocess=self.preprocess_config,
-            device=str(config.device)),
-            slot_bytes=config.decode_slot_bytes, inflight=config.decode_inflight)
+        self.decode_pool = DecodePool(
+            config.decode_workers,
+            DecodeOptions(
+                max_pixels=config.max_image_pixels,
+                decoder=config.decoder,
+                jpeg_draft=config.jpeg_draft,
+                resize=resize_in == "decoder",
+                patchify=resize_in == "decoder",
+                preprocess=self.preprocess_config,
+                device=str(config.device),
+            ),
+            slot_bytes=config.decode_slot_bytes,
+            inflight=config.decode_inflight,
+        )
         # Set once here; the video path only checks it (the tower is never reconfigured per call).
         self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
         self.metrics = EncoderMetrics()
@@ -75,14 +96,26 @@ class EncodePipeline:
         self.inflight = InflightTable()
         self.tuner = ThreadTuner(self.batcher.stats, config.torch_threads or 0)
         self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
-        self.stages = Stages(config=config, fetcher=self.fetcher, decode_pool=self.decode_pool, cache=self.cache,
-                             metrics=self.metrics, inflight=self.inflight, preprocess_config=self.preprocess_config,
-                             preprocess_pool=self._preprocess_pool, model_id=self.model_id,
-                             tower_dtype=self.model.module.dtype, hidden=self.model.module.config.out_hidden_size,
-                             merge_unit=self.model.module.config.spatial_merge_size ** 2)
-        self.video = VideoPath(config, self.preprocess_config,
-                               TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward,
-                                                    self.preprocess_config), self.cache)
+        self.stages = Stages(
+            config=config,
+            fetcher=self.fetcher,
+            decode_pool=self.decode_pool,
+            cache=self.cache,
+            metrics=self.metrics,
+            inflight=self.inflight,
+            preprocess_config=self.preprocess_config,
+            preprocess_pool=self._preprocess_pool,
+            model_id=self.model_id,
+            tower_dtype=self.model.module.dtype,
+            hidden=self.model.module.config.out_hidden_size,
+            merge_unit=self.model.module.config.spatial_merge_size**2,
+        )
+        self.video = VideoPath(
+            config,
+            self.preprocess_config,
+            TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward, self.preprocess_config),
+            self.cache,
+        )
         self._tasks: list[asyncio.Task] = []
 
     def _preprocess_config(self) -> PreprocessConfig:
@@ -96,9 +129,14 @@ class EncodePipeline:
             base = PreprocessConfig.preset("mimo_v2_5" if patch == 16 else "qwen2_5_vl")
         tower = self.model.module.config
         if (base.patch_size, base.merge_size, base.temporal_patch_size) != (
-                tower.patch_size, tower.spatial_merge_size, tower.temporal_patch_size):
-            raise ValueError(f"preprocessing (patch {base.patch_size}, merge {base.merge_size}) does not match the "
-                             f"model (patch {tower.patch_size}, merge {tower.spatial_merge_size})")
+            tower.patch_size,
+            tower.spatial_merge_size,
+            tower.temporal_patch_size,
+        ):
+            raise ValueError(
+                f"preprocessing (patch {base.patch_size}, merge {base.merge_size}) does not match the "
+                f"model (patch {tower.patch_size}, merge {tower.spatial_merge_size})"
+            )
         return replace(base, min_pixels=c.min_pixels or base.min_pixels, max_pixels=c.max_pixels or base.max_pixels)
 
     # ------------------------------------------------------------------ lifecycle
@@ -112,20 +150,32 @@ class EncodePipeline:
         await asyncio.wrap_future(self.batcher.call_on_forward_thread(self._warm_up))
         spawn = asyncio.get_running_loop().create_task
         st = self.stages
-        self._tasks += [spawn(self._worker(self.decode_q, st.decode), name=f"decode-{i}")
-                        for i in range(self.decode_pool.max_inflight)]
-        self._tasks += [spawn(self._worker(self.preprocess_q, st.preprocess), name=f"preprocess-{i}")
-                        for i in range(c.preprocess_threads)]
+        self._tasks += [
+            spawn(self._worker(self.decode_q, st.decode), name=f"decode-{i}")
+            for i in range(self.decode_pool.max_inflight)
+        ]
+        self._tasks += [
+            spawn(self._worker(self.preprocess_q, st.preprocess), name=f"preprocess-{i}")
+            for i in range(c.preprocess_threads)
+        ]
         self._tasks.append(spawn(self.batcher.run(), name="batcher"))
         if c.torch_threads == 0 and c.decode_workers > 0 and torch.device(c.device).type == "cpu":
             self._tasks.append(spawn(self.tuner.run(), name="thread-tuner"))
         m = self.metrics
-        workers = {"fetch": c.fetch_concurrency, "decode": max(1, c.decode_workers),
-                   "preprocess": c.preprocess_threads, "encode": 1}
+        workers = {
+            "fetch": c.fetch_concurrency,
+            "decode": max(1, c.decode_workers),
+            "preprocess": c.preprocess_threads,
+            "encode": 1,
+        }
         for stage, n in workers.items():
             m.workers.labels(stage).set(n)
-        for name, q in (("fetch", self.fetches), ("decode", self.decode_q), ("preprocess", self.preprocess_q),
-                        ("batch", self.batcher.queue)):
+        for name, q in (
+            ("fetch", self.fetches),
+            ("decode", self.decode_q),
+            ("preprocess", self.preprocess_q),
+            ("batch", self.batcher.queue),
+        ):
             m.queue_depth.labels(name).set_function(q.qsize)
         m.pending.set_function(lambda: self.admission.load)
         if c.metrics_port:
@@ -156,8 +206,10 @@ class EncodePipeline:
             if not items:
                 raise invalid("request has no items")
             if len(items) > c.max_items_per_request:
-                raise invalid(f"request has {len(items)} items, over the limit of {c.max_items_per_request} "
-                              "(--max-items-per-request)")
+                raise invalid(
+                    f"request has {len(items)} items, over the limit of {c.max_items_per_request} "
+                    "(--max-items-per-request)"
+                )
             async with self.admission.admit(len(items)):
                 return await self._encode(items)
         except ItemError as e:
@@ -249,9 +301,14 @@ class EncodePipeline:
         import numpy as np
 
         f = self.preprocess_config.factor * 2
-        pv, grid = preprocess_images([np.zeros((f, f, 3), np.uint8)], self.preprocess_config, device=self.config.device,
-                                     out_dtype=self.model.module.dtype, resize_backend=self.config.resize_backend,
-                                     fold_time=True)
+        pv, grid = preprocess_images(
+            [np.zeros((f, f, 3), np.uint8)],
+            self.preprocess_config,
+            device=self.config.device,
+            out_dtype=self.model.module.dtype,
+            resize_backend=self.config.resize_backend,
+            fold_time=True,
+        )
         self.model.module(pv, grid)
 
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """What travels through the pipeline: a request's items (`ItemRequest`), their answers (`ItemResult`),
 the per-item `Job` the stages pass along, and `Next`, the place a stage sends a job to."""
+
 from __future__ import annotations
 
 import asyncio
@@ -18,6 +19,7 @@ STAGES = ("fetch", "decode", "preprocess", "queue", "encode")
 
 class Next(enum.Enum):
     """Where a job goes after a stage. A stage that fails a job raises an `ItemError` instead."""
+
     FETCH = "fetch"  # checked on arrival, not answered from the cache: get its bytes
     DECODE = "decode"  # bytes in hand, not cached, first of its content key: decode the image
     PREPROCESS = "preprocess"  # pixels decoded: resize / normalize / patchify
@@ -61,6 +63,7 @@ class ReplyBudget:
     """The bytes one request's reply will take, charged item by item as sizes become known (after
     preprocessing, before the forward; or on a cache hit), so a reply that cannot be sent under
     --max-message-mb is refused before the work, not after it."""
+
     limit: int
     used: int = 0
 
@@ -71,10 +74,12 @@ class ReplyBudget:
         self.used += job.charged
         if self.used > self.limit:
             mib = 1 << 20
-            raise ItemError(grpc.StatusCode.INVALID_ARGUMENT,
-                            f"the reply would be {self.used / mib:.1f} MiB, over the largest message this server sends "
-                            f"({self.limit / mib:g} MiB, --max-message-mb); this item's embedding is {what} = "
-                            f"{nbytes / mib:.1f} MiB; send fewer or smaller items per request")
+            raise ItemError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the reply would be {self.used / mib:.1f} MiB, over the largest message this server sends "
+                f"({self.limit / mib:g} MiB, --max-message-mb); this item's embedding is {what} = "
+                f"{nbytes / mib:.1f} MiB; send fewer or smaller items per request",
+            )
 
 
 @dataclass(eq=False)
@@ -118,8 +123,9 @@ class Job:
         if self.reply is not None:
             e = result.embedding
             try:
-                self.reply.charge(self, e.numel() * e.element_size(), f"{e.shape[0]} x {e.shape[1]} {e.dtype}"
-                                  .replace("torch.", ""))
+                self.reply.charge(
+                    self, e.numel() * e.element_size(), f"{e.shape[0]} x {e.shape[1]} {e.dtype}".replace("torch.", "")
+                )
             except ItemError as err:
                 self.fail_self(err)
                 return

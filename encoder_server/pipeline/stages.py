@@ -6,6 +6,7 @@ goes next (`Next`); a failure raises `ItemError` (the worker fails the job with 
       └──ANSWERED       ├──ANSWERED (cache hit)
                         └──ATTACHED (an identical item is in flight)
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -96,12 +97,17 @@ class Stages:
     def video_sampling(self, req) -> VideoSampling:
         c = self.config
         if req.video_max_frames > c.video_max_frames:
-            raise ValueError(f"max_frames {req.video_max_frames} is over the server's limit of {c.video_max_frames} "
-                             "(--video-max-frames)")
+            raise ValueError(
+                f"max_frames {req.video_max_frames} is over the server's limit of {c.video_max_frames} "
+                "(--video-max-frames)"
+            )
         if req.video_fps < 0 or req.video_min_frames < 0 or req.video_max_frames < 0:
             raise ValueError("video options must not be negative")
-        s = VideoSampling(fps=req.video_fps or c.video_fps, max_frames=req.video_max_frames or c.video_max_frames,
-                          min_frames=req.video_min_frames or c.video_min_frames)
+        s = VideoSampling(
+            fps=req.video_fps or c.video_fps,
+            max_frames=req.video_max_frames or c.video_max_frames,
+            min_frames=req.video_min_frames or c.video_min_frames,
+        )
         s.validate()
         return s
 
@@ -147,7 +153,9 @@ class Stages:
         t0 = time.perf_counter()
         pixels, job.pixels = job.pixels, None
         try:
-            pv, grid = await asyncio.get_running_loop().run_in_executor(self.preprocess_pool, self._preprocess_one, pixels)
+            pv, grid = await asyncio.get_running_loop().run_in_executor(
+                self.preprocess_pool, self._preprocess_one, pixels
+            )
         except ImageSizeError as e:
             raise invalid(str(e).removeprefix("image 0: ")) from None
         self.account(job, "preprocess", t0)
@@ -156,8 +164,11 @@ class Stages:
             rows = grid_thw[0] * grid_thw[1] * grid_thw[2] // self.merge_unit
             size = self.tower_dtype.itemsize
             try:
-                job.reply.charge(job, rows * self.hidden * size,
-                                 f"{rows} tokens x {self.hidden} x {size} bytes ({str(self.tower_dtype).removeprefix('torch.')})")
+                job.reply.charge(
+                    job,
+                    rows * self.hidden * size,
+                    f"{rows} tokens x {self.hidden} x {size} bytes ({str(self.tower_dtype).removeprefix('torch.')})",
+                )
             except ItemError as e:
                 job.fail_self(e)  # identical items of other requests attached to it still get it
         job.batch_item = BatchItem(pv, grid_thw, job)
@@ -165,11 +176,22 @@ class Stages:
 
     def _preprocess_one(self, decoded):
         if decoded.resized == "patches":  # resized and patchified in the decoder; the tower normalises
-            t, gh, gw = 1, *(s // self.preprocess_config.patch_size for s in
-                             target_size(*decoded.source_size, self.preprocess_config))
+            t, gh, gw = (
+                1,
+                *(
+                    s // self.preprocess_config.patch_size
+                    for s in target_size(*decoded.source_size, self.preprocess_config)
+                ),
+            )
             return torch.from_numpy(decoded.pixels).to(self.config.device), torch.tensor([[t, gh, gw]])
         # Already resized in the decoder: the target equals its size, so only normalize+patchify run here.
         backend = "torch" if decoded.resized else self.config.resize_backend
-        return preprocess_images([decoded.pixels], self.preprocess_config, device=self.config.device,
-                                 out_dtype=self.tower_dtype, resize_backend=backend,
-                                 source_sizes=[decoded.source_size], fold_time=True)
+        return preprocess_images(
+            [decoded.pixels],
+            self.preprocess_config,
+            device=self.config.device,
+            out_dtype=self.tower_dtype,
+            resize_backend=backend,
+            source_sizes=[decoded.source_size],
+            fold_time=True,
+        )

@@ -1,4 +1,5 @@
 """Online choice of the vision forward's thread count on a CPU deployment with decode processes."""
+
 from __future__ import annotations
 
 import asyncio

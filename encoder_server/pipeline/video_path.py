@@ -2,6 +2,7 @@
 into the tower in chunks. The decoding loop runs in a worker thread; every tower call is handed to the
 batcher's forward thread, so the tower only ever runs on that one thread and image batches and video
 chunks take turns on it instead of competing for the cores."""
+
 from __future__ import annotations
 
 import asyncio
@@ -81,10 +82,18 @@ class VideoPath:
                     f.flush()
                     del data
                     result = await asyncio.to_thread(
-                        encode_video, f.name, self.tower, self.pre, job.sampling,
-                        workers=c.video_decode_workers, mode=c.video_decode_mode, max_batch_tokens=c.max_batch_tokens,
-                        max_frames_total=c.max_video_frames_total, device=c.device,
-                        max_duration_s=c.max_video_seconds)
+                        encode_video,
+                        f.name,
+                        self.tower,
+                        self.pre,
+                        job.sampling,
+                        workers=c.video_decode_workers,
+                        mode=c.video_decode_mode,
+                        max_batch_tokens=c.max_batch_tokens,
+                        max_frames_total=c.max_video_frames_total,
+                        device=c.device,
+                        max_duration_s=c.max_video_seconds,
+                    )
             except VideoError as e:
                 job.fail(invalid(f"video: {e}"))
                 return
@@ -96,11 +105,20 @@ class VideoPath:
                 job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
                 return
             sec = result.seconds
-            job.timings_ms.update(decode=sec["wait_decode"] * 1e3, preprocess=sec["patchify"] * 1e3,
-                                  encode=sec["encode"] * 1e3)
-            meta = {"timestamps_s": result.timestamps_s, "video": {
-                "duration_s": result.info.duration_s, "fps": result.info.fps, "frames_total": result.info.frames,
-                "frames_sampled": result.frames_sampled, "width": result.info.width, "height": result.info.height}}
+            job.timings_ms.update(
+                decode=sec["wait_decode"] * 1e3, preprocess=sec["patchify"] * 1e3, encode=sec["encode"] * 1e3
+            )
+            meta = {
+                "timestamps_s": result.timestamps_s,
+                "video": {
+                    "duration_s": result.info.duration_s,
+                    "fps": result.info.fps,
+                    "frames_total": result.info.frames,
+                    "frames_sampled": result.frames_sampled,
+                    "width": result.info.width,
+                    "height": result.info.height,
+                },
+            }
             entry = CachedEmbedding(result.embedding, result.grid_thw, meta)
             if self.cache is not None:
                 self.cache.put(job.key, entry)

@@ -11,6 +11,7 @@ round-robin blocks, so all workers advance through the timeline together; each w
 bounded queue and the consumer always reads the queue that owns the next index. Frames therefore come
 out in order, and memory stays bounded (N queues of `queue_frames`) whatever the video's length.
 """
+
 from __future__ import annotations
 
 import multiprocessing
@@ -38,8 +39,14 @@ class VideoInfo:
     keyframes: list[int]  # frame indices of keyframes, ascending
 
     def summary(self) -> dict:
-        return {"duration_s": round(self.duration_s, 3), "fps": round(self.fps, 3), "frames_total": self.frames,
-                "resolution": f"{self.width}x{self.height}", "codec": self.codec, "keyframes": len(self.keyframes)}
+        return {
+            "duration_s": round(self.duration_s, 3),
+            "fps": round(self.fps, 3),
+            "frames_total": self.frames,
+            "resolution": f"{self.width}x{self.height}",
+            "codec": self.codec,
+            "keyframes": len(self.keyframes),
+        }
 
 
 def _open(path: str):
@@ -102,8 +109,15 @@ def probe(path: str, max_frames_total: int | None = None) -> VideoInfo:
             raise VideoError("the video stream has no keyframe (truncated or corrupted)")
         keyframes.sort()
         ctx = st.codec_context
-        return VideoInfo(frames=n, fps=fps, duration_s=n / fps, width=ctx.width, height=ctx.height,
-                         codec=ctx.name, keyframes=keyframes)
+        return VideoInfo(
+            frames=n,
+            fps=fps,
+            duration_s=n / fps,
+            width=ctx.width,
+            height=ctx.height,
+            codec=ctx.name,
+            keyframes=keyframes,
+        )
 
 
 @dataclass
@@ -133,7 +147,7 @@ def deal(gops: list[Gop], workers: int, block: int = 2) -> list[list[Gop]]:
     """GOPs to workers in round-robin blocks of `block` GOPs (workers advance together)."""
     out: list[list[Gop]] = [[] for _ in range(workers)]
     for b, start in enumerate(range(0, len(gops), block)):
-        out[b % workers].extend(gops[start:start + block])
+        out[b % workers].extend(gops[start : start + block])
     return out
 
 
@@ -158,7 +172,11 @@ def decode_gops(path: str, gops: list[Gop], size: tuple[int, int] | None, emit, 
                     idx = clock.index(frame.pts)
                     if idx < pending[0]:
                         continue
-                    arr = frame.to_ndarray(width=w, height=h, format="rgb24") if size else frame.to_ndarray(format="rgb24")
+                    arr = (
+                        frame.to_ndarray(width=w, height=h, format="rgb24")
+                        if size
+                        else frame.to_ndarray(format="rgb24")
+                    )
                     while pending and pending[0] <= idx:  # a missing frame takes the next one (VFR, drops)
                         emit(pending.pop(0), arr)
                     if not pending:
@@ -186,9 +204,16 @@ def _worker(path, gops, size, q, threads):
         q.put(("error", f"{type(e).__name__}: {e}" if not isinstance(e, VideoError) else str(e)))
 
 
-def decode_parallel(path: str, indices: np.ndarray, keyframes: list[int], size: tuple[int, int] | None,
-                    workers: int = 2, mode: str = "process", queue_frames: int = 16,
-                    codec_threads: int = 1) -> Iterator[tuple[int, np.ndarray]]:
+def decode_parallel(
+    path: str,
+    indices: np.ndarray,
+    keyframes: list[int],
+    size: tuple[int, int] | None,
+    workers: int = 2,
+    mode: str = "process",
+    queue_frames: int = 16,
+    codec_threads: int = 1,
+) -> Iterator[tuple[int, np.ndarray]]:
     """Yields (index, frame) for every sampled index, in order, decoding with `workers` workers."""
     gops = plan(indices, keyframes)
     workers = max(1, min(workers, len(gops)))
@@ -201,12 +226,16 @@ def decode_parallel(path: str, indices: np.ndarray, keyframes: list[int], size: 
     if mode == "process":
         ctx = multiprocessing.get_context("spawn")
         queues = [ctx.Queue(queue_frames) for _ in range(workers)]
-        procs = [ctx.Process(target=_worker, args=(path, s, size, q, codec_threads), daemon=True)
-                 for s, q in zip(shares, queues)]
+        procs = [
+            ctx.Process(target=_worker, args=(path, s, size, q, codec_threads), daemon=True)
+            for s, q in zip(shares, queues)
+        ]
     elif mode == "thread":
         queues = [queue_mod.Queue(queue_frames) for _ in range(workers)]
-        procs = [threading.Thread(target=_worker, args=(path, s, size, q, codec_threads), daemon=True)
-                 for s, q in zip(shares, queues)]
+        procs = [
+            threading.Thread(target=_worker, args=(path, s, size, q, codec_threads), daemon=True)
+            for s, q in zip(shares, queues)
+        ]
     else:
         raise ValueError(f"decode mode must be process or thread, got {mode!r}")
     for p in procs:
@@ -233,14 +262,18 @@ def decode_parallel(path: str, indices: np.ndarray, keyframes: list[int], size: 
 def decode_floor(path: str, keyframes: list[int], frames: int, workers: int, codec_threads: int = 1) -> int:
     """The decode floor: every frame decoded on `workers` processes (contiguous GOP ranges), frames
     discarded. Returns frames decoded."""
-    gops = [Gop(k, [min((keyframes[i + 1] - 1) if i + 1 < len(keyframes) else frames - 1, frames - 1)])
-            for i, k in enumerate(keyframes)]
+    gops = [
+        Gop(k, [min((keyframes[i + 1] - 1) if i + 1 < len(keyframes) else frames - 1, frames - 1)])
+        for i, k in enumerate(keyframes)
+    ]
     per = -(-len(gops) // workers)
     ctx = multiprocessing.get_context("spawn")
     from ..decode_pool import ignore_sigint
 
     with ctx.Pool(workers, initializer=ignore_sigint) as pool:
-        counts = pool.starmap(_count_frames, [(path, gops[i:i + per], codec_threads) for i in range(0, len(gops), per)])
+        counts = pool.starmap(
+            _count_frames, [(path, gops[i : i + per], codec_threads) for i in range(0, len(gops), per)]
+        )
     return sum(counts)
 
 

@@ -7,6 +7,7 @@ tower in chunks of at most `max_batch_tokens` patches. The Qwen2.5-VL tower neve
 temporal groups (windows and full-attention segments are per group), so chunking gives exactly the
 embedding of a whole-clip forward, with memory bounded by one chunk plus the decoder's queues.
 """
+
 from __future__ import annotations
 
 import time
@@ -42,16 +43,30 @@ class VideoEncodeResult:
     seconds: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
-        return {**self.info.summary(), "frames_sampled": self.frames_sampled,
-                "frame_size": f"{self.frame_size[1]}x{self.frame_size[0]}", "grid_thw": list(self.grid_thw),
-                "tokens": int(self.embedding.shape[0]), "hidden": int(self.embedding.shape[1]),
-                "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
+        return {
+            **self.info.summary(),
+            "frames_sampled": self.frames_sampled,
+            "frame_size": f"{self.frame_size[1]}x{self.frame_size[0]}",
+            "grid_thw": list(self.grid_thw),
+            "tokens": int(self.embedding.shape[0]),
+            "hidden": int(self.embedding.shape[1]),
+            "seconds": {k: round(v, 3) for k, v in self.seconds.items()},
+        }
 
 
-def encode_video(path: str, model: torch.nn.Module, pre: PreprocessConfig, sampling: VideoSampling,
-                 workers: int = 2, mode: str = "process", max_batch_tokens: int = 16384,
-                 max_frames_total: int | None = None, progress=None, device: str | torch.device = "cpu",
-                 max_duration_s: float | None = None) -> VideoEncodeResult:
+def encode_video(
+    path: str,
+    model: torch.nn.Module,
+    pre: PreprocessConfig,
+    sampling: VideoSampling,
+    workers: int = 2,
+    mode: str = "process",
+    max_batch_tokens: int = 16384,
+    max_frames_total: int | None = None,
+    progress=None,
+    device: str | torch.device = "cpu",
+    max_duration_s: float | None = None,
+) -> VideoEncodeResult:
     """Encodes one video file. `progress(decoded, encoded, total)` is called as frames advance."""
     sampling.validate()
     t0 = time.perf_counter()
@@ -61,7 +76,9 @@ def encode_video(path: str, model: torch.nn.Module, pre: PreprocessConfig, sampl
         raise VideoError("empty item (0 bytes)")
     info = probe(path, max_frames_total)
     if max_duration_s and info.duration_s > max_duration_s:
-        raise VideoError(f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)")
+        raise VideoError(
+            f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)"
+        )
     indices = sample_indices(info.frames, info.fps, sampling)
     try:  # frames smaller than the resize factor are scaled up (as images are); only the aspect ratio can fail
         th, tw = frame_size(info.height, info.width, len(indices), sampling, pre)

@@ -4,6 +4,7 @@ n = round to a multiple of `frame_factor` of clamp(duration * fps, min_frames, m
 than the frames the video has; indices = linspace(0, total - 1, n).round(); each frame is resized with
 smart_resize under the video pixel bounds, with its budget shrunk so that n * pixels <= total_pixels.
 """
+
 from __future__ import annotations
 
 import math

@@ -5,12 +5,27 @@
 - `runner.py`: one forward over a step's segments + sampling (`sampler.py`), behind `execute(segments)`;
 - `llm.py`: `LLM`, the offline API (`generate`) and the serving loop (`run_forever`).
 """
+
 from ..tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .llm import LLM, OverloadedError
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
 from .runner import ModelRunner, Runner
 from .scheduler import Scheduler, Segment, SegmentResult
 
-__all__ = ["LLM", "OverloadedError", "PromptTooLong", "Request", "RequestOutput", "SamplingParams", "Usage",
-           "ModelRunner", "Runner", "Scheduler", "Segment", "SegmentResult", "ByteTokenizer", "HFTokenizer",
-           "load_tokenizer"]
+__all__ = [
+    "LLM",
+    "OverloadedError",
+    "PromptTooLong",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "Usage",
+    "ModelRunner",
+    "Runner",
+    "Scheduler",
+    "Segment",
+    "SegmentResult",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+]

@@ -4,6 +4,7 @@ It wires the parts: the KV pools and the SWA-aware radix cache (`kv/`), the sche
 model runner (forward + sampling), and a tokenizer. `run_forever` is the serving loop a worker runs in one
 thread; requests come in through `add_request` from any thread and leave through their callbacks.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -57,9 +58,11 @@ class LLM:
         if mcfg.eos_token_id is not None and not isinstance(model, str):
             self.tokenizer.eos_token_id = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else None
         if cfg.swa_cache_tokens < mcfg.window + cfg.chunk_size + cfg.release_interval + 1:
-            raise ValueError(f"--swa-cache-tokens {cfg.swa_cache_tokens} cannot hold one request's window: need at "
-                             f"least window {mcfg.window} + --chunk-size {cfg.chunk_size} + --release-interval "
-                             f"{cfg.release_interval} + 1")
+            raise ValueError(
+                f"--swa-cache-tokens {cfg.swa_cache_tokens} cannot hold one request's window: need at "
+                f"least window {mcfg.window} + --chunk-size {cfg.chunk_size} + --release-interval "
+                f"{cfg.release_interval} + 1"
+            )
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
@@ -67,11 +70,19 @@ class LLM:
         self.pools = self.runner.pools
         self.tiers: Any = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
         self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
-        self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=cfg.chunk_size,
-                                   max_running=cfg.max_running, enable_prefix_cache=cfg.prefix_cache,
-                                   release_interval=cfg.release_interval, fcfs=cfg.fcfs,
-                                   wait_penalty=cfg.wait_penalty, length_buckets=cfg.buckets(),
-                                   max_prefill_tokens=cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.full_pool,
+            self.swa_pool,
+            chunk_size=cfg.chunk_size,
+            max_running=cfg.max_running,
+            enable_prefix_cache=cfg.prefix_cache,
+            release_interval=cfg.release_interval,
+            fcfs=cfg.fcfs,
+            wait_penalty=cfg.wait_penalty,
+            length_buckets=cfg.buckets(),
+            max_prefill_tokens=cfg.max_prefill_tokens,
+        )
         self.max_model_len = self.scheduler.max_seq_len
         self._eos = self._eos_ids()
         self._ids = itertools.count()
@@ -95,10 +106,22 @@ class LLM:
         if cfg.kv_store:
             dtype = str(self.pools.k[0].dtype).removeprefix("torch.")
             ns = f"{self.model_name}:{mcfg.num_hidden_layers}:{mcfg.window}:{cfg.page_size}:{dtype}"
-            store = RedisKVStore(cfg.kv_store, ns, ttl_s=cfg.kv_store_ttl_s, timeout_s=cfg.kv_store_timeout_s,
-                                 retry_s=cfg.kv_store_retry_s)
-        tiers = KVTiers(self.cache, host_full, host_swa, policy=cfg.host_kv_policy,
-                        write_through=cfg.host_kv_write == "through", swa_backfill=cfg.swa_backfill, store=store)
+            store = RedisKVStore(
+                cfg.kv_store,
+                ns,
+                ttl_s=cfg.kv_store_ttl_s,
+                timeout_s=cfg.kv_store_timeout_s,
+                retry_s=cfg.kv_store_retry_s,
+            )
+        tiers = KVTiers(
+            self.cache,
+            host_full,
+            host_swa,
+            policy=cfg.host_kv_policy,
+            write_through=cfg.host_kv_write == "through",
+            swa_backfill=cfg.swa_backfill,
+            store=store,
+        )
         tiers.attach(self.pools)
         self.runner.tiers = tiers
         return tiers
@@ -139,16 +162,28 @@ class LLM:
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting),
-                "full_used": self.full_pool.size - self.full_pool.available(), "full_total": self.full_pool.size,
-                "swa_used": self.swa_pool.size - self.swa_pool.available(), "swa_total": self.swa_pool.size,
-                "prefix_hit_tokens": self.cache.stats.hit_tokens, "prompt_tokens": s.prompt_tokens,
-                "generated_tokens": s.generated_tokens, "preemptions": s.preemptions, "step_errors": self.step_errors,
-                **(self.tiers.metrics() if self.tiers is not None else {})}
+        return {
+            "running": len(s.running),
+            "waiting": len(s.waiting),
+            "full_used": self.full_pool.size - self.full_pool.available(),
+            "full_total": self.full_pool.size,
+            "swa_used": self.swa_pool.size - self.swa_pool.available(),
+            "swa_total": self.swa_pool.size,
+            "prefix_hit_tokens": self.cache.stats.hit_tokens,
+            "prompt_tokens": s.prompt_tokens,
+            "generated_tokens": s.generated_tokens,
+            "preemptions": s.preemptions,
+            "step_errors": self.step_errors,
+            **(self.tiers.metrics() if self.tiers is not None else {}),
+        }
 
     # ----------------------------------------------------------------------------------- public
-    def generate(self, prompts: list[str] | str | None = None, sampling_params: SamplingParams | None = None,
-                 prompt_token_ids: list[list[int]] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str] | str | None = None,
+        sampling_params: SamplingParams | None = None,
+        prompt_token_ids: list[list[int]] | None = None,
+    ) -> list[RequestOutput]:
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None:
             if prompts is None:
@@ -159,8 +194,14 @@ class LLM:
             self.step()
         return [self.output(r) for r in reqs]
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, media: dict[int, torch.Tensor] | None = None,
-                    on_token=None, on_finish=None) -> Request:
+    def add_request(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        media: dict[int, torch.Tensor] | None = None,
+        on_token=None,
+        on_finish=None,
+    ) -> Request:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
         (PromptTooLong when the prompt can never fit)."""
@@ -173,15 +214,24 @@ class LLM:
             if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab or (p in media and t >= vocab)):
                 raise ValueError(f"prompt token {p} = {t!r} is outside the vocabulary [0, {vocab})")
         self.scheduler.check_fits(len(prompt_ids))
-        r = Request(next(self._ids), list(prompt_ids), params, time.monotonic(), media=media,
-                    on_token=on_token, on_finish=on_finish,
-                    stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos))
+        r = Request(
+            next(self._ids),
+            list(prompt_ids),
+            params,
+            time.monotonic(),
+            media=media,
+            on_token=on_token,
+            on_finish=on_finish,
+            stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
+        )
         if params.seed is not None:
             r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
         with self._lock:
             if len(self.scheduler.waiting) >= self.config.max_waiting:
-                raise OverloadedError(f"{len(self.scheduler.waiting)} requests are waiting (--max-waiting "
-                                      f"{self.config.max_waiting}); retry later")
+                raise OverloadedError(
+                    f"{len(self.scheduler.waiting)} requests are waiting (--max-waiting "
+                    f"{self.config.max_waiting}); retry later"
+                )
             self.scheduler.add(r)
             self._wake.notify()
         return r
@@ -259,10 +309,15 @@ class LLM:
     def output(self, r: Request) -> RequestOutput:
         p = r.params
         return RequestOutput(
-            request_id=r.id, prompt_token_ids=r.prompt, output_token_ids=r.output,
-            text=self.tokenizer.decode(r.output), logprobs=r.logprobs if p.logprobs else None,
+            request_id=r.id,
+            prompt_token_ids=r.prompt,
+            output_token_ids=r.output,
+            text=self.tokenizer.decode(r.output),
+            logprobs=r.logprobs if p.logprobs else None,
             prompt_logprobs=[None, *r.prompt_logprobs] if p.prompt_logprobs else None,
-            usage=Usage(len(r.prompt), r.cached_tokens, len(r.output)), finish_reason=r.finish_reason)
+            usage=Usage(len(r.prompt), r.cached_tokens, len(r.output)),
+            finish_reason=r.finish_reason,
+        )
 
 
 class OverloadedError(RuntimeError):

@@ -1,4 +1,5 @@
 """What a request is: its sampling parameters, its state while it runs, and what it returns."""
+
 from __future__ import annotations
 
 import math
@@ -43,7 +44,9 @@ class SamplingParams:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.max_tokens > max_tokens_limit:
-            raise ValueError(f"max_tokens {self.max_tokens} is over the limit of {max_tokens_limit} (--max-tokens-limit)")
+            raise ValueError(
+                f"max_tokens {self.max_tokens} is over the limit of {max_tokens_limit} (--max-tokens-limit)"
+            )
         t = _finite("temperature", self.temperature)
         if not 0 <= t <= max_temperature:
             raise ValueError(f"temperature must be in [0, {max_temperature:g}], got {t:g}")

@@ -5,6 +5,7 @@ Every step is one forward over all running requests (`forward_batch`: GEMMs over
 attention over the paged pools through `PagedBatch`: Triton kernels on CUDA, torch on the CPU). Media
 embeddings replace the token embeddings at their prompt positions.
 """
+
 from __future__ import annotations
 
 from typing import Any, Protocol
@@ -30,7 +31,7 @@ class ModelRunner:
 
     def _inputs(self, seg: Segment):
         r, start, n = seg
-        new = r.tokens[start:start + n]
+        new = r.tokens[start : start + n]
         ids = torch.tensor(new, device=self.device)
         embeds = None
         if r.media and any(p in r.media for p in range(start, start + n)):
@@ -47,10 +48,14 @@ class ModelRunner:
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
         load = self.tiers.start_load() if self.tiers is not None else None
         try:
-            paged = PagedBatch(self.pools, [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
-                               wait=load.wait if load is not None else None)
-            logits = self.model.forward_batch([self._inputs(s) for s in segments],
-                                              ["all" if s.all_logits else "last" for s in segments], paged)
+            paged = PagedBatch(
+                self.pools,
+                [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
+                wait=load.wait if load is not None else None,
+            )
+            logits = self.model.forward_batch(
+                [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments], paged
+            )
         finally:
             if load is not None:
                 load.finish()
@@ -61,8 +66,9 @@ class ModelRunner:
         prompt_lp: list[float] = []
         if seg.all_logits:
             lp = torch.log_softmax(logits.float(), dim=-1)
-            prompt_lp = [float(lp[j, r.tokens[seg.start + j + 1]]) for j in range(seg.n)
-                         if seg.start + j + 1 < len(r.prompt)]
+            prompt_lp = [
+                float(lp[j, r.tokens[seg.start + j + 1]]) for j in range(seg.n) if seg.start + j + 1 < len(r.prompt)
+            ]
         if not seg.samples:
             return SegmentResult(None, prompt_lp)
         try:

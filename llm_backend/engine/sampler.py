@@ -1,5 +1,6 @@
 """Choosing the next token from one position's logits: greedy, or temperature + top-k + top-p (seeded when the
 request has a generator), with the logprobs the request asked for."""
+
 from __future__ import annotations
 
 from typing import NamedTuple

@@ -15,6 +15,7 @@ Read top to bottom, one step is:
 4. after the runner: checkpoint prompt chunks into the tree (shareable at once), release SWA slots that left
    the window, append sampled tokens, finish requests at a stop token, EOS, max_tokens or the pool's capacity.
 """
+
 from __future__ import annotations
 
 import logging
@@ -33,6 +34,7 @@ REFRESH_PER_STEP = 64
 
 class Segment(NamedTuple):
     """One request's share of a step: tokens [start, start + n) are computed."""
+
     request: Request
     start: int
     n: int
@@ -55,10 +57,22 @@ class SegmentResult(NamedTuple):
 
 
 class Scheduler:
-    def __init__(self, cache: SWARadixCache, full_pool: SlotPool, swa_pool: SlotPool, *, chunk_size: int,
-                 max_running: int, enable_prefix_cache: bool, release_interval: int, fcfs: bool,
-                 wait_penalty: float, length_buckets: tuple[int, ...], clock=time.monotonic,
-                 max_prefill_tokens: int = 0):
+    def __init__(
+        self,
+        cache: SWARadixCache,
+        full_pool: SlotPool,
+        swa_pool: SlotPool,
+        *,
+        chunk_size: int,
+        max_running: int,
+        enable_prefix_cache: bool,
+        release_interval: int,
+        fcfs: bool,
+        wait_penalty: float,
+        length_buckets: tuple[int, ...],
+        clock=time.monotonic,
+        max_prefill_tokens: int = 0,
+    ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
         self.enable_prefix_cache, self.release_interval = enable_prefix_cache, release_interval
@@ -78,7 +92,9 @@ class Scheduler:
         self._next_bucket = 0
         self._uncached: dict[int, tuple[int, int]] = {}
         self._headroom: int | None = None
-        self._in_hand: Request | None = None  # the waiting request being admitted (failed if admission raises)  # request id -> (uncached tokens, step it was computed)
+        self._in_hand: Request | None = (
+            None  # the waiting request being admitted (failed if admission raises)  # request id -> (uncached tokens, step it was computed)
+        )
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
@@ -86,9 +102,11 @@ class Scheduler:
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len + 1 > self.max_seq_len:
-            raise PromptTooLong(f"the prompt has {prompt_len} tokens; with its first output token it can never fit "
-                                f"the KV pools, which hold at most {self.max_seq_len} tokens per sequence "
-                                "(--kv-cache-tokens)")
+            raise PromptTooLong(
+                f"the prompt has {prompt_len} tokens; with its first output token it can never fit "
+                f"the KV pools, which hold at most {self.max_seq_len} tokens per sequence "
+                "(--kv-cache-tokens)"
+            )
 
     def add(self, r: Request) -> None:
         self.check_fits(len(r.prompt))
@@ -133,9 +151,13 @@ class Scheduler:
             # configured (add() refused prompts over the full pool; this is the SWA pool or page rounding).
             r = blocked
             self.waiting.remove(r)
-            self.finish(r, "error", f"the request does not fit in the KV pools (full {self.full_pool.size}, SWA "
-                                    f"{self.swa_pool.size} tokens); raise --kv-cache-tokens / --swa-cache-tokens",
-                        "resource_exhausted")
+            self.finish(
+                r,
+                "error",
+                f"the request does not fit in the KV pools (full {self.full_pool.size}, SWA "
+                f"{self.swa_pool.size} tokens); raise --kv-cache-tokens / --swa-cache-tokens",
+                "resource_exhausted",
+            )
         segments = []
         budget = self.max_prefill_tokens or None
         for r in list(self.running):
@@ -165,11 +187,11 @@ class Scheduler:
             n = min(limit or self.chunk_size, len(r.tokens) - start)
             if self.cache.make_room(n + self.full_pool.page_size, n):  # a new page at most beyond n
                 try:
-                    kv.extend(r.tokens[start:start + n])
+                    kv.extend(r.tokens[start : start + n])
                     return Segment(r, start, n)
                 except PoolExhausted:
                     pass
-            younger = self.running[self.running.index(r) + 1:]
+            younger = self.running[self.running.index(r) + 1 :]
             if younger:
                 victim = younger[-1]
                 self._preempt(victim)
@@ -184,9 +206,14 @@ class Scheduler:
             elif r.output:
                 self.finish(r, "length")
             else:
-                self.finish(r, "error", f"the sequence of {len(r.tokens)} tokens cannot grow: the KV pools "
-                                        f"(full {self.full_pool.size}, SWA {self.swa_pool.size} tokens) are full "
-                                        "even with nothing else running", "resource_exhausted")
+                self.finish(
+                    r,
+                    "error",
+                    f"the sequence of {len(r.tokens)} tokens cannot grow: the KV pools "
+                    f"(full {self.full_pool.size}, SWA {self.swa_pool.size} tokens) are full "
+                    "even with nothing else running",
+                    "resource_exhausted",
+                )
             return None
 
     def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
@@ -238,8 +265,12 @@ class Scheduler:
             return
         r.finish_reason, r.error, r.error_code = reason, error, code
         if r.kv is not None and reason == "abort":
-            log.info("request %d aborted: freeing %d full and %d SWA slots it owned", r.id, r.kv.own_full_slots(),
-                     r.kv.own_swa_live())
+            log.info(
+                "request %d aborted: freeing %d full and %d SWA slots it owned",
+                r.id,
+                r.kv.own_full_slots(),
+                r.kv.own_swa_live(),
+            )
         if reason == "error":
             log.warning("request %d failed: %s", r.id, error)
         if r.kv is not None:
@@ -296,8 +327,9 @@ class Scheduler:
         # The whole uncached prompt must fit in what running prompts leave over (free + evictable full slots),
         # not just its first chunk: admitting prompts whose sum cannot fit only makes them preempt each other.
         need = uncached + self.full_pool.page_size
-        if (self.running and need > self._prefill_headroom()) or \
-                not self.cache.make_room(first + self.full_pool.page_size, first):
+        if (self.running and need > self._prefill_headroom()) or not self.cache.make_room(
+            first + self.full_pool.page_size, first
+        ):
             kv.finish(cache_result=False)
             return False
         self._headroom = self._prefill_headroom() - need
@@ -311,8 +343,11 @@ class Scheduler:
         """Full slots prompts could still take this step: free + evictable, minus what running prompts still need
         (computed once per step, then decremented per admission)."""
         if self._headroom is None:
-            pending = sum(len(q.prompt) - len(q.kv.tokens) for q in self.running
-                          if q.kv is not None and len(q.kv.tokens) < len(q.prompt))
+            pending = sum(
+                len(q.prompt) - len(q.kv.tokens)
+                for q in self.running
+                if q.kv is not None and len(q.kv.tokens) < len(q.prompt)
+            )
             self._headroom = self.full_pool.available() + self.cache.accounting()["full"]["evictable"] - pending
         return self._headroom
 

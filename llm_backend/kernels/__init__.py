@@ -5,6 +5,7 @@ fused top-k routing and the grouped expert GEMM. Every Triton entry point has a 
 same signature: the twin is both the test oracle and the CPU serving path. Nothing here picks between
 them on its own; the engine asks `triton_enabled(device)` once and calls one or the other.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,7 +36,16 @@ def triton_enabled(device) -> bool:
 
 
 __all__ = [
-    "KERNELS_ENV", "triton_enabled",
-    "decode_attention", "decode_attention_torch", "extend_attention", "extend_attention_torch",
-    "topk_routing", "topk_routing_torch", "align_by_expert", "grouped_gemm", "fused_moe", "fused_moe_torch",
+    "KERNELS_ENV",
+    "triton_enabled",
+    "decode_attention",
+    "decode_attention_torch",
+    "extend_attention",
+    "extend_attention_torch",
+    "topk_routing",
+    "topk_routing_torch",
+    "align_by_expert",
+    "grouped_gemm",
+    "fused_moe",
+    "fused_moe_torch",
 ]

@@ -3,6 +3,7 @@
 Kernel modules import `triton`, `tl` and `jit` from here, so that without Triton they still import and
 their torch twins still serve; `triton_enabled` is then False and nothing calls a kernel.
 """
+
 from __future__ import annotations
 
 try:

@@ -23,6 +23,7 @@ query however long the sequence is.
 
 The torch twins (`*_torch`) have the same signatures; they are the tests' oracle and the CPU serving path.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,12 +46,21 @@ def _blocks(d: int, dv: int, dtype: torch.dtype) -> dict:
     return {"BLOCK_D": block_d, "BLOCK_DV": block_dv, "BLOCK_N": block_n, "num_stages": 2}
 
 
-def _check_paged(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                 kv_lens: torch.Tensor, sliding_window: int | None, sinks: torch.Tensor | None) -> None:
+def _check_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> None:
     """Shape/dtype checks shared by both attention entry points (q is [rows, Hq, D] in both)."""
     if q.ndim != 3 or k_cache.ndim != 3 or v_cache.ndim != 3:
-        raise ValueError(f"expected q [*, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, Dv]; got "
-                         f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"expected q [*, Hq, D], k_cache [S, Hkv, D], v_cache [S, Hkv, Dv]; got "
+            f"{tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     hq, d = q.shape[1], q.shape[2]
     s, hkv = k_cache.shape[0], k_cache.shape[1]
     if v_cache.shape[0] != s or v_cache.shape[1] != hkv:
@@ -81,8 +91,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None,
-                        head_axis_shape: tuple[int, ...]) -> torch.Tensor:
+def _softmax_with_sinks(
+    logits: torch.Tensor, sinks: torch.Tensor | None, head_axis_shape: tuple[int, ...]
+) -> torch.Tensor:
     """fp32 softmax over the last axis with an optional extra per-head logit that is dropped afterwards.
     `head_axis_shape` views sinks [Hq] so it broadcasts against logits[..., :1]."""
     if sinks is not None:
@@ -107,12 +118,36 @@ def _key_block(table_row, start, end, k_base, stride_ks, d, D: tl.constexpr, BLO
 
 
 @jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
-                   scale, window,
-                   stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ob, stride_oh,
-                   REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _decode_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    sinks_ptr,
+    out_ptr,
+    scale,
+    window,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    REP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     kv_len = tl.load(lens_ptr + b)
@@ -123,8 +158,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
     heads = kvh * REP + rows
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
 
     if HAS_SINKS:
         m_i = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
@@ -149,19 +187,30 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, sinks_ptr, out_ptr,
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)  # [BLOCK_N, BLOCK_DV]
+        v = tl.load(
+            v_base + slots[:, None] * stride_vs + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0
+        )  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(
+        out_ptr + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (dv[None, :] < DV),
+    )
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton paged decode attention. q [B, Hq, D] (query b at column kv_lens[b] - 1) -> [B, Hq, Dv].
     kv_lens must be >= 1 (the query's own key is in the pool)."""
     _check_paged(q, k_cache, v_cache, slot_table, kv_lens, sliding_window, sinks)
@@ -177,20 +226,47 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         return out
     sinks_arg = sinks.float().contiguous() if sinks is not None else q  # dummy pointer when HAS_SINKS is off
     _decode_kernel[(bsz, hkv)](
-        q, k_cache, v_cache, slot_table, kv_lens, sinks_arg, out,
-        float(scale), int(sliding_window or 0),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        slot_table.stride(0), out.stride(0), out.stride(1),
-        REP=rep, D=d, DV=dv,
-        BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(rep)), **_blocks(d, dv, q.dtype),
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4)
+        q,
+        k_cache,
+        v_cache,
+        slot_table,
+        kv_lens,
+        sinks_arg,
+        out,
+        float(scale),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        slot_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        REP=rep,
+        D=d,
+        DV=dv,
+        BLOCK_H=max(_MIN_DOT_ROWS, triton.next_power_of_2(rep)),
+        **_blocks(d, dv, q.dtype),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
     return out
 
 
-def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                           kv_lens: torch.Tensor, scale: float, sliding_window: int | None = None,
-                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Torch twin of `decode_attention`, vectorised over the batch: gather each sequence's last L columns
     (L = longest visible span; on sliding layers at most sliding_window) into a padded [B, L, Hkv, *]."""
     _check_paged(q, k_cache, v_cache, slot_table, kv_lens, sliding_window, sinks)
@@ -224,12 +300,39 @@ def decode_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 @jit
-def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstarts_ptr, block_seq_ptr, block_idx_ptr, sinks_ptr,
-                   out_ptr, scale, window,
-                   stride_qt, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_tb, stride_ot, stride_oh,
-                   REP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _extend_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    table_ptr,
+    lens_ptr,
+    qstarts_ptr,
+    block_seq_ptr,
+    block_idx_ptr,
+    sinks_ptr,
+    out_ptr,
+    scale,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    REP: tl.constexpr,
+    D: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     g = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.load(block_seq_ptr + g)
@@ -247,8 +350,11 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstarts_ptr, block_
     q_col = kv_len - n_q + i
     d = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(q_ptr + (q0 + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
-                mask=row_ok[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + (q0 + i)[:, None] * stride_qt + h * stride_qh + d[None, :],
+        mask=row_ok[:, None] & (d[None, :] < D),
+        other=0.0,
+    )
 
     if HAS_SINKS:
         m_i = tl.full([BLOCK_M], 0.0, tl.float32) + tl.load(sinks_ptr + h).to(tl.float32)
@@ -281,21 +387,27 @@ def _extend_kernel(q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, qstarts_ptr, block_
         alpha = tl.exp(m_i - m_use)
         p = tl.exp(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + slots[:, None] * stride_vs + dv[None, :],
-                    mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0)
+        v = tl.load(
+            v_base + slots[:, None] * stride_vs + dv[None, :], mask=col_ok[:, None] & (dv[None, :] < DV), other=0.0
+        )
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0 only on padding rows (not stored)
-    tl.store(out_ptr + (q0 + i)[:, None] * stride_ot + h * stride_oh + dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (dv[None, :] < DV))
+    tl.store(
+        out_ptr + (q0 + i)[:, None] * stride_ot + h * stride_oh + dv[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & (dv[None, :] < DV),
+    )
 
 
 def _check_q_starts(q: torch.Tensor, slot_table: torch.Tensor, q_starts: torch.Tensor) -> None:
     bsz = slot_table.shape[0]
     if q_starts.ndim != 1 or q_starts.dtype != torch.int32 or q_starts.shape[0] != bsz + 1:
-        raise ValueError(f"q_starts must be int32 [B+1={bsz + 1}] (cumulative query counts), got "
-                         f"{tuple(q_starts.shape)} {q_starts.dtype}")
+        raise ValueError(
+            f"q_starts must be int32 [B+1={bsz + 1}] (cumulative query counts), got "
+            f"{tuple(q_starts.shape)} {q_starts.dtype}"
+        )
     if q_starts.device != q.device:
         raise ValueError(f"q_starts is on {q_starts.device}, q on {q.device}")
 
@@ -316,9 +428,17 @@ def _query_blocks(q_starts: torch.Tensor, n_tokens: int, block_m: int) -> tuple[
     return torch.where(real, seq_c, -1).to(torch.int32), local.to(torch.int32)
 
 
-def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                     kv_lens: torch.Tensor, q_starts: torch.Tensor, scale: float, sliding_window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Triton paged extend (prefill) attention over a ragged batch. q [Tq, Hq, D]; sequence b's queries
     q[q_starts[b]:q_starts[b+1]] are the last n_b columns of its kv_lens[b] keys. Returns [Tq, Hq, Dv]."""
     _check_paged(q, k_cache, v_cache, slot_table, kv_lens, sliding_window, sinks)
@@ -334,19 +454,51 @@ def extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_seq, block_idx = _query_blocks(q_starts, n_tokens, block_m)
     sinks_arg = sinks.float().contiguous() if sinks is not None else q  # dummy pointer when HAS_SINKS is off
     _extend_kernel[(block_seq.shape[0], hq)](
-        q, k_cache, v_cache, slot_table, kv_lens, q_starts, block_seq, block_idx, sinks_arg, out,
-        float(scale), int(sliding_window or 0),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        slot_table.stride(0), out.stride(0), out.stride(1),
-        REP=hq // hkv, D=d, DV=dv, BLOCK_M=block_m, **_blocks(d, dv, q.dtype),
-        HAS_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=4)
+        q,
+        k_cache,
+        v_cache,
+        slot_table,
+        kv_lens,
+        q_starts,
+        block_seq,
+        block_idx,
+        sinks_arg,
+        out,
+        float(scale),
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        slot_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        REP=hq // hkv,
+        D=d,
+        DV=dv,
+        BLOCK_M=block_m,
+        **_blocks(d, dv, q.dtype),
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SINKS=sinks is not None,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=4,
+    )
     return out
 
 
-def extend_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_table: torch.Tensor,
-                           kv_lens: torch.Tensor, q_starts: torch.Tensor, scale: float,
-                           sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def extend_attention_torch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    q_starts: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Torch twin of `extend_attention`: one masked fp32 softmax per sequence over the columns its
     queries can see (from the first query's window start to its last key)."""
     _check_paged(q, k_cache, v_cache, slot_table, kv_lens, sliding_window, sinks)

@@ -17,6 +17,7 @@ Semantics are `TopkRouter.forward` (n_group == 1) and `Experts.forward` in
 Everything on the device path is sync-free: the padded length is an upper bound and blocks past the
 real end carry expert -1 and exit at once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,9 +37,21 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 @jit
-def _topk_routing_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, E, stride_lt, scaling,
-                         TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         NORMALIZE: tl.constexpr):
+def _topk_routing_kernel(
+    logits_ptr,
+    bias_ptr,
+    weights_ptr,
+    ids_ptr,
+    T,
+    E,
+    stride_lt,
+    scaling,
+    TOP_K: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    NORMALIZE: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
@@ -75,16 +88,22 @@ def _check_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor, t
         raise ValueError(f"router_logits must be fp32 [T, E], got {tuple(router_logits.shape)} {router_logits.dtype}")
     n_experts = router_logits.shape[1]
     if correction_bias.shape != (n_experts,) or correction_bias.dtype != torch.float32:
-        raise ValueError(f"correction_bias must be fp32 [E={n_experts}], got "
-                         f"{tuple(correction_bias.shape)} {correction_bias.dtype}")
+        raise ValueError(
+            f"correction_bias must be fp32 [E={n_experts}], got {tuple(correction_bias.shape)} {correction_bias.dtype}"
+        )
     if not 1 <= top_k <= n_experts:
         raise ValueError(f"top_k must be in [1, E={n_experts}], got {top_k}")
     if correction_bias.device != router_logits.device:
         raise ValueError(f"correction_bias is on {correction_bias.device}, router_logits on {router_logits.device}")
 
 
-def topk_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_routing(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton sigmoid top-k routing. router_logits fp32 [T, E] -> (weights fp32 [T, k], ids int64 [T, k]).
     The k slots come in descending order of score + bias (the model's order is unspecified)."""
     _check_routing(router_logits, correction_bias, top_k)
@@ -96,15 +115,31 @@ def topk_routing(router_logits: torch.Tensor, correction_bias: torch.Tensor, top
         return weights, ids
     block_t = 16
     _topk_routing_kernel[(triton.cdiv(n_tokens, block_t),)](
-        logits, correction_bias.contiguous(), weights, ids, n_tokens, n_experts, logits.stride(0),
+        logits,
+        correction_bias.contiguous(),
+        weights,
+        ids,
+        n_tokens,
+        n_experts,
+        logits.stride(0),
         float(routed_scaling_factor),
-        TOP_K=top_k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(n_experts),
-        BLOCK_K=triton.next_power_of_2(top_k), NORMALIZE=bool(norm_topk_prob), num_warps=4)
+        TOP_K=top_k,
+        BLOCK_T=block_t,
+        BLOCK_E=triton.next_power_of_2(n_experts),
+        BLOCK_K=triton.next_power_of_2(top_k),
+        NORMALIZE=bool(norm_topk_prob),
+        num_warps=4,
+    )
     return weights, ids
 
 
-def topk_routing_torch(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, norm_topk_prob: bool,
-                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_routing_torch(
+    router_logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Torch twin of `topk_routing` (same slot order: descending score + bias)."""
     _check_routing(router_logits, correction_bias, top_k)
     scores = router_logits.sigmoid()
@@ -118,8 +153,9 @@ def topk_routing_torch(router_logits: torch.Tensor, correction_bias: torch.Tenso
 # ---------------------------------------------------------------------------------------- grouped GEMM
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int,
-                    block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the T*k rows (row = t*k + j for ids[t, j]) by expert, each expert's run padded to a multiple of
     block_m. Returns (sorted_rows int32 [P], pad = sentinel T*k; block_expert int32 [P // block_m], -1 for
     blocks past the last expert; counts int64 [E]). P is an upper bound computed without a host sync."""
@@ -147,10 +183,27 @@ def align_by_expert(ids: torch.Tensor, num_experts: int,
 
 
 @jit
-def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, scale_ptr,
-                         num_rows, N, K, a_row_div, stride_am, stride_we, stride_wn, stride_cm,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    scale_ptr,
+    num_rows,
+    N,
+    K,
+    a_row_div,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -174,12 +227,22 @@ def _grouped_gemm_kernel(a_ptr, w_ptr, c_ptr, rows_ptr, block_expert_ptr, scale_
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + n[None, :], acc.to(c_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & n_ok[None, :])
+    tl.store(
+        c_ptr + rows[:, None].to(tl.int64) * stride_cm + n[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
+    )
 
 
-def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_rows: torch.Tensor, block_expert: torch.Tensor,
-                 num_rows: int, a_row_div: int, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+def grouped_gemm(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    sorted_rows: torch.Tensor,
+    block_expert: torch.Tensor,
+    num_rows: int,
+    a_row_div: int,
+    row_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """c[row] = (a[row // a_row_div] @ w[e]^T) * row_scale[row] for every real row of `sorted_rows`, e the
     expert of its block. a [Ra, K], w [E, N, K], row_scale fp32 [num_rows] -> c [num_rows, N] in a.dtype.
     BLOCK_M is sorted_rows.numel() // block_expert.numel() (as built by `align_by_expert`)."""
@@ -187,8 +250,12 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_rows: torch.Tensor, bl
         raise ValueError(f"expected a [R, K] and w [E, N, K] with equal K, got {tuple(a.shape)}, {tuple(w.shape)}")
     if a.dtype != w.dtype:
         raise ValueError(f"a and w dtypes differ: {a.dtype}, {w.dtype}")
-    if sorted_rows.dtype != torch.int32 or block_expert.dtype != torch.int32 or block_expert.numel() == 0 \
-            or sorted_rows.numel() % block_expert.numel():
+    if (
+        sorted_rows.dtype != torch.int32
+        or block_expert.dtype != torch.int32
+        or block_expert.numel() == 0
+        or sorted_rows.numel() % block_expert.numel()
+    ):
         raise ValueError("sorted_rows/block_expert must be int32 from align_by_expert")
     block_m = sorted_rows.numel() // block_expert.numel()
     if block_m < _MIN_DOT or block_m & (block_m - 1):
@@ -207,15 +274,33 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, sorted_rows: torch.Tensor, bl
     block_k = min(64, max(_MIN_DOT, triton.next_power_of_2(k_in)))
     scale_arg = row_scale.contiguous() if row_scale is not None else c  # dummy pointer when HAS_SCALE is off
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](
-        a, w, c, sorted_rows, block_expert, scale_arg,
-        num_rows, n_out, k_in, a_row_div, a.stride(0), w.stride(0), w.stride(1), c.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALE=row_scale is not None,
-        DOT_PRECISION=_dot_precision(a.dtype), num_warps=4)
+        a,
+        w,
+        c,
+        sorted_rows,
+        block_expert,
+        scale_arg,
+        num_rows,
+        n_out,
+        k_in,
+        a_row_div,
+        a.stride(0),
+        w.stride(0),
+        w.stride(1),
+        c.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        HAS_SCALE=row_scale is not None,
+        DOT_PRECISION=_dot_precision(a.dtype),
+        num_warps=4,
+    )
     return c
 
 
-def _check_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-               ids: torch.Tensor) -> None:
+def _check_moe(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> None:
     if x.ndim != 2:
         raise ValueError(f"x must be [T, H], got {tuple(x.shape)}")
     n_tokens, hidden = x.shape
@@ -232,8 +317,9 @@ def _check_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, w
         raise ValueError(f"x/w_gate_up/w_down dtypes differ: {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
 
 
-def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Triton routed experts: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
     x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in x.dtype."""
     _check_moe(x, w_gate_up, w_down, weights, ids)
@@ -247,13 +333,15 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     gate_up = grouped_gemm(x, w_gate_up, sorted_rows, block_expert, n_rows, a_row_div=top_k)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    down = grouped_gemm(act, w_down, sorted_rows, block_expert, n_rows, a_row_div=1,
-                        row_scale=weights.reshape(-1).float())
+    down = grouped_gemm(
+        act, w_down, sorted_rows, block_expert, n_rows, a_row_div=1, row_scale=weights.reshape(-1).float()
+    )
     return down.view(n_tokens, top_k, hidden).float().sum(1).to(x.dtype)
 
 
-def fused_moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                    ids: torch.Tensor) -> torch.Tensor:
+def fused_moe_torch(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Torch twin of `fused_moe`: one matmul pair per expert that received rows, like `Experts.forward`."""
     _check_moe(x, w_gate_up, w_down, weights, ids)
     top_k = ids.shape[1]
@@ -266,7 +354,7 @@ def fused_moe_torch(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tens
     for expert, n in enumerate(counts):
         if n == 0:
             continue
-        rows = order[start:start + n]
+        rows = order[start : start + n]
         start += n
         tokens = rows // top_k
         gate, up = F.linear(x[tokens], w_gate_up[expert]).chunk(2, dim=-1)

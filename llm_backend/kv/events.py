@@ -22,6 +22,7 @@ process (`epoch`). The transport is `mimo_epd.v1.KVEvents/Poll` (`KVEventsServic
 router (memory state) or the node's relay into Redis (shared state) calls in a loop; the reply also carries the
 worker's load (queued and running tokens) for the routing policies.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,7 @@ def block_hashes(tokens, block: int, known: list[int] | None = None) -> list[int
     step = block * 8
     prev = out[-1].to_bytes(8, "little") if out else _ZERO
     for k in range(len(raw) // step):
-        h = xxhash.xxh3_64_intdigest(prev + raw[k * step:(k + 1) * step])
+        h = xxhash.xxh3_64_intdigest(prev + raw[k * step : (k + 1) * step])
         out.append(h)
         prev = h.to_bytes(8, "little")
     return out
@@ -59,7 +60,7 @@ def block_hashes(tokens, block: int, known: list[int] | None = None) -> list[int
 
 def _window_safe_end(swa: list, end: int, window: int) -> bool:
     """Whether a match may end at token `end` of a path whose SWA slots are `swa` (the radix cache's hit rule)."""
-    return all(s is not None for s in swa[max(0, end - window):end])
+    return all(s is not None for s in swa[max(0, end - window) : end])
 
 
 class KVEventPublisher:
@@ -98,7 +99,7 @@ class KVEventPublisher:
             ends = range((first + 1) * B, end + 1, B)
             if not ends:
                 return
-            hashes = block_hashes(tokens[:ends[-1]], B)
+            hashes = block_hashes(tokens[: ends[-1]], B)
             for e in ends:
                 h = hashes[e // B - 1]
                 state = (USABLE if _window_safe_end(swa, e, self.window) else STORED) if kind == "stored" else ABSENT
@@ -184,9 +185,12 @@ class KVEventPublisher:
 def engine_load(engine) -> dict:
     """Queued tokens (prompts not started yet) and running tokens (the KV of running requests) of an LLM engine."""
     waiting, running = list(engine.waiting), list(engine.running)
-    return {"queued_tokens": sum(len(r.prompt) for r in waiting),
-            "running_tokens": sum(len(r.prompt) + len(r.output) for r in running),
-            "waiting": len(waiting), "running": len(running)}
+    return {
+        "queued_tokens": sum(len(r.prompt) for r in waiting),
+        "running_tokens": sum(len(r.prompt) + len(r.output) for r in running),
+        "waiting": len(waiting),
+        "running": len(running),
+    }
 
 
 class KVEventsService:
@@ -204,8 +208,16 @@ class KVEventsService:
         reset, seq, hashes, states = pub.changes_since(request.epoch, request.since_seq)
         load = pub.load()
         return kv_events_pb2.PollReply(
-            epoch=pub.epoch, seq=seq, reset=reset, hashes=hashes, states=states, block_size=pub.block,
-            model=self.model, load=kv_events_pb2.WorkerLoad(**load), time_s=time.time())
+            epoch=pub.epoch,
+            seq=seq,
+            reset=reset,
+            hashes=hashes,
+            states=states,
+            block_size=pub.block,
+            model=self.model,
+            load=kv_events_pb2.WorkerLoad(**load),
+            time_s=time.time(),
+        )
 
 
 def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = "") -> KVEventPublisher:
@@ -216,5 +228,8 @@ def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = ""
     pub.load_fn = lambda: engine_load(engine)
     kv_events_pb2_grpc.add_KVEventsServicer_to_server(
         type("KVEventsServicer", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(
-            pub, model=model or str(getattr(engine, "model_name", ""))), server)
+            pub, model=model or str(getattr(engine, "model_name", ""))
+        ),
+        server,
+    )
     return pub

@@ -9,6 +9,7 @@ The full pool is paged: it hands out whole pages of `page_size` consecutive slot
 offset), and takes whole pages back. The SWA pool is token-granular (page size 1): its slots are
 released one by one as tokens leave the window.
 """
+
 from __future__ import annotations
 
 

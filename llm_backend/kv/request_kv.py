@@ -8,6 +8,7 @@ request holds about W + chunk + interval SWA slots whatever its length. Whole pa
 the tree at a checkpoint or at the end (the tree frees duplicates and repairs tombstones); the partial
 last page is freed at the end; its locks are then released.
 """
+
 from __future__ import annotations
 
 from .swa_radix_cache import Match, SWARadixCache
@@ -45,7 +46,7 @@ class RequestKV:
         return len(self.own_pages) * self.page
 
     def own_swa_live(self) -> int:
-        return sum(s is not None for s in self.swa[self.owned_from:])
+        return sum(s is not None for s in self.swa[self.owned_from :])
 
     def extend(self, new_tokens: list[int]) -> tuple[list[int], list[int]]:
         """Takes slots for tokens about to be computed; returns (their full slots, their swa slots)."""
@@ -88,7 +89,7 @@ class RequestKV:
 
     def window_slots(self) -> list[int | None]:
         """The SWA slots a next token attends over (must all be live)."""
-        w = self.swa[max(0, len(self.tokens) - self.cache.window):]
+        w = self.swa[max(0, len(self.tokens) - self.cache.window) :]
         if any(s is None for s in w):
             raise RuntimeError("SWA slot of an in-window token was released")
         return w

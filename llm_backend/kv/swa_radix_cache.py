@@ -26,6 +26,7 @@ head its node's stamp, so a child is never older than its parent; among equal st
 (ties are broken by a pre-order walk of the tree). So SWA eviction tombstones an ancestor (keeping its full
 KV as a path) before the leaf under it, never a leaf (which would lose its full KV too) before its parent.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -136,7 +137,7 @@ class SWARadixCache:
         node, i = self.root, 0
         P = self.page_size
         while i + P <= len(tokens):
-            child = node.children.get(tuple(tokens[i:i + P]))
+            child = node.children.get(tuple(tokens[i : i + P]))
             if child is None:
                 return
             k = 0
@@ -265,7 +266,7 @@ class SWARadixCache:
         for node in path:
             before = self.stats.repairs
             if node.full is None:  # host-only node (tiers): the fresh device KV makes it device-resident again
-                node.full = list(full[pos:pos + len(node.key)])
+                node.full = list(full[pos : pos + len(node.key)])
             for j in range(len(node.key)):
                 p = pos + j
                 if full[p] != node.full[j]:
@@ -350,8 +351,14 @@ class SWARadixCache:
         """Removes `start` and then its ancestors while each is an unlocked tombstone leaf; returns the full
         slots freed (the caller counts them in `stats.full_evicted`, once)."""
         n, freed = start, 0
-        while n is not self.root and not n.children and n.tombstone and n.full_locks == 0 and n.swa_locks == 0 \
-                and (n.host is None or not n.host.swa):  # a host SWA window still makes it a match end
+        while (
+            n is not self.root
+            and not n.children
+            and n.tombstone
+            and n.full_locks == 0
+            and n.swa_locks == 0
+            and (n.host is None or not n.host.swa)
+        ):  # a host SWA window still makes it a match end
             parent = n.parent
             freed += self._remove_leaf(n)
             n = parent
@@ -434,8 +441,12 @@ class SWARadixCache:
         freed = 0
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
-            if node.children or node.full_locks or node.parent is None or \
-                    node.parent.children.get(self._edge(node.key)) is not node:
+            if (
+                node.children
+                or node.full_locks
+                or node.parent is None
+                or node.parent.children.get(self._edge(node.key)) is not node
+            ):
                 continue
             parent = node.parent
             freed += self._remove_leaf(node)

@@ -1,4 +1,5 @@
 """LLM model definitions and their loader (the embedded `tiny` default, or a transformers checkpoint)."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,34 @@ import torch
 from ..paged_attention import ContiguousKV
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 
-__all__ = ["MiMoV2FlashConfig", "MiMoV2FlashForCausalLM", "ContiguousKV", "TINY_LLM_CONFIG", "PRO_SHAPE_CONFIG", "load_llm",
-           "init_random_weights", "transformers_twin"]
+__all__ = [
+    "MiMoV2FlashConfig",
+    "MiMoV2FlashForCausalLM",
+    "ContiguousKV",
+    "TINY_LLM_CONFIG",
+    "PRO_SHAPE_CONFIG",
+    "load_llm",
+    "init_random_weights",
+    "transformers_twin",
+]
 
 # The embedded default: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2,
 # hidden 256 (= the tiny vision tower's output), a byte-level vocabulary (256 bytes + specials).
 TINY_LLM_CONFIG = MiMoV2FlashConfig(
-    vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=64, v_head_dim=32, sliding_window=129, moe_intermediate_size=128,
-    num_experts_per_tok=2, n_routed_experts=8, bos_token_id=256, eos_token_id=257,
+    vocab_size=320,
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=8,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=64,
+    v_head_dim=32,
+    sliding_window=129,
+    moe_intermediate_size=128,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    bos_token_id=256,
+    eos_token_id=257,
 )
 TINY_SEED = 0
 
@@ -25,8 +45,14 @@ TINY_SEED = 0
 # weights): 70 layers, 10 of them full attention, 8 KV heads in both layer types, head dims 192/128, window 128.
 PRO_FULL_LAYERS = (0, 7, 15, 23, 31, 39, 47, 55, 62, 69)
 PRO_SHAPE_CONFIG = MiMoV2FlashConfig(
-    hidden_size=6144, num_hidden_layers=70, num_attention_heads=128, num_key_value_heads=8, swa_num_key_value_heads=8,
-    head_dim=192, v_head_dim=128, sliding_window=129,
+    hidden_size=6144,
+    num_hidden_layers=70,
+    num_attention_heads=128,
+    num_key_value_heads=8,
+    swa_num_key_value_heads=8,
+    head_dim=192,
+    v_head_dim=128,
+    sliding_window=129,
     layer_types=["full_attention" if i in PRO_FULL_LAYERS else "sliding_attention" for i in range(70)],
 )
 
@@ -65,7 +91,9 @@ def _to_packed_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             out[k] = v
     for prefix, by_id in experts.items():
         ids = sorted(by_id)
-        out[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([by_id[i]["gate_proj"], by_id[i]["up_proj"]]) for i in ids])
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_id[i]["gate_proj"], by_id[i]["up_proj"]]) for i in ids]
+        )
         out[f"{prefix}.down_proj"] = torch.stack([by_id[i]["down_proj"] for i in ids])
     return out
 
@@ -77,7 +105,9 @@ def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.
     else:
         d = Path(name_or_path)
         if not (d / "config.json").is_file():
-            raise FileNotFoundError(f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json")
+            raise FileNotFoundError(
+                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json"
+            )
         cfg_dict = json.loads((d / "config.json").read_text())
         if cfg_dict.get("model_type") != "mimo_v2_flash":
             raise ValueError(f"model {name_or_path!r}: model_type {cfg_dict.get('model_type')!r} is not mimo_v2_flash")

@@ -14,6 +14,7 @@ layers, `q_pos - k_pos < sliding_window` (transformers stores window + 1). The e
 a single sequence (references, tests) uses a `ContiguousKV`. MoE experts run the fused Triton kernels on CUDA and
 their torch twin on the CPU (kernels/moe.py).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
@@ -63,7 +64,9 @@ class MiMoV2FlashConfig:
     def __post_init__(self):
         n = self.num_hidden_layers
         if not self.layer_types:
-            self.layer_types = ["full_attention" if (i == 0 or (i + 1) % 6 == 0) else "sliding_attention" for i in range(n)]
+            self.layer_types = [
+                "full_attention" if (i == 0 or (i + 1) % 6 == 0) else "sliding_attention" for i in range(n)
+            ]
         if not self.mlp_layer_types:
             self.mlp_layer_types = ["dense"] + ["sparse"] * (n - 1)
         if not self.rope_parameters:
@@ -126,7 +129,9 @@ class TopkRouter(nn.Module):
         if c.n_group > 1:
             grouped = choice.view(-1, c.n_group, c.n_routed_experts // c.n_group)
             group_scores = grouped.topk(2, dim=-1)[0].sum(-1)
-            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(c.topk_group, dim=-1, sorted=False)[1], 1)
+            keep = torch.zeros_like(group_scores).scatter_(
+                1, group_scores.topk(c.topk_group, dim=-1, sorted=False)[1], 1
+            )
             mask = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, c.n_routed_experts)
             choice = choice.masked_fill(~mask.bool(), float("-inf"))
         ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
@@ -160,8 +165,13 @@ class MoE(nn.Module):
         c = self.gate.cfg
         if c.n_group == 1 and triton_enabled(x.device):  # fused routing + grouped expert GEMMs (kernels/moe.py)
             logits = F.linear(x.float(), self.gate.weight.float())
-            weights, ids = topk_routing(logits, self.gate.e_score_correction_bias.float(), c.num_experts_per_tok,
-                                        c.norm_topk_prob, c.routed_scaling_factor)
+            weights, ids = topk_routing(
+                logits,
+                self.gate.e_score_correction_bias.float(),
+                c.num_experts_per_tok,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            )
             return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids).view(shape)
@@ -172,7 +182,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     r = cos.shape[-1]
     xr, xp = x[..., :r], x[..., r:]
     c, s = cos[:, None, :], sin[:, None, :]
-    x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+    x1, x2 = xr[..., : r // 2], xr[..., r // 2 :]
     rotated = torch.cat((-x2, x1), dim=-1)
     return torch.cat(((xr * c) + (rotated * s), xp), dim=-1)
 
@@ -188,7 +198,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * cfg.v_head_dim, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(hq * cfg.v_head_dim, cfg.hidden_size, bias=False)
         self.sinks = nn.Parameter(torch.empty(hq)) if self.sliding else None
-        self.scale = cfg.head_dim ** -0.5
+        self.scale = cfg.head_dim**-0.5
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [T, hidden] -> rotated q [T, Hq, D], rotated k [T, Hkv, D], scaled v [T, Hkv, Dv]."""
@@ -243,8 +253,14 @@ class MiMoV2FlashForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, kv,
-                inputs_embeds: torch.Tensor | None = None, logits_for: str = "all") -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        kv,
+        inputs_embeds: torch.Tensor | None = None,
+        logits_for: str = "all",
+    ) -> torch.Tensor:
         """One sequence's new tokens [T] at consecutive `positions` [T], over its own `ContiguousKV`
         (llm_backend.paged_attention; references and tests); returns logits [T, vocab] ("all") or [1, vocab]."""
         start, n = int(positions[0]), int(positions.shape[0])
@@ -274,5 +290,5 @@ class MiMoV2FlashForCausalLM(nn.Module):
         results = []
         for j, mode in enumerate(logits_for):
             a, b = bounds[j], bounds[j + 1]
-            results.append(self.lm_head(m.norm(x[a:b] if mode == "all" else x[b - 1:b])).float())
+            results.append(self.lm_head(m.norm(x[a:b] if mode == "all" else x[b - 1 : b])).float())
         return results

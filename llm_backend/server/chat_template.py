@@ -18,6 +18,7 @@ one block per message (`<|role|>`, newline, the message's text, newline; text pa
 are concatenated, media parts add nothing: media embeddings go right after BOS), and `<|assistant|>\\n`
 when `add_generation_prompt`.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,8 +73,9 @@ def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False
 
 @lru_cache(maxsize=16)
 def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -96,12 +98,17 @@ class ChatTemplate:
         self.origin = origin
         _compile(source)  # fail at start-up, not on the first request
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None,
-               **kwargs) -> str:
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None, documents=None, **kwargs
+    ) -> str:
         try:
-            return _compile(self.source).render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                tools=tools, documents=documents,
-                                                **{**self.special_tokens, **kwargs})
+            return _compile(self.source).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                documents=documents,
+                **{**self.special_tokens, **kwargs},
+            )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template: {e}") from None
         except (TypeError, KeyError, AttributeError, IndexError, ValueError) as e:

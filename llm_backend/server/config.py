@@ -1,6 +1,7 @@
 """The serving layer's settings (HTTP API, admission), read from the worker's flags. The flags themselves are
 fields of `LLMConfig` (llm_backend/config.py, the one flag source of `mimo-epd llm`), so the defaults here
 are taken from there."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields

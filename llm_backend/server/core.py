@@ -12,6 +12,7 @@ through the encoder), admit it to the engine, and turn the engine's token callba
   code, so both front ends report it the same way. A request the caller stops reading (a cancelled RPC,
   a closed HTTP connection) is aborted by `Generation.cancel()`, which frees its KV at the next step.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -30,11 +31,16 @@ from .detokenizer import IncrementalDetokenizer, StopMatcher
 log = logging.getLogger(__name__)
 
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
-    grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.UNIMPLEMENTED: 400,
-    grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.UNAVAILABLE: 503,
+    grpc.StatusCode.INVALID_ARGUMENT: 400,
+    grpc.StatusCode.FAILED_PRECONDITION: 400,
+    grpc.StatusCode.OUT_OF_RANGE: 400,
+    grpc.StatusCode.UNIMPLEMENTED: 400,
+    grpc.StatusCode.PERMISSION_DENIED: 403,
+    grpc.StatusCode.UNAUTHENTICATED: 401,
+    grpc.StatusCode.NOT_FOUND: 404,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.CANCELLED: 499,
+    grpc.StatusCode.UNAVAILABLE: 503,
     grpc.StatusCode.DEADLINE_EXCEEDED: 504,
 }
 
@@ -42,8 +48,16 @@ HTTP_STATUS = {
 class ServeError(Exception):
     """A request's failure: `code` for gRPC, `http_status` for HTTP, `err_code`/`param` for OpenAI bodies."""
 
-    def __init__(self, code: grpc.StatusCode, message: str, *, http_status: int | None = None,
-                 param: str | None = None, err_code: str | None = None, retry_after: float | None = None):
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        http_status: int | None = None,
+        param: str | None = None,
+        err_code: str | None = None,
+        retry_after: float | None = None,
+    ):
         super().__init__(message)
         self.code, self.message = code, message
         self.http_status = http_status or HTTP_STATUS.get(code, 500)
@@ -59,11 +73,13 @@ def media_error(code: grpc.StatusCode, details: str) -> ServeError:
     details = details or code.name
     status = None
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and (
-            "larger than the limit" in details or "over the limit" in details):
+        "larger than the limit" in details or "over the limit" in details
+    ):
         status = 413
     retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and status is None else None
-    return ServeError(code, f"encoder: {details}", http_status=status, param="media", retry_after=retry,
-                      err_code="media_error")
+    return ServeError(
+        code, f"encoder: {details}", http_status=status, param="media", retry_after=retry, err_code="media_error"
+    )
 
 
 def placeholder_ids(content_key: str, n: int, vocab: int) -> list[int]:
@@ -102,6 +118,7 @@ class Final:
 @dataclass
 class Result:
     """A whole generation, collected (the non-streaming responses)."""
+
     text: str
     token_ids: list[int]
     logprobs: list[float]
@@ -110,17 +127,28 @@ class Result:
 
 
 class GenerationCore:
-    def __init__(self, engine, encoder_address: str | None = None, metrics=None, default_max_tokens: int = 256,
-                 model_name: str = "", max_message_mb: int = 512):
+    def __init__(
+        self,
+        engine,
+        encoder_address: str | None = None,
+        metrics=None,
+        default_max_tokens: int = 256,
+        model_name: str = "",
+        max_message_mb: int = 512,
+    ):
         self.engine = engine
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name or getattr(engine, "model_name", "") or "tiny"
         self.encoder = None
         if encoder_address:
-            ch = grpc.aio.insecure_channel(encoder_address, options=[
-                ("grpc.max_receive_message_length", max_message_mb << 20),
-                ("grpc.max_send_message_length", max_message_mb << 20)])
+            ch = grpc.aio.insecure_channel(
+                encoder_address,
+                options=[
+                    ("grpc.max_receive_message_length", max_message_mb << 20),
+                    ("grpc.max_send_message_length", max_message_mb << 20),
+                ],
+            )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
         self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
 
@@ -154,17 +182,22 @@ class GenerationCore:
 
     def check_serving(self) -> None:
         if self.engine.loop_error is not None or not self.engine_alive():
-            raise ServeError(grpc.StatusCode.UNAVAILABLE,
-                             f"the engine is down: {self.engine.loop_error or 'its loop stopped'}")
+            raise ServeError(
+                grpc.StatusCode.UNAVAILABLE, f"the engine is down: {self.engine.loop_error or 'its loop stopped'}"
+            )
 
     # ------------------------------------------------------------------------------------ media
-    async def encode_media(self, items: list[encoder_pb2.MediaItem], timeout: float | None
-                           ) -> tuple[list[int], dict[int, torch.Tensor]]:
+    async def encode_media(
+        self, items: list[encoder_pb2.MediaItem], timeout: float | None
+    ) -> tuple[list[int], dict[int, torch.Tensor]]:
         if not items:
             return [], {}
         if self.encoder is None:
-            raise ServeError(grpc.StatusCode.FAILED_PRECONDITION,
-                             "media items need an encoder: start the worker with --encoder ADDR", param="media")
+            raise ServeError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "media items need an encoder: start the worker with --encoder ADDR",
+                param="media",
+            )
         try:
             resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items)), timeout=timeout)
         except grpc.aio.AioRpcError as e:
@@ -173,18 +206,29 @@ class GenerationCore:
         ids, rows = [], []
         for i, it in enumerate(resp.items):
             emb = torch.frombuffer(bytearray(it.embedding.data), dtype=getattr(torch, it.embedding.dtype)).view(
-                *it.embedding.shape)
+                *it.embedding.shape
+            )
             if emb.shape[-1] != hidden:
-                raise ServeError(grpc.StatusCode.FAILED_PRECONDITION,
-                                 f"media item {i}: embedding size {emb.shape[-1]} != the model's hidden size {hidden}",
-                                 http_status=400, param="media")
+                raise ServeError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"media item {i}: embedding size {emb.shape[-1]} != the model's hidden size {hidden}",
+                    http_status=400,
+                    param="media",
+                )
             ids += placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
             rows.append(emb)
         table = torch.cat(rows)
         return ids, {1 + j: table[j] for j in range(table.shape[0])}  # positions after BOS
 
-    async def prepare(self, *, text: str | None = None, token_ids: list[int] | None = None,
-                      media_items=(), add_special_tokens: bool = True, timeout: float | None = None) -> Prepared:
+    async def prepare(
+        self,
+        *,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        media_items=(),
+        add_special_tokens: bool = True,
+        timeout: float | None = None,
+    ) -> Prepared:
         arrival = time.monotonic()
         self.check_serving()
         if token_ids is not None:
@@ -198,25 +242,42 @@ class GenerationCore:
         return Prepared(prompt, media, len(media_ids), arrival)
 
     # ------------------------------------------------------------------------------------ run
-    def make_params(self, max_tokens: int | None, prompt_len: int, *, ignore_eos: bool = False,
-                    stop_token_ids=(), top_logprobs: int = 0, **kw):
+    def make_params(
+        self,
+        max_tokens: int | None,
+        prompt_len: int,
+        *,
+        ignore_eos: bool = False,
+        stop_token_ids=(),
+        top_logprobs: int = 0,
+        **kw,
+    ):
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise ServeError.invalid(
                 f"the prompt has {prompt_len} tokens, but this worker holds at most {self.max_model_len} tokens "
-                "per request (prompt + output; raise --kv-cache-tokens)", param="messages",
-                err_code="context_length_exceeded")
+                "per request (prompt + output; raise --kv-cache-tokens)",
+                param="messages",
+                err_code="context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = min(self.default_max_tokens, room)
         elif max_tokens > room:
             raise ServeError.invalid(
                 f"this worker holds at most {self.max_model_len} tokens per request, but {prompt_len + max_tokens} "
                 f"were asked for ({prompt_len} in the prompt, {max_tokens} in the completion); lower max_tokens",
-                param="max_tokens", err_code="context_length_exceeded")
+                param="max_tokens",
+                err_code="context_length_exceeded",
+            )
         if top_logprobs:
             kw["logprobs"] = True
-        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=tuple(int(t) for t in stop_token_ids),
-                                ignore_eos=ignore_eos, top_logprobs=top_logprobs, **kw)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            ignore_eos=ignore_eos,
+            top_logprobs=top_logprobs,
+            **kw,
+        )
         cfg = self.engine.config
         try:
             params.validate(cfg.max_tokens_limit, cfg.max_temperature)
@@ -245,7 +306,7 @@ class GenerationCore:
         raise AssertionError("unreachable: events() always ends with a Final")
 
     def abort(self, r, reason: str = "abort") -> None:
-        """"abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
+        """ "abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
         self.engine.abort(r, reason=reason)
 
 
@@ -263,6 +324,7 @@ class Generation:
         self.done = False
         self.n_tokens = 0
         self.matched: str | int | None = None
+
         def push(item):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -270,8 +332,9 @@ class Generation:
             push(("token", t, lp, list(r.top_logprobs[-1]) if self.want_top and r.top_logprobs else None))
 
         try:
-            self.r = core.engine.add_request(prep.prompt, params, prep.media, on_token=on_token,
-                                             on_finish=lambda r: push(("end", None, None, None)))
+            self.r = core.engine.add_request(
+                prep.prompt, params, prep.media, on_token=on_token, on_finish=lambda r: push(("end", None, None, None))
+            )
         except PromptTooLong as e:
             raise ServeError.invalid(str(e), param="messages", err_code="context_length_exceeded") from None
         except ValueError as e:
@@ -279,8 +342,12 @@ class Generation:
         except OverloadedError as e:
             if core.metrics is not None:
                 core.metrics.rejected.inc()
-            raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the worker is overloaded: {e}", retry_after=1.0,
-                             err_code="overloaded") from None
+            raise ServeError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the worker is overloaded: {e}",
+                retry_after=1.0,
+                err_code="overloaded",
+            ) from None
         self.stop_ids = self.r.stop_ids  # stop_token_ids, and the model's EOS unless ignore_eos
 
     async def events(self):
@@ -329,8 +396,16 @@ class Generation:
         finish = "stop" if stopped else ("length" if reason == "length" else reason)
         e2e = time.monotonic() - self.prep.arrival
         ttft = (r.first_token_at - self.prep.arrival) if r.first_token_at else e2e
-        final = Final(finish, len(self.prep.prompt), r.cached_tokens, self.n_tokens, self.prep.media_tokens,
-                      max(ttft, 0.0), e2e, self.matched)
+        final = Final(
+            finish,
+            len(self.prep.prompt),
+            r.cached_tokens,
+            self.n_tokens,
+            self.prep.media_tokens,
+            max(ttft, 0.0),
+            e2e,
+            self.matched,
+        )
         if m is not None:
             m.on_finish(final)
         yield final
@@ -338,9 +413,13 @@ class Generation:
     def _error(self) -> ServeError:
         r = self.r
         msg, code = r.error, r.error_code
-        grpc_code = {"resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED, "invalid": grpc.StatusCode.INVALID_ARGUMENT
-                     }.get(code, grpc.StatusCode.INTERNAL)
-        return ServeError(grpc_code, msg or "the request failed", retry_after=1.0 if code == "resource_exhausted" else None)
+        grpc_code = {
+            "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+        }.get(code, grpc.StatusCode.INTERNAL)
+        return ServeError(
+            grpc_code, msg or "the request failed", retry_after=1.0 if code == "resource_exhausted" else None
+        )
 
     def cancel(self) -> None:
         if not self.done and not self.r.finish_reason:

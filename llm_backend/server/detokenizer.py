@@ -12,6 +12,7 @@ Concatenating every delta and `flush()` equals `decode(all ids)` for the byte an
 that is a prefix of some stop string, and on a match returns the text before it (the stop string itself
 is not part of the output, as in the OpenAI API).
 """
+
 from __future__ import annotations
 
 REPLACEMENT = "\ufffd"
@@ -32,19 +33,19 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Adds one id; returns the newly stable text (possibly empty)."""
         self.ids.append(token_id)
-        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset:])
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
         if len(text) > len(prefix) and not text.endswith(REPLACEMENT):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            return text[len(prefix):]
+            return text[len(prefix) :]
         return ""
 
     def flush(self) -> str:
         """Whatever is still held back (an incomplete character at the very end decodes as U+FFFD)."""
-        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
-        text = self.decode(self.ids[self.prefix_offset:])
+        prefix = self.decode(self.ids[self.prefix_offset : self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset :])
         self.prefix_offset = self.read_offset = len(self.ids)
-        return text[len(prefix):]
+        return text[len(prefix) :]
 
 
 class StopMatcher:
@@ -69,14 +70,14 @@ class StopMatcher:
         if first is not None:
             self.matched = first[1]
             self.buffer = ""
-            return buf[:first[0]], True
+            return buf[: first[0]], True
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
                 if buf.endswith(s[:k]):
                     hold = k
                     break
-        out, self.buffer = buf[:len(buf) - hold], buf[len(buf) - hold:]
+        out, self.buffer = buf[: len(buf) - hold], buf[len(buf) - hold :]
         return out, False
 
     def flush(self) -> str:

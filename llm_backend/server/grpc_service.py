@@ -4,6 +4,7 @@ comes from the incremental detokenizer (a delta may carry a token and no text ye
 incomplete character, or text that could start a stop string, wait for the next token), then one final
 message. A client that cancels the call (or goes away) aborts the request, which frees its KV.
 """
+
 from __future__ import annotations
 
 import grpc
@@ -26,22 +27,40 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         try:
             if any(not x for x in s.stop):
                 raise ServeError.invalid("sampling.stop: a stop string must not be empty", param="sampling.stop")
-            prep = await core.prepare(text=request.prompt, token_ids=list(request.prompt_token_ids) or None,
-                                      media_items=list(request.media), timeout=context.time_remaining())
-            params = core.make_params(s.max_tokens or 16, len(prep.prompt), temperature=s.temperature,
-                                      top_p=s.top_p or 1.0, top_k=s.top_k, seed=s.seed if s.has_seed else None,
-                                      stop_token_ids=tuple(s.stop_token_ids), logprobs=s.logprobs,
-                                      ignore_eos=s.ignore_eos)
+            prep = await core.prepare(
+                text=request.prompt,
+                token_ids=list(request.prompt_token_ids) or None,
+                media_items=list(request.media),
+                timeout=context.time_remaining(),
+            )
+            params = core.make_params(
+                s.max_tokens or 16,
+                len(prep.prompt),
+                temperature=s.temperature,
+                top_p=s.top_p or 1.0,
+                top_k=s.top_k,
+                seed=s.seed if s.has_seed else None,
+                stop_token_ids=tuple(s.stop_token_ids),
+                logprobs=s.logprobs,
+                ignore_eos=s.ignore_eos,
+            )
             gen = core.start(prep, params, tuple(s.stop))
             async for ev in gen.events():
                 if isinstance(ev, Final):
-                    yield generator_pb2.GenerateResponse(final=generator_pb2.GenerateFinal(
-                        prompt_tokens=ev.prompt_tokens, cached_tokens=ev.cached_tokens,
-                        completion_tokens=ev.completion_tokens, ttft_ms=ev.ttft_s * 1e3,
-                        finish_reason=ev.finish_reason, media_tokens=ev.media_tokens))
+                    yield generator_pb2.GenerateResponse(
+                        final=generator_pb2.GenerateFinal(
+                            prompt_tokens=ev.prompt_tokens,
+                            cached_tokens=ev.cached_tokens,
+                            completion_tokens=ev.completion_tokens,
+                            ttft_ms=ev.ttft_s * 1e3,
+                            finish_reason=ev.finish_reason,
+                            media_tokens=ev.media_tokens,
+                        )
+                    )
                     break
-                yield generator_pb2.GenerateResponse(delta=generator_pb2.TokenDelta(
-                    token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs))
+                yield generator_pb2.GenerateResponse(
+                    delta=generator_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs)
+                )
         except ServeError as e:
             await context.abort(e.code, e.message)
         finally:

@@ -8,6 +8,7 @@ bodies with the status of the `ServeError` (429 with Retry-After when overloaded
 with `data: [DONE]`; an error after the stream has started is sent as one `data: {"error": ...}` event.
 A client that disconnects cancels its handler (handler_cancellation), which aborts its request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -31,8 +32,9 @@ def error_response(e: ServeError) -> web.Response:
     headers = {}
     if e.retry_after is not None:
         headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    return web.json_response(proto.error_body(e.http_status, e.message, e.param, e.err_code), status=e.http_status,
-                             headers=headers)
+    return web.json_response(
+        proto.error_body(e.http_status, e.message, e.param, e.err_code), status=e.http_status, headers=headers
+    )
 
 
 @web.middleware
@@ -46,8 +48,11 @@ async def errors_middleware(request: web.Request, handler):
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return web.json_response(proto.error_body(e.status, f"{e.reason}: {request.method} {request.path}"),
-                                 status=e.status, headers={k: v for k, v in e.headers.items() if k == "Allow"})
+        return web.json_response(
+            proto.error_body(e.status, f"{e.reason}: {request.method} {request.path}"),
+            status=e.status,
+            headers={k: v for k, v in e.headers.items() if k == "Allow"},
+        )
 
 
 async def read_json(request: web.Request):
@@ -59,8 +64,14 @@ async def read_json(request: web.Request):
 
 
 class LLMHTTPServer:
-    def __init__(self, core: GenerationCore, template: ChatTemplate, metrics=None, media_timeout_s: float = 60.0,
-                 model_path: str = "tiny"):
+    def __init__(
+        self,
+        core: GenerationCore,
+        template: ChatTemplate,
+        metrics=None,
+        media_timeout_s: float = 60.0,
+        model_path: str = "tiny",
+    ):
         self.core, self.template, self.metrics = core, template, metrics
         self.media_timeout_s = media_timeout_s
         self.model_path = model_path
@@ -86,22 +97,34 @@ class LLMHTTPServer:
     # ------------------------------------------------------------------------------ info
     def _check_model(self, req: proto.GenRequest) -> None:
         if req.model and req.model != self.core.model_name:
-            raise ServeError(grpc.StatusCode.NOT_FOUND,
-                             f"model {req.model!r} is not served here (this worker serves {self.core.model_name!r})",
-                             param="model", err_code="model_not_found")
+            raise ServeError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {req.model!r} is not served here (this worker serves {self.core.model_name!r})",
+                param="model",
+                err_code="model_not_found",
+            )
 
     def _model_card(self) -> dict:
-        return {"id": self.core.model_name, "object": "model", "created": self.started, "owned_by": "mimo-epd",
-                "root": self.model_path, "max_model_len": self.core.max_model_len}
+        return {
+            "id": self.core.model_name,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "mimo-epd",
+            "root": self.model_path,
+            "max_model_len": self.core.max_model_len,
+        }
 
     async def models(self, request):
         return web.json_response({"object": "list", "data": [self._model_card()]})
 
     async def model(self, request):
         if request.match_info["model"] != self.core.model_name:
-            raise ServeError(grpc.StatusCode.NOT_FOUND,
-                             f"model {request.match_info['model']!r} is not served here", param="model",
-                             err_code="model_not_found")
+            raise ServeError(
+                grpc.StatusCode.NOT_FOUND,
+                f"model {request.match_info['model']!r} is not served here",
+                param="model",
+                err_code="model_not_found",
+            )
         return web.json_response(self._model_card())
 
     async def health(self, request):
@@ -115,21 +138,36 @@ class LLMHTTPServer:
         return web.json_response({"status": "ok"})
 
     async def model_info(self, request):
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.model_path,
-                                  "served_model_name": self.core.model_name, "is_generation": True,
-                                  "preferred_sampling_params": None, "weight_version": "default",
-                                  "has_image_understanding": self.core.encoder is not None,
-                                  "max_model_len": self.core.max_model_len})
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "served_model_name": self.core.model_name,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": self.core.encoder is not None,
+                "max_model_len": self.core.max_model_len,
+            }
+        )
 
     async def server_info(self, request):
         s = self.core.stats()
-        return web.json_response({"model_path": self.model_path, "served_model_name": self.core.model_name,
-                                  "tokenizer_path": self.model_path, "dp_size": 1, "tp_size": 1,
-                                  "context_length": self.core.max_model_len,
-                                  "max_total_num_tokens": s.get("full_total"), "max_running_requests":
-                                  self.core.engine.config.max_running,
-                                  "max_waiting": self.core.max_waiting, "chat_template": self.template.origin,
-                                  "internal_states": [s]})
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "served_model_name": self.core.model_name,
+                "tokenizer_path": self.model_path,
+                "dp_size": 1,
+                "tp_size": 1,
+                "context_length": self.core.max_model_len,
+                "max_total_num_tokens": s.get("full_total"),
+                "max_running_requests": self.core.engine.config.max_running,
+                "max_waiting": self.core.max_waiting,
+                "chat_template": self.template.origin,
+                "internal_states": [s],
+            }
+        )
 
     async def metrics_handler(self, request):
         if self.metrics is None:
@@ -141,13 +179,21 @@ class LLMHTTPServer:
         core = self.core
         if req.kind == "chat":
             text = self.template.render(req.messages, add_generation_prompt=True)
-            prep = await core.prepare(text=text, media_items=req.media, add_special_tokens=False,
-                                      timeout=self.media_timeout_s)
+            prep = await core.prepare(
+                text=text, media_items=req.media, add_special_tokens=False, timeout=self.media_timeout_s
+            )
         else:
-            prep = await core.prepare(text=req.text, token_ids=req.token_ids, media_items=req.media,
-                                      timeout=self.media_timeout_s)
-        params = core.make_params(req.max_tokens, len(prep.prompt), ignore_eos=req.ignore_eos,
-                                  stop_token_ids=req.stop_token_ids, top_logprobs=req.top_logprobs, **req.sampling)
+            prep = await core.prepare(
+                text=req.text, token_ids=req.token_ids, media_items=req.media, timeout=self.media_timeout_s
+            )
+        params = core.make_params(
+            req.max_tokens,
+            len(prep.prompt),
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=req.stop_token_ids,
+            top_logprobs=req.top_logprobs,
+            **req.sampling,
+        )
         return prep, params
 
     def _logprobs(self, req, ids, lps, tops, offset0=0):
@@ -182,8 +228,9 @@ class LLMHTTPServer:
         return web.json_response(body)
 
     async def _open_sse(self, request) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                           "X-Accel-Buffering": "no"})
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         await resp.prepare(request)
         return resp
 
@@ -200,31 +247,52 @@ class LLMHTTPServer:
         offset = 0
         try:
             if chat:
-                await self._send(resp, proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""},
-                                                        include_usage=req.include_usage))
+                await self._send(
+                    resp,
+                    proto.chat_chunk(
+                        rid, model, created, {"role": "assistant", "content": ""}, include_usage=req.include_usage
+                    ),
+                )
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     if chat:
-                        await self._send(resp, proto.chat_chunk(rid, model, created, {}, ev.finish_reason,
-                                                                include_usage=req.include_usage))
+                        await self._send(
+                            resp,
+                            proto.chat_chunk(
+                                rid, model, created, {}, ev.finish_reason, include_usage=req.include_usage
+                            ),
+                        )
                     else:
-                        await self._send(resp, proto.completion_chunk(rid, model, created, "", ev.finish_reason,
-                                                                      include_usage=req.include_usage))
+                        await self._send(
+                            resp,
+                            proto.completion_chunk(
+                                rid, model, created, "", ev.finish_reason, include_usage=req.include_usage
+                            ),
+                        )
                     if req.include_usage:
-                        await self._send(resp, proto.usage_chunk(rid, model, created,
-                                                                 "chat.completion.chunk" if chat else "text_completion",
-                                                                 ev))
+                        await self._send(
+                            resp,
+                            proto.usage_chunk(
+                                rid, model, created, "chat.completion.chunk" if chat else "text_completion", ev
+                            ),
+                        )
                     break
                 lp = self._logprobs(req, ev.token_ids, ev.logprobs, ev.top_logprobs, offset)
                 offset += len(ev.text)
                 if not ev.text and lp is None:
                     continue
                 if chat:
-                    await self._send(resp, proto.chat_chunk(rid, model, created, {"content": ev.text}, None, lp,
-                                                            include_usage=req.include_usage))
+                    await self._send(
+                        resp,
+                        proto.chat_chunk(
+                            rid, model, created, {"content": ev.text}, None, lp, include_usage=req.include_usage
+                        ),
+                    )
                 else:
-                    await self._send(resp, proto.completion_chunk(rid, model, created, ev.text, None, lp,
-                                                                  include_usage=req.include_usage))
+                    await self._send(
+                        resp,
+                        proto.completion_chunk(rid, model, created, ev.text, None, lp, include_usage=req.include_usage),
+                    )
         except ServeError as e:
             await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
         finally:
@@ -250,14 +318,26 @@ class LLMHTTPServer:
         try:
             async for ev in gen.events():
                 if isinstance(ev, Final):
-                    await self._send(resp, {"text": "".join(text), "output_ids": ids,
-                                            "meta_info": proto.generate_meta(rid, ev, len(ids), len(prep.prompt))})
+                    await self._send(
+                        resp,
+                        {
+                            "text": "".join(text),
+                            "output_ids": ids,
+                            "meta_info": proto.generate_meta(rid, ev, len(ids), len(prep.prompt)),
+                        },
+                    )
                     break
                 text.append(ev.text)
                 ids += ev.token_ids
                 if ev.text:
-                    await self._send(resp, {"text": "".join(text), "output_ids": ids,
-                                            "meta_info": proto.generate_meta(rid, None, len(ids), len(prep.prompt))})
+                    await self._send(
+                        resp,
+                        {
+                            "text": "".join(text),
+                            "output_ids": ids,
+                            "meta_info": proto.generate_meta(rid, None, len(ids), len(prep.prompt)),
+                        },
+                    )
         except ServeError as e:
             await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
         finally:

@@ -5,6 +5,7 @@ at the worker, media encoding included). Counters: prompt / cached / generated t
 requests by finish reason, requests refused for overload. Gauges read `engine.stats()` at scrape time:
 running and waiting requests, used and total slots of both KV pools, prefix-cache hit tokens.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,39 +23,53 @@ class _EngineGauges:
 
     def collect(self):
         s = self.stats()
-        gauges = [("llm_requests_running", "requests running in the engine", "running"),
-                  ("llm_requests_waiting", "requests waiting for admission", "waiting"),
-                  ("llm_kv_full_used_slots", "used slots of the full-attention KV pool", "full_used"),
-                  ("llm_kv_full_total_slots", "slots of the full-attention KV pool", "full_total"),
-                  ("llm_kv_swa_used_slots", "used slots of the sliding-window KV pool", "swa_used"),
-                  ("llm_kv_swa_total_slots", "slots of the sliding-window KV pool", "swa_total")]
+        gauges = [
+            ("llm_requests_running", "requests running in the engine", "running"),
+            ("llm_requests_waiting", "requests waiting for admission", "waiting"),
+            ("llm_kv_full_used_slots", "used slots of the full-attention KV pool", "full_used"),
+            ("llm_kv_full_total_slots", "slots of the full-attention KV pool", "full_total"),
+            ("llm_kv_swa_used_slots", "used slots of the sliding-window KV pool", "swa_used"),
+            ("llm_kv_swa_total_slots", "slots of the sliding-window KV pool", "swa_total"),
+        ]
         for name, doc, key in gauges:
             if key in s:
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
         if "prefix_hit_tokens" in s:
-            yield CounterMetricFamily("llm_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
-                                      value=float(s["prefix_hit_tokens"]))
+            yield CounterMetricFamily(
+                "llm_prefix_cache_hit_tokens",
+                "prompt tokens served from the prefix cache",
+                value=float(s["prefix_hit_tokens"]),
+            )
         if "preemptions" in s:
-            yield CounterMetricFamily("llm_preemptions", "requests preempted (KV freed, recomputed later)",
-                                      value=float(s["preemptions"]))
+            yield CounterMetricFamily(
+                "llm_preemptions", "requests preempted (KV freed, recomputed later)", value=float(s["preemptions"])
+            )
 
 
 class LLMMetrics:
     def __init__(self, stats=None):
         r = self.registry = CollectorRegistry()
-        self.ttft = Histogram("llm_time_to_first_token_seconds", "arrival to first token", buckets=TOKEN_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("llm_inter_token_latency_seconds", "time between consecutive tokens of a request",
-                             buckets=TOKEN_BUCKETS, registry=r)
-        self.e2e = Histogram("llm_e2e_request_latency_seconds", "arrival to the last token", buckets=E2E_BUCKETS,
-                             registry=r)
+        self.ttft = Histogram(
+            "llm_time_to_first_token_seconds", "arrival to first token", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.itl = Histogram(
+            "llm_inter_token_latency_seconds",
+            "time between consecutive tokens of a request",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llm_e2e_request_latency_seconds", "arrival to the last token", buckets=E2E_BUCKETS, registry=r
+        )
         self.prompt_tokens = Counter("llm_prompt_tokens", "prompt tokens of finished requests", registry=r)
-        self.cached_tokens = Counter("llm_cached_tokens", "prompt tokens of finished requests found in the prefix cache",
-                                     registry=r)
+        self.cached_tokens = Counter(
+            "llm_cached_tokens", "prompt tokens of finished requests found in the prefix cache", registry=r
+        )
         self.generated_tokens = Counter("llm_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("llm_requests_finished", "finished requests by finish reason", ["reason"], registry=r)
-        self.rejected = Counter("llm_requests_rejected", "requests refused because too many were waiting (429)",
-                                registry=r)
+        self.rejected = Counter(
+            "llm_requests_rejected", "requests refused because too many were waiting (429)", registry=r
+        )
         if stats is not None:
             self.watch(stats)
 

@@ -10,6 +10,7 @@ list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n`
 this server does not implement (penalties, logit_bias, tools, JSON mode, n > 1, echo, suffix) get a 400
 that says so rather than being silently ignored.
 """
+
 from __future__ import annotations
 
 import time
@@ -48,8 +49,15 @@ def _bad(param: str, msg: str) -> ServeError:
 
 
 def _type_name(v) -> str:
-    return {type(None): "null", bool: "a boolean", int: "an integer", float: "a number", str: "a string",
-            list: "an array", dict: "an object"}.get(type(v), type(v).__name__)
+    return {
+        type(None): "null",
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "an array",
+        dict: "an object",
+    }.get(type(v), type(v).__name__)
 
 
 def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None, param: str | None = None) -> int | None:
@@ -62,7 +70,9 @@ def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None, par
     if isinstance(v, bool) or not isinstance(v, int):
         raise _bad(param, f"expected an integer, got {_type_name(v)}")
     if lo is not None and v < lo or hi is not None and v > hi:
-        raise _bad(param, f"{v} is out of range [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]")
+        raise _bad(
+            param, f"{v} is out of range [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        )
     return v
 
 
@@ -314,9 +324,12 @@ def new_id(prefix: str) -> str:
 
 
 def usage(final: Final) -> dict:
-    return {"prompt_tokens": final.prompt_tokens, "completion_tokens": final.completion_tokens,
-            "total_tokens": final.prompt_tokens + final.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": final.cached_tokens}}
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+    }
 
 
 def token_piece(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -333,7 +346,7 @@ def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list) -> di
     for k, (t, lp) in enumerate(zip(ids, lps)):
         tok, raw = token_piece(tokenizer, t)
         entry = {"token": tok, "logprob": lp, "bytes": raw, "top_logprobs": []}
-        for alt, alp in (tops[k] if k < len(tops) else []):
+        for alt, alp in tops[k] if k < len(tops) else []:
             at, ab = token_piece(tokenizer, alt)
             entry["top_logprobs"].append({"token": at, "logprob": alp, "bytes": ab})
         content.append(entry)
@@ -343,42 +356,74 @@ def chat_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list) -> di
 def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list, offset0: int = 0) -> dict:
     tokens, offsets, top_out = [], [], []
     pos = offset0
-    for k, t in enumerate(ids[:len(lps)]):
+    for k, t in enumerate(ids[: len(lps)]):
         tok, _ = token_piece(tokenizer, t)
         tokens.append(tok)
         offsets.append(pos)
         pos += len(tok)
         top_out.append({token_piece(tokenizer, a)[0]: alp for a, alp in tops[k]} if k < len(tops) else None)
-    return {"tokens": tokens, "token_logprobs": list(lps[:len(tokens)]), "top_logprobs": top_out,
-            "text_offset": offsets}
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(lps[: len(tokens)]),
+        "top_logprobs": top_out,
+        "text_offset": offsets,
+    }
 
 
 def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
-    return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                         "finish_reason": final.finish_reason}],
-            "usage": usage(final)}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": final.finish_reason,
+            }
+        ],
+        "usage": usage(final),
+    }
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason=None, logprobs=None,
-               include_usage: bool = False) -> dict:
-    out = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-           "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def chat_chunk(
+    rid: str, model: str, created: int, delta: dict, finish_reason=None, logprobs=None, include_usage: bool = False
+) -> dict:
+    out = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if include_usage:
         out["usage"] = None
     return out
 
 
 def completion_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}],
-            "usage": usage(final)}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": final.finish_reason}],
+        "usage": usage(final),
+    }
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason=None, logprobs=None,
-                     include_usage: bool = False) -> dict:
-    out = {"id": rid, "object": "text_completion", "created": created, "model": model,
-           "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+def completion_chunk(
+    rid: str, model: str, created: int, text: str, finish_reason=None, logprobs=None, include_usage: bool = False
+) -> dict:
+    out = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+    }
     if include_usage:
         out["usage"] = None
     return out
@@ -396,16 +441,29 @@ def generate_meta(rid: str, final: Final | None, completion_tokens: int, prompt_
             fr["length"] = final.completion_tokens
         elif final.matched_stop is not None:
             fr["matched"] = final.matched_stop
-        meta.update(finish_reason=fr, cached_tokens=final.cached_tokens, e2e_latency=round(final.e2e_s, 6),
-                    ttft=round(final.ttft_s, 6), media_tokens=final.media_tokens)
+        meta.update(
+            finish_reason=fr,
+            cached_tokens=final.cached_tokens,
+            e2e_latency=round(final.e2e_s, 6),
+            ttft=round(final.ttft_s, 6),
+            media_tokens=final.media_tokens,
+        )
     return meta
 
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               503: "service_unavailable_error", 504: "timeout_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "service_unavailable_error",
+    504: "timeout_error",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    return {
+        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    }

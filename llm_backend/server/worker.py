@@ -1,6 +1,7 @@
 """`mimo-epd llm`: one LLM worker process. The engine loop runs in its own thread; gRPC Generate and the
 HTTP API (both on `GenerationCore`) run on the event loop. Prints `http HOST:PORT` (when the HTTP API is
 on) and then `ready HOST:PORT` (gRPC) once both serve; SIGTERM drains both within the grace period."""
+
 from __future__ import annotations
 
 import asyncio
@@ -20,16 +21,24 @@ from .metrics import LLMMetrics
 log = logging.getLogger(__name__)
 
 
-async def serve_llm(engine, host: str, port: int, encoder_address: str | None, grace_s: float = 10.0,
-                    config: ServerConfig | None = None, model: str = "tiny") -> int:
+async def serve_llm(
+    engine,
+    host: str,
+    port: int,
+    encoder_address: str | None,
+    grace_s: float = 10.0,
+    config: ServerConfig | None = None,
+    model: str = "tiny",
+) -> int:
     config = config or ServerConfig.from_engine(engine)
     name = config.served_model_name or (model if model == "tiny" else os.path.basename(os.path.normpath(model)))
     template = load_chat_template(model, config.chat_template)
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     metrics = LLMMetrics()
-    core = GenerationCore(engine, encoder_address, metrics, default_max_tokens=config.default_max_tokens,
-                          model_name=name)
+    core = GenerationCore(
+        engine, encoder_address, metrics, default_max_tokens=config.default_max_tokens, model_name=name
+    )
     core.engine_alive = thread.is_alive
     metrics.watch(core.stats)
     thread.start()
@@ -46,8 +55,9 @@ async def serve_llm(engine, host: str, port: int, encoder_address: str | None, g
     if config.http_port >= 0:
         from .http import LLMHTTPServer, start_http
 
-        runner, http_port = await start_http(LLMHTTPServer(core, template, metrics, config.media_timeout_s, model),
-                                             host, config.http_port)
+        runner, http_port = await start_http(
+            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model), host, config.http_port
+        )
         shown = f"[{host}]" if ":" in host else host
         log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
         print(f"http {shown}:{http_port}", flush=True)

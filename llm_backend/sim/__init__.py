@@ -8,12 +8,28 @@ driven by a simulated runner whose step times come from a cost model (docs/simul
 - `trace.py`: simulated requests and the long-context mix;
 - `calibrate.py`: timed steps of the real tiny model, the `cpu-measured` fit and the live-vs-sim validation.
 """
+
 from .cost import CostModel, LinearProfile, RooflineProfile, load_profile, step_features
 from .engine import Finished, SimWorker, WorkerConfig, simulate
 from .runner import SimRunner
 from .shapes import SHAPES, ModelShape, get_shape
 from .trace import SimRequest, length_class, long_context_mix
 
-__all__ = ["CostModel", "LinearProfile", "RooflineProfile", "load_profile", "step_features", "Finished", "SimWorker",
-           "WorkerConfig", "simulate", "SimRunner", "SHAPES", "ModelShape", "get_shape", "SimRequest", "length_class",
-           "long_context_mix"]
+__all__ = [
+    "CostModel",
+    "LinearProfile",
+    "RooflineProfile",
+    "load_profile",
+    "step_features",
+    "Finished",
+    "SimWorker",
+    "WorkerConfig",
+    "simulate",
+    "SimRunner",
+    "SHAPES",
+    "ModelShape",
+    "get_shape",
+    "SimRequest",
+    "length_class",
+    "long_context_mix",
+]

@@ -9,6 +9,7 @@ when other processes share the machine's cores (this one has two, shared by ever
 outputs as the trace's tokens) and compares per-request cached tokens (must be equal) and step times (the
 profile's predictions against the measured ones on that held-out workload).
 """
+
 from __future__ import annotations
 
 import platform
@@ -22,8 +23,9 @@ from .engine import SimWorker, WorkerConfig, simulate
 from .shapes import get_shape
 from .trace import SimRequest
 
-LIVE = dict(kv_cache_tokens=6144, swa_cache_tokens=1024, page_size=16, chunk_size=256, max_running=8,
-            release_interval=16)
+LIVE = dict(
+    kv_cache_tokens=6144, swa_cache_tokens=1024, page_size=16, chunk_size=256, max_running=8, release_interval=16
+)
 
 
 def workload(seed: int, waves: int = 6, per_wave: int = 8, max_prompt: int = 1200) -> list[list[tuple[list[int], int]]]:
@@ -77,19 +79,29 @@ def timed_run(waves, live=LIVE, threads: int = 1) -> dict:
         while any(not r.finish_reason for r in reqs):
             llm.step()
         requests.extend(reqs)
-    return {"steps": steps, "requests": [{"prompt": r.prompt, "output": r.output, "cached_tokens": r.cached_tokens,
-                                          "finish_reason": r.finish_reason} for r in requests],
-            "preemptions": llm.preemptions, "threads": threads}
+    return {
+        "steps": steps,
+        "requests": [
+            {"prompt": r.prompt, "output": r.output, "cached_tokens": r.cached_tokens, "finish_reason": r.finish_reason}
+            for r in requests
+        ],
+        "preemptions": llm.preemptions,
+        "threads": threads,
+    }
 
 
 def _errors(cost: CostModel, steps) -> dict:
     pred = np.array([cost.step_seconds(s) for s, _ in steps])
     meas = np.array([t for _, t in steps])
     rel = np.abs(pred - meas) / meas
-    return {"steps": len(steps), "measured_s": round(float(meas.sum()), 4), "predicted_s": round(float(pred.sum()), 4),
-            "total_error": round(float(abs(pred.sum() - meas.sum()) / meas.sum()), 4),
-            "per_step_median_error": round(float(np.median(rel)), 4),
-            "per_step_mean_error": round(float(rel.mean()), 4)}
+    return {
+        "steps": len(steps),
+        "measured_s": round(float(meas.sum()), 4),
+        "predicted_s": round(float(pred.sum()), 4),
+        "total_error": round(float(abs(pred.sum() - meas.sum()) / meas.sum()), 4),
+        "per_step_median_error": round(float(np.median(rel)), 4),
+        "per_step_mean_error": round(float(rel.mean()), 4),
+    }
 
 
 def calibrate(seed: int = 1, holdout_seed: int = 2, waves: int = 6, warmup_steps: int = 5, threads: int = 1) -> tuple:
@@ -101,9 +113,15 @@ def calibrate(seed: int = 1, holdout_seed: int = 2, waves: int = 6, warmup_steps
     prof = fit_linear("cpu-measured", [step_features(shape, s) for s, _ in train], [t for _, t in train])
     cost = CostModel(shape, prof)
     report = {"train": _errors(cost, train), "holdout": _errors(cost, test)}
-    prof.fitted_on = {"shape": "tiny", "machine": platform.machine(), "processor": platform.processor() or "",
-                      "torch_threads": threads, "train_steps": len(train), "holdout": report["holdout"],
-                      "created": time.strftime("%Y-%m-%d")}
+    prof.fitted_on = {
+        "shape": "tiny",
+        "machine": platform.machine(),
+        "processor": platform.processor() or "",
+        "torch_threads": threads,
+        "train_steps": len(train),
+        "holdout": report["holdout"],
+        "created": time.strftime("%Y-%m-%d"),
+    }
     return prof, report
 
 
@@ -112,9 +130,15 @@ def validate(profile, seed: int = 3, waves: int = 6, threads: int = 1) -> dict:
     shape = get_shape("tiny")
     live = timed_run(workload(seed, waves), threads=threads)
     cost = CostModel(shape, profile)
-    cfg = WorkerConfig(full_tokens=LIVE["kv_cache_tokens"], swa_tokens=LIVE["swa_cache_tokens"],
-                       page_size=LIVE["page_size"], chunk_size=LIVE["chunk_size"], max_running=LIVE["max_running"],
-                       release_interval=LIVE["release_interval"], unit=1)
+    cfg = WorkerConfig(
+        full_tokens=LIVE["kv_cache_tokens"],
+        swa_tokens=LIVE["swa_cache_tokens"],
+        page_size=LIVE["page_size"],
+        chunk_size=LIVE["chunk_size"],
+        max_running=LIVE["max_running"],
+        release_interval=LIVE["release_interval"],
+        unit=1,
+    )
     worker = SimWorker(cost, cfg)
     # Each wave arrives when the previous one is done (far apart on the virtual clock), as the live run does.
     specs, k = [], 0
@@ -129,12 +153,22 @@ def validate(profile, seed: int = 3, waves: int = 6, threads: int = 1) -> dict:
     live_cached = [r["cached_tokens"] for r in live["requests"]]
     mismatches = [i for i, c in enumerate(live_cached) if sim_cached.get(i) != c]
     errs = _errors(cost, live["steps"])
-    return {"cached_tokens_equal": not mismatches and len(sim_cached) == len(live_cached),
-            "step_time_error": errs["per_step_median_error"],
-            "requests": len(live_cached), "cached_tokens": {"live": sum(live_cached), "sim": sum(sim_cached.values())},
-            "mismatched_requests": mismatches[:20],
-            "steps": {"live": len(live["steps"]), "sim": worker.runner.steps},
-            "preemptions": {"live": live["preemptions"], "sim": worker.scheduler.preemptions},
-            "step_times": errs, "sim_busy_s": round(worker.runner.busy_s, 4),
-            "config": {**LIVE, "model": "tiny", "workload_seed": seed, "waves": waves, "torch_threads": threads,
-                       "profile": profile.name}}
+    return {
+        "cached_tokens_equal": not mismatches and len(sim_cached) == len(live_cached),
+        "step_time_error": errs["per_step_median_error"],
+        "requests": len(live_cached),
+        "cached_tokens": {"live": sum(live_cached), "sim": sum(sim_cached.values())},
+        "mismatched_requests": mismatches[:20],
+        "steps": {"live": len(live["steps"]), "sim": worker.runner.steps},
+        "preemptions": {"live": live["preemptions"], "sim": worker.scheduler.preemptions},
+        "step_times": errs,
+        "sim_busy_s": round(worker.runner.busy_s, 4),
+        "config": {
+            **LIVE,
+            "model": "tiny",
+            "workload_seed": seed,
+            "waves": waves,
+            "torch_threads": threads,
+            "profile": profile.name,
+        },
+    }

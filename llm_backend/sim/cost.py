@@ -21,6 +21,7 @@ A device profile turns features into seconds:
   `mm_efficiency` and attention FLOPs at `attn_efficiency` of the peak, memory = weights read (dense weights +
   touched experts, bf16) + KV bytes at `bw_efficiency` of the HBM bandwidth, over `gpus` devices.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,8 +61,17 @@ class StepFeatures:
     kv_bytes: float = 0.0
 
     def vector(self) -> np.ndarray:
-        return np.array([1.0, self.segments, self.tokens, self.linear_flops, self.attn_full_flops, self.attn_swa_flops,
-                         self.experts_touched])
+        return np.array(
+            [
+                1.0,
+                self.segments,
+                self.tokens,
+                self.linear_flops,
+                self.attn_full_flops,
+                self.attn_swa_flops,
+                self.experts_touched,
+            ]
+        )
 
 
 def step_features(shape: ModelShape, segments) -> StepFeatures:
@@ -107,6 +117,7 @@ class LinearProfile:
 @dataclass
 class RooflineProfile:
     """Peak figures are per device (NVIDIA H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e)."""
+
     name: str = "h200"
     gpus: int = 8
     peak_flops: float = 989e12
@@ -120,12 +131,17 @@ class RooflineProfile:
     kind = "roofline"
 
     def step_seconds(self, f: StepFeatures, shape: ModelShape | None = None) -> float:
-        compute = (f.linear_flops / (self.peak_flops * self.mm_efficiency)
-                   + (f.attn_full_flops + f.attn_swa_flops) / (self.peak_flops * self.attn_efficiency)) / self.gpus
+        compute = (
+            f.linear_flops / (self.peak_flops * self.mm_efficiency)
+            + (f.attn_full_flops + f.attn_swa_flops) / (self.peak_flops * self.attn_efficiency)
+        ) / self.gpus
         weights = 0.0
         if shape is not None:
-            weights = (shape.dense_params + f.experts_touched * shape.expert_params
-                       + (f.sampled > 0) * shape.vocab * shape.hidden) * shape.weight_bytes
+            weights = (
+                shape.dense_params
+                + f.experts_touched * shape.expert_params
+                + (f.sampled > 0) * shape.vocab * shape.hidden
+            ) * shape.weight_bytes
         memory = (weights + f.kv_bytes) / (self.hbm_bytes_per_s * self.bw_efficiency * self.gpus)
         return max(compute, memory) + self.step_overhead_s + self.segment_overhead_s * f.segments
 

@@ -10,6 +10,7 @@ Sizes are given in real tokens and divided by `unit` (runner.py explains units):
 (rounded up), length buckets and the wait penalty (tokens per second). With unit 1 the worker is the live
 engine's scheduling exactly (`mimo-epd sim validate` checks the cached tokens per request).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class WorkerConfig:
 @dataclass
 class Finished:
     """What a finished request reports (times in virtual seconds, lengths in real tokens)."""
+
     index: int
     worker: str
     arrival: float
@@ -62,11 +64,20 @@ class SimWorker:
         self.swa_pool = SlotPool("swa", c.swa_tokens // U)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
         self.now = 0.0
-        self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, chunk_size=max(1, c.chunk_size // U),
-                                   max_running=c.max_running, enable_prefix_cache=c.prefix_cache,
-                                   release_interval=c.release_interval, fcfs=c.fcfs, wait_penalty=c.wait_penalty / U,
-                                   length_buckets=tuple(b // U for b in c.length_buckets), clock=lambda: self.now,
-                                   max_prefill_tokens=c.max_prefill_tokens // U)
+        self.scheduler = Scheduler(
+            self.cache,
+            self.full_pool,
+            self.swa_pool,
+            chunk_size=max(1, c.chunk_size // U),
+            max_running=c.max_running,
+            enable_prefix_cache=c.prefix_cache,
+            release_interval=c.release_interval,
+            fcfs=c.fcfs,
+            wait_penalty=c.wait_penalty / U,
+            length_buckets=tuple(b // U for b in c.length_buckets),
+            clock=lambda: self.now,
+            max_prefill_tokens=c.max_prefill_tokens // U,
+        )
         self.runner = SimRunner(cost, U)
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []
@@ -97,9 +108,20 @@ class SimWorker:
             return
         spec = st.spec
         self.runner.forget(r.id)
-        self.finished.append(Finished(
-            spec.index, self.name, r.arrival, r.first_token_at if r.output else self.now, self.now, spec.prompt_len,
-            min(spec.prompt_len, r.cached_tokens * self.unit), st.generated, r.finish_reason, spec.meta))
+        self.finished.append(
+            Finished(
+                spec.index,
+                self.name,
+                r.arrival,
+                r.first_token_at if r.output else self.now,
+                self.now,
+                spec.prompt_len,
+                min(spec.prompt_len, r.cached_tokens * self.unit),
+                st.generated,
+                r.finish_reason,
+                spec.meta,
+            )
+        )
 
     # ----------------------------------------------------------------------------------- steps
     def start_step(self, now: float) -> float | None:
@@ -133,14 +155,22 @@ class SimWorker:
     def load(self) -> dict:
         """Queued and running tokens (real), as a live worker reports them (llm_backend.kv.events.engine_load)."""
         s, U = self.scheduler, self.unit
-        return {"queued_tokens": sum(len(r.prompt) for r in s.waiting) * U,
-                "running_tokens": sum(len(r.prompt) + len(r.output) for r in s.running) * U,
-                "waiting": len(s.waiting), "running": len(s.running)}
+        return {
+            "queued_tokens": sum(len(r.prompt) for r in s.waiting) * U,
+            "running_tokens": sum(len(r.prompt) + len(r.output) for r in s.running) * U,
+            "waiting": len(s.waiting),
+            "running": len(s.running),
+        }
 
     def stats(self) -> dict:
         s = self.scheduler
-        return {"steps": self.runner.steps, "busy_s": round(self.runner.busy_s, 3), "preemptions": s.preemptions,
-                "prefix_hit_tokens": self.cache.stats.hit_tokens * self.unit, "rejected": len(self.rejected)}
+        return {
+            "steps": self.runner.steps,
+            "busy_s": round(self.runner.busy_s, 3),
+            "preemptions": s.preemptions,
+            "prefix_hit_tokens": self.cache.stats.hit_tokens * self.unit,
+            "rejected": len(self.rejected),
+        }
 
 
 def simulate(worker: SimWorker, requests: list[SimRequest]) -> SimWorker:

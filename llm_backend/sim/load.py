@@ -5,6 +5,7 @@ load lower) plus its decode tokens at 1/`batch` of a step that decodes `batch` s
 context. Load = arrival rate x mean service time / workers, so load 0.8 means the workers would be busy 80% of
 the time if nothing were cached and decode batches were always full. Traces are time-scaled to a target load.
 """
+
 from __future__ import annotations
 
 from .cost import CostModel
@@ -39,5 +40,10 @@ def scale_to_load(cost: CostModel, reqs: list[SimRequest], load: float, workers:
     factor = native / rate
     for r in reqs:
         r.arrival = (r.arrival - t0) * factor
-    return {"load": load, "workers": workers, "mean_service_s": round(mean, 5), "rate_per_s": round(rate, 4),
-            "time_scale": round(factor, 5)}
+    return {
+        "load": load,
+        "workers": workers,
+        "mean_service_s": round(mean, 5),
+        "rate_per_s": round(rate, 4),
+        "time_scale": round(factor, 5),
+    }

@@ -1,4 +1,5 @@
 """What a simulation reports: latency percentiles per length class, throughput, cache hits, queue lengths."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -10,8 +11,13 @@ def _pct(values) -> dict:
     if not len(values):
         return {"n": 0}
     a = np.asarray(values, dtype=float)
-    return {"n": int(a.size), "p50": round(float(np.percentile(a, 50)), 4), "p90": round(float(np.percentile(a, 90)), 4),
-            "p99": round(float(np.percentile(a, 99)), 4), "mean": round(float(a.mean()), 4)}
+    return {
+        "n": int(a.size),
+        "p50": round(float(np.percentile(a, 50)), 4),
+        "p90": round(float(np.percentile(a, 90)), 4),
+        "p99": round(float(np.percentile(a, 99)), 4),
+        "mean": round(float(a.mean()), 4),
+    }
 
 
 def queue_series(samples_per_worker: list[list[tuple[float, int, int]]], end: float, points: int = 40) -> dict:
@@ -32,8 +38,11 @@ def queue_series(samples_per_worker: list[list[tuple[float, int, int]]], end: fl
         nz = cnt > 0
         waiting[nz] += w[nz] / cnt[nz]
         running[nz] += r[nz] / cnt[nz]
-    return {"t": [round(float(x), 3) for x in edges[1:]], "waiting": [round(float(x), 2) for x in waiting],
-            "running": [round(float(x), 2) for x in running]}
+    return {
+        "t": [round(float(x), 3) for x in edges[1:]],
+        "waiting": [round(float(x), 2) for x in waiting],
+        "running": [round(float(x), 2) for x in running],
+    }
 
 
 def summarize(finished, samples_per_worker, worker_stats: list[dict], rejected: int = 0) -> dict:
@@ -54,14 +63,28 @@ def summarize(finished, samples_per_worker, worker_stats: list[dict], rejected: 
     short = [f.first_token - f.arrival for f in finished if f.prompt_len < BUCKETS[0][2]]
     long = [f.first_token - f.arrival for f in finished if f.prompt_len >= BUCKETS[0][2]]
     return {
-        "requests": len(finished), "rejected": rejected,
+        "requests": len(finished),
+        "rejected": rejected,
         "errors": sum(f.reason == "error" for f in finished),
-        "ttft_s": {"all": _pct([f.first_token - f.arrival for f in finished]), "short_lt_64K": _pct(short),
-                   "long_ge_64K": _pct(long), "by_class": {k: _pct(v) for k, v in ttft.items() if v}},
-        "e2e_s": {"all": _pct([f.finish - f.arrival for f in finished]), "by_class": {k: _pct(v) for k, v in e2e.items() if v}},
-        "throughput": {"seconds": round(span, 3), "requests_per_s": round(len(finished) / span, 4),
-                       "input_tokens_per_s": round(prompt / span, 1), "output_tokens_per_s": round(out / span, 1)},
-        "hit_tokens": hit, "prompt_tokens": prompt, "hit_token_rate": round(hit / max(prompt, 1), 4),
+        "ttft_s": {
+            "all": _pct([f.first_token - f.arrival for f in finished]),
+            "short_lt_64K": _pct(short),
+            "long_ge_64K": _pct(long),
+            "by_class": {k: _pct(v) for k, v in ttft.items() if v},
+        },
+        "e2e_s": {
+            "all": _pct([f.finish - f.arrival for f in finished]),
+            "by_class": {k: _pct(v) for k, v in e2e.items() if v},
+        },
+        "throughput": {
+            "seconds": round(span, 3),
+            "requests_per_s": round(len(finished) / span, 4),
+            "input_tokens_per_s": round(prompt / span, 1),
+            "output_tokens_per_s": round(out / span, 1),
+        },
+        "hit_tokens": hit,
+        "prompt_tokens": prompt,
+        "hit_token_rate": round(hit / max(prompt, 1), 4),
         "preemptions": sum(s["preemptions"] for s in worker_stats),
         "steps": sum(s["steps"] for s in worker_stats),
         "busy_fraction": [round(s["busy_s"] / span, 3) for s in worker_stats],

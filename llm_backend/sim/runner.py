@@ -11,6 +11,7 @@ tokens are all computed an n = 0 segment), which this runner counts as one real 
 no sample. So every step is one real iteration, TTFT and decode timing are per real token, and with U = 1 the
 runner emits a token every step, exactly like the live engine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

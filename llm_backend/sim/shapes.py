@@ -10,6 +10,7 @@ named shapes follow the code that defines them:
   that are *assumed* here (see PRO_MOE): the public figures are ~1T total and ~42B active parameters; 384 routed
   experts, top-8, expert FFN width 2048 and a dense first layer (FFN 16384) reproduce them with this attention.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -17,8 +18,7 @@ from dataclasses import dataclass, replace
 from ..models import PRO_SHAPE_CONFIG, TINY_LLM_CONFIG, MiMoV2FlashConfig
 
 # MiMo-V2.5-Pro's MoE (assumptions, chosen to match the published ~1T total / ~42B active parameter counts).
-PRO_MOE = {"n_routed_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048,
-           "intermediate_size": 16384}
+PRO_MOE = {"n_routed_experts": 384, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "intermediate_size": 16384}
 
 
 @dataclass(frozen=True)
@@ -49,20 +49,35 @@ class ModelShape:
         full = [i for i, t in enumerate(types) if t != "sliding_attention"]
         swa = [i for i, t in enumerate(types) if t == "sliding_attention"]
         dense = sum(t == "dense" for t in cfg.mlp_layer_types)
-        return cls(name=name, hidden=cfg.hidden_size, vocab=cfg.vocab_size, heads=cfg.num_attention_heads,
-                   head_dim=cfg.head_dim, v_head_dim=cfg.v_head_dim, window=cfg.window,
-                   full_layers=len(full), swa_layers=len(swa),
-                   kv_heads_full=cfg.kv_heads(full[0]) if full else 0,
-                   kv_heads_swa=cfg.kv_heads(swa[0]) if swa else 0,
-                   dense_layers=dense, dense_intermediate=cfg.intermediate_size,
-                   moe_layers=len(types) - dense, moe_intermediate=cfg.moe_intermediate_size,
-                   experts=cfg.n_routed_experts, experts_per_tok=cfg.num_experts_per_tok, **kw)
+        return cls(
+            name=name,
+            hidden=cfg.hidden_size,
+            vocab=cfg.vocab_size,
+            heads=cfg.num_attention_heads,
+            head_dim=cfg.head_dim,
+            v_head_dim=cfg.v_head_dim,
+            window=cfg.window,
+            full_layers=len(full),
+            swa_layers=len(swa),
+            kv_heads_full=cfg.kv_heads(full[0]) if full else 0,
+            kv_heads_swa=cfg.kv_heads(swa[0]) if swa else 0,
+            dense_layers=dense,
+            dense_intermediate=cfg.intermediate_size,
+            moe_layers=len(types) - dense,
+            moe_intermediate=cfg.moe_intermediate_size,
+            experts=cfg.n_routed_experts,
+            experts_per_tok=cfg.num_experts_per_tok,
+            **kw,
+        )
 
     # ------------------------------------------------------------------------------- parameters
     def attn_params(self, kv_heads: int) -> int:
         h = self.hidden
-        return h * self.heads * self.head_dim + h * kv_heads * (self.head_dim + self.v_head_dim) \
+        return (
+            h * self.heads * self.head_dim
+            + h * kv_heads * (self.head_dim + self.v_head_dim)
             + self.heads * self.v_head_dim * h
+        )
 
     @property
     def expert_params(self) -> int:
@@ -71,8 +86,12 @@ class ModelShape:
     @property
     def dense_params(self) -> int:
         """Weights every token uses: attention, dense MLPs, routers (not the experts, not embeddings / head)."""
-        return (self.full_layers * self.attn_params(self.kv_heads_full) + self.swa_layers * self.attn_params(self.kv_heads_swa)
-                + self.dense_layers * 3 * self.hidden * self.dense_intermediate + self.moe_layers * self.hidden * self.experts)
+        return (
+            self.full_layers * self.attn_params(self.kv_heads_full)
+            + self.swa_layers * self.attn_params(self.kv_heads_swa)
+            + self.dense_layers * 3 * self.hidden * self.dense_intermediate
+            + self.moe_layers * self.hidden * self.experts
+        )
 
     @property
     def active_params(self) -> int:
@@ -100,10 +119,15 @@ class ModelShape:
         return int(full), int(swa)
 
     def describe(self) -> dict:
-        return {"name": self.name, "layers": {"full": self.full_layers, "sliding": self.swa_layers},
-                "window": self.window, "experts": f"{self.experts_per_tok} of {self.experts}",
-                "total_params_b": round(self.total_params / 1e9, 2), "active_params_b": round(self.active_params / 1e9, 3),
-                "kv_bytes_per_token": {"full_layers": self.kv_bytes_full, "sliding_layers": self.kv_bytes_swa}}
+        return {
+            "name": self.name,
+            "layers": {"full": self.full_layers, "sliding": self.swa_layers},
+            "window": self.window,
+            "experts": f"{self.experts_per_tok} of {self.experts}",
+            "total_params_b": round(self.total_params / 1e9, 2),
+            "active_params_b": round(self.active_params / 1e9, 3),
+            "kv_bytes_per_token": {"full_layers": self.kv_bytes_full, "sliding_layers": self.kv_bytes_swa},
+        }
 
 
 SHAPES = {

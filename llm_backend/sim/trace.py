@@ -10,6 +10,7 @@ benchmark's parser).
 inside a bucket, bucket shares as given), output lengths log-uniform, Poisson arrivals. Prompts are random
 unit ids (no sharing) unless `shared_prefix_tokens` gives every request a common system prompt.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,9 +44,16 @@ class SimRequest:
         return OUTPUT_BASE + (self.index << 20) + j
 
 
-def long_context_mix(n: int, rate_per_s: float, seed: int = 0, unit: int = 128,
-                     shares=(0.8, 0.15, 0.05), output=(64, 1024), min_prompt: int = 512,
-                     shared_prefix_tokens: int = 0) -> list[SimRequest]:
+def long_context_mix(
+    n: int,
+    rate_per_s: float,
+    seed: int = 0,
+    unit: int = 128,
+    shares=(0.8, 0.15, 0.05),
+    output=(64, 1024),
+    min_prompt: int = 512,
+    shared_prefix_tokens: int = 0,
+) -> list[SimRequest]:
     rng = random.Random(seed)
     t = 0.0
     out = []
@@ -59,7 +67,7 @@ def long_context_mix(n: int, rate_per_s: float, seed: int = 0, unit: int = 128,
         olen = int(math.exp(rng.uniform(math.log(output[0]), math.log(output[1]))))
         units = -(-length // unit)
         body = [rng.getrandbits(48) for _ in range(max(0, units - len(prefix)))]
-        out.append(SimRequest(i, t, (prefix + body)[:max(units, 1)], length, olen))
+        out.append(SimRequest(i, t, (prefix + body)[: max(units, 1)], length, olen))
     return out
 
 

@@ -12,6 +12,7 @@ popularity; each request carries 1-4 items. The same request stream is replayed 
 Only the caches and the ring are exercised (no encoding): hit rates depend on placement and capacity,
 not on how long a forward takes.
 """
+
 from __future__ import annotations
 
 import time
@@ -37,7 +38,7 @@ def build_workload(catalog: int, requests: int, zipf: float, seed: int, hidden: 
         tokens.append(t * gh * gw // 4)
     nbytes = np.array(tokens, np.int64) * hidden * 4
     ranks = rng.permutation(catalog) + 1  # popularity independent of size
-    p = 1.0 / ranks ** zipf
+    p = 1.0 / ranks**zipf
     p /= p.sum()
     counts = rng.integers(1, 5, size=requests)
     items = rng.choice(catalog, size=int(counts.sum()), p=p)
@@ -71,8 +72,7 @@ def run_private(reqs, nbytes, keys, mode, encoders, cap_each, ring) -> dict:
             hits += 1
         else:
             caches[e].put(keys[it], CachedEmbedding(torch.empty(int(nbytes[it]) // 4), (1, 2, 2)))
-    return {"hit_rate": hits / lookups, "lookups": lookups, "hits": hits,
-            "evictions": sum(c.evictions for c in caches)}
+    return {"hit_rate": hits / lookups, "lookups": lookups, "hits": hits, "evictions": sum(c.evictions for c in caches)}
 
 
 def run_shared(reqs, nbytes, keys, mode, encoders, cap_total, ring) -> dict:
@@ -124,15 +124,31 @@ def main(args) -> dict:
                 c2 = int(nb2.sum() * frac)
                 rr = run_private(r2, nb2, k2, "rr", args.encoders, c2, ring)["hit_rate"]
                 hs = run_private(r2, nb2, k2, "hash", args.encoders, c2, ring)["hit_rate"]
-                sensitivity.append({"zipf": z, "cache_fraction": frac, "rr_private": round(rr, 4),
-                                    "hash_private": round(hs, 4), "hash_vs_rr_private": round(hs / rr, 3)})
+                sensitivity.append(
+                    {
+                        "zipf": z,
+                        "cache_fraction": frac,
+                        "rr_private": round(rr, 4),
+                        "hash_private": round(hs, 4),
+                        "hash_vs_rr_private": round(hs / rr, 3),
+                    }
+                )
     return {
         "bench": "cache-routing",
-        "workload": {"catalog_items": catalog, "requests": requests, "item_lookups": results["rr_private"]["lookups"],
-                     "items_per_request": "1-4 uniform", "zipf": args.zipf, "encoders": args.encoders,
-                     "catalog_bytes": int(nbytes.sum()), "per_encoder_cache_bytes": cap_each,
-                     "per_encoder_cache_fraction_of_catalog": args.cache_fraction,
-                     "shared_cache_bytes": cap_each * args.encoders, "vnodes": args.vnodes, "seed": args.seed},
+        "workload": {
+            "catalog_items": catalog,
+            "requests": requests,
+            "item_lookups": results["rr_private"]["lookups"],
+            "items_per_request": "1-4 uniform",
+            "zipf": args.zipf,
+            "encoders": args.encoders,
+            "catalog_bytes": int(nbytes.sum()),
+            "per_encoder_cache_bytes": cap_each,
+            "per_encoder_cache_fraction_of_catalog": args.cache_fraction,
+            "shared_cache_bytes": cap_each * args.encoders,
+            "vnodes": args.vnodes,
+            "seed": args.seed,
+        },
         "hit_rate": hit,
         "detail": results,
         "ratios": {
@@ -150,8 +166,12 @@ def add_arguments(p) -> None:
     p.add_argument("--requests", type=int, default=20000, help="requests replayed (default: 20000)")
     p.add_argument("--encoders", type=int, default=4, help="encoder instances (default: 4)")
     p.add_argument("--zipf", type=float, default=0.9, help="Zipf exponent of item popularity (default: 0.9)")
-    p.add_argument("--cache-fraction", type=float, default=0.05,
-                   help="each private cache's size as a fraction of the catalog's bytes (default: 0.05)")
+    p.add_argument(
+        "--cache-fraction",
+        type=float,
+        default=0.05,
+        help="each private cache's size as a fraction of the catalog's bytes (default: 0.05)",
+    )
     p.add_argument("--vnodes", type=int, default=160, help="virtual nodes per encoder (default: 160)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")

@@ -1,4 +1,5 @@
 """Shared pieces of the benchmarks: server subprocesses, closed-loop load, latency statistics."""
+
 from __future__ import annotations
 
 import asyncio
@@ -31,12 +32,18 @@ class ServerProcess:
             return self.proc.wait()
 
 
-def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 180, cwd: str | None = None
-                 ) -> ServerProcess:
+def start_server(
+    args: list[str], subcommand: str = "encoder", timeout: float = 180, cwd: str | None = None
+) -> ServerProcess:
     """Starts `mimo-epd <subcommand> --port 0 ARGS` and waits for its ready line (the benchmarks and the
     integration tests start every server this way)."""
-    proc = subprocess.Popen([sys.executable, "-m", "mimo_epd", subcommand, "--port", "0", *args], cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mimo_epd", subcommand, "--port", "0", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     log: list[str] = []
     threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
     deadline = time.monotonic() + timeout
@@ -68,9 +75,15 @@ def scrape(port: int) -> dict[str, float]:
 
 def latency_stats(latencies_s: list[float], wall_s: float) -> dict:
     a = np.array(latencies_s) * 1e3
-    return {"requests": len(a), "seconds": round(wall_s, 3), "qps": round(len(a) / wall_s, 3),
-            "avg_ms": round(float(a.mean()), 2), "p50_ms": round(float(np.percentile(a, 50)), 2),
-            "p90_ms": round(float(np.percentile(a, 90)), 2), "p99_ms": round(float(np.percentile(a, 99)), 2)}
+    return {
+        "requests": len(a),
+        "seconds": round(wall_s, 3),
+        "qps": round(len(a) / wall_s, 3),
+        "avg_ms": round(float(a.mean()), 2),
+        "p50_ms": round(float(np.percentile(a, 50)), 2),
+        "p90_ms": round(float(np.percentile(a, 90)), 2),
+        "p99_ms": round(float(np.percentile(a, 99)), 2),
+    }
 
 
 async def closed_loop(send, n: int, concurrency: int) -> tuple[list[float], float, int]:

@@ -26,6 +26,7 @@ Our stage busy fractions come from the server's Prometheus counters: busy second
 Both encoder sizes run (`--model-size`): `tiny` (forward cheap next to decode, like a GPU deployment) and
 `large` (a random config whose forward dominates on this CPU).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -46,15 +47,32 @@ from mimo_epd.bench.peers.proc import start_peer, tree_cpu_seconds
 from mimo_epd.testing.media_server import MediaServer, generate_pool
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
-LARGE_VISION_CONFIG = VisionConfig(depth=6, hidden_size=192, intermediate_size=384, num_heads=3, patch_size=14,
-                                   window_size=112, out_hidden_size=256, fullatt_block_indexes=[5])
+LARGE_VISION_CONFIG = VisionConfig(
+    depth=6,
+    hidden_size=192,
+    intermediate_size=384,
+    num_heads=3,
+    patch_size=14,
+    window_size=112,
+    out_hidden_size=256,
+    fullatt_block_indexes=[5],
+)
 # Every pipeline switch off; the resize backend stays the product's own `auto` (pillow-simd on a CPU).
-NAIVE_FLAGS = ["--no-pipeline", "--no-batching", "--decode-workers", "0", "--no-jpeg-draft", "--resize-in", "device",
-               "--decoder", "pil"]
+NAIVE_FLAGS = [
+    "--no-pipeline",
+    "--no-batching",
+    "--decode-workers",
+    "0",
+    "--no-jpeg-draft",
+    "--resize-in",
+    "device",
+    "--decoder",
+    "pil",
+]
 PIPELINED_FLAGS: list[str] = []
 STAGES = ("fetch", "decode", "preprocess", "encode")
 PEER_MODULE = "mimo_epd.bench.peers.hf_encoder"
-PEER_TOLERANCE = 1e-4       # relative L2 vs naive: same pixels, different float order
+PEER_TOLERANCE = 1e-4  # relative L2 vs naive: same pixels, different float order
 PIPELINED_TOLERANCE = 0.05  # relative L2 vs naive: JPEG draft decode (README, test_pipeline_switches.py)
 
 
@@ -85,8 +103,9 @@ def request_names(mix, per_size: int, n: int) -> list[str]:
     return [seq[i % len(seq)] for i in range(n)]
 
 
-async def _run_load(address: str, media: MediaServer, names: list[str], concurrency: int,
-                    keep: dict | None = None) -> tuple[list, float, int]:
+async def _run_load(
+    address: str, media: MediaServer, names: list[str], concurrency: int, keep: dict | None = None
+) -> tuple[list, float, int]:
     """The one load generator of every mode. With `keep`, stores each reply's embedding by image name."""
     async with grpc.aio.insecure_channel(address, options=[("grpc.max_receive_message_length", 256 << 20)]) as ch:
         stub = encoder_pb2_grpc.EncoderStub(ch)
@@ -117,30 +136,68 @@ def _server_stats(port: int, before: dict, after: dict, t0: float, t1: float) ->
     stats["avg_batch_items"] = round(items / batches, 2) if batches else 0.0
     stage_ms = {}
     for st in ("fetch", "decode", "preprocess", "queue", "encode"):
-        c = after.get(f'encoder_stage_seconds_count{{stage="{st}"}}', 0) - before.get(f'encoder_stage_seconds_count{{stage="{st}"}}', 0)
-        s = after.get(f'encoder_stage_seconds_sum{{stage="{st}"}}', 0) - before.get(f'encoder_stage_seconds_sum{{stage="{st}"}}', 0)
+        c = after.get(f'encoder_stage_seconds_count{{stage="{st}"}}', 0) - before.get(
+            f'encoder_stage_seconds_count{{stage="{st}"}}', 0
+        )
+        s = after.get(f'encoder_stage_seconds_sum{{stage="{st}"}}', 0) - before.get(
+            f'encoder_stage_seconds_sum{{stage="{st}"}}', 0
+        )
         stage_ms[st] = round(s / c * 1e3, 2) if c else 0.0
     stats["avg_stage_ms"] = stage_ms
     return stats
 
 
-def run_mode(mode: str, model_arg: str, ckpt: str, media: MediaServer, names: list[str], warmup: list[str],
-             concurrency: int, outputs: dict | None = None, flags: list[str] | None = None) -> dict:
+def run_mode(
+    mode: str,
+    model_arg: str,
+    ckpt: str,
+    media: MediaServer,
+    names: list[str],
+    warmup: list[str],
+    concurrency: int,
+    outputs: dict | None = None,
+    flags: list[str] | None = None,
+) -> dict:
     """One fresh server for `mode` (ours: naive / pipelined / flags; peers: peer_per_request / peer_batched),
     warmed up, its outputs collected for the check (one sequential pass over the distinct images), then the
     measured closed-loop load with the server tree's CPU seconds around it."""
     metrics_port = None
     if mode.startswith("peer_"):
         pre = PreprocessConfig.preset("qwen2_5_vl")
-        server = start_peer(PEER_MODULE, ["--checkpoint", ckpt, "--threads", str(concurrency),
-                                          "--max-batch", str(concurrency), "--min-pixels", str(pre.min_pixels),
-                                          "--max-pixels", str(pre.max_pixels),
-                                          "--batching" if mode == "peer_batched" else "--no-batching"])
+        server = start_peer(
+            PEER_MODULE,
+            [
+                "--checkpoint",
+                ckpt,
+                "--threads",
+                str(concurrency),
+                "--max-batch",
+                str(concurrency),
+                "--min-pixels",
+                str(pre.min_pixels),
+                "--max-pixels",
+                str(pre.max_pixels),
+                "--batching" if mode == "peer_batched" else "--no-batching",
+            ],
+        )
     else:
         metrics_port = _free_port()
         mode_flags = flags if flags is not None else (NAIVE_FLAGS if mode == "naive" else PIPELINED_FLAGS)
-        server = start_server(["--model", model_arg, "--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0",
-                               "--metrics-port", str(metrics_port), "--max-pending", "100000", *mode_flags])
+        server = start_server(
+            [
+                "--model",
+                model_arg,
+                "--url-allowlist",
+                "127.0.0.1/32",
+                "--cache-bytes",
+                "0",
+                "--metrics-port",
+                str(metrics_port),
+                "--max-pending",
+                "100000",
+                *mode_flags,
+            ]
+        )
     try:
         asyncio.run(_run_load(server.address, media, warmup, concurrency))
         if outputs is not None:
@@ -158,8 +215,10 @@ def run_mode(mode: str, model_arg: str, ckpt: str, media: MediaServer, names: li
     stats["server_cpu_util"] = round((cpu1 - cpu0) / (t1 - t0), 3)  # cores busy on average
     if metrics_port:
         stats.update(_server_stats(metrics_port, before, after, t0, t1))
-    log(f"{mode}: qps={stats['qps']} p50={stats.get('p50_ms')}ms p90={stats.get('p90_ms')}ms "
-        f"cpu/img={stats['cpu_s_per_image']}s failures={failures}")
+    log(
+        f"{mode}: qps={stats['qps']} p50={stats.get('p50_ms')}ms p90={stats.get('p90_ms')}ms "
+        f"cpu/img={stats['cpu_s_per_image']}s failures={failures}"
+    )
     return stats
 
 
@@ -178,19 +237,28 @@ def check_outputs(outputs: dict[str, dict[str, np.ndarray]], reference: str = "n
             else:
                 rel.append(float(np.linalg.norm(e - r) / max(np.linalg.norm(r), 1e-12)))
         tol = PIPELINED_TOLERANCE if mode == "pipelined" else PEER_TOLERANCE
-        out[mode] = {"max_rel_l2": float(f"{max(rel):.3g}"), "tolerance": tol, "match": max(rel) <= tol,
-                     "images": len(rel)}
+        out[mode] = {
+            "max_rel_l2": float(f"{max(rel):.3g}"),
+            "tolerance": tol,
+            "match": max(rel) <= tol,
+            "images": len(rel),
+        }
     return out
 
 
 def ratios(modes: dict) -> dict:
     p, n, b, a = modes["pipelined"], modes["naive"], modes["peer_batched"], modes["peer_per_request"]
-    return {"qps_vs_peer_batched": round(p["qps"] / b["qps"], 3), "p90_vs_peer_batched": round(p["p90_ms"] / b["p90_ms"], 3),
-            "qps_vs_peer_per_request": round(p["qps"] / a["qps"], 3),
-            "p90_vs_peer_per_request": round(p["p90_ms"] / a["p90_ms"], 3),
-            "cpu_per_image_vs_peer_batched": round(p["cpu_s_per_image"] / b["cpu_s_per_image"], 3)
-            if b["cpu_s_per_image"] else None,
-            "qps_vs_naive": round(p["qps"] / n["qps"], 3), "p90_vs_naive": round(p["p90_ms"] / n["p90_ms"], 3)}
+    return {
+        "qps_vs_peer_batched": round(p["qps"] / b["qps"], 3),
+        "p90_vs_peer_batched": round(p["p90_ms"] / b["p90_ms"], 3),
+        "qps_vs_peer_per_request": round(p["qps"] / a["qps"], 3),
+        "p90_vs_peer_per_request": round(p["p90_ms"] / a["p90_ms"], 3),
+        "cpu_per_image_vs_peer_batched": round(p["cpu_s_per_image"] / b["cpu_s_per_image"], 3)
+        if b["cpu_s_per_image"]
+        else None,
+        "qps_vs_naive": round(p["qps"] / n["qps"], 3),
+        "p90_vs_naive": round(p["p90_ms"] / n["p90_ms"], 3),
+    }
 
 
 def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
@@ -221,11 +289,20 @@ def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
             flags = ["--decoder", dec]
             if dec not in ("turbo", "pil"):
                 flags += ["--no-jpeg-draft"]  # draft decode is a libjpeg-turbo/PIL feature here
-            r = run_mode(f"decoder {dec}", model_arg, ckpt, media, names[: max(8, n // 2)], warmup, args.concurrency,
-                         flags=flags)
+            r = run_mode(
+                f"decoder {dec}", model_arg, ckpt, media, names[: max(8, n // 2)], warmup, args.concurrency, flags=flags
+            )
             decoders[dec] = {k: r[k] for k in ("qps", "avg_ms", "p90_ms", "cpu_s_per_image", "avg_stage_ms")}
-        r = run_mode("decoder pil_no_draft", model_arg, ckpt, media, names[: max(8, n // 2)], warmup, args.concurrency,
-                     flags=["--decoder", "pil", "--no-jpeg-draft"])
+        r = run_mode(
+            "decoder pil_no_draft",
+            model_arg,
+            ckpt,
+            media,
+            names[: max(8, n // 2)],
+            warmup,
+            args.concurrency,
+            flags=["--decoder", "pil", "--no-jpeg-draft"],
+        )
         decoders["pil_no_draft"] = {k: r[k] for k in ("qps", "avg_ms", "p90_ms", "cpu_s_per_image", "avg_stage_ms")}
         result["decoders"] = decoders
     return result
@@ -243,17 +320,32 @@ def main(args) -> dict:
 
     from encoder_server.preprocess import pillow_simd_active
 
-    out: dict = {"bench": "encoder", "config": {
-        "requests": args.requests, "concurrency": args.concurrency, "mix": args.mix, "images_per_size": args.per_size,
-        "cpu_cores": os.cpu_count(), "pil": "pillow-simd" if pillow_simd_active() else "pillow",
-        "naive_flags": " ".join(NAIVE_FLAGS), "pipelined_flags": " ".join(PIPELINED_FLAGS) or "(defaults)",
-        "peer": {"module": PEER_MODULE, "transformers": transformers.__version__,
-                 "qwen_vl_utils": _version("qwen-vl-utils"), "threads": args.concurrency,
-                 "batched_max_batch": args.concurrency, "batched_max_wait_ms": 5.0,
-                 "path": "aiohttp session -> qwen_vl_utils.fetch_image -> Qwen2VLImageProcessor (torchvision) -> "
-                         "Qwen2_5_VisionTransformerPretrainedModel"},
-        "outputs_reference": "naive", "load": "closed loop, one image per request by URL, unique bytes per request, "
-                                              "cache off, same gRPC client for every mode"}}
+    out: dict = {
+        "bench": "encoder",
+        "config": {
+            "requests": args.requests,
+            "concurrency": args.concurrency,
+            "mix": args.mix,
+            "images_per_size": args.per_size,
+            "cpu_cores": os.cpu_count(),
+            "pil": "pillow-simd" if pillow_simd_active() else "pillow",
+            "naive_flags": " ".join(NAIVE_FLAGS),
+            "pipelined_flags": " ".join(PIPELINED_FLAGS) or "(defaults)",
+            "peer": {
+                "module": PEER_MODULE,
+                "transformers": transformers.__version__,
+                "qwen_vl_utils": _version("qwen-vl-utils"),
+                "threads": args.concurrency,
+                "batched_max_batch": args.concurrency,
+                "batched_max_wait_ms": 5.0,
+                "path": "aiohttp session -> qwen_vl_utils.fetch_image -> Qwen2VLImageProcessor (torchvision) -> "
+                "Qwen2_5_VisionTransformerPretrainedModel",
+            },
+            "outputs_reference": "naive",
+            "load": "closed loop, one image per request by URL, unique bytes per request, "
+            "cache off, same gRPC client for every mode",
+        },
+    }
     with tempfile.TemporaryDirectory() as workdir, MediaServer(images) as media:
         tiny = run_size("tiny", media, mix, args, workdir)
         out.update({k: tiny[k] for k in ("modes", "ratios", "outputs_check", "outputs_match")})
@@ -280,13 +372,29 @@ DEFAULT_MIX = "640x480:1,1920x1080:1,3840x2160:1"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--requests", type=int, default=240, help="measured requests per mode (large: a quarter) (default: 240)")
-    p.add_argument("--concurrency", type=int, default=16,
-                   help="closed-loop clients; also the peers' thread pool and batch size (default: 16)")
-    p.add_argument("--mix", default=DEFAULT_MIX, help=f"image sizes WxH:weight, comma-separated (default: {DEFAULT_MIX})")
+    p.add_argument(
+        "--requests", type=int, default=240, help="measured requests per mode (large: a quarter) (default: 240)"
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="closed-loop clients; also the peers' thread pool and batch size (default: 16)",
+    )
+    p.add_argument(
+        "--mix", default=DEFAULT_MIX, help=f"image sizes WxH:weight, comma-separated (default: {DEFAULT_MIX})"
+    )
     p.add_argument("--per-size", type=int, default=4, help="distinct images generated per size (default: 4)")
-    p.add_argument("--model-size", choices=["tiny", "large", "both"], default="both",
-                   help="tiny runs always; large adds the forward-bound config (default: both)")
-    p.add_argument("--decoders", action=__import__("argparse").BooleanOptionalAction, default=True,
-                   help="also compare decoder backends (turbo, pil, torchvision, dali) on tiny (default: on)")
+    p.add_argument(
+        "--model-size",
+        choices=["tiny", "large", "both"],
+        default="both",
+        help="tiny runs always; large adds the forward-bound config (default: both)",
+    )
+    p.add_argument(
+        "--decoders",
+        action=__import__("argparse").BooleanOptionalAction,
+        default=True,
+        help="also compare decoder backends (turbo, pil, torchvision, dali) on tiny (default: on)",
+    )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): tiny only, 8 requests")

@@ -19,6 +19,7 @@ just before it (`rss_added_mb`).
 `greedy_agreement` (per peer, and top level against the fastest transformers peer) is the fraction of requests
 whose greedy tokens are identical (padding changes float rounding, so a rare argmax near-tie may differ).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,13 @@ def log(msg: str) -> None:
 
 def workload(args) -> list[tuple[list[int], int]]:
     rng = random.Random(args.seed)
-    return [([rng.randrange(256) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
-             rng.randint(args.min_output, args.max_output)) for _ in range(args.requests)]
+    return [
+        (
+            [rng.randrange(256) for _ in range(rng.randint(args.min_prompt, args.max_prompt))],
+            rng.randint(args.min_output, args.max_output),
+        )
+        for _ in range(args.requests)
+    ]
 
 
 def params(n: int) -> SamplingParams:
@@ -54,12 +60,19 @@ def params(n: int) -> SamplingParams:
 def run_ours(model, reqs, args) -> tuple[dict, list[list[int]]]:
     total = sum(len(p) + n for p, n in reqs)
     page_slack = len(reqs) * 2 * args.page_size + args.chunk_size  # partial pages + admission margin
-    llm = LLM(model, kv_cache_tokens=total + page_slack, swa_cache_tokens=len(reqs) * (model.config.window + args.chunk_size + 32),
-              chunk_size=args.chunk_size, max_running=args.max_running, page_size=args.page_size)
+    llm = LLM(
+        model,
+        kv_cache_tokens=total + page_slack,
+        swa_cache_tokens=len(reqs) * (model.config.window + args.chunk_size + 32),
+        chunk_size=args.chunk_size,
+        max_running=args.max_running,
+        page_size=args.page_size,
+    )
     done: dict[int, float] = {}
     t0 = time.perf_counter()
-    handles = [llm.add_request(p, params(n), on_finish=lambda r: done.__setitem__(r.id, time.perf_counter()))
-               for p, n in reqs]
+    handles = [
+        llm.add_request(p, params(n), on_finish=lambda r: done.__setitem__(r.id, time.perf_counter())) for p, n in reqs
+    ]
     m0 = time.monotonic()  # the engine stamps first_token_at with time.monotonic
     steps = 0
     while any(not h.finish_reason for h in handles):
@@ -85,15 +98,21 @@ def measured(name: str, fn, *a) -> tuple[dict, list | None]:
     except hf_engine.PeerFailed as e:
         log(f"{name}: could not run: {e}")
         return {"ran": False, "error": str(e)}, None
-    stats.update(ran=True, peak_rss_mb=round(rss.peak / 2**20, 1), rss_added_mb=round((rss.peak - rss.before) / 2**20, 1))
-    log(f"{name}: {stats['output_tokens_per_s']} tok/s ttft_p50={stats['ttft_p50_ms']}ms "
-        f"e2e_p90={stats['e2e_p90_ms']}ms peak_rss={stats['peak_rss_mb']}MB")
+    stats.update(
+        ran=True, peak_rss_mb=round(rss.peak / 2**20, 1), rss_added_mb=round((rss.peak - rss.before) / 2**20, 1)
+    )
+    log(
+        f"{name}: {stats['output_tokens_per_s']} tok/s ttft_p50={stats['ttft_p50_ms']}ms "
+        f"e2e_p90={stats['e2e_p90_ms']}ms peak_rss={stats['peak_rss_mb']}MB"
+    )
     return stats, outputs
 
 
-CONTINUOUS_WHY = ("transformers' paged cache (generation/continuous_batching/cache.py) sizes every layer's K and V "
-                  "pages with one head_dim (find_head_dim(config) = {head_dim}); MiMo-V2-Flash's V heads are "
-                  "v_head_dim = {v_head_dim}, so writing V into its page fails")
+CONTINUOUS_WHY = (
+    "transformers' paged cache (generation/continuous_batching/cache.py) sizes every layer's K and V "
+    "pages with one head_dim (find_head_dim(config) = {head_dim}); MiMo-V2-Flash's V heads are "
+    "v_head_dim = {v_head_dim}, so writing V into its page fails"
+)
 
 
 def main(args) -> dict:
@@ -114,13 +133,15 @@ def main(args) -> dict:
     engines["ours"], outputs["ours"] = measured("ours", run_ours, model, reqs, args)
     hf = transformers_twin(model)
     engines["transformers_continuous"], outputs["transformers_continuous"] = measured(
-        "transformers_continuous", hf_engine.continuous, hf, reqs)
+        "transformers_continuous", hf_engine.continuous, hf, reqs
+    )
     if not engines["transformers_continuous"]["ran"]:
         hfd = model.config.to_hf_dict()
         err = engines["transformers_continuous"]["error"]
         if "slice shape" in err and hfd.get("v_head_dim") not in (None, hfd.get("head_dim")):
-            engines["transformers_continuous"]["why"] = CONTINUOUS_WHY.format(head_dim=hfd.get("head_dim"),
-                                                                              v_head_dim=hfd.get("v_head_dim"))
+            engines["transformers_continuous"]["why"] = CONTINUOUS_WHY.format(
+                head_dim=hfd.get("head_dim"), v_head_dim=hfd.get("v_head_dim")
+            )
     for b in args.hf_batches:
         name = f"transformers_static_b{b}"
         engines[name], outputs[name] = measured(name, hf_engine.static, hf, reqs, b)
@@ -132,23 +153,35 @@ def main(args) -> dict:
     b = engines[best]
     return {
         "bench": "engine",
-        "config": {"model": "tiny (8 layers: 2 full + 6 sliding window 128, 8 experts top-2, hidden 256)",
-                   "device": "cpu", "torch_threads": torch.get_num_threads(), "transformers": transformers.__version__,
-                   "requests": len(reqs),
-                   "prompt_tokens": [args.min_prompt, args.max_prompt], "output_tokens": [args.min_output, args.max_output],
-                   "total_prompt_tokens": sum(len(p) for p, _ in reqs),
-                   "total_output_tokens": sum(n for _, n in reqs), "chunk_size": args.chunk_size,
-                   "max_running": args.max_running, "page_size": args.page_size, "hf_batches": list(args.hf_batches),
-                   "ignore_eos": _IGNORE_EOS, "arrivals": "all at t=0",
-                   "decoding": "greedy, exactly the requested length (EOS ignored by every engine)"},
+        "config": {
+            "model": "tiny (8 layers: 2 full + 6 sliding window 128, 8 experts top-2, hidden 256)",
+            "device": "cpu",
+            "torch_threads": torch.get_num_threads(),
+            "transformers": transformers.__version__,
+            "requests": len(reqs),
+            "prompt_tokens": [args.min_prompt, args.max_prompt],
+            "output_tokens": [args.min_output, args.max_output],
+            "total_prompt_tokens": sum(len(p) for p, _ in reqs),
+            "total_output_tokens": sum(n for _, n in reqs),
+            "chunk_size": args.chunk_size,
+            "max_running": args.max_running,
+            "page_size": args.page_size,
+            "hf_batches": list(args.hf_batches),
+            "ignore_eos": _IGNORE_EOS,
+            "arrivals": "all at t=0",
+            "decoding": "greedy, exactly the requested length (EOS ignored by every engine)",
+        },
         "engines": engines,
         "best_transformers": best,
-        "ratios": {"tokens_per_s_vs_best_transformers": round(ours["output_tokens_per_s"] / b["output_tokens_per_s"], 3),
-                   "ttft_p50_vs_best_transformers": round(ours["ttft_p50_ms"] / b["ttft_p50_ms"], 3),
-                   "ttft_p90_vs_best_transformers": round(ours["ttft_p90_ms"] / b["ttft_p90_ms"], 3),
-                   "e2e_p90_vs_best_transformers": round(ours["e2e_p90_ms"] / b["e2e_p90_ms"], 3),
-                   "rss_added_vs_best_transformers": round(ours["rss_added_mb"] / b["rss_added_mb"], 3)
-                   if b["rss_added_mb"] > 0 else None},
+        "ratios": {
+            "tokens_per_s_vs_best_transformers": round(ours["output_tokens_per_s"] / b["output_tokens_per_s"], 3),
+            "ttft_p50_vs_best_transformers": round(ours["ttft_p50_ms"] / b["ttft_p50_ms"], 3),
+            "ttft_p90_vs_best_transformers": round(ours["ttft_p90_ms"] / b["ttft_p90_ms"], 3),
+            "e2e_p90_vs_best_transformers": round(ours["e2e_p90_ms"] / b["e2e_p90_ms"], 3),
+            "rss_added_vs_best_transformers": round(ours["rss_added_mb"] / b["rss_added_mb"], 3)
+            if b["rss_added_mb"] > 0
+            else None,
+        },
         "greedy_agreement": b["greedy_agreement"],
     }
 
@@ -169,9 +202,17 @@ def add_arguments(p) -> None:
     p.add_argument("--chunk-size", type=int, default=512, help="our prefill chunk, tokens (default: 512)")
     p.add_argument("--max-running", type=int, default=64, help="our requests running at once (default: 64)")
     p.add_argument("--page-size", type=int, default=16, help="our full-pool page, tokens (default: 16)")
-    p.add_argument("--hf-batches", type=_batches, default=[8, 64],
-                   help="transformers static batch sizes, comma-separated (default: 8,64)")
+    p.add_argument(
+        "--hf-batches",
+        type=_batches,
+        default=[8, 64],
+        help="transformers static batch sizes, comma-separated (default: 8,64)",
+    )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="torch intra-op threads for every engine (0 = torch's default; --quick: 1) (default: 0)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=0,
+        help="torch intra-op threads for every engine (0 = torch's default; --quick: 1) (default: 0)",
+    )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")

@@ -18,6 +18,7 @@ pool's share of the bytes instead. Token counts are simulated in units of `--tok
 window, chunk, release interval and page size are multiples of it, so every count is exactly what a
 token-level run gives, at a fraction of the bookkeeping.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,8 +36,11 @@ NEVER_RELEASE = 1 << 60  # a "window" no token ever leaves: full KV for every la
 
 def token_bytes(cfg, sliding: bool, dtype_bytes: int) -> int:
     """KV bytes one token takes in all layers of one type."""
-    return sum(cfg.kv_heads(i) * (cfg.head_dim + cfg.v_head_dim) * dtype_bytes
-               for i, kind in enumerate(cfg.layer_types) if (kind == "sliding_attention") == sliding)
+    return sum(
+        cfg.kv_heads(i) * (cfg.head_dim + cfg.v_head_dim) * dtype_bytes
+        for i, kind in enumerate(cfg.layer_types)
+        if (kind == "sliding_attention") == sliding
+    )
 
 
 def theoretical_ratio(cfg, context: int, swa_tokens: int) -> float:
@@ -45,8 +49,20 @@ def theoretical_ratio(cfg, context: int, swa_tokens: int) -> float:
     return len(cfg.layer_types) * context / (full * context + swa * min(context, swa_tokens))
 
 
-def count_sequences(cfg, budget: int, context: int, *, hybrid: bool, unit: int, page: int, chunk: int,
-                    release_interval: int, decode: bool, swa_share: float | None, dtype: torch.dtype) -> dict:
+def count_sequences(
+    cfg,
+    budget: int,
+    context: int,
+    *,
+    hybrid: bool,
+    unit: int,
+    page: int,
+    chunk: int,
+    release_interval: int,
+    decode: bool,
+    swa_share: float | None,
+    dtype: torch.dtype,
+) -> dict:
     """Sizes the pools within `budget` bytes and adds sequences of `context` tokens until one does not fit."""
     esz = torch.tensor([], dtype=dtype).element_size()
     window = cfg.window
@@ -90,8 +106,13 @@ def count_sequences(cfg, budget: int, context: int, *, hybrid: bool, unit: int, 
                 kv.extend([0])
     except PoolExhausted:
         held_kv.pop().finish(cache_result=False)
-    return {"seqs": len(held_kv), "full_pool_tokens": full_slots, "swa_pool_tokens": swa_slots,
-            "pool_bytes": pools.nbytes(), "swa_bytes_share": round(swa_slots * swa_b / max(pools.nbytes(), 1), 4)}
+    return {
+        "seqs": len(held_kv),
+        "full_pool_tokens": full_slots,
+        "swa_pool_tokens": swa_slots,
+        "pool_bytes": pools.nbytes(),
+        "swa_bytes_share": round(swa_slots * swa_b / max(pools.nbytes(), 1), 4),
+    }
 
 
 def parse_context(s: str) -> int:
@@ -106,8 +127,12 @@ def main(args) -> dict:
     contexts = [parse_context(c) for c in args.contexts.split(",")]
     if args.quick:
         contexts, args.full_seqs_at_longest = contexts[:2], 8
-    for name, v in (("chunk", args.chunk_size), ("page", args.page_size), ("release interval", args.release_interval),
-                    ("window", cfg.window)):
+    for name, v in (
+        ("chunk", args.chunk_size),
+        ("page", args.page_size),
+        ("release interval", args.release_interval),
+        ("window", cfg.window),
+    ):
         if v % args.token_unit:
             raise SystemExit(f"--token-unit {args.token_unit} must divide the {name} ({v})")
     esz = torch.tensor([], dtype=dtype).element_size()
@@ -122,15 +147,27 @@ def main(args) -> dict:
             raise SystemExit(f"context {L} is not a multiple of --token-unit {args.token_unit}")
         row = {"context": L}
         for fig, decode in (("prefill", False), ("decode", True)):
-            kw = dict(unit=args.token_unit, page=args.page_size, chunk=args.chunk_size,
-                      release_interval=args.release_interval, decode=decode, swa_share=args.swa_share, dtype=dtype)
+            kw = dict(
+                unit=args.token_unit,
+                page=args.page_size,
+                chunk=args.chunk_size,
+                release_interval=args.release_interval,
+                decode=decode,
+                swa_share=args.swa_share,
+                dtype=dtype,
+            )
             hyb = count_sequences(cfg, budget, L, hybrid=True, **kw)
             full = count_sequences(cfg, budget, L, hybrid=False, **kw)
             measured = hyb["seqs"] / max(full["seqs"], 1)
             theory = theoretical_ratio(cfg, L, cfg.window + (args.release_interval if decode else 0))
-            fig_row = {"seqs_hybrid": hyb["seqs"], "seqs_full": full["seqs"], "measured_ratio": round(measured, 4),
-                       "theoretical_ratio": round(theory, 4), "fraction_of_theoretical": round(measured / theory, 4),
-                       "hybrid_pools": {k: hyb[k] for k in ("full_pool_tokens", "swa_pool_tokens", "swa_bytes_share")}}
+            fig_row = {
+                "seqs_hybrid": hyb["seqs"],
+                "seqs_full": full["seqs"],
+                "measured_ratio": round(measured, 4),
+                "theoretical_ratio": round(theory, 4),
+                "fraction_of_theoretical": round(measured / theory, 4),
+                "hybrid_pools": {k: hyb[k] for k in ("full_pool_tokens", "swa_pool_tokens", "swa_bytes_share")},
+            }
             if fig == "prefill":
                 row.update(fig_row)
             else:
@@ -138,17 +175,27 @@ def main(args) -> dict:
         rows.append(row)
     return {
         "bench": "kv",
-        "config": {"shape": "MiMo-V2.5-Pro (70 layers, full at 0,7,15,23,31,39,47,55,62,69; 8 KV heads; "
-                            "head dims 192/128; window 128)",
-                   "dtype": args.dtype, "budget_bytes": budget, "budget_gib": round(budget / 2**30, 1),
-                   "budget_rule": (f"--budget-gib {args.budget_gib}" if args.budget_gib else
-                                   f"the bytes one full-only pool needs for {args.full_seqs_at_longest} sequences "
-                                   f"at {max(contexts)} tokens, the same for every context"),
-                   "tensors": "meta device (sized, not allocated)", "page_size": args.page_size,
-                   "chunk_size": args.chunk_size, "release_interval": args.release_interval,
-                   "token_unit": args.token_unit,
-                   "swa_pool_sizing": "auto (W(+N) per sequence + one chunk)" if args.swa_share is None
-                   else f"--swa-share {args.swa_share}"},
+        "config": {
+            "shape": "MiMo-V2.5-Pro (70 layers, full at 0,7,15,23,31,39,47,55,62,69; 8 KV heads; "
+            "head dims 192/128; window 128)",
+            "dtype": args.dtype,
+            "budget_bytes": budget,
+            "budget_gib": round(budget / 2**30, 1),
+            "budget_rule": (
+                f"--budget-gib {args.budget_gib}"
+                if args.budget_gib
+                else f"the bytes one full-only pool needs for {args.full_seqs_at_longest} sequences "
+                f"at {max(contexts)} tokens, the same for every context"
+            ),
+            "tensors": "meta device (sized, not allocated)",
+            "page_size": args.page_size,
+            "chunk_size": args.chunk_size,
+            "release_interval": args.release_interval,
+            "token_unit": args.token_unit,
+            "swa_pool_sizing": "auto (W(+N) per sequence + one chunk)"
+            if args.swa_share is None
+            else f"--swa-share {args.swa_share}",
+        },
         "contexts": rows,
         "seconds": round(time.perf_counter() - t0, 2),
     }
@@ -156,15 +203,27 @@ def main(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--contexts", default="8K,32K,128K,1M", help="context lengths (default: 8K,32K,128K,1M)")
-    p.add_argument("--budget-gib", type=float, default=0.0,
-                   help="KV byte budget in GiB (0 = enough for --full-seqs-at-longest full-only sequences) (default: 0)")
-    p.add_argument("--full-seqs-at-longest", type=int, default=16,
-                   help="with --budget-gib 0: full-only sequences the budget holds at the longest context (default: 16)")
+    p.add_argument(
+        "--budget-gib",
+        type=float,
+        default=0.0,
+        help="KV byte budget in GiB (0 = enough for --full-seqs-at-longest full-only sequences) (default: 0)",
+    )
+    p.add_argument(
+        "--full-seqs-at-longest",
+        type=int,
+        default=16,
+        help="with --budget-gib 0: full-only sequences the budget holds at the longest context (default: 16)",
+    )
     p.add_argument("--dtype", default="bfloat16", help="KV dtype (default: bfloat16)")
     p.add_argument("--page-size", type=int, default=64, help="full-pool page, tokens (default: 64)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk, tokens (default: 8192)")
     p.add_argument("--release-interval", type=int, default=16, help="decode steps between SWA releases (default: 16)")
-    p.add_argument("--swa-share", type=float, default=None,
-                   help="fixed share of the bytes for the SWA pool (default: sized for each context)")
+    p.add_argument(
+        "--swa-share",
+        type=float,
+        default=None,
+        help="fixed share of the bytes for the SWA pool (default: sized for each context)",
+    )
     p.add_argument("--token-unit", type=int, default=16, help="tokens per simulated slot (default: 16)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")

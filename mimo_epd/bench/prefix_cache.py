@@ -34,6 +34,7 @@ bytes are those of the MiMo shape). A Redis store needs real values, so with `--
 tensors (one full + one sliding layer, one head of dim 1, float16); its pages carry those and its byte counters
 are theirs (the page counts are comparable).
 """
+
 from __future__ import annotations
 
 import json
@@ -78,8 +79,17 @@ def prompt_units(r: dict, unit: int) -> list[int]:
 class Replay:
     """One cache configuration replaying the trace."""
 
-    def __init__(self, name: str, full_units: int, swa_units: int, window_units: int, page_units: int,
-                 chunk_units: int, evict_fraction: float, tiers: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        full_units: int,
+        swa_units: int,
+        window_units: int,
+        page_units: int,
+        chunk_units: int,
+        evict_fraction: float,
+        tiers: dict | None = None,
+    ):
         self.name = name
         self.full_pool = SlotPool("full", full_units, page_units)
         self.swa_pool = SlotPool("swa", swa_units)
@@ -113,7 +123,7 @@ class Replay:
                 n = min(self.chunk, len(units) - done)
                 if not self.cache.make_room(n + self.full_pool.page_size, n, self.evict_full_min, self.evict_swa_min):
                     raise PoolExhausted("pools full")
-                kv.extend(units[done:done + n])
+                kv.extend(units[done : done + n])
                 kv.checkpoint()  # as the engine: each prompt chunk goes into the tree at once (shareable at once)
                 done += n
             kv.finish(cache_result=True)
@@ -123,36 +133,71 @@ class Replay:
 
     def result(self) -> dict:
         st = self.cache.stats
-        return {"hit_tokens": self.hit_tokens, "prompt_tokens": self.prompt_tokens,
-                "hit_token_rate": round(self.hit_tokens / max(self.prompt_tokens, 1), 4),
-                "pool_units": {"full": self.full_pool.size, "swa": self.swa_pool.size},
-                "evicted_units": {"full": st.full_evicted, "swa": st.swa_evicted}, "repairs": st.repairs,
-                "uncacheable_requests": self.skipped}
+        return {
+            "hit_tokens": self.hit_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "hit_token_rate": round(self.hit_tokens / max(self.prompt_tokens, 1), 4),
+            "pool_units": {"full": self.full_pool.size, "swa": self.swa_pool.size},
+            "evicted_units": {"full": st.full_evicted, "swa": st.swa_evicted},
+            "repairs": st.repairs,
+            "uncacheable_requests": self.skipped,
+        }
 
 
-def make_tiers(cache, host_full: int, host_swa: int, unit_bytes: tuple[int, int], evict_fraction: float,
-               swa_backfill: bool = False, checkpoint_units: int = 0, store=None, data: bool = False):
+def make_tiers(
+    cache,
+    host_full: int,
+    host_swa: int,
+    unit_bytes: tuple[int, int],
+    evict_fraction: float,
+    swa_backfill: bool = False,
+    checkpoint_units: int = 0,
+    store=None,
+    data: bool = False,
+):
     from llm_backend.kv.tiers import KVTiers
 
     cache.swa_checkpoint_interval = checkpoint_units
-    tiers = KVTiers(cache, host_full, host_swa, swa_backfill=swa_backfill, store=store, token_bytes=unit_bytes,
-                    evict_fraction=evict_fraction)
+    tiers = KVTiers(
+        cache,
+        host_full,
+        host_swa,
+        swa_backfill=swa_backfill,
+        store=store,
+        token_bytes=unit_bytes,
+        evict_fraction=evict_fraction,
+    )
     if data:  # a Redis store round-trips real values: tiny device tensors, one full and one sliding layer
         import torch
 
         full, swa = cache.full_pool.size, cache.swa_pool.size
-        pools = SimpleNamespace(k={0: torch.zeros(full, 1, 1, dtype=torch.float16),
-                                   1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
-                                v={0: torch.zeros(full, 1, 1, dtype=torch.float16),
-                                   1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
-                                sliding={0: False, 1: True})
+        pools = SimpleNamespace(
+            k={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+            v={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+            sliding={0: False, 1: True},
+        )
         tiers.attach(pools)
     return tiers
 
 
-TIER_KEYS = ("hit_device", "hit_host", "hit_store", "pages_d2h", "pages_h2d", "pages_s2d", "pages_to_store",
-             "swa_d2h", "swa_h2d", "swa_s2d", "bytes_d2h", "bytes_h2d", "bytes_s2d", "host_evictions", "backfills",
-             "fallbacks")
+TIER_KEYS = (
+    "hit_device",
+    "hit_host",
+    "hit_store",
+    "pages_d2h",
+    "pages_h2d",
+    "pages_s2d",
+    "pages_to_store",
+    "swa_d2h",
+    "swa_h2d",
+    "swa_s2d",
+    "bytes_d2h",
+    "bytes_h2d",
+    "bytes_s2d",
+    "host_evictions",
+    "backfills",
+    "fallbacks",
+)
 
 
 def combine(name: str, replays: list[Replay], unit: int, store=None) -> dict:
@@ -163,16 +208,20 @@ def combine(name: str, replays: list[Replay], unit: int, store=None) -> dict:
     if len(replays) > 1:
         out["hit_tokens_per_worker"] = [r.hit_tokens for r in replays]
     out["uncacheable_requests"] = sum(r.skipped for r in replays)
-    out["evicted_units"] = {"full": sum(r.cache.stats.full_evicted for r in replays),
-                            "swa": sum(r.cache.stats.swa_evicted for r in replays)}
+    out["evicted_units"] = {
+        "full": sum(r.cache.stats.full_evicted for r in replays),
+        "swa": sum(r.cache.stats.swa_evicted for r in replays),
+    }
     tiers = [r.tiers for r in replays if r.tiers is not None]
     if tiers:
         t = {k: sum(getattr(x.stats, k) for x in tiers) for k in TIER_KEYS}
         for k in ("hit_device", "hit_host", "hit_store", "swa_d2h", "swa_h2d", "swa_s2d"):
             t[k] *= unit  # units -> tokens (a page is one unit: page counts are pages of --page-size tokens)
         out["tiers"] = t
-        out["host_units"] = {"full": tiers[0].full.size if tiers[0].full else 0,
-                             "swa": tiers[0].swa.size if tiers[0].swa else 0}
+        out["host_units"] = {
+            "full": tiers[0].full.size if tiers[0].full else 0,
+            "swa": tiers[0].swa.size if tiers[0].swa else 0,
+        }
     if store is not None:
         store.flush()
         out["store"] = store.stats.as_dict()
@@ -183,8 +232,10 @@ def main(args) -> dict:
     cfg = PRO_SHAPE_CONFIG
     unit, page = args.token_unit, args.page_size
     if BLOCK % unit or cfg.window % unit or page % unit or args.chunk_size % unit:
-        raise SystemExit(f"--token-unit {unit} must divide the block (512), the window ({cfg.window}), "
-                         f"--page-size ({page}) and --chunk-size ({args.chunk_size})")
+        raise SystemExit(
+            f"--token-unit {unit} must divide the block (512), the window ({cfg.window}), "
+            f"--page-size ({page}) and --chunk-size ({args.chunk_size})"
+        )
     quick = 300 if args.tiers else 1000
     trace = load_trace(args.trace, quick if args.quick and not args.requests else args.requests)
     reqs = [(prompt_units(r, unit), r["input_length"]) for r in trace]
@@ -199,10 +250,24 @@ def main(args) -> dict:
     full_units = (budget - swa_units * swa_b * unit) // (full_b * unit)
     modes = {
         "swa_aware": Replay("swa_aware", full_units, max(swa_units, w + c), w, p, c, args.evict_fraction),
-        "full_kv": Replay("full_kv", budget // (all_full_b * unit), budget // (all_full_b * unit), NEVER_RELEASE, p, c,
-                          args.evict_fraction),
-        "unbounded": Replay("unbounded", sum(len(u) for u, _ in reqs) + c + p, sum(len(u) for u, _ in reqs) + c,
-                            NEVER_RELEASE, p, c, args.evict_fraction),
+        "full_kv": Replay(
+            "full_kv",
+            budget // (all_full_b * unit),
+            budget // (all_full_b * unit),
+            NEVER_RELEASE,
+            p,
+            c,
+            args.evict_fraction,
+        ),
+        "unbounded": Replay(
+            "unbounded",
+            sum(len(u) for u, _ in reqs) + c + p,
+            sum(len(u) for u, _ in reqs) + c,
+            NEVER_RELEASE,
+            p,
+            c,
+            args.evict_fraction,
+        ),
     }
     results, seconds = {}, {}
     for name, replay in modes.items():
@@ -214,30 +279,48 @@ def main(args) -> dict:
     tier_config = None
     if args.tiers:
         stamps = [float(r.get("timestamp", 0)) / 1e3 for r in trace]  # Mooncake timestamps are milliseconds
-        tier_config = run_tiers(args, reqs, stamps, results, seconds, modes["swa_aware"], unit, w, c, p, full_b, swa_b,
-                                cfg)
+        tier_config = run_tiers(
+            args, reqs, stamps, results, seconds, modes["swa_aware"], unit, w, c, p, full_b, swa_b, cfg
+        )
     rate = {k: v["hit_token_rate"] for k, v in results.items()}
     hits = {k: v["hit_tokens"] for k, v in results.items()}
 
     def ratio(a, b):
         return round(hits[a] / max(hits[b], 1), 3)
 
-    ratios = {"swa_aware_vs_full_kv": ratio("swa_aware", "full_kv"), "swa_aware_vs_unbounded": ratio("swa_aware", "unbounded")}
+    ratios = {
+        "swa_aware_vs_full_kv": ratio("swa_aware", "full_kv"),
+        "swa_aware_vs_unbounded": ratio("swa_aware", "unbounded"),
+    }
     if args.tiers:
-        ratios.update({"l1_l2_vs_unbounded": ratio("l1_l2", "unbounded"), "l1_vs_unbounded": ratio("l1", "unbounded"),
-                       "l1_l2_vs_l1": ratio("l1_l2", "l1"),
-                       "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
-                       "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
-                       "swa_backfill_on_vs_off": ratio("l1_l2_swa_backfill", "l1_l2"),
-                       "swa_checkpoint_on_vs_off": ratio("l1_l2_swa_checkpoint", "l1_l2")})
+        ratios.update(
+            {
+                "l1_l2_vs_unbounded": ratio("l1_l2", "unbounded"),
+                "l1_vs_unbounded": ratio("l1", "unbounded"),
+                "l1_l2_vs_l1": ratio("l1_l2", "l1"),
+                "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
+                "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
+                "swa_backfill_on_vs_off": ratio("l1_l2_swa_backfill", "l1_l2"),
+                "swa_checkpoint_on_vs_off": ratio("l1_l2_swa_checkpoint", "l1_l2"),
+            }
+        )
     out = {
         "bench": "prefix-cache",
-        "config": {"trace": args.trace, "requests": len(reqs), "unique_blocks": unique_blocks,
-                   "shape": "MiMo-V2.5-Pro (10 full + 60 sliding layers, 8 KV heads, head dims 192/128, window 128)",
-                   "kv_bytes_per_token": {"full_layers": full_b, "sliding_layers": swa_b, "all_layers": all_full_b},
-                   "unique_full_kv_bytes": unique_full_kv_bytes, "budget_fraction": args.budget_fraction,
-                   "budget_bytes": budget, "swa_share": args.swa_share, "token_unit": unit, "page_size": page,
-                   "chunk_size": args.chunk_size, "replay": "trace order, one request at a time, prompts only"},
+        "config": {
+            "trace": args.trace,
+            "requests": len(reqs),
+            "unique_blocks": unique_blocks,
+            "shape": "MiMo-V2.5-Pro (10 full + 60 sliding layers, 8 KV heads, head dims 192/128, window 128)",
+            "kv_bytes_per_token": {"full_layers": full_b, "sliding_layers": swa_b, "all_layers": all_full_b},
+            "unique_full_kv_bytes": unique_full_kv_bytes,
+            "budget_fraction": args.budget_fraction,
+            "budget_bytes": budget,
+            "swa_share": args.swa_share,
+            "token_unit": unit,
+            "page_size": page,
+            "chunk_size": args.chunk_size,
+            "replay": "trace order, one request at a time, prompts only",
+        },
         "hit_token_rate": rate,
         "ratios": ratios,
         "modes": results,
@@ -271,8 +354,10 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     from mimo_epd.router.policies import Affinity, Candidate, RequestView, RoundRobin
 
     if args.swa_checkpoint_interval % unit or 0 < args.swa_checkpoint_interval <= cfg.window:
-        raise SystemExit(f"--swa-checkpoint-interval {args.swa_checkpoint_interval} must be a multiple of "
-                         f"--token-unit ({unit}) and larger than the window ({cfg.window})")
+        raise SystemExit(
+            f"--swa-checkpoint-interval {args.swa_checkpoint_interval} must be a multiple of "
+            f"--token-unit ({unit}) and larger than the window ({cfg.window})"
+        )
     if args.host_factor <= 0 or args.store_factor <= 0 or args.workers < 1 or args.fleet_load <= 0:
         raise SystemExit("--host-factor, --store-factor and --fleet-load must be positive, --workers at least 1")
     span = max(stamps) - min(stamps)
@@ -292,8 +377,16 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     data = bool(args.kv_store)
 
     def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True):
-        t = dict(host_full=host_full if host else 0, host_swa=host_swa if host else 0, unit_bytes=ubytes,
-                 evict_fraction=args.evict_fraction, swa_backfill=backfill, checkpoint_units=k, store=store, data=data)
+        t = dict(
+            host_full=host_full if host else 0,
+            host_swa=host_swa if host else 0,
+            unit_bytes=ubytes,
+            evict_fraction=args.evict_fraction,
+            swa_backfill=backfill,
+            checkpoint_units=k,
+            store=store,
+            data=data,
+        )
         return Replay(name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t)
 
     def timed(name, fn):
@@ -310,8 +403,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     seconds["l1"] = seconds["swa_aware"]
     timed("l1_l2", lambda: single(replay("l1_l2", backfill=False, k=0)))
     timed("l1_l2_swa_backfill", lambda: single(replay("l1_l2_swa_backfill", backfill=True, k=0)))
-    timed("l1_l2_swa_checkpoint", lambda: single(replay("l1_l2_swa_checkpoint", backfill=False,
-                                                        k=switch_k)))
+    timed("l1_l2_swa_checkpoint", lambda: single(replay("l1_l2_swa_checkpoint", backfill=False, k=switch_k)))
     store_bytes = int(device_bytes * args.store_factor)
 
     def fleet(name, policy):
@@ -323,8 +415,10 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
             for (units, length), t in zip(reqs, stamps):
                 view = RequestView(length, BLOCK)
                 queued = load.at(t)
-                cands = [Candidate(n, matched_tokens=min(wk.peek(units) * unit, length), queued_tokens=q)
-                         for n, wk, q in zip(names, workers, queued)]
+                cands = [
+                    Candidate(n, matched_tokens=min(wk.peek(units) * unit, length), queued_tokens=q)
+                    for n, wk, q in zip(names, workers, queued)
+                ]
                 pick = policy.rank(view, cands)[0]
                 policy.observe(view, pick)
                 wk = workers[int(pick)]
@@ -337,16 +431,25 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
 
     timed("l1_l2_l3_round_robin", lambda: fleet("l1_l2_l3_round_robin", RoundRobin()))
     timed("l1_l2_l3_affinity", lambda: fleet("l1_l2_l3_affinity", Affinity()))
-    return {"device_bytes": device_bytes, "host_factor": args.host_factor, "host_bytes": host_bytes,
-            "host_units": {"full": host_full, "swa": host_swa}, "workers": args.workers,
-            "store": args.kv_store or "memory", "store_bytes": None if args.kv_store else store_bytes,
-            "store_factor": args.store_factor, "swa_backfill": args.swa_backfill,
-            "swa_checkpoint_interval": args.swa_checkpoint_interval,
-            "swa_checkpoint_interval_switch": switch_k * unit,
-            "data_mode": data, "fleet_load": args.fleet_load, "prefill_tokens_per_s_per_worker": round(rate, 1),
-            "routing": "round_robin = the router's RoundRobin (request i to worker i % workers); affinity = the "
-                       "router's Affinity on each worker's peeked prefix and its simulated queued prefill tokens",
-            "page_counts": "pages of --page-size tokens; swa_* and hit_* in tokens"}
+    return {
+        "device_bytes": device_bytes,
+        "host_factor": args.host_factor,
+        "host_bytes": host_bytes,
+        "host_units": {"full": host_full, "swa": host_swa},
+        "workers": args.workers,
+        "store": args.kv_store or "memory",
+        "store_bytes": None if args.kv_store else store_bytes,
+        "store_factor": args.store_factor,
+        "swa_backfill": args.swa_backfill,
+        "swa_checkpoint_interval": args.swa_checkpoint_interval,
+        "swa_checkpoint_interval_switch": switch_k * unit,
+        "data_mode": data,
+        "fleet_load": args.fleet_load,
+        "prefill_tokens_per_s_per_worker": round(rate, 1),
+        "routing": "round_robin = the router's RoundRobin (request i to worker i % workers); affinity = the "
+        "router's Affinity on each worker's peeked prefix and its simulated queued prefill tokens",
+        "page_counts": "pages of --page-size tokens; swa_* and hit_* in tokens",
+    }
 
 
 def new_store(args, capacity: int, cfg, page: int):
@@ -357,8 +460,12 @@ def new_store(args, capacity: int, cfg, page: int):
     import uuid
 
     # A namespace of its own per run: the pages of an earlier run (or another fleet mode) are never hit.
-    store = RedisKVStore(args.kv_store, f"bench-prefix-cache:{uuid.uuid4().hex}:{cfg.window}:{page}:float16",
-                         ttl_s=3600, max_queue=1 << 20)
+    store = RedisKVStore(
+        args.kv_store,
+        f"bench-prefix-cache:{uuid.uuid4().hex}:{cfg.window}:{page}:float16",
+        ttl_s=3600,
+        max_queue=1 << 20,
+    )
     try:
         store.client.ping()
     except Exception as e:  # noqa: BLE001 - a bench with an unreachable store says so
@@ -368,34 +475,73 @@ def new_store(args, capacity: int, cfg, page: int):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--trace", default="../shared/traces/conversation_trace.jsonl",
-                   help="Mooncake-format JSONL trace (default: ../shared/traces/conversation_trace.jsonl)")
+    p.add_argument(
+        "--trace",
+        default="../shared/traces/conversation_trace.jsonl",
+        help="Mooncake-format JSONL trace (default: ../shared/traces/conversation_trace.jsonl)",
+    )
     p.add_argument("--requests", type=int, default=0, help="replay only the first N requests, 0 = all (default: 0)")
-    p.add_argument("--budget-fraction", type=float, default=0.05,
-                   help="KV bytes as a fraction of the trace's unique full-attention KV bytes (default: 0.05)")
-    p.add_argument("--swa-share", type=float, default=0.3,
-                   help="share of the budget for the SWA pool in the SWA-aware cache (default: 0.3)")
+    p.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=0.05,
+        help="KV bytes as a fraction of the trace's unique full-attention KV bytes (default: 0.05)",
+    )
+    p.add_argument(
+        "--swa-share",
+        type=float,
+        default=0.3,
+        help="share of the budget for the SWA pool in the SWA-aware cache (default: 0.3)",
+    )
     p.add_argument("--page-size", type=int, default=128, help="full-pool page, tokens (default: 128)")
     p.add_argument("--chunk-size", type=int, default=8192, help="prefill chunk, tokens (default: 8192)")
     p.add_argument("--token-unit", type=int, default=128, help="tokens per simulated slot (default: 128)")
-    p.add_argument("--evict-fraction", type=float, default=0.01,
-                   help="evict at least this fraction of a pool at a time (default: 0.01)")
-    p.add_argument("--quick", action="store_true",
-                   help="a seconds-long version (CI): the first 1000 requests (300 with --tiers)")
-    p.add_argument("--tiers", action="store_true",
-                   help="also replay with the KV tiers: L1, L1+L2, L1+L2+L3 over --workers workers (round robin and "
-                        "affinity), the hit-rate switches on and off (docs/kv-tiers.md)")
-    p.add_argument("--host-factor", type=float, default=4.0, help="--tiers: host tier bytes / device bytes (default: 4)")
-    p.add_argument("--store-factor", type=float, default=4.0,
-                   help="--tiers: in-process shared store bytes / one worker's device bytes (default: 4)")
+    p.add_argument(
+        "--evict-fraction",
+        type=float,
+        default=0.01,
+        help="evict at least this fraction of a pool at a time (default: 0.01)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a seconds-long version (CI): the first 1000 requests (300 with --tiers)"
+    )
+    p.add_argument(
+        "--tiers",
+        action="store_true",
+        help="also replay with the KV tiers: L1, L1+L2, L1+L2+L3 over --workers workers (round robin and "
+        "affinity), the hit-rate switches on and off (docs/kv-tiers.md)",
+    )
+    p.add_argument(
+        "--host-factor", type=float, default=4.0, help="--tiers: host tier bytes / device bytes (default: 4)"
+    )
+    p.add_argument(
+        "--store-factor",
+        type=float,
+        default=4.0,
+        help="--tiers: in-process shared store bytes / one worker's device bytes (default: 4)",
+    )
     p.add_argument("--workers", type=int, default=4, help="--tiers: workers sharing the L3 store (default: 4)")
-    p.add_argument("--fleet-load", type=float, default=0.7,
-                   help="--tiers: offered prompt tokens / the fleet's simulated prefill capacity, which sets the "
-                        "queued-token load the affinity policy weighs against the prefix match (default: 0.7)")
-    p.add_argument("--kv-store", default="",
-                   help="--tiers: a real Redis (redis://host:port/db) as the shared store instead of an in-process one")
-    p.add_argument("--swa-backfill", action="store_true",
-                   help="--tiers: SWA back-fill on in the L1+L2+L3 modes (the switch comparison runs either way)")
-    p.add_argument("--swa-checkpoint-interval", type=int, default=0,
-                   help="--tiers: denser SWA checkpoints every K tokens in the L1+L2+L3 modes, and K for the switch "
-                        "comparison (0: off there, --chunk-size for the comparison; default: 0)")
+    p.add_argument(
+        "--fleet-load",
+        type=float,
+        default=0.7,
+        help="--tiers: offered prompt tokens / the fleet's simulated prefill capacity, which sets the "
+        "queued-token load the affinity policy weighs against the prefix match (default: 0.7)",
+    )
+    p.add_argument(
+        "--kv-store",
+        default="",
+        help="--tiers: a real Redis (redis://host:port/db) as the shared store instead of an in-process one",
+    )
+    p.add_argument(
+        "--swa-backfill",
+        action="store_true",
+        help="--tiers: SWA back-fill on in the L1+L2+L3 modes (the switch comparison runs either way)",
+    )
+    p.add_argument(
+        "--swa-checkpoint-interval",
+        type=int,
+        default=0,
+        help="--tiers: denser SWA checkpoints every K tokens in the L1+L2+L3 modes, and K for the switch "
+        "comparison (0: off there, --chunk-size for the comparison; default: 0)",
+    )

@@ -7,6 +7,7 @@ ratios at the 8-worker, 80% point (or the largest fleet / nearest load run): aff
 round-robin's and vs the best other policy's, and affinity's TTFT P90 vs the best other policy's. A PNG of
 TTFT P90 vs load per policy (one panel per fleet size) is written next to the JSON (--out-dir).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,11 +32,17 @@ def _ints(s: str) -> list[int]:
 
 
 def _point(res: dict) -> dict:
-    return {"ttft_s": {k: res["ttft_s"]["all"].get(k) for k in ("p50", "p90", "p99")},
-            "e2e_p90_s": res["e2e_s"]["all"].get("p90"), "hit_tokens": res["hit_tokens"],
-            "hit_token_rate": res["hit_token_rate"], "input_tokens_per_s": res["throughput"]["input_tokens_per_s"],
-            "output_tokens_per_s": res["throughput"]["output_tokens_per_s"], "preemptions": res["preemptions"],
-            "picks": res["picks"], "rejected": res["rejected"]}
+    return {
+        "ttft_s": {k: res["ttft_s"]["all"].get(k) for k in ("p50", "p90", "p99")},
+        "e2e_p90_s": res["e2e_s"]["all"].get("p90"),
+        "hit_tokens": res["hit_tokens"],
+        "hit_token_rate": res["hit_token_rate"],
+        "input_tokens_per_s": res["throughput"]["input_tokens_per_s"],
+        "output_tokens_per_s": res["throughput"]["output_tokens_per_s"],
+        "preemptions": res["preemptions"],
+        "picks": res["picks"],
+        "rejected": res["rejected"],
+    }
 
 
 def main(args) -> dict:
@@ -54,8 +61,9 @@ def main(args) -> dict:
             for pol in policies:
                 t0 = time.perf_counter()
                 res = run_fleet(cost, cfg, W, pol, reqs)
-                points.append({"workers": W, "load": load, "policy": pol, "rate_per_s": scaled["rate_per_s"],
-                               **_point(res)})
+                points.append(
+                    {"workers": W, "load": load, "policy": pol, "rate_per_s": scaled["rate_per_s"], **_point(res)}
+                )
                 seconds[f"{W}/{load}/{pol}"] = round(time.perf_counter() - t0, 2)
     # The ratios' point: 8 workers, 80% load (or the largest fleet, the nearest load).
     W0 = 8 if 8 in workers else max(workers)
@@ -72,18 +80,36 @@ def main(args) -> dict:
             best_ttft = min(peers, key=lambda k: peers[k]["ttft_s"]["p90"])
             ratios["affinity_hit_vs_best_peer"] = round(a["hit_tokens"] / max(1, peers[best_hit]["hit_tokens"]), 3)
             ratios["best_hit_peer"] = best_hit
-            ratios["affinity_ttft_p90_vs_best_peer"] = round(a["ttft_s"]["p90"] / max(1e-9, peers[best_ttft]["ttft_s"]["p90"]), 3)
+            ratios["affinity_ttft_p90_vs_best_peer"] = round(
+                a["ttft_s"]["p90"] / max(1e-9, peers[best_ttft]["ttft_s"]["p90"]), 3
+            )
             ratios["best_ttft_peer"] = best_ttft
     out_dir = Path(args.out_dir)
-    panels = {f"{W} workers": {p: [(q["load"], q["ttft_s"]["p90"]) for q in points if q["workers"] == W and q["policy"] == p]
-                               for p in policies} for W in workers}
+    panels = {
+        f"{W} workers": {
+            p: [(q["load"], q["ttft_s"]["p90"]) for q in points if q["workers"] == W and q["policy"] == p]
+            for p in policies
+        }
+        for W in workers
+    }
     png = ttft_vs_load(out_dir / "bench_routing.png", "Mooncake trace: TTFT P90 vs load per routing policy", panels)
     result = {
         "bench": "routing",
-        "config": {"trace": args.trace, "requests": len(base), "sessions": args.sessions, "offset": args.offset, "workers": workers, "loads": loads,
-                   "policies": policies, **describe(cost, cfg),
-                   "load_definition": "arrival rate x mean uncached service time (cost model) / workers"},
-        "ratios": ratios, "points": points, "plot": png, "seconds": {"total": round(time.perf_counter() - t_all, 1), **seconds},
+        "config": {
+            "trace": args.trace,
+            "requests": len(base),
+            "sessions": args.sessions,
+            "offset": args.offset,
+            "workers": workers,
+            "loads": loads,
+            "policies": policies,
+            **describe(cost, cfg),
+            "load_definition": "arrival rate x mean uncached service time (cost model) / workers",
+        },
+        "ratios": ratios,
+        "points": points,
+        "plot": png,
+        "seconds": {"total": round(time.perf_counter() - t_all, 1), **seconds},
     }
     (out_dir / "bench_routing.json").write_text(json.dumps(result, indent=1))
     return result
@@ -91,14 +117,26 @@ def main(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE})")
-    p.add_argument("--sessions", type=float, default=0.0125,
-                   help="fraction of the trace's conversations replayed, every turn of each (default: 0.0125, "
-                        "about 150 requests over the whole hour); 1 = every request")
+    p.add_argument(
+        "--sessions",
+        type=float,
+        default=0.0125,
+        help="fraction of the trace's conversations replayed, every turn of each (default: 0.0125, "
+        "about 150 requests over the whole hour); 1 = every request",
+    )
     p.add_argument("--requests", type=int, default=0, help="at most this many of them, 0 = all (default: 0)")
     p.add_argument("--offset", type=int, default=0, help="first trace line considered (default: 0)")
     p.add_argument("--workers", default="2,4,8", help="fleet sizes, comma-separated (default: 2,4,8)")
-    p.add_argument("--loads", default="0.6,0.7,0.8,0.9", help="nominal loads, comma-separated (default: 0.6,0.7,0.8,0.9)")
-    p.add_argument("--policies", default="", help=f"routing policies, comma-separated (default: all: {', '.join(POLICIES)})")
+    p.add_argument(
+        "--loads", default="0.6,0.7,0.8,0.9", help="nominal loads, comma-separated (default: 0.6,0.7,0.8,0.9)"
+    )
+    p.add_argument(
+        "--policies", default="", help=f"routing policies, comma-separated (default: all: {', '.join(POLICIES)})"
+    )
     p.add_argument("--out-dir", default=".", help="where bench_routing.json and bench_routing.png go (default: .)")
-    p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): the first 40 sampled requests, 8 workers, 80%% load")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a seconds-long version (CI): the first 40 sampled requests, 8 workers, 80%% load",
+    )
     add_model_flags(p)

@@ -20,6 +20,7 @@ compared with the affinity run's, request by request. After the workload, `front
 alone: the median TTFT of sequential one-token requests with one short prompt, straight to a worker and through
 the front. `ratios` are ours / the other's.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -52,17 +53,26 @@ SYSTEM_PROMPTS = (
     "every test you mention, and prefer confidence intervals to bare p-values. Ask one check question at the end "
     "of each answer.",
 )
-QUESTIONS = ("How do I start?", "What is the most common mistake here?", "Can you give a concrete example?",
-             "What changes if the input is twice as large?", "Which option would you pick, and why?",
-             "How would I check that it worked?", "What should I avoid?", "Summarise the steps in one line.")
-REPLIES = ("Start with the smallest case and write down what you expect before you run anything.",
-           "Most people skip the check of the inputs; look at the first and last rows before anything else.",
-           "Take three items, apply the rule to each in turn, and compare the totals with the expected ones.",
-           "Roughly twice the work, but the steps stay the same; only the final check needs a larger sample.",
-           "The second one: it is slower to set up but much easier to verify afterwards.",
-           "Repeat the run on a copy and compare the two outputs line by line; they should be identical.",
-           "Avoid changing two things at once, and never trust a result you cannot reproduce.",
-           "Check the inputs, apply the rule, verify on a copy, then write it down.")
+QUESTIONS = (
+    "How do I start?",
+    "What is the most common mistake here?",
+    "Can you give a concrete example?",
+    "What changes if the input is twice as large?",
+    "Which option would you pick, and why?",
+    "How would I check that it worked?",
+    "What should I avoid?",
+    "Summarise the steps in one line.",
+)
+REPLIES = (
+    "Start with the smallest case and write down what you expect before you run anything.",
+    "Most people skip the check of the inputs; look at the first and last rows before anything else.",
+    "Take three items, apply the rule to each in turn, and compare the totals with the expected ones.",
+    "Roughly twice the work, but the steps stay the same; only the final check needs a larger sample.",
+    "The second one: it is slower to set up but much easier to verify afterwards.",
+    "Repeat the run on a copy and compare the two outputs line by line; they should be identical.",
+    "Avoid changing two things at once, and never trust a result you cannot reproduce.",
+    "Check the inputs, apply the rule, verify on a copy, then write it down.",
+)
 
 
 # ---------------------------------------------------------------------------------------------- workload
@@ -84,8 +94,15 @@ def workload(sessions: int, turns: int, prompts: int = len(SYSTEM_PROMPTS), tag:
 
 
 async def _chat(session, base: str, messages: list[dict], max_tokens: int) -> dict:
-    body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "tiny",
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     async with session.post(f"{base}/v1/chat/completions", json=body) as r:
@@ -105,13 +122,18 @@ async def _chat(session, base: str, messages: list[dict], max_tokens: int) -> di
     e2e = time.perf_counter() - t0
     if usage is None:
         raise RuntimeError("no usage in the stream")
-    return {"ttft_s": ttft if ttft is not None else e2e, "e2e_s": e2e, "text": "".join(text),
-            "prompt_tokens": usage["prompt_tokens"],
-            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0}
+    return {
+        "ttft_s": ttft if ttft is not None else e2e,
+        "e2e_s": e2e,
+        "text": "".join(text),
+        "prompt_tokens": usage["prompt_tokens"],
+        "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0,
+    }
 
 
-async def drive(base: str, sessions, concurrency: int, max_tokens: int, request_timeout_s: float = 120.0
-                ) -> tuple[dict, float, list[str]]:
+async def drive(
+    base: str, sessions, concurrency: int, max_tokens: int, request_timeout_s: float = 120.0
+) -> tuple[dict, float, list[str]]:
     """Closed loop: `concurrency` clients, each running whole sessions in turn order. Returns the results by
     (session, turn), the wall time and the errors."""
     import aiohttp
@@ -121,6 +143,7 @@ async def drive(base: str, sessions, concurrency: int, max_tokens: int, request_
     queue = iter(range(len(sessions)))
     timeout = aiohttp.ClientTimeout(total=request_timeout_s)  # a stuck request is an error, not a stalled run
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+
         async def client():
             for s in queue:
                 for t, messages in enumerate(sessions[s]):
@@ -128,6 +151,7 @@ async def drive(base: str, sessions, concurrency: int, max_tokens: int, request_
                         results[(s, t)] = await _chat(http, base, messages, max_tokens)
                     except Exception as e:  # noqa: BLE001 - counted and reported
                         errors.append(f"session {s} turn {t}: {type(e).__name__}: {e}")
+
         t0 = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(concurrency)))
         return results, time.perf_counter() - t0, errors
@@ -150,8 +174,16 @@ async def front_overhead(base: str, direct: str, n: int = 20) -> dict:
 
 # ---------------------------------------------------------------------------------------------- processes
 def start_workers(n: int, args) -> list:
-    wargs = ["--http-port", "0", "--kv-cache-tokens", str(args.kv_cache_tokens), "--swa-cache-tokens",
-             str(args.swa_cache_tokens), "--torch-threads", str(max(1, (os.cpu_count() or 1) // n))]
+    wargs = [
+        "--http-port",
+        "0",
+        "--kv-cache-tokens",
+        str(args.kv_cache_tokens),
+        "--swa-cache-tokens",
+        str(args.swa_cache_tokens),
+        "--torch-threads",
+        str(max(1, (os.cpu_count() or 1) // n)),
+    ]
     with ThreadPoolExecutor(n) as ex:
         return list(ex.map(lambda _: start_server(wargs, "llm", timeout=300), range(n)))
 
@@ -166,10 +198,14 @@ def worker_stats(workers) -> list[dict]:
     out = []
     for w in workers:
         m = scrape(int(w.http_address.rsplit(":", 1)[1]))
-        out.append({"requests": sum(v for k, v in m.items() if k.startswith("llm_requests_finished_total")),
-                    "busy_s": m.get("llm_e2e_request_latency_seconds_sum", 0.0),
-                    "prompt_tokens": m.get("llm_prompt_tokens_total", 0.0),
-                    "cached_tokens": m.get("llm_cached_tokens_total", 0.0)})
+        out.append(
+            {
+                "requests": sum(v for k, v in m.items() if k.startswith("llm_requests_finished_total")),
+                "busy_s": m.get("llm_e2e_request_latency_seconds_sum", 0.0),
+                "prompt_tokens": m.get("llm_prompt_tokens_total", 0.0),
+                "cached_tokens": m.get("llm_cached_tokens_total", 0.0),
+            }
+        )
     return out
 
 
@@ -191,16 +227,22 @@ def summarize(results: dict, wall: float, errors: list[str], stats: list[dict]) 
     ttft = np.array([r["ttft_s"] for r in rs]) * 1e3 if rs else np.zeros(1)
     prompt = sum(r["prompt_tokens"] for r in rs)
     cached = sum(r["cached_tokens"] for r in rs)
-    return {"requests": len(rs), "errors": len(errors), "first_errors": errors[:3],
-            "cached_fraction": round(cached / prompt, 4) if prompt else 0.0,
-            "prompt_tokens": prompt, "cached_tokens": cached,
-            "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 2),
-            "ttft_p90_ms": round(float(np.percentile(ttft, 90)), 2),
-            "qps": round(len(rs) / wall, 3) if wall else 0.0, "seconds": round(wall, 2),
-            "requests_per_worker": [int(s["requests"]) for s in stats],
-            "busy_s_per_worker": [round(s["busy_s"], 2) for s in stats],
-            "imbalance_requests_max_over_mean": _imbalance([s["requests"] for s in stats]),
-            "imbalance_busy_max_over_mean": _imbalance([s["busy_s"] for s in stats])}
+    return {
+        "requests": len(rs),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "cached_fraction": round(cached / prompt, 4) if prompt else 0.0,
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 2),
+        "ttft_p90_ms": round(float(np.percentile(ttft, 90)), 2),
+        "qps": round(len(rs) / wall, 3) if wall else 0.0,
+        "seconds": round(wall, 2),
+        "requests_per_worker": [int(s["requests"]) for s in stats],
+        "busy_s_per_worker": [round(s["busy_s"], 2) for s in stats],
+        "imbalance_requests_max_over_mean": _imbalance([s["requests"] for s in stats]),
+        "imbalance_busy_max_over_mean": _imbalance([s["busy_s"] for s in stats]),
+    }
 
 
 def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
@@ -211,26 +253,46 @@ def run_policy(policy: str, sessions, args, shared=None) -> tuple[dict, dict]:
     try:
         mport = free_port()
         spec = ",".join(f"{w.address}/{w.http_address}" for w in workers)
-        router = start_server(["--workers", spec, "--llm-policy", policy, "--http-port", "0", "--metrics-port",
-                               str(mport), "--log-level", "warning"], "router", timeout=120)
-        results, wall, errors = asyncio.run(drive(f"http://{router.http_address}", sessions, args.concurrency,
-                                                  args.max_tokens, args.request_timeout_s))
+        router = start_server(
+            [
+                "--workers",
+                spec,
+                "--llm-policy",
+                policy,
+                "--http-port",
+                "0",
+                "--metrics-port",
+                str(mport),
+                "--log-level",
+                "warning",
+            ],
+            "router",
+            timeout=120,
+        )
+        results, wall, errors = asyncio.run(
+            drive(f"http://{router.http_address}", sessions, args.concurrency, args.max_tokens, args.request_timeout_s)
+        )
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
         m = scrape(mport)  # before the overhead probe below: the prediction figures are the workload's
         n = m.get("router_prediction_error_tokens_count", 0.0)
         exact = m.get('router_prediction_error_tokens_bucket{le="0.0"}', 0) - m.get(
-            'router_prediction_error_tokens_bucket{le="-1.0"}', 0)
+            'router_prediction_error_tokens_bucket{le="-1.0"}', 0
+        )
         within = m.get('router_prediction_error_tokens_bucket{le="16.0"}', 0) - m.get(
-            'router_prediction_error_tokens_bucket{le="-16.0"}', 0)
+            'router_prediction_error_tokens_bucket{le="-16.0"}', 0
+        )
         over = m.get("router_prediction_over_tokens_total", 0.0)
         under = m.get("router_prediction_under_tokens_total", 0.0)
-        out["prediction"] = {"requests": int(n),  # error = reported cached tokens - predicted
-                             "mean_abs_error_tokens": round((over + under) / n, 2) if n else None,
-                             "mean_error_tokens": round((over - under) / n, 2) if n else None,
-                             "exact_fraction": round(exact / n, 3) if n else None,
-                             "within_one_block_fraction": round(within / n, 3) if n else None}
-        out["front_overhead"] = asyncio.run(front_overhead(f"http://{router.http_address}",
-                                                           f"http://{workers[0].http_address}"))
+        out["prediction"] = {
+            "requests": int(n),  # error = reported cached tokens - predicted
+            "mean_abs_error_tokens": round((over + under) / n, 2) if n else None,
+            "mean_error_tokens": round((over - under) / n, 2) if n else None,
+            "exact_fraction": round(exact / n, 3) if n else None,
+            "within_one_block_fraction": round(within / n, 3) if n else None,
+        }
+        out["front_overhead"] = asyncio.run(
+            front_overhead(f"http://{router.http_address}", f"http://{workers[0].http_address}")
+        )
         return out, results
     finally:
         if router is not None:
@@ -244,16 +306,31 @@ def run_gateway(sessions, args, shared=None) -> tuple[dict, dict]:
         from importlib.metadata import version
 
         import sglang_router  # noqa: F401
+
         gw_version = version("sglang-router")
     except ImportError:
-        return {"error": f"sglang-router is not installed (pip install 'sglang-router=={GATEWAY_VERSION}', "
-                         "in the dev extra)"}, {}
+        return {
+            "error": f"sglang-router is not installed (pip install 'sglang-router=={GATEWAY_VERSION}', "
+            "in the dev extra)"
+        }, {}
     workers = shared or start_workers(args.workers, args)
     before = worker_stats(workers) if shared else None
     port = free_port()
-    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls",
-           *(f"http://{w.http_address}" for w in workers), "--policy", args.gateway_policy, "--host", "127.0.0.1",
-           "--port", str(port), "--log-level", "warn"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *(f"http://{w.http_address}" for w in workers),
+        "--policy",
+        args.gateway_policy,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warn",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log: list[str] = []
     import threading
@@ -267,17 +344,25 @@ def run_gateway(sessions, args, shared=None) -> tuple[dict, dict]:
                 break
             except OSError as e:
                 if proc.poll() is not None or time.monotonic() > deadline:
-                    return {"error": f"the gateway did not start ({type(e).__name__}: {e}); its output: "
-                                     f"{''.join(log)[-800:]}", "version": gw_version}, {}
+                    return {
+                        "error": f"the gateway did not start ({type(e).__name__}: {e}); its output: "
+                        f"{''.join(log)[-800:]}",
+                        "version": gw_version,
+                    }, {}
                 time.sleep(0.3)
-        results, wall, errors = asyncio.run(drive(f"http://127.0.0.1:{port}", sessions, args.concurrency,
-                                                  args.max_tokens, args.request_timeout_s))
+        results, wall, errors = asyncio.run(
+            drive(f"http://127.0.0.1:{port}", sessions, args.concurrency, args.max_tokens, args.request_timeout_s)
+        )
         out = summarize(results, wall, errors, _delta(worker_stats(workers), before))
-        out["front_overhead"] = asyncio.run(front_overhead(f"http://127.0.0.1:{port}",
-                                                           f"http://{workers[0].http_address}"))
-        out.update(version=gw_version, policy=args.gateway_policy,
-                   note="the gateway found no tokenizer for model 'tiny' (it tries HuggingFace, unreachable here); "
-                        "cache_aware routes on the request text, which needs none")
+        out["front_overhead"] = asyncio.run(
+            front_overhead(f"http://127.0.0.1:{port}", f"http://{workers[0].http_address}")
+        )
+        out.update(
+            version=gw_version,
+            policy=args.gateway_policy,
+            note="the gateway found no tokenizer for model 'tiny' (it tries HuggingFace, unreachable here); "
+            "cache_aware routes on the request text, which needs none",
+        )
         return out, results
     finally:
         proc.terminate()
@@ -300,11 +385,20 @@ def _mismatch_detail(a: dict, b: dict, limit: int = 3) -> list[dict]:
     out = []
     for k in sorted(a.keys() & b.keys()):
         if a[k]["text"] != b[k]["text"] and len(out) < limit:
-            n = next((i for i, (x, y) in enumerate(zip(a[k]["text"], b[k]["text"])) if x != y),
-                     min(len(a[k]["text"]), len(b[k]["text"])))
-            out.append({"session": k[0], "turn": k[1], "prompt_tokens": a[k]["prompt_tokens"],
-                        "cached_affinity": a[k]["cached_tokens"], "cached_here": b[k]["cached_tokens"],
-                        "first_differing_char": n})
+            n = next(
+                (i for i, (x, y) in enumerate(zip(a[k]["text"], b[k]["text"])) if x != y),
+                min(len(a[k]["text"]), len(b[k]["text"])),
+            )
+            out.append(
+                {
+                    "session": k[0],
+                    "turn": k[1],
+                    "prompt_tokens": a[k]["prompt_tokens"],
+                    "cached_affinity": a[k]["cached_tokens"],
+                    "cached_here": b[k]["cached_tokens"],
+                    "first_differing_char": n,
+                }
+            )
     return out
 
 
@@ -319,17 +413,30 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="concurrent clients (default: 4)")
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request (default: 16)")
     p.add_argument("--workers", type=int, default=2, help="LLM workers (default: 2)")
-    p.add_argument("--policies", default=",".join(POLICIES), help=f"our policies to run (default: {','.join(POLICIES)})")
-    p.add_argument("--gateway", action=__import__("argparse").BooleanOptionalAction, default=True,
-                   help="also run SGLang's gateway (sglang-router) in front of the same workers (default: on)")
+    p.add_argument(
+        "--policies", default=",".join(POLICIES), help=f"our policies to run (default: {','.join(POLICIES)})"
+    )
+    p.add_argument(
+        "--gateway",
+        action=__import__("argparse").BooleanOptionalAction,
+        default=True,
+        help="also run SGLang's gateway (sglang-router) in front of the same workers (default: on)",
+    )
     p.add_argument("--gateway-policy", default="cache_aware", help="the gateway's policy (default: cache_aware)")
     p.add_argument("--kv-cache-tokens", type=int, default=16384, help="each worker's full KV pool (default: 16384)")
     p.add_argument("--swa-cache-tokens", type=int, default=4096, help="each worker's SWA pool (default: 4096)")
-    p.add_argument("--request-timeout-s", type=float, default=120.0,
-                   help="a request still unanswered after this long counts as an error (default: 120)")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 4 sessions x 3 turns, 2 clients, 2 tokens, affinity and round_robin (and the "
-                        "gateway) on one pair of workers, each run's prompts tagged apart; no output comparison")
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=120.0,
+        help="a request still unanswered after this long counts as an error (default: 120)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 4 sessions x 3 turns, 2 clients, 2 tokens, affinity and round_robin (and the "
+        "gateway) on one pair of workers, each run's prompts tagged apart; no output comparison",
+    )
 
 
 def main(args) -> dict:
@@ -342,10 +449,18 @@ def main(args) -> dict:
         raise SystemExit(f"--policies: unknown {', '.join(unknown)} (choose from {', '.join(POLICIES)})")
     if "affinity" not in policies:
         policies.insert(0, "affinity")  # the reference every ratio and output check is against
-    out: dict = {"benchmark": "routing-live", "quick": bool(args.quick), "workers": args.workers,
-                 "sessions": args.sessions, "turns": args.turns, "concurrency": args.concurrency,
-                 "max_tokens": args.max_tokens, "requests": args.sessions * args.turns,
-                 "cpu_count": os.cpu_count(), "policies": {}}
+    out: dict = {
+        "benchmark": "routing-live",
+        "quick": bool(args.quick),
+        "workers": args.workers,
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "requests": args.sessions * args.turns,
+        "cpu_count": os.cpu_count(),
+        "policies": {},
+    }
     # --quick: one pair of workers for every run (starting workers dominates a short run), each run's prompts
     # tagged apart so that no run reuses another's cache; the texts then differ by design and are not compared.
     shared = start_workers(args.workers, args) if args.quick else None
@@ -364,11 +479,13 @@ def main(args) -> dict:
     finally:
         for w in shared or ():
             w.stop()
-    out["outputs_mismatched_vs_affinity"] = {p: None if shared else _mismatches(texts["affinity"], texts[p])
-                                             for p in policies if p != "affinity"}
+    out["outputs_mismatched_vs_affinity"] = {
+        p: None if shared else _mismatches(texts["affinity"], texts[p]) for p in policies if p != "affinity"
+    }
     if not shared:
-        out["output_mismatch_detail"] = {p: d for p in policies if p != "affinity"
-                                         if (d := _mismatch_detail(texts["affinity"], texts[p]))}
+        out["output_mismatch_detail"] = {
+            p: d for p in policies if p != "affinity" if (d := _mismatch_detail(texts["affinity"], texts[p]))
+        }
     a = out["policies"]["affinity"]
     rr = out["policies"].get("round_robin")
     ok_gw = gw is not None and "error" not in gw

@@ -11,6 +11,7 @@ Reports TTFT P50/P90/P99 per length class, short (< 64K) and long (>= 64K), end-
 (`long_ttft_p90_vs_fcfs`, `short_ttft_p99_vs_fcfs`), with the same ratios for every load. A PNG of long and
 short TTFT P90 vs load per policy is written next to the JSON (--out-dir).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,12 @@ def _ratios(by: dict, load: float) -> dict:
         return {}
     best = min(others, key=lambda p: others[p]["ttft_s"]["long_ge_64K"]["p90"])
     b = others[best]
-    return {"policy": best, "load": load,
-            "long_ttft_p90_vs_fcfs": round(b["ttft_s"]["long_ge_64K"]["p90"] / fc["ttft_s"]["long_ge_64K"]["p90"], 3),
-            "short_ttft_p99_vs_fcfs": round(b["ttft_s"]["short_lt_64K"]["p99"] / fc["ttft_s"]["short_lt_64K"]["p99"], 3)}
+    return {
+        "policy": best,
+        "load": load,
+        "long_ttft_p90_vs_fcfs": round(b["ttft_s"]["long_ge_64K"]["p90"] / fc["ttft_s"]["long_ge_64K"]["p90"], 3),
+        "short_ttft_p99_vs_fcfs": round(b["ttft_s"]["short_lt_64K"]["p99"] / fc["ttft_s"]["short_lt_64K"]["p99"], 3),
+    }
 
 
 def main(args) -> dict:
@@ -66,17 +70,27 @@ def main(args) -> dict:
     at = 0.8 if 0.8 in loads else loads[len(loads) // 2]
     ratios = {**_ratios(by, at), "by_load": {str(ld): _ratios(by, ld) for ld in loads}}
     out_dir = Path(args.out_dir)
-    panels = {cls: {p: [(ld, by[(p, ld)]["ttft_s"][cls].get("p90") or 0.0) for ld in loads] for p in SCHEDULERS}
-              for cls in ("long_ge_64K", "short_lt_64K")}
-    png = ttft_vs_load(out_dir / "bench_scheduler.png", "long-context mix: TTFT P90 vs load per wait-queue policy", panels)
+    panels = {
+        cls: {p: [(ld, by[(p, ld)]["ttft_s"][cls].get("p90") or 0.0) for ld in loads] for p in SCHEDULERS}
+        for cls in ("long_ge_64K", "short_lt_64K")
+    }
+    png = ttft_vs_load(
+        out_dir / "bench_scheduler.png", "long-context mix: TTFT P90 vs load per wait-queue policy", panels
+    )
     result = {
         "bench": "scheduler",
-        "config": {"requests": args.requests, "seed": args.seed, "loads": loads, "policies": list(SCHEDULERS),
-                   "mix": "prompt lengths 80% 0-64K, 15% 64K-256K, 5% 256K-1M (log-uniform within), outputs 64-1024",
-                   **describe(cost, cfg0)},
+        "config": {
+            "requests": args.requests,
+            "seed": args.seed,
+            "loads": loads,
+            "policies": list(SCHEDULERS),
+            "mix": "prompt lengths 80% 0-64K, 15% 64K-256K, 5% 256K-1M (log-uniform within), outputs 64-1024",
+            **describe(cost, cfg0),
+        },
         "ratios": ratios,
         "results": {f"{p}@{ld}": v for (p, ld), v in by.items()},
-        "plot": png, "seconds": {"total": round(time.perf_counter() - t_all, 1), **seconds},
+        "plot": png,
+        "seconds": {"total": round(time.perf_counter() - t_all, 1), **seconds},
     }
     (out_dir / "bench_scheduler.json").write_text(json.dumps(result, indent=1))
     return result

@@ -11,6 +11,7 @@ many small payloads, filled with puts (random 128-bit keys, as content keys are)
 - `put_us`: mean time of the puts that filled it; `probes_mean` / `probes_max`: index buckets probed per hit
   over a sample of keys.
 """
+
 from __future__ import annotations
 
 import os
@@ -85,8 +86,9 @@ def run_size(n: int, payload: int, lookups: int, seed: int) -> dict:
         }
         lo_col = cache._key_lo
         scan_keys = sample[: max(10, min(lookups, 2_000_000 // max(n, 1)))]
-        out["scan_us"] = round(_per_call_us(
-            lambda k: np.flatnonzero(lo_col == np.uint64(int.from_bytes(k[:8], "little"))), scan_keys), 2)
+        out["scan_us"] = round(
+            _per_call_us(lambda k: np.flatnonzero(lo_col == np.uint64(int.from_bytes(k[:8], "little"))), scan_keys), 2
+        )
         probes = _probes(cache, sample[:2000])
         out["probes_mean"] = round(float(np.mean(probes)), 3)
         out["probes_max"] = int(max(probes))
@@ -108,11 +110,18 @@ def main(args) -> dict:
     smallest, largest = results[str(sizes[0])], results[str(sizes[-1])]
     return {
         "bench": "shm-index",
-        "workload": {"sizes": sizes, "payload_bytes": args.payload_bytes, "lookups_per_size": lookups,
-                     "keys": "random 128-bit", "dev_shm_free_bytes": free.f_bavail * free.f_frsize},
+        "workload": {
+            "sizes": sizes,
+            "payload_bytes": args.payload_bytes,
+            "lookups_per_size": lookups,
+            "keys": "random 128-bit",
+            "dev_shm_free_bytes": free.f_bavail * free.f_frsize,
+        },
         "results": results,
         "ratios": {
-            f"contains_hit_{sizes[-1]}_vs_{sizes[0]}": round(largest["contains_hit_us"] / smallest["contains_hit_us"], 3),
+            f"contains_hit_{sizes[-1]}_vs_{sizes[0]}": round(
+                largest["contains_hit_us"] / smallest["contains_hit_us"], 3
+            ),
             f"get_hit_{sizes[-1]}_vs_{sizes[0]}": round(largest["get_hit_us"] / smallest["get_hit_us"], 3),
             f"get_miss_{sizes[-1]}_vs_{sizes[0]}": round(largest["get_miss_us"] / smallest["get_miss_us"], 3),
             f"scan_vs_contains_hit_at_{sizes[-1]}": round(largest["scan_us"] / largest["contains_hit_us"], 3),

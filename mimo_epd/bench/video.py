@@ -20,6 +20,7 @@ FRAME_TOLERANCE mean |diff| (0-255 levels; FFmpeg's scaler at the decoder vs tor
 after it) of ours, and its embedding within EMBED_TOLERANCE relative L2 of ours.
 The test video is generated once (`make-test-video`, 640x360 H.264 30 fps, GOP 250) and reused.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -43,9 +44,9 @@ from mimo_epd.bench.peers.proc import RssSampler
 from mimo_epd.testing.video_gen import make_test_video
 
 BACKENDS = ("torchcodec", "decord", "torchvision")
-FRAME_TOLERANCE = 3.0   # mean |diff| in 0-255 levels over the kept frames (measured: 1.4)
+FRAME_TOLERANCE = 3.0  # mean |diff| in 0-255 levels over the kept frames (measured: 1.4)
 EMBED_TOLERANCE = 0.06  # relative L2 of the whole video embedding (measured: 0.028, naive's torchvision resize too)
-KEEP_EVERY = 16         # frames kept for the pixel check: every 16th sampled frame
+KEEP_EVERY = 16  # frames kept for the pixel check: every 16th sampled frame
 
 
 def log(msg: str) -> None:
@@ -78,7 +79,7 @@ def naive(path: str, model, pre: PreprocessConfig, sampling: VideoSampling, max_
         g1 = min(groups, g0 + chunk)
         pv = []
         for g in range(g0, g1):
-            frames = resize_torch(torch.from_numpy(np.stack(kept[g * tp:(g + 1) * tp])).permute(0, 3, 1, 2), (th, tw))
+            frames = resize_torch(torch.from_numpy(np.stack(kept[g * tp : (g + 1) * tp])).permute(0, 3, 1, 2), (th, tw))
             pv.append(patchify_frames((frames.float() / 255 - mean) / std, pre))
         with torch.inference_mode():
             outs.append(model(torch.cat(pv), torch.tensor([[g1 - g0, th // ps, tw // ps]])))
@@ -87,22 +88,48 @@ def naive(path: str, model, pre: PreprocessConfig, sampling: VideoSampling, max_
 
 def our_frames(path: str, idx: np.ndarray, keyframes: list[int], size: tuple[int, int], workers: int) -> np.ndarray:
     """Every KEEP_EVERY-th sampled frame as our decoders produce it (untimed; for the pixel check)."""
-    return np.stack([a for n, (_, a) in enumerate(decode_parallel(path, idx, keyframes, size, workers=workers,
-                                                                      mode="thread"))
-                     if n % KEEP_EVERY == 0])
+    return np.stack(
+        [
+            a
+            for n, (_, a) in enumerate(decode_parallel(path, idx, keyframes, size, workers=workers, mode="thread"))
+            if n % KEEP_EVERY == 0
+        ]
+    )
 
 
-def run_peer(backend: str, path: str, n: int, sampling: VideoSampling, model: str, max_batch_tokens: int,
-             workdir: str) -> tuple[dict, dict]:
+def run_peer(
+    backend: str, path: str, n: int, sampling: VideoSampling, model: str, max_batch_tokens: int, workdir: str
+) -> tuple[dict, dict]:
     """One qwen-vl-utils backend in its own process -> (its report, its arrays)."""
     if backend != "torchvision" and importlib.util.find_spec(backend) is None:
         return {"ran": False, "error": f"{backend} is not installed"}, {}
     out_dir = os.path.join(workdir, backend)
     os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "-m", "mimo_epd.bench.peers.qwen_vl_video", "--backend", backend, "--video", path,
-           "--nframes", str(n), "--min-pixels", str(sampling.min_pixels), "--max-pixels", str(sampling.max_pixels),
-           "--total-pixels", str(sampling.total_pixels), "--model", model, "--max-batch-tokens", str(max_batch_tokens),
-           "--keep-every", str(KEEP_EVERY), "--out", out_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mimo_epd.bench.peers.qwen_vl_video",
+        "--backend",
+        backend,
+        "--video",
+        path,
+        "--nframes",
+        str(n),
+        "--min-pixels",
+        str(sampling.min_pixels),
+        "--max-pixels",
+        str(sampling.max_pixels),
+        "--total-pixels",
+        str(sampling.total_pixels),
+        "--model",
+        model,
+        "--max-batch-tokens",
+        str(max_batch_tokens),
+        "--keep-every",
+        str(KEEP_EVERY),
+        "--out",
+        out_dir,
+    ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -122,9 +149,15 @@ def compare(peer: dict, arrays: dict, idx: np.ndarray, ours_frames: np.ndarray, 
         d = np.abs(arrays["frames"].astype(np.int16) - ours_frames.astype(np.int16))
         out.update(frame_mean_abs_diff=round(float(d.mean()), 3), frame_max_abs_diff=int(d.max()))
     if arrays["embedding"].shape == ours_emb.shape:
-        out["embedding_rel_l2"] = float(f"{np.linalg.norm(arrays['embedding'] - ours_emb) / np.linalg.norm(ours_emb):.3g}")
-    out["match"] = bool(same_idx and same_size and out.get("frame_mean_abs_diff", 1e9) <= FRAME_TOLERANCE
-                        and out.get("embedding_rel_l2", 1e9) <= EMBED_TOLERANCE)
+        out["embedding_rel_l2"] = float(
+            f"{np.linalg.norm(arrays['embedding'] - ours_emb) / np.linalg.norm(ours_emb):.3g}"
+        )
+    out["match"] = bool(
+        same_idx
+        and same_size
+        and out.get("frame_mean_abs_diff", 1e9) <= FRAME_TOLERANCE
+        and out.get("embedding_rel_l2", 1e9) <= EMBED_TOLERANCE
+    )
     return out
 
 
@@ -155,13 +188,22 @@ def main(args) -> dict:
     peak: dict = {}
     _, seconds["floor"], peak["floor"] = timed(decode_floor, path, info.keyframes, info.frames, workers)
     log(f"floor: {seconds['floor']}s")
-    res, _, peak["parallel"] = timed(encode_video, path, model, pre, sampling, workers=workers, mode="process",
-                                     max_batch_tokens=args.max_batch_tokens)
+    res, _, peak["parallel"] = timed(
+        encode_video,
+        path,
+        model,
+        pre,
+        sampling,
+        workers=workers,
+        mode="process",
+        max_batch_tokens=args.max_batch_tokens,
+    )
     seconds["parallel"] = round(res.seconds["total"], 3)
     log(f"parallel: {seconds['parallel']}s")
     ours_emb = res.embedding.numpy()
-    thread, _, peak["parallel_threads"] = timed(encode_video, path, model, pre, sampling, workers=workers,
-                                                mode="thread", max_batch_tokens=args.max_batch_tokens)
+    thread, _, peak["parallel_threads"] = timed(
+        encode_video, path, model, pre, sampling, workers=workers, mode="thread", max_batch_tokens=args.max_batch_tokens
+    )
     seconds["parallel_threads"] = round(thread.seconds["total"], 3)
     log(f"parallel_threads: {seconds['parallel_threads']}s")
     naive_emb, seconds["naive"], peak["naive"] = timed(naive, path, model, pre, sampling, args.max_batch_tokens)
@@ -176,22 +218,31 @@ def main(args) -> dict:
                 rep["check"] = compare(rep, arrays, idx, ours_frames, ours_emb)
                 seconds[name] = rep["seconds"]["total"]
                 peak[name] = rep["peak_rss_mb"]
-                log(f"{name}: {seconds[name]}s (fetch_video {rep['seconds']['fetch_video']}s) "
-                    f"match={rep['check']['match']}")
+                log(
+                    f"{name}: {seconds[name]}s (fetch_video {rep['seconds']['fetch_video']}s) "
+                    f"match={rep['check']['match']}"
+                )
             else:
                 log(f"{name}: could not run: {rep['error']}")
             peers[name] = rep
     scaling = {}
     for w in range(1, cores + 1):
-        scaling[str(w)] = round(seconds["parallel"] if w == workers else
-                                encode_video(path, model, pre, sampling, workers=w, mode="process",
-                                             max_batch_tokens=args.max_batch_tokens).seconds["total"], 3)
+        scaling[str(w)] = round(
+            seconds["parallel"]
+            if w == workers
+            else encode_video(
+                path, model, pre, sampling, workers=w, mode="process", max_batch_tokens=args.max_batch_tokens
+            ).seconds["total"],
+            3,
+        )
     log(f"scaling: {scaling}")
     ran = [k for k, v in peers.items() if v["ran"]]
     naive_rel = float(np.linalg.norm(naive_emb.numpy() - ours_emb) / np.linalg.norm(ours_emb))
-    ratios = {"naive_vs_parallel": round(seconds["naive"] / seconds["parallel"], 3),
-              "parallel_vs_floor": round(seconds["parallel"] / seconds["floor"], 3),
-              "threads_vs_processes": round(seconds["parallel_threads"] / seconds["parallel"], 3)}
+    ratios = {
+        "naive_vs_parallel": round(seconds["naive"] / seconds["parallel"], 3),
+        "parallel_vs_floor": round(seconds["parallel"] / seconds["floor"], 3),
+        "threads_vs_processes": round(seconds["parallel_threads"] / seconds["parallel"], 3),
+    }
     best = None
     if ran:
         best = min(ran, key=lambda k: seconds[k])
@@ -200,20 +251,33 @@ def main(args) -> dict:
     decoded = sum(g.cost for g in plan(idx, info.keyframes))
     return {
         "bench": "video",
-        "video": {"path": path, "duration_s": round(info.duration_s, 2), "frames_total": info.frames,
-                  "frames_sampled": int(len(idx)), "resolution": f"{info.width}x{info.height}", "fps": info.fps,
-                  "keyframes": len(info.keyframes), "frames_decoded_by_plan": int(decoded),
-                  "frame_size": f"{res.frame_size[1]}x{res.frame_size[0]}", "tokens": int(res.embedding.shape[0]),
-                  "generated": generated},
-        "cores": cores, "workers": workers, "sampling": {"fps": sampling.fps, "max_frames": sampling.max_frames},
+        "video": {
+            "path": path,
+            "duration_s": round(info.duration_s, 2),
+            "frames_total": info.frames,
+            "frames_sampled": int(len(idx)),
+            "resolution": f"{info.width}x{info.height}",
+            "fps": info.fps,
+            "keyframes": len(info.keyframes),
+            "frames_decoded_by_plan": int(decoded),
+            "frame_size": f"{res.frame_size[1]}x{res.frame_size[0]}",
+            "tokens": int(res.embedding.shape[0]),
+            "generated": generated,
+        },
+        "cores": cores,
+        "workers": workers,
+        "sampling": {"fps": sampling.fps, "max_frames": sampling.max_frames},
         "seconds": seconds,
         "peak_rss_mb": peak,
         "parallel_stages": {k: round(v, 3) for k, v in res.seconds.items()},
         "peers": peers,
         "best_qwen_vl_utils": best,
         "peers_installed": {b: (importlib.util.find_spec(b) is not None) for b in BACKENDS},
-        "tolerance": {"frame_mean_abs_diff": FRAME_TOLERANCE, "embedding_rel_l2": EMBED_TOLERANCE,
-                      "frames_checked": f"every {KEEP_EVERY}th sampled frame"},
+        "tolerance": {
+            "frame_mean_abs_diff": FRAME_TOLERANCE,
+            "embedding_rel_l2": EMBED_TOLERANCE,
+            "frames_checked": f"every {KEEP_EVERY}th sampled frame",
+        },
         "naive_embedding_rel_l2": float(f"{naive_rel:.3g}"),
         "frames_match": bool(ran) and all(peers[k]["check"]["match"] for k in ran),
         "scaling": scaling,
@@ -226,12 +290,17 @@ def add_arguments(p) -> None:
 
     p.add_argument("--minutes", type=float, default=60.0, help="length of the generated test video (default: 60)")
     p.add_argument("--file", default="", help="use this video instead of a generated one")
-    p.add_argument("--cache-dir", default="~/.cache/mimo-epd", help="where generated videos are kept (default: ~/.cache/mimo-epd)")
+    p.add_argument(
+        "--cache-dir", default="~/.cache/mimo-epd", help="where generated videos are kept (default: ~/.cache/mimo-epd)"
+    )
     p.add_argument("--fps", type=float, default=2.0, help="frames sampled per second (default: 2.0)")
     p.add_argument("--max-frames", type=int, default=768, help="most frames sampled (default: 768)")
     p.add_argument("--workers", type=int, default=0, help="parallel decoders (0 = every core) (default: 0)")
-    p.add_argument("--max-batch-tokens", type=int, default=16384, help="patches per forward, every mode (default: 16384)")
+    p.add_argument(
+        "--max-batch-tokens", type=int, default=16384, help="patches per forward, every mode (default: 16384)"
+    )
     p.add_argument("--model", default="tiny", help="vision model (default: tiny)")
-    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the qwen-vl-utils peers (default: on)")
+    p.add_argument(
+        "--peers", action=argparse.BooleanOptionalAction, default=True, help="run the qwen-vl-utils peers (default: on)"
+    )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): a 10-second video")

@@ -4,6 +4,7 @@ To add a command: write `mimo_epd/cli/<name>.py` with `register(commands)` (see 
 COMMAND_MODULES. Keep a command module's top level light (argparse, the standard library): import what a
 command needs inside its setup and run functions, so that `mimo-epd --help` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse

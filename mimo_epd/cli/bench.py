@@ -1,4 +1,5 @@
 """`mimo-epd bench <name>`: benchmarks, each printing one JSON object (mimo_epd/bench/)."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,11 @@ from importlib import import_module
 BENCHMARKS = (
     ("cache-routing", "cache_routing", "cache hit rates: round-robin vs consistent hashing, private vs shared cache"),
     ("video", "video", "a long video: naive vs parallel vs the decode floor, and worker scaling"),
-    ("encoder", "encoder", "encoder QPS/latency: naive vs pipelined vs real peers (model-card path per request and batched)"),
+    (
+        "encoder",
+        "encoder",
+        "encoder QPS/latency: naive vs pipelined vs real peers (model-card path per request and batched)",
+    ),
     ("kv", "kv_capacity", "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
     ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
     ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers (continuous and static batching)"),
@@ -28,6 +33,7 @@ def _runner(name: str):
     def run(args) -> int:
         print(json.dumps(_module(name).main(args)))  # one JSON object on stdout
         return 0
+
     return run
 
 

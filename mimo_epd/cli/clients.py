@@ -2,6 +2,7 @@
 
 They import grpc and the generated stubs only (no torch), so each call costs well under a second.
 """
+
 from __future__ import annotations
 
 import json
@@ -66,8 +67,11 @@ def rpc_error(e, server: str, names: list[str] | None = None) -> int:
 
     details = e.details() or ""
     if names:
-        details = re.sub(r"^item (\d+):", lambda m: f"item {m.group(1)} ({names[int(m.group(1))]}):"
-                         if int(m.group(1)) < len(names) else m.group(0), details)
+        details = re.sub(
+            r"^item (\d+):",
+            lambda m: f"item {m.group(1)} ({names[int(m.group(1))]}):" if int(m.group(1)) < len(names) else m.group(0),
+            details,
+        )
     hint = ""
     if e.code() == grpc.StatusCode.UNAVAILABLE and "connect" in details.lower():
         hint = f"; {_NOT_RUNNING}"
@@ -81,8 +85,9 @@ def _channel(server: str, max_message_mb: int = 256):
     import grpc
 
     limit = max_message_mb << 20
-    return grpc.insecure_channel(server, options=[("grpc.max_receive_message_length", limit),
-                                                  ("grpc.max_send_message_length", limit)])
+    return grpc.insecure_channel(
+        server, options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+    )
 
 
 # ---------------------------------------------------------------------------------------------- health
@@ -93,10 +98,14 @@ def _services(channel, timeout: float) -> list[str]:
 
     try:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-        for resp in stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
-                                              timeout=timeout):
-            return [s.name for s in resp.list_services_response.service
-                    if not s.name.startswith(("grpc.health.", "grpc.reflection."))]
+        for resp in stub.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=timeout
+        ):
+            return [
+                s.name
+                for s in resp.list_services_response.service
+                if not s.name.startswith(("grpc.health.", "grpc.reflection."))
+            ]
     except grpc.RpcError:
         pass
     return []
@@ -108,8 +117,9 @@ def run_health(args) -> int:
 
     with _channel(args.server) as ch:
         try:
-            resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=args.service),
-                                                         timeout=args.timeout)
+            resp = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout
+            )
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 known = _services(ch, args.timeout)
@@ -144,8 +154,9 @@ def save_embeddings(path: str, model: str, names: list[str], responses) -> int:
             continue
         buf = np.frombuffer(emb.data, dtype=np.uint8) if emb.data else np.zeros(0, np.uint8)
         keep_alive.append(buf)  # the spec holds a raw pointer into it
-        specs[r.content_key] = TensorSpec(dtype=emb.dtype, shape=list(emb.shape), data_ptr=buf.ctypes.data,
-                                          data_len=buf.nbytes)
+        specs[r.content_key] = TensorSpec(
+            dtype=emb.dtype, shape=list(emb.shape), data_ptr=buf.ctypes.data, data_len=buf.nbytes
+        )
     serialize_file(specs, path, metadata={"model": model, "items": json.dumps(items)})
     return len(specs)
 
@@ -167,15 +178,36 @@ def run_encode(args) -> int:
             return rpc_error(e, args.server, names)
     for name, r in zip(names, resp.items):
         emb = r.embedding
-        print(json.dumps({
-            "item": name, "key": r.content_key, "num_tokens": r.num_tokens,
-            "dim": int(emb.shape[-1]) if emb.shape else 0, "dtype": emb.dtype, "grid_thw": list(r.grid_thw),
-            "cache_hit": r.cache_hit,
-            "timings_ms": {k: round(getattr(r.timings, f"{k}_ms"), 3) for k in ("fetch", "decode", "preprocess", "queue", "encode")},
-            **({"video": {"duration_s": r.video.duration_s, "frames_total": r.video.frames_total,
-                          "frames_sampled": r.video.frames_sampled, "temporal_groups": len(r.timestamps_s)}}
-               if r.HasField("video") else {}),
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "item": name,
+                    "key": r.content_key,
+                    "num_tokens": r.num_tokens,
+                    "dim": int(emb.shape[-1]) if emb.shape else 0,
+                    "dtype": emb.dtype,
+                    "grid_thw": list(r.grid_thw),
+                    "cache_hit": r.cache_hit,
+                    "timings_ms": {
+                        k: round(getattr(r.timings, f"{k}_ms"), 3)
+                        for k in ("fetch", "decode", "preprocess", "queue", "encode")
+                    },
+                    **(
+                        {
+                            "video": {
+                                "duration_s": r.video.duration_s,
+                                "frames_total": r.video.frames_total,
+                                "frames_sampled": r.video.frames_sampled,
+                                "temporal_groups": len(r.timestamps_s),
+                            }
+                        }
+                        if r.HasField("video")
+                        else {}
+                    ),
+                }
+            ),
+            flush=True,
+        )
     if args.out:
         from safetensors import SafetensorError
 
@@ -190,12 +222,22 @@ def run_encode(args) -> int:
 def add_encode_flags(e) -> None:
     e.add_argument("items", nargs="+", metavar="ITEM", help="image or video file, http(s):// URL or data: URI")
     e.add_argument("--server", default=DEFAULT_SERVER, help=f"encoder or router address (default: {DEFAULT_SERVER})")
-    e.add_argument("--out", default="", help="save the embeddings to this .safetensors file: one tensor per content key, "
-                                            "metadata 'items' maps each item to its key (default: none)")
-    e.add_argument("--as-path", action="store_true",
-                   help="send file items as server-side paths instead of their bytes (needs --allowed-local-dir there)")
-    e.add_argument("--video", action="store_true",
-                   help=f"send every item as a VIDEO (default: by extension: {' '.join(sorted(VIDEO_SUFFIXES))})")
+    e.add_argument(
+        "--out",
+        default="",
+        help="save the embeddings to this .safetensors file: one tensor per content key, "
+        "metadata 'items' maps each item to its key (default: none)",
+    )
+    e.add_argument(
+        "--as-path",
+        action="store_true",
+        help="send file items as server-side paths instead of their bytes (needs --allowed-local-dir there)",
+    )
+    e.add_argument(
+        "--video",
+        action="store_true",
+        help=f"send every item as a VIDEO (default: by extension: {' '.join(sorted(VIDEO_SUFFIXES))})",
+    )
     e.add_argument("--fps", type=float, default=0.0, help="videos: frames sampled per second (0 = server default)")
     e.add_argument("--max-frames", type=int, default=0, help="videos: most frames sampled (0 = server default)")
     e.add_argument("--timeout", type=float, default=600.0, help="RPC deadline in seconds (default: 600)")
@@ -213,9 +255,18 @@ def run_generate(args) -> int:
         media = [media_item(it, video=False) for it in args.image]
     except ItemError as e:
         return error(str(e))
-    req = generator_pb2.GenerateRequest(prompt=args.prompt, media=media, sampling=generator_pb2.SamplingOptions(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, has_seed=args.seed is not None))
+    req = generator_pb2.GenerateRequest(
+        prompt=args.prompt,
+        media=media,
+        sampling=generator_pb2.SamplingOptions(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            has_seed=args.seed is not None,
+        ),
+    )
     started = False
     with _channel(args.server) as ch:
         try:
@@ -227,9 +278,19 @@ def run_generate(args) -> int:
                 else:
                     f = msg.final
                     print()
-                    print(json.dumps({"prompt_tokens": f.prompt_tokens, "media_tokens": f.media_tokens,
-                                      "cached_tokens": f.cached_tokens, "completion_tokens": f.completion_tokens,
-                                      "ttft_ms": round(f.ttft_ms, 2), "finish_reason": f.finish_reason}), file=sys.stderr)
+                    print(
+                        json.dumps(
+                            {
+                                "prompt_tokens": f.prompt_tokens,
+                                "media_tokens": f.media_tokens,
+                                "cached_tokens": f.cached_tokens,
+                                "completion_tokens": f.completion_tokens,
+                                "ttft_ms": round(f.ttft_ms, 2),
+                                "finish_reason": f.finish_reason,
+                            }
+                        ),
+                        file=sys.stderr,
+                    )
         except grpc.RpcError as e:
             if started:
                 print()
@@ -238,11 +299,17 @@ def run_generate(args) -> int:
 
 
 def add_generate_flags(g) -> None:
-    g.add_argument("--server", default=DEFAULT_SERVER,
-                   help=f"`serve` router or LLM worker address (default: {DEFAULT_SERVER})")
+    g.add_argument(
+        "--server", default=DEFAULT_SERVER, help=f"`serve` router or LLM worker address (default: {DEFAULT_SERVER})"
+    )
     g.add_argument("--prompt", required=True, help="the prompt text")
-    g.add_argument("--image", action="append", default=[], metavar="ITEM",
-                   help="an image file, http(s):// URL or data: URI (repeatable); a bare `mimo-epd llm` needs --encoder")
+    g.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="ITEM",
+        help="an image file, http(s):// URL or data: URI (repeatable); a bare `mimo-epd llm` needs --encoder",
+    )
     g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: 32)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (default: 1.0)")
@@ -253,11 +320,19 @@ def add_generate_flags(g) -> None:
 
 def register(commands) -> None:
     commands.command("health", "exit 0 only when the server reports SERVING", setup=add_health_flags, run=run_health)
-    commands.command("encode", "encode image/video files or URLs through a running server, one JSON line per item",
-                     setup=add_encode_flags, run=run_encode,
-                     epilog=f"example:\n  mimo-epd encode --server {DEFAULT_SERVER} photo.jpg https://example.com/cat.png "
-                            "--out emb.safetensors")
-    commands.command("generate", "stream a generation (text on stdout, token counts on stderr)",
-                     setup=add_generate_flags, run=run_generate,
-                     epilog=f"example:\n  mimo-epd generate --server {DEFAULT_SERVER} --prompt \"What is in the picture?\" "
-                            "--image photo.jpg")
+    commands.command(
+        "encode",
+        "encode image/video files or URLs through a running server, one JSON line per item",
+        setup=add_encode_flags,
+        run=run_encode,
+        epilog=f"example:\n  mimo-epd encode --server {DEFAULT_SERVER} photo.jpg https://example.com/cat.png "
+        "--out emb.safetensors",
+    )
+    commands.command(
+        "generate",
+        "stream a generation (text on stdout, token counts on stderr)",
+        setup=add_generate_flags,
+        run=run_generate,
+        epilog=f'example:\n  mimo-epd generate --server {DEFAULT_SERVER} --prompt "What is in the picture?" '
+        "--image photo.jpg",
+    )

@@ -3,6 +3,7 @@
 The rule for every command: stdout carries only the result (JSON lines, generated text, `ready host:port`),
 so `mimo-epd encode-video x.mp4 | jq` works; progress bars, notices, logs and errors go to stderr.
 """
+
 from __future__ import annotations
 
 import logging
@@ -11,8 +12,11 @@ import time
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, level.upper(), logging.INFO),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 def error(message: str, status: int = 2) -> int:
@@ -46,9 +50,18 @@ class FrameProgress:
         )
 
         self.unit = unit
-        self._progress = Progress(TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(),
-                                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                                  TimeRemainingColumn(), console=Console(stderr=True), transient=False, disable=disable)
+        self._progress = Progress(
+            TextColumn("{task.description:>8}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+            disable=disable,
+        )
         self._tasks = {n: self._progress.add_task(n, total=None, rate="") for n in names}
         self._start = time.perf_counter()
 
@@ -63,5 +76,6 @@ class FrameProgress:
     def update(self, total: int | None = None, **counts: int) -> None:
         elapsed = max(time.perf_counter() - self._start, 1e-6)
         for name, done in counts.items():
-            self._progress.update(self._tasks[name], completed=done, total=total,
-                                  rate=f"{done / elapsed:7.1f} {self.unit}/s")
+            self._progress.update(
+                self._tasks[name], completed=done, total=total, rate=f"{done / elapsed:7.1f} {self.unit}/s"
+            )

@@ -3,6 +3,7 @@
 `make docs` (scripts/gen_cli_docs.py) writes it; tests/test_docs_and_cli.py checks that regenerating gives
 the committed text, so the reference cannot drift from the code.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,8 +63,11 @@ def _help(action: argparse.Action) -> str:
 
 def _actions_by_group(parser: argparse.ArgumentParser):
     for group in parser._action_groups:
-        actions = [a for a in group._group_actions if a.help is not argparse.SUPPRESS
-                   and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))]
+        actions = [
+            a
+            for a in group._group_actions
+            if a.help is not argparse.SUPPRESS and not isinstance(a, (argparse._HelpAction, argparse._SubParsersAction))
+        ]
         if actions:
             yield group.title, actions
 

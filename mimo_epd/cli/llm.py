@@ -1,4 +1,5 @@
 """`mimo-epd llm`: one LLM worker (Generator/Generate, streaming)."""
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,17 @@ def run_llm(args) -> int:
 
             torch.set_num_threads(cfg.torch_threads)
         engine = LLM.from_config(cfg)
-        return uvloop.run(serve_llm(engine, cfg.host, cfg.port, cfg.encoder or None, grace_s=cfg.grace_period_s,
-                                    config=server_cfg, model=cfg.model))
+        return uvloop.run(
+            serve_llm(
+                engine,
+                cfg.host,
+                cfg.port,
+                cfg.encoder or None,
+                grace_s=cfg.grace_period_s,
+                config=server_cfg,
+                model=cfg.model,
+            )
+        )
     except (OSError, ValueError, RuntimeError) as e:
         logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", e)
         return 1
@@ -49,5 +59,11 @@ def run_llm(args) -> int:
 
 
 def register(commands) -> None:
-    commands.command("llm", usage="%(prog)s [FLAGS]", help="run one LLM worker (Generator/Generate, streaming)", setup=add_llm_flags, run=run_llm,
-                     epilog="Prints `ready HOST:PORT` on stdout once serving; logs go to stderr.")
+    commands.command(
+        "llm",
+        usage="%(prog)s [FLAGS]",
+        help="run one LLM worker (Generator/Generate, streaming)",
+        setup=add_llm_flags,
+        run=run_llm,
+        epilog="Prints `ready HOST:PORT` on stdout once serving; logs go to stderr.",
+    )

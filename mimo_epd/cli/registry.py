@@ -9,6 +9,7 @@ so a call imports only what its own command needs.
 A command module (`mimo_epd/cli/<name>.py`) exposes `register(commands: Commands)` and calls
 `commands.command(...)` / `commands.group(...)`; `mimo_epd/cli/__init__.py` lists the modules.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,12 +47,25 @@ class Commands:
         self.parser = parser
         self._sub = parser.add_subparsers(dest=dest, required=True, metavar="COMMAND", title=title)
 
-    def command(self, name: str, help: str, setup: Setup | None = None, run: Run | None = None,
-                description: str | None = None, epilog: str | None = None, usage: str | None = None
-                ) -> argparse.ArgumentParser:
+    def command(
+        self,
+        name: str,
+        help: str,
+        setup: Setup | None = None,
+        run: Run | None = None,
+        description: str | None = None,
+        epilog: str | None = None,
+        usage: str | None = None,
+    ) -> argparse.ArgumentParser:
         """A subcommand. `setup(parser)` adds its flags (lazily); `run(args)` returns the exit status."""
-        p = self._sub.add_parser(name, help=help, description=description or _sentence(help), epilog=epilog,
-                                 usage=usage, formatter_class=HelpFormatter)
+        p = self._sub.add_parser(
+            name,
+            help=help,
+            description=description or _sentence(help),
+            epilog=epilog,
+            usage=usage,
+            formatter_class=HelpFormatter,
+        )
         setattr(p, _PENDING, [setup] if setup else [])
         if run is not None:
             p.set_defaults(fn=run)

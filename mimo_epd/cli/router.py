@@ -1,4 +1,5 @@
 """`mimo-epd router`: an LLM router in front of LLM workers (mimo_epd/router/llm.py; docs/routing.md)."""
+
 from __future__ import annotations
 
 
@@ -23,5 +24,10 @@ Prints `ready HOST:PORT` on stdout once serving; logs go to stderr."""
 
 
 def register(commands) -> None:
-    commands.command("router", "an LLM router: KV-affinity routing over LLM workers, state in memory or Redis",
-                     setup=_setup, run=_run, epilog=EPILOG)
+    commands.command(
+        "router",
+        "an LLM router: KV-affinity routing over LLM workers, state in memory or Redis",
+        setup=_setup,
+        run=_run,
+        epilog=EPILOG,
+    )

@@ -1,4 +1,5 @@
 """`mimo-epd serve` (the product on one node) and `mimo-epd encoder` (one encoder server)."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,45 @@ ENCODER_SECTIONS = {
 }
 # Fields that read better elsewhere in `serve --help` than where the dataclass declares them.
 SERVE_MOVES = {"host": "node", "port": "node", "grace_period_s": "node", "log_level": "node", "metrics_port": "node"}
-ENCODER_MOVES = {"host": "server", "port": "server", "grace_period_s": "server", "log_level": "server",
-                 "metrics_port": "server"}
+ENCODER_MOVES = {
+    "host": "server",
+    "port": "server",
+    "grace_period_s": "server",
+    "log_level": "server",
+    "metrics_port": "server",
+}
 # Node flags (NodeConfig and whatever the launcher adds) by prefix of their dest; the rest are "node".
-NODE_PREFIXES = (("llm_policy", "routing"), ("affinity", "routing"), ("cache_aware", "routing"), ("kv_cost", "routing"),
-                 ("member_ttl", "routing"), ("poll_wait", "routing"), ("discovery", "routing"), ("llm", "LLM worker"), ("http", "HTTP (OpenAI API)"), ("health_interval", "routing"),
-                 ("vnodes", "routing"), ("routing", "routing"), ("router", "routing"))
-GROUP_ORDER = ("server", "node", "routing", "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits",
-               "HTTP (OpenAI API)", "encoder: model and serving",
-               "encoder: limits", "encoder: fetching and URL policy", "encoder: pipeline", "video", "cache")
+NODE_PREFIXES = (
+    ("llm_policy", "routing"),
+    ("affinity", "routing"),
+    ("cache_aware", "routing"),
+    ("kv_cost", "routing"),
+    ("member_ttl", "routing"),
+    ("poll_wait", "routing"),
+    ("discovery", "routing"),
+    ("llm", "LLM worker"),
+    ("http", "HTTP (OpenAI API)"),
+    ("health_interval", "routing"),
+    ("vnodes", "routing"),
+    ("routing", "routing"),
+    ("router", "routing"),
+)
+GROUP_ORDER = (
+    "server",
+    "node",
+    "routing",
+    "LLM worker",
+    "LLM KV cache",
+    "LLM scheduling",
+    "LLM limits",
+    "HTTP (OpenAI API)",
+    "encoder: model and serving",
+    "encoder: limits",
+    "encoder: fetching and URL policy",
+    "encoder: pipeline",
+    "video",
+    "cache",
+)
 
 
 class _Grouped:
@@ -65,9 +96,11 @@ def _metavar(dest: str, typ: type) -> str:
 
 
 # serve runs several processes: its --metrics-port is one endpoint for all of them (mimo_epd/node_metrics.py).
-SERVE_HELPS = {"metrics_port": "Prometheus /metrics of the whole node on this port: the router's endpoint merges "
-                               "every encoder's metrics, each sample labelled process=\"encoder-N\" (encoder N itself "
-                               "serves on PORT+1+N) (0 = off)"}
+SERVE_HELPS = {
+    "metrics_port": "Prometheus /metrics of the whole node on this port: the router's endpoint merges "
+    'every encoder\'s metrics, each sample labelled process="encoder-N" (encoder N itself '
+    "serves on PORT+1+N) (0 = off)"
+}
 
 
 def _encoder_section_of(moves: dict[str, str]):
@@ -194,12 +227,22 @@ Prints `ready HOST:PORT` on stdout once everything serves; logs go to stderr."""
 
 
 def register(commands) -> None:
-    commands.command("serve", usage="%(prog)s [FLAGS]", help="the product on this node: router + encoders sharing one shm cache + LLM worker",
-                     setup=add_serve_flags, run=run_serve, epilog=SERVE_EPILOG,
-                     description="Starts the product on this node: a front router on --host:--port that speaks the "
-                                 "Encode and Generate APIs,\n--encoders encoder processes sharing one shared-memory "
-                                 "embedding cache, and an LLM worker (--llm).")
-    commands.command("encoder", usage="%(prog)s [FLAGS]", help="run one encoder server (no router, no LLM worker)", setup=add_encoder_flags,
-                     run=run_encoder, epilog="Prints `ready HOST:PORT` on stdout once serving; logs go to stderr.")
-
-
+    commands.command(
+        "serve",
+        usage="%(prog)s [FLAGS]",
+        help="the product on this node: router + encoders sharing one shm cache + LLM worker",
+        setup=add_serve_flags,
+        run=run_serve,
+        epilog=SERVE_EPILOG,
+        description="Starts the product on this node: a front router on --host:--port that speaks the "
+        "Encode and Generate APIs,\n--encoders encoder processes sharing one shared-memory "
+        "embedding cache, and an LLM worker (--llm).",
+    )
+    commands.command(
+        "encoder",
+        usage="%(prog)s [FLAGS]",
+        help="run one encoder server (no router, no LLM worker)",
+        setup=add_encoder_flags,
+        run=run_encoder,
+        epilog="Prints `ready HOST:PORT` on stdout once serving; logs go to stderr.",
+    )

@@ -1,4 +1,5 @@
 """`mimo-epd version`: versions of the stack and which PIL build is really loaded."""
+
 from __future__ import annotations
 
 from .. import __version__

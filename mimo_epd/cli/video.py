@@ -2,6 +2,7 @@
 
 Both draw a progress bar (count, rate, ETA) on stderr and print their JSON result on stdout, so
 `mimo-epd encode-video x.mp4 | jq` works."""
+
 from __future__ import annotations
 
 import json
@@ -16,20 +17,37 @@ def add_sampling_arguments(p) -> None:
 
     d = VideoSampling()
     p.add_argument("--fps", type=float, default=d.fps, help=f"frames sampled per second of video (default: {d.fps})")
-    p.add_argument("--max-frames", type=int, default=d.max_frames, help=f"most frames sampled (default: {d.max_frames})")
-    p.add_argument("--min-frames", type=int, default=d.min_frames, help=f"fewest frames sampled (default: {d.min_frames})")
-    p.add_argument("--video-min-pixels", type=int, default=d.min_pixels, help=f"min pixels per frame (default: {d.min_pixels})")
-    p.add_argument("--video-max-pixels", type=int, default=d.max_pixels, help=f"max pixels per frame (default: {d.max_pixels})")
-    p.add_argument("--video-total-pixels", type=int, default=d.total_pixels,
-                   help=f"pixel budget of all sampled frames together (default: {d.total_pixels})")
+    p.add_argument(
+        "--max-frames", type=int, default=d.max_frames, help=f"most frames sampled (default: {d.max_frames})"
+    )
+    p.add_argument(
+        "--min-frames", type=int, default=d.min_frames, help=f"fewest frames sampled (default: {d.min_frames})"
+    )
+    p.add_argument(
+        "--video-min-pixels", type=int, default=d.min_pixels, help=f"min pixels per frame (default: {d.min_pixels})"
+    )
+    p.add_argument(
+        "--video-max-pixels", type=int, default=d.max_pixels, help=f"max pixels per frame (default: {d.max_pixels})"
+    )
+    p.add_argument(
+        "--video-total-pixels",
+        type=int,
+        default=d.total_pixels,
+        help=f"pixel budget of all sampled frames together (default: {d.total_pixels})",
+    )
 
 
 def _sampling_from_args(args):
     from encoder_server.video.sampling import VideoSampling
 
-    return VideoSampling(fps=args.fps, max_frames=args.max_frames, min_frames=args.min_frames,
-                         min_pixels=args.video_min_pixels, max_pixels=args.video_max_pixels,
-                         total_pixels=args.video_total_pixels)
+    return VideoSampling(
+        fps=args.fps,
+        max_frames=args.max_frames,
+        min_frames=args.min_frames,
+        min_pixels=args.video_min_pixels,
+        max_pixels=args.video_max_pixels,
+        total_pixels=args.video_total_pixels,
+    )
 
 
 def add_encode_video_flags(ev) -> None:
@@ -39,8 +57,12 @@ def add_encode_video_flags(ev) -> None:
     ev.add_argument("--device", default="cpu", help="torch device (default: cpu)")
     ev.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: float32)")
     ev.add_argument("--workers", type=int, default=0, help="parallel decoders, 0 = one per core (default: 0)")
-    ev.add_argument("--decode-mode", choices=["process", "thread"], default="process",
-                    help="decoders as processes or threads (default: process)")
+    ev.add_argument(
+        "--decode-mode",
+        choices=["process", "thread"],
+        default="process",
+        help="decoders as processes or threads (default: process)",
+    )
     ev.add_argument("--max-batch-tokens", type=int, default=16384, help="patches per forward (default: 16384)")
     ev.add_argument("--torch-threads", type=int, default=0, help="torch intra-op threads (0 = default) (default: 0)")
     ev.add_argument("--out", default="", help="save embedding, grid_thw and timestamps to this .safetensors file")
@@ -65,28 +87,51 @@ def run_encode_video(args) -> int:
     except (ValueError, FileNotFoundError) as e:
         return error(str(e))
     tower = info.module.config
-    pre = PreprocessConfig.from_hf_dict(info.preprocessor_config) if info.preprocessor_config else \
-        PreprocessConfig.preset("mimo_v2_5" if tower.patch_size == 16 else "qwen2_5_vl")
+    pre = (
+        PreprocessConfig.from_hf_dict(info.preprocessor_config)
+        if info.preprocessor_config
+        else PreprocessConfig.preset("mimo_v2_5" if tower.patch_size == 16 else "qwen2_5_vl")
+    )
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     with FrameProgress(["decoded", "encoded"], unit="frames", disable=args.no_progress) as bar:
+
         def progress(decoded: int, encoded: int, total: int) -> None:
             bar.update(total=total, decoded=decoded, encoded=encoded)
 
         try:
-            result = encode_video(args.video, info.module, pre, sampling, workers=args.workers or os.cpu_count() or 2, mode=args.decode_mode,
-                                  max_batch_tokens=args.max_batch_tokens, progress=progress, device=args.device)
+            result = encode_video(
+                args.video,
+                info.module,
+                pre,
+                sampling,
+                workers=args.workers or os.cpu_count() or 2,
+                mode=args.decode_mode,
+                max_batch_tokens=args.max_batch_tokens,
+                progress=progress,
+                device=args.device,
+            )
         except VideoError as e:
             return error(f"{args.video}: {e}", 1)
         progress(result.frames_sampled, result.frames_sampled, result.frames_sampled)
-    summary = {"video": args.video, "model": info.model_id, "sampling": {"fps": sampling.fps, "min_frames": sampling.min_frames,
-               "max_frames": sampling.max_frames}, **result.summary()}
+    summary = {
+        "video": args.video,
+        "model": info.model_id,
+        "sampling": {"fps": sampling.fps, "min_frames": sampling.min_frames, "max_frames": sampling.max_frames},
+        **result.summary(),
+    }
     if args.out:
         from safetensors.torch import save_file
 
-        save_file({"embedding": result.embedding.contiguous(), "grid_thw": torch.tensor(result.grid_thw),
-                   "timestamps_s": torch.tensor(result.timestamps_s, dtype=torch.float64)}, args.out,
-                  metadata={"summary": json.dumps(summary)})
+        save_file(
+            {
+                "embedding": result.embedding.contiguous(),
+                "grid_thw": torch.tensor(result.grid_thw),
+                "timestamps_s": torch.tensor(result.timestamps_s, dtype=torch.float64),
+            },
+            args.out,
+            metadata={"summary": json.dumps(summary)},
+        )
         summary["out"] = args.out
     print(json.dumps(summary))
     return 0
@@ -110,8 +155,16 @@ def run_make_test_video(args) -> int:
     seconds = args.seconds if args.seconds else args.minutes * 60
     with FrameProgress(["written"], unit="frames", disable=args.no_progress) as bar:
         try:
-            info = make_test_video(args.out, seconds, width=args.width, height=args.height, fps=args.fps, gop=args.gop,
-                                   preset=args.preset, progress=lambda i, n: bar.update(total=n, written=i))
+            info = make_test_video(
+                args.out,
+                seconds,
+                width=args.width,
+                height=args.height,
+                fps=args.fps,
+                gop=args.gop,
+                preset=args.preset,
+                progress=lambda i, n: bar.update(total=n, written=i),
+            )
         except ValueError as e:
             return error(str(e))
         bar.update(total=info["frames"], written=info["frames"])
@@ -120,8 +173,16 @@ def run_make_test_video(args) -> int:
 
 
 def register(commands) -> None:
-    commands.command("encode-video", "encode a video file in-process: progress on stderr, JSON summary on stdout",
-                     setup=add_encode_video_flags, run=run_encode_video,
-                     epilog="example:\n  mimo-epd encode-video clip.mp4 --fps 1 | jq .frames_sampled")
-    commands.command("make-test-video", "write a realistic H.264 test video with PyAV (progress on stderr)",
-                     setup=add_make_test_video_flags, run=run_make_test_video)
+    commands.command(
+        "encode-video",
+        "encode a video file in-process: progress on stderr, JSON summary on stdout",
+        setup=add_encode_video_flags,
+        run=run_encode_video,
+        epilog="example:\n  mimo-epd encode-video clip.mp4 --fps 1 | jq .frames_sampled",
+    )
+    commands.command(
+        "make-test-video",
+        "write a realistic H.264 test video with PyAV (progress on stderr)",
+        setup=add_make_test_video_flags,
+        run=run_make_test_video,
+    )

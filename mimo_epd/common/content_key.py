@@ -7,6 +7,7 @@ a URL, inline bytes or a local path; the outer one adds everything that changes 
 (model weights and dtype, preprocessing bounds, video sampling parameters), so a change of any of
 them never serves a stale entry. Clients may send the inner digest as `content_hash`.
 """
+
 from __future__ import annotations
 
 import xxhash

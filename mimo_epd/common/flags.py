@@ -5,6 +5,7 @@ builds its flags from the fields, and `from_args` builds the dataclass back from
 default is written once. `prefix` lets one command expose another's flags under a prefix (`serve` passes every
 LLM-worker flag through as `--llm-*`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,14 @@ def flag_name(name: str, prefix: str = "") -> str:
     return "--" + (prefix + name).replace("_", "-")
 
 
-def add_arguments(parser: argparse.ArgumentParser, cls, only: set[str] | None = None, prefix: str = "",
-                  skip: frozenset[str] | set[str] = frozenset(), default_group: str = "") -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    cls,
+    only: set[str] | None = None,
+    prefix: str = "",
+    skip: frozenset[str] | set[str] = frozenset(),
+    default_group: str = "",
+) -> None:
     """Adds one flag per field of `cls` (grouped by the fields' `group` metadata)."""
     groups: dict[str, Any] = {}
     for f in fields(cls):
@@ -48,11 +55,22 @@ def add_arguments(parser: argparse.ArgumentParser, cls, only: set[str] | None = 
         dest = prefix + f.name
         typ = _type_of(f)
         if typ is bool:
-            target.add_argument(flag_name(f.name, prefix), dest=dest, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+            target.add_argument(
+                flag_name(f.name, prefix),
+                dest=dest,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=help_text,
+            )
         else:
-            target.add_argument(flag_name(f.name, prefix), dest=dest, type=typ, default=default, help=help_text,
-                                choices=f.metadata.get("choices"))
+            target.add_argument(
+                flag_name(f.name, prefix),
+                dest=dest,
+                type=typ,
+                default=default,
+                help=help_text,
+                choices=f.metadata.get("choices"),
+            )
 
 
 def from_args(cls, args: argparse.Namespace, prefix: str = "", **overrides):

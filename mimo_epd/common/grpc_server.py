@@ -1,5 +1,6 @@
 """What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection, and a
 graceful shutdown that never cuts a response short."""
+
 from __future__ import annotations
 
 import asyncio
@@ -59,8 +60,9 @@ class Drain(grpc.aio.ServerInterceptor):
                 async for message in inner_stream(request, context):
                     yield message
 
-            return grpc.unary_stream_rpc_method_handler(stream, handler.request_deserializer,
-                                                        handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(
+                stream, handler.request_deserializer, handler.response_serializer
+            )
         raise TypeError(f"{details.method}: only unary and async-generator server-streaming RPCs can be drained")
 
     async def _enter(self, context: grpc.aio.ServicerContext) -> None:
@@ -94,9 +96,14 @@ def new_server(max_message_mb: int) -> tuple[grpc.aio.Server, Drain]:
     """A server with our message limits, and the `Drain` that stops it gracefully."""
     limit = max_message_mb << 20
     drain = Drain()
-    server = grpc.aio.server(interceptors=[drain],
-                             options=[("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit),
-                                      ("grpc.so_reuseport", 0)])  # never share a port with another process
+    server = grpc.aio.server(
+        interceptors=[drain],
+        options=[
+            ("grpc.max_send_message_length", limit),
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.so_reuseport", 0),
+        ],
+    )  # never share a port with another process
     return server, drain
 
 

@@ -1,4 +1,5 @@
 """Neural-network building blocks shared by the vision tower (encoder_server) and the LLM (llm_backend)."""
+
 from __future__ import annotations
 
 import torch

@@ -8,6 +8,7 @@ parent pid. Either way a child whose parent is already gone when it gets there a
 (their graceful drain) when it dies. A standalone `mimo-epd encoder` run from a shell has no mark and is not
 tied to the shell.
 """
+
 from __future__ import annotations
 
 import os
@@ -102,4 +103,3 @@ def exit_with_parent(interval_s: float = 1.0, signum: int | None = None, parent:
                 os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="exit-with-parent").start()
-

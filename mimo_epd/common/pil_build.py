@@ -2,6 +2,7 @@
 
 Used by `mimo-epd version`; the encoder's `--resize-backend auto` can use it too (encoder_server may import
 mimo_epd.common)."""
+
 from __future__ import annotations
 
 import base64

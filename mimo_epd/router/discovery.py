@@ -11,6 +11,7 @@ state backend (state.py) with a TTL that its heartbeat refreshes; it disappears 
   of them write, and the others take over within a TTL when it stops.
 - `EncoderSet`: keeps an `EncoderRouter`'s hash ring equal to the encoders registered in the state.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -71,8 +72,16 @@ class Heartbeat:
 class WorkerFeed:
     """One LLM worker's KV events and load into the state (see the module docstring)."""
 
-    def __init__(self, state, address: str, fields: dict | None = None, ttl_s: float = 3.0, wait_ms: int = 500,
-                 owner: str | None = None, on_reply: Callable | None = None):
+    def __init__(
+        self,
+        state,
+        address: str,
+        fields: dict | None = None,
+        ttl_s: float = 3.0,
+        wait_ms: int = 500,
+        owner: str | None = None,
+        on_reply: Callable | None = None,
+    ):
         self.state, self.address = state, address
         self.id = member_id("llm", address)
         self.fields = {"kind": "llm", "address": address, **(fields or {})}
@@ -98,31 +107,49 @@ class WorkerFeed:
                 await asyncio.sleep(0.5)
                 continue
             try:
-                reply = await self._stub.Poll(kv_events_pb2.PollRequest(epoch=self.epoch, since_seq=self.seq,
-                                                                        wait_ms=self.wait_ms),
-                                              timeout=self.wait_ms / 1e3 + 2.0)
+                reply = await self._stub.Poll(
+                    kv_events_pb2.PollRequest(epoch=self.epoch, since_seq=self.seq, wait_ms=self.wait_ms),
+                    timeout=self.wait_ms / 1e3 + 2.0,
+                )
             except grpc.aio.AioRpcError as e:
                 if self.ok:
-                    log.warning("LLM worker %s: KV events unavailable (%s); its entries expire in %gs",
-                                self.address, e.code().name, self.ttl_s)
+                    log.warning(
+                        "LLM worker %s: KV events unavailable (%s); its entries expire in %gs",
+                        self.address,
+                        e.code().name,
+                        self.ttl_s,
+                    )
                 self.ok, self.epoch = False, ""
                 await asyncio.sleep(0.2)
                 continue
             load = reply.load
-            fields = {**self.fields, "model": reply.model, "block_size": reply.block_size, "epoch": reply.epoch,
-                      "queued_tokens": load.queued_tokens, "running_tokens": load.running_tokens,
-                      "waiting": load.waiting, "running": load.running, "updated": f"{time.time():.3f}"}
+            fields = {
+                **self.fields,
+                "model": reply.model,
+                "block_size": reply.block_size,
+                "epoch": reply.epoch,
+                "queued_tokens": load.queued_tokens,
+                "running_tokens": load.running_tokens,
+                "waiting": load.waiting,
+                "running": load.running,
+                "updated": f"{time.time():.3f}",
+            }
             try:
                 await self.state.apply(self.id, reply.reset, list(reply.hashes), list(reply.states), fields, self.ttl_s)
             except StateUnavailable as e:
-                log.warning("LLM worker %s: events not stored (%s); a full snapshot is written when it answers",
-                            self.address, e)
+                log.warning(
+                    "LLM worker %s: events not stored (%s); a full snapshot is written when it answers", self.address, e
+                )
                 self.epoch = ""  # rewrite everything once the state is back
                 await asyncio.sleep(0.5)
                 continue
             if not self.ok:
-                log.info("LLM worker %s: KV events flowing (%d blocks, block %d)", self.address,
-                         len(reply.hashes) if reply.reset else -1, reply.block_size)
+                log.info(
+                    "LLM worker %s: KV events flowing (%d blocks, block %d)",
+                    self.address,
+                    len(reply.hashes) if reply.reset else -1,
+                    reply.block_size,
+                )
             self.ok, self.epoch, self.seq, self.block_size = True, reply.epoch, reply.seq, reply.block_size
             if self.on_reply:
                 self.on_reply(self, reply)

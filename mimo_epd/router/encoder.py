@@ -12,6 +12,7 @@ fails health checks, or whose call fails with UNAVAILABLE, leaves the ring's liv
 to the next live endpoint clockwise; it rejoins as soon as its health check says SERVING again.
 Item errors keep their status; their `item N:` prefix is rewritten to the index in the client's request.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,7 +74,9 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
 
     async def _check(self, endpoint: str) -> bool:
         try:
-            r = await self._health[endpoint].Check(health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s)
+            r = await self._health[endpoint].Check(
+                health_pb2.HealthCheckRequest(), timeout=self.config.health_timeout_s
+            )
             return r.status == health_pb2.HealthCheckResponse.SERVING
         except grpc.RpcError:
             return False
@@ -118,9 +121,11 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         if not items:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request has no items")
         if len(items) > self.config.max_items_per_request:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request has {len(items)} items, over the limit of {self.config.max_items_per_request} "
-                                "(--max-items-per-request)")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request has {len(items)} items, over the limit of {self.config.max_items_per_request} "
+                "(--max-items-per-request)",
+            )
         keys = [routing_key(it) for it in items]
         results: list[encoder_pb2.ItemEmbedding | None] = [None] * len(items)
         pending = list(range(len(items)))
@@ -132,11 +137,13 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
             for i in pending:
                 owner = next((o for o in self.ring.owners(keys[i]) if o in self.alive and o not in tried[i]), None)
                 if owner is None:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                        f"item {i}: no live encoder (tried {sorted(tried[i]) or 'none'})")
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"item {i}: no live encoder (tried {sorted(tried[i]) or 'none'})"
+                    )
                 groups.setdefault(owner, []).append(i)
-            outcomes = await asyncio.gather(*(self._forward(e, [items[i] for i in idx], timeout)
-                                              for e, idx in groups.items()))
+            outcomes = await asyncio.gather(
+                *(self._forward(e, [items[i] for i in idx], timeout) for e, idx in groups.items())
+            )
             pending = []
             first_error: tuple[int, grpc.StatusCode, str] | None = None
             for (endpoint, idx), (resp, err) in zip(groups.items(), outcomes):

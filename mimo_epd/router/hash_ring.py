@@ -8,6 +8,7 @@ nodes): about 1/N of all items. When it comes back, exactly those items return t
 `owners(key)` lists every endpoint in the order a request should try them, so a dead owner's items
 go to the next live one without rebuilding the ring.
 """
+
 from __future__ import annotations
 
 import bisect

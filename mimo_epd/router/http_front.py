@@ -22,6 +22,7 @@ closes the upstream connection, so the worker sees the disconnect and aborts the
 Other paths (models, health, the worker's /metrics, server info) go to the least loaded live worker.
 When no worker can take a request the answer is a 503 in the OpenAI error format.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,40 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp sets itself on each side.
-_SKIP_REQUEST = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection",
-                 "content-length", "accept-encoding"}
-_SKIP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "server",
-                  "date"}
+_SKIP_REQUEST = {
+    "host",
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "upgrade",
+    "proxy-connection",
+    "content-length",
+    "accept-encoding",
+}
+_SKIP_RESPONSE = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "content-encoding",
+    "server",
+    "date",
+}
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _error(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "service_unavailable_error" if status == 503 else "server_error",
-                      "param": None, "code": None}}
+    body = {
+        "error": {
+            "message": message,
+            "type": "service_unavailable_error" if status == 503 else "server_error",
+            "param": None,
+            "code": None,
+        }
+    }
     return web.Response(status=status, text=json.dumps(body), content_type="application/json")
 
 
@@ -160,7 +183,7 @@ class SSEFilter:
             end = self.buf.find(b"\n\n")
             if end < 0:
                 break
-            event, self.buf = self.buf[:end + 2], self.buf[end + 2:]
+            event, self.buf = self.buf[: end + 2], self.buf[end + 2 :]
             out.append(self._event(event))
         return b"".join(out)
 
@@ -170,7 +193,7 @@ class SSEFilter:
 
     def _event(self, event: bytes) -> bytes:
         self.events += 1
-        data = event[len(b"data: "):-2] if event.startswith(b"data: ") else None
+        data = event[len(b"data: ") : -2] if event.startswith(b"data: ") else None
         if data is None or data == b"[DONE]":
             return event
         try:
@@ -190,8 +213,14 @@ class SSEFilter:
 
 # ---------------------------------------------------------------------------------------------- the front
 class HTTPFront:
-    def __init__(self, upstream: Callable[[], str | None] | None = None, timeout_s: float = 3600.0,
-                 max_body_mb: int = 512, router=None, template=None):
+    def __init__(
+        self,
+        upstream: Callable[[], str | None] | None = None,
+        timeout_s: float = 3600.0,
+        max_body_mb: int = 512,
+        router=None,
+        template=None,
+    ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
         Without one, `upstream()` is the one worker's current `host:port` (None while it is not up)."""
         self.router = router
@@ -211,7 +240,9 @@ class HTTPFront:
         # No total timeout: a long generation streams for as long as it runs; connecting must be quick.
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=5, sock_read=self.timeout_s),
-            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+            connector=aiohttp.TCPConnector(limit=0),
+            auto_decompress=False,
+        )
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
@@ -238,20 +269,35 @@ class HTTPFront:
             return _error(503, "the LLM worker is not running (starting or restarting); retry shortly")
         body = await request.read()
         try:
-            up = await self._session.request(request.method, f"http://{target}{request.path_qs}", data=body or None,
-                                             headers=self._headers(request), allow_redirects=False)
+            up = await self._session.request(
+                request.method,
+                f"http://{target}{request.path_qs}",
+                data=body or None,
+                headers=self._headers(request),
+                allow_redirects=False,
+            )
         except (aiohttp.ClientConnectionError, TimeoutError) as e:
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
         return await self._relay(request, up, target, None)
 
-    async def _relay(self, request, up, target: str, first: bytes | None, sse: SSEFilter | None = None,
-                     body_parts: list | None = None) -> web.StreamResponse:
+    async def _relay(
+        self,
+        request,
+        up,
+        target: str,
+        first: bytes | None,
+        sse: SSEFilter | None = None,
+        body_parts: list | None = None,
+    ) -> web.StreamResponse:
         """Streams `up` to the client (`first` = its first body chunk, already read)."""
         done = False
         try:
-            resp = web.StreamResponse(status=up.status, reason=up.reason,
-                                      headers={k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE})
+            resp = web.StreamResponse(
+                status=up.status,
+                reason=up.reason,
+                headers={k: v for k, v in up.headers.items() if k.lower() not in _SKIP_RESPONSE},
+            )
             await resp.prepare(request)
             chunks = up.content.iter_any()
             if first is not None:
@@ -318,8 +364,7 @@ class HTTPFront:
             choices = await router.pick(tokens, exclude=set(tried))
             if choices:
                 router.retried()
-                log.info("retrying an HTTP request on the next worker after %s from %s", failure,
-                         choice.http_address)
+                log.info("retrying an HTTP request on the next worker after %s from %s", failure, choice.http_address)
         router.failed()
         if refusal is not None:
             return refusal

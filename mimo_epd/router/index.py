@@ -8,6 +8,7 @@ computes at least one token: it matches `prompt[:-1]`).
 `MemoryIndex` is the in-process index (hash -> {worker: state}); the Redis backend (state.py) stores the
 same states in one Redis hash per worker. Both are fed by `apply(worker, reset, hashes, states)`.
 """
+
 from __future__ import annotations
 
 from llm_backend.kv.events import ABSENT, USABLE, block_hashes

@@ -27,6 +27,7 @@ index size per worker. A worker marked down is re-checked through its gRPC healt
 router's own channel (which reconnects quickly, router/channels.py) and routed to again as soon as it says
 SERVING, or as soon as its KV-event feed answers.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -69,9 +70,14 @@ class LLMRouterConfig:
     down_s: float = 5.0  # a worker that failed a call is skipped this long, or until its feed answers again
 
     def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(match_weight=self.match_weight, load_weight=self.load_weight,
-                            balance_abs=self.balance_abs, balance_rel=self.balance_rel,
-                            cache_threshold=self.cache_threshold, prefill_weight=self.prefill_weight)
+        return PolicyConfig(
+            match_weight=self.match_weight,
+            load_weight=self.load_weight,
+            balance_abs=self.balance_abs,
+            balance_rel=self.balance_rel,
+            cache_threshold=self.cache_threshold,
+            prefill_weight=self.prefill_weight,
+        )
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -84,29 +90,79 @@ def add_policy_arguments(p, prefix: str = "") -> None:
     """The routing flags (shared by `mimo-epd router` and `mimo-epd serve`)."""
     d = LLMRouterConfig()
     a = p.add_argument
-    a("--llm-policy", dest="policy", default=d.policy, choices=list(POLICIES),
-      help=f"LLM routing policy (default: {d.policy})")
-    a("--router-state", default=d.router_state,
-      help="'memory' (this router only) or redis://HOST:PORT/DB shared by every router (default: memory)")
-    a("--affinity-match-weight", dest="match_weight", type=float, default=d.match_weight,
-      help=f"affinity: weight of the prefix match fraction (default: {d.match_weight})")
-    a("--affinity-load-weight", dest="load_weight", type=float, default=d.load_weight,
-      help=f"affinity: weight of the normalized load (default: {d.load_weight})")
-    a("--cache-aware-balance-abs", dest="balance_abs", type=int, default=d.balance_abs,
-      help=f"cache_aware: load gap in tokens that counts as imbalance (default: {d.balance_abs})")
-    a("--cache-aware-balance-rel", dest="balance_rel", type=float, default=d.balance_rel,
-      help=f"cache_aware: load ratio that counts as imbalance (default: {d.balance_rel})")
-    a("--cache-aware-threshold", dest="cache_threshold", type=float, default=d.cache_threshold,
-      help=f"cache_aware: match fraction above which the cache decides (default: {d.cache_threshold})")
-    a("--kv-cost-prefill-weight", dest="prefill_weight", type=float, default=d.prefill_weight,
-      help=f"kv_cost: weight of prefill blocks against decode blocks (default: {d.prefill_weight})")
-    a("--member-ttl-s", type=float, default=d.member_ttl_s,
-      help=f"a worker's or encoder's registration and index entries expire this long after its last heartbeat "
-           f"(default: {d.member_ttl_s})")
-    a("--poll-wait-ms", type=int, default=d.poll_wait_ms,
-      help=f"long-poll wait of the KV-event feeds (default: {d.poll_wait_ms})")
-    a("--discovery-interval-s", type=float, default=d.discovery_interval_s,
-      help=f"seconds between reads of the registry (default: {d.discovery_interval_s})")
+    a(
+        "--llm-policy",
+        dest="policy",
+        default=d.policy,
+        choices=list(POLICIES),
+        help=f"LLM routing policy (default: {d.policy})",
+    )
+    a(
+        "--router-state",
+        default=d.router_state,
+        help="'memory' (this router only) or redis://HOST:PORT/DB shared by every router (default: memory)",
+    )
+    a(
+        "--affinity-match-weight",
+        dest="match_weight",
+        type=float,
+        default=d.match_weight,
+        help=f"affinity: weight of the prefix match fraction (default: {d.match_weight})",
+    )
+    a(
+        "--affinity-load-weight",
+        dest="load_weight",
+        type=float,
+        default=d.load_weight,
+        help=f"affinity: weight of the normalized load (default: {d.load_weight})",
+    )
+    a(
+        "--cache-aware-balance-abs",
+        dest="balance_abs",
+        type=int,
+        default=d.balance_abs,
+        help=f"cache_aware: load gap in tokens that counts as imbalance (default: {d.balance_abs})",
+    )
+    a(
+        "--cache-aware-balance-rel",
+        dest="balance_rel",
+        type=float,
+        default=d.balance_rel,
+        help=f"cache_aware: load ratio that counts as imbalance (default: {d.balance_rel})",
+    )
+    a(
+        "--cache-aware-threshold",
+        dest="cache_threshold",
+        type=float,
+        default=d.cache_threshold,
+        help=f"cache_aware: match fraction above which the cache decides (default: {d.cache_threshold})",
+    )
+    a(
+        "--kv-cost-prefill-weight",
+        dest="prefill_weight",
+        type=float,
+        default=d.prefill_weight,
+        help=f"kv_cost: weight of prefill blocks against decode blocks (default: {d.prefill_weight})",
+    )
+    a(
+        "--member-ttl-s",
+        type=float,
+        default=d.member_ttl_s,
+        help=f"a worker's or encoder's registration and index entries expire this long after its last heartbeat "
+        f"(default: {d.member_ttl_s})",
+    )
+    a(
+        "--poll-wait-ms",
+        type=int,
+        default=d.poll_wait_ms,
+        help=f"long-poll wait of the KV-event feeds (default: {d.poll_wait_ms})",
+    )
+    a(
+        "--discovery-interval-s",
+        type=float,
+        default=d.discovery_interval_s,
+        help=f"seconds between reads of the registry (default: {d.discovery_interval_s})",
+    )
 
 
 @dataclass
@@ -162,9 +218,18 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         # next heartbeats, and dropping every worker meanwhile would fail requests with "tried none".
         self._keep_members_until = 0.0
         self.encoders = EncoderSet(encoders) if encoders is not None else None
-        self.stats = {"requests": 0, "retries": 0, "failed": 0, "degraded_picks": 0, "picks": {},
-                      "predictions": 0, "predicted_tokens": 0, "cached_tokens": 0, "abs_error_tokens": 0,
-                      "exact_predictions": 0}
+        self.stats = {
+            "requests": 0,
+            "retries": 0,
+            "failed": 0,
+            "degraded_picks": 0,
+            "picks": {},
+            "predictions": 0,
+            "predicted_tokens": 0,
+            "cached_tokens": 0,
+            "abs_error_tokens": 0,
+            "exact_predictions": 0,
+        }
         self._tasks: list[asyncio.Task] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
@@ -181,8 +246,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         wid = member_id("llm", address)
         self.workers[wid] = WorkerView(wid, address, http_address)
         fields_ = {"http_address": http_address} if http_address else {}
-        self.feeds[wid] = WorkerFeed(self.state, address, fields_, self.config.member_ttl_s, self.config.poll_wait_ms,
-                                     on_reply=self._on_feed)
+        self.feeds[wid] = WorkerFeed(
+            self.state, address, fields_, self.config.member_ttl_s, self.config.poll_wait_ms, on_reply=self._on_feed
+        )
 
     def _on_feed(self, feed: WorkerFeed, reply) -> None:
         w = self.workers.get(feed.id)
@@ -283,8 +349,13 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             # Another relay writes this worker (feed.ok is None): it is live while registered, and for one TTL after
             # its last registration, which spans a relay handover (the old lease and entries expire before the
             # next relay's first write; a dead worker is caught by the retry and mark_down meanwhile).
-            if feed is not None and not self.degraded and not (feed.ok or (feed.ok is None and (
-                    w.registered or now - w.registered_at < self.config.member_ttl_s))):
+            if (
+                feed is not None
+                and not self.degraded
+                and not (
+                    feed.ok or (feed.ok is None and (w.registered or now - w.registered_at < self.config.member_ttl_s))
+                )
+            ):
                 continue
             out.append(w)
         return out
@@ -320,8 +391,10 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         order = self.policy.rank(view, cands)
         self.policy.observe(view, order[0])
         by_id = {w.id: w for w in workers}
-        return [Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i, tuple(hashes))
-                for i, wid in enumerate(order)]
+        return [
+            Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i, tuple(hashes))
+            for i, wid in enumerate(order)
+        ]
 
     # A worker publishes a request's blocks when it caches them, and the feed brings them a poll later: a client
     # that sends its next turn as soon as the answer arrives is routed before the index knows. So the router
@@ -410,7 +483,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         task = self._rechecks.get(choice.worker)
         if task is None or task.done():
             self._rechecks[choice.worker] = asyncio.get_running_loop().create_task(
-                self._recheck(choice.worker, choice.address))
+                self._recheck(choice.worker, choice.address)
+            )
 
     async def _recheck(self, wid: str, address: str) -> None:
         """Routes to a worker that failed again as soon as its health service says SERVING (its feed may take a
@@ -439,8 +513,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         live = [w for w in self.live() if w.http_address]
         if not live:
             return None
-        return min(live, key=lambda w: (w.local_queued + w.local_running, len(self.flights.get(w.id, ())), w.id)
-                   ).http_address
+        return min(
+            live, key=lambda w: (w.local_queued + w.local_running, len(self.flights.get(w.id, ())), w.id)
+        ).http_address
 
     def summary(self) -> dict:
         s = dict(self.stats)
@@ -499,8 +574,10 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                 call.cancel()
             choices = await self.pick(tokens, exclude={member_id("llm", a) for a in tried})
         self.failed()
-        await context.abort(grpc.StatusCode.UNAVAILABLE,
-                            f"no live LLM worker could take the request (tried {', '.join(tried) or 'none'})")
+        await context.abort(
+            grpc.StatusCode.UNAVAILABLE,
+            f"no live LLM worker could take the request (tried {', '.join(tried) or 'none'})",
+        )
 
 
 def config_from_args(args) -> LLMRouterConfig:
@@ -511,25 +588,45 @@ def config_from_args(args) -> LLMRouterConfig:
 def add_arguments(p) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default: 50051)")
-    p.add_argument("--workers", default="",
-                   help="LLM workers GRPC[/HTTP],... this router watches itself (default: discover them in "
-                        "--router-state)")
+    p.add_argument(
+        "--workers",
+        default="",
+        help="LLM workers GRPC[/HTTP],... this router watches itself (default: discover them in --router-state)",
+    )
     p.add_argument("--model", default="tiny", help="the workers' model, for the tokenizer (default: tiny)")
     p.add_argument("--grace-period-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
     p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
-    p.add_argument("--http-port", type=int, default=-1,
-                   help="serve the workers' HTTP API (OpenAI, /generate) through this router's policy on this port, "
-                        "0 = any free port (printed as `http HOST:PORT` before `ready`), -1 = off (default: -1)")
-    p.add_argument("--chat-template", default="",
-                   help="the workers' --chat-template file, when they have one: the HTTP front renders chats "
-                        "with it to tokenize them like the workers (default: the model's)")
-    p.add_argument("--metrics-port", type=int, default=0,
-                   help="serve the router's Prometheus metrics on this port's /metrics, 0 = off (default: 0)")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=-1,
+        help="serve the workers' HTTP API (OpenAI, /generate) through this router's policy on this port, "
+        "0 = any free port (printed as `http HOST:PORT` before `ready`), -1 = off (default: -1)",
+    )
+    p.add_argument(
+        "--chat-template",
+        default="",
+        help="the workers' --chat-template file, when they have one: the HTTP front renders chats "
+        "with it to tokenize them like the workers (default: the model's)",
+    )
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the router's Prometheus metrics on this port's /metrics, 0 = off (default: 0)",
+    )
     add_policy_arguments(p)
 
 
-async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: float = 10.0,
-                       metrics_port: int = 0, http_port: int = -1, chat_template: str = "") -> int:
+async def serve_router(
+    config: LLMRouterConfig,
+    host: str,
+    port: int,
+    grace_s: float = 10.0,
+    metrics_port: int = 0,
+    http_port: int = -1,
+    chat_template: str = "",
+) -> int:
     from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2
@@ -589,14 +686,18 @@ async def serve_router(config: LLMRouterConfig, host: str, port: int, grace_s: f
 def main(args) -> int:
     import uvloop
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper(), logging.INFO),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         config = config_from_args(args)
         config.validate()
-        return uvloop.run(serve_router(config, args.host, args.port, args.grace_period_s,
-                                        args.metrics_port, args.http_port, args.chat_template))
+        return uvloop.run(
+            serve_router(
+                config, args.host, args.port, args.grace_period_s, args.metrics_port, args.http_port, args.chat_template
+            )
+        )
     except (OSError, ValueError) as e:
         logging.getLogger("mimo_epd").error("cannot start the router: %s", e)
         return 1
-

@@ -14,6 +14,7 @@
 `mimo-epd router --metrics-port P` serves them on P; `serve --metrics-port P` merges them into the node's one
 endpoint (label `process="router"`, mimo_epd/node_metrics.py).
 """
+
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,17 +31,20 @@ class RouterMetrics:
         self.requests = Counter("router_requests", "requests sent to each LLM worker", ["worker", "front"], registry=r)
         self.retries = Counter("router_retries", "requests moved to the next worker after a failure", registry=r)
         self.failed = Counter("router_failed", "requests that no worker could serve", registry=r)
-        self.error = Histogram("router_prediction_error_tokens",
-                               "reported cached tokens minus the predicted reusable tokens, per request",
-                               buckets=ERROR_BUCKETS, registry=r)
+        self.error = Histogram(
+            "router_prediction_error_tokens",
+            "reported cached tokens minus the predicted reusable tokens, per request",
+            buckets=ERROR_BUCKETS,
+            registry=r,
+        )
         # the histogram has negative buckets, so prometheus_client exports no _sum for it: the two signs apart
-        self.over = Counter("router_prediction_over_tokens", "cached tokens reported beyond the prediction",
-                            registry=r)
+        self.over = Counter("router_prediction_over_tokens", "cached tokens reported beyond the prediction", registry=r)
         self.under = Counter("router_prediction_under_tokens", "predicted tokens the worker did not reuse", registry=r)
         self.predicted = Counter("router_predicted_tokens", "predicted reusable prompt tokens", registry=r)
         self.cached = Counter("router_cached_tokens", "cached prompt tokens the workers reported", registry=r)
-        self.degraded = Gauge("router_state_degraded", "1 while the router state is unreachable (routing by load only)",
-                              registry=r)
+        self.degraded = Gauge(
+            "router_state_degraded", "1 while the router state is unreachable (routing by load only)", registry=r
+        )
         self.degraded.set_function(lambda: float(bool(router.degraded)))
         self.live = Gauge("router_live_workers", "LLM workers this router routes to now", registry=r)
         self.live.set_function(lambda: float(len(router.live())))
@@ -82,8 +86,9 @@ class _IndexCollector:
         self.metrics = metrics
 
     def collect(self):
-        g = GaugeMetricFamily("router_index_blocks", "blocks the page-hash index holds for each LLM worker",
-                              labels=["worker"])
+        g = GaugeMetricFamily(
+            "router_index_blocks", "blocks the page-hash index holds for each LLM worker", labels=["worker"]
+        )
         for w, n in sorted(self.metrics.index_blocks.items()):
             g.add_metric([w], float(n))
         yield g

@@ -19,6 +19,7 @@ same answers, so a simulator can run them as they are.
 
 Ties are broken by a rotating offset (so idle workers share the first requests) and then by name.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -103,8 +104,10 @@ class Affinity(Policy):
     def _keys(self, request, candidates):
         top = max(c.load for c in candidates)
         cfg = self.config
-        return [-(cfg.match_weight * match_fraction(request, c) - cfg.load_weight * (c.load / top if top else 0.0))
-                for c in candidates]
+        return [
+            -(cfg.match_weight * match_fraction(request, c) - cfg.load_weight * (c.load / top if top else 0.0))
+            for c in candidates
+        ]
 
 
 class KVCost(Policy):
@@ -149,8 +152,10 @@ class CacheAware(Policy):
         if hi - lo > cfg.balance_abs and hi > cfg.balance_rel * lo:
             order = sorted(range(n), key=lambda i: (loads[i], *rot(i)))
         else:
-            frac = [self.approx_match(request, c.worker) / request.num_tokens if request.num_tokens else 0.0
-                    for c in candidates]
+            frac = [
+                self.approx_match(request, c.worker) / request.num_tokens if request.num_tokens else 0.0
+                for c in candidates
+            ]
             if max(frac) > cfg.cache_threshold:
                 order = sorted(range(n), key=lambda i: (-frac[i], loads[i], *rot(i)))
             else:

@@ -16,6 +16,7 @@ dead worker's entries expire with its heartbeat. One writer per worker key: the 
 A Redis error raises `StateUnavailable`; the LLM router then routes by load only (its own counts) until the
 state answers again, and says so in its logs and metrics.
 """
+
 from __future__ import annotations
 
 import logging
@@ -90,11 +91,17 @@ class RedisState:
         import redis.asyncio as aioredis
 
         self.url, self.p = url, prefix
-        self.r = aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                   health_check_interval=0, retry_on_timeout=False)
+        self.r = aioredis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            health_check_interval=0,
+            retry_on_timeout=False,
+        )
         self._renew = self.r.register_script(
             "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) "
-            "elseif redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 else return 0 end")
+            "elseif redis.call('set', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 1 else return 0 end"
+        )
 
     async def _run(self, coro):
         import redis
@@ -182,8 +189,9 @@ class RedisState:
         return out
 
     async def lease(self, name: str, owner: str, ttl_s: float) -> bool:
-        return bool(await self._run(self._renew(keys=[f"{self.p}:relay:{name}"],
-                                                args=[owner, max(1, int(ttl_s * 1000))])))
+        return bool(
+            await self._run(self._renew(keys=[f"{self.p}:relay:{name}"], args=[owner, max(1, int(ttl_s * 1000))]))
+        )
 
     async def ping(self) -> bool:
         try:

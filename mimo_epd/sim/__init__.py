@@ -1,6 +1,7 @@
 """The fleet simulator: N simulated workers (llm_backend.sim) behind the real routing policies and page-hash
 index (mimo_epd.router), fed by each worker's real KV events. It lives here because llm_backend must not
 import mimo_epd.router. See docs/simulator.md."""
+
 from .fleet import Fleet, run_fleet
 from .traces import mooncake_requests
 

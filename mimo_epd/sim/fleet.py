@@ -10,6 +10,7 @@ running tokens, and let the real policy object rank them; the request goes to th
 Events are processed in time order: step ends first, then arrivals at the same instant; a worker that is idle
 and has work starts a step at once. Lengths given to the policies are real tokens (units x unit).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -38,13 +39,22 @@ class _LivePublisher(KVEventPublisher):
 
 
 class Fleet:
-    def __init__(self, cost: CostModel, config: WorkerConfig, workers: int, policy: str,
-                 policy_config: PolicyConfig | None = None, block: int = 16):
+    def __init__(
+        self,
+        cost: CostModel,
+        config: WorkerConfig,
+        workers: int,
+        policy: str,
+        policy_config: PolicyConfig | None = None,
+        block: int = 16,
+    ):
         self.unit = config.unit
         self.index = MemoryIndex()
         self.workers = [SimWorker(cost, config, f"w{i}") for i in range(workers)]
-        self.publishers = [_LivePublisher(w.cache, event_block_size(w.full_pool.page_size, block), w.name, self.index)
-                           for w in self.workers]
+        self.publishers = [
+            _LivePublisher(w.cache, event_block_size(w.full_pool.page_size, block), w.name, self.index)
+            for w in self.workers
+        ]
         self.block = self.publishers[0].block  # in units
         self.policy = make_policy(policy, policy_config)
         self.picks = [0] * workers
@@ -58,8 +68,9 @@ class Fleet:
         for w in self.workers:
             pred = predict_tokens(states.get(w.name, []), B, len(spec.prompt)) * U
             load = w.load()
-            cands.append(Candidate(w.name, min(pred, max(0, spec.prompt_len - 1)), load["queued_tokens"],
-                                   load["running_tokens"]))
+            cands.append(
+                Candidate(w.name, min(pred, max(0, spec.prompt_len - 1)), load["queued_tokens"], load["running_tokens"])
+            )
         view = RequestView(spec.prompt_len, B * U, tuple(hashes))
         order = self.policy.rank(view, cands)
         self.policy.observe(view, order[0])
@@ -92,14 +103,24 @@ class Fleet:
                     if end is not None:
                         heapq.heappush(ends, (end, k))
         finished = [f for w in self.workers for f in w.finished]
-        res = summarize(finished, [w.queue_samples for w in self.workers], [w.stats() for w in self.workers],
-                        sum(len(w.rejected) for w in self.workers))
+        res = summarize(
+            finished,
+            [w.queue_samples for w in self.workers],
+            [w.stats() for w in self.workers],
+            sum(len(w.rejected) for w in self.workers),
+        )
         res["picks"] = self.picks
         res["index_blocks"] = [self.index.blocks(w.name) for w in self.workers]
         return res
 
 
-def run_fleet(cost: CostModel, config: WorkerConfig, workers: int, policy: str, requests: list[SimRequest],
-              policy_config: PolicyConfig | None = None) -> dict:
+def run_fleet(
+    cost: CostModel,
+    config: WorkerConfig,
+    workers: int,
+    policy: str,
+    requests: list[SimRequest],
+    policy_config: PolicyConfig | None = None,
+) -> dict:
     """One run on fresh workers (the requests are only read)."""
     return Fleet(cost, config, workers, policy, policy_config).run(requests)

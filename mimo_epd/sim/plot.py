@@ -1,11 +1,13 @@
 """TTFT P90 vs load, one line per policy (matplotlib, headless Agg backend), written next to a benchmark's JSON."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def ttft_vs_load(path: Path, title: str, panels: dict[str, dict[str, list[tuple[float, float]]]],
-                 ylabel: str = "TTFT P90 (s)") -> str:
+def ttft_vs_load(
+    path: Path, title: str, panels: dict[str, dict[str, list[tuple[float, float]]]], ylabel: str = "TTFT P90 (s)"
+) -> str:
     """`panels`: panel title -> {policy: [(load, value), ...]}; one subplot per panel."""
     import matplotlib
 

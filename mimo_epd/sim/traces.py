@@ -2,6 +2,7 @@
 `load_trace`, and `prompt_units`, which turns each 512-token hash id into deterministic ids so equal hash ids
 give equal prefixes). Arrival times are the trace's timestamps (ms) in seconds; scale them with
 llm_backend.sim.load.scale_to_load."""
+
 from __future__ import annotations
 
 from llm_backend.sim.trace import SimRequest
@@ -20,8 +21,9 @@ def in_sample(key: int, fraction: float) -> bool:
     return (key * 2654435761 + 12345) % 1_000_003 < fraction * 1_000_003  # a fixed pseudo-random choice
 
 
-def mooncake_requests(path: str = DEFAULT_TRACE, limit: int = 0, unit: int = 16, offset: int = 0,
-                      sessions: float = 1.0) -> list[SimRequest]:
+def mooncake_requests(
+    path: str = DEFAULT_TRACE, limit: int = 0, unit: int = 16, offset: int = 0, sessions: float = 1.0
+) -> list[SimRequest]:
     """The trace's requests from line `offset`, at most `limit` (0 = all). `sessions` < 1 keeps that fraction of
     the conversations (all their turns, over the whole trace) instead of a contiguous stretch, so a short replay
     still has the trace's multi-turn reuse."""
@@ -31,5 +33,9 @@ def mooncake_requests(path: str = DEFAULT_TRACE, limit: int = 0, unit: int = 16,
     if sessions < 1:
         rows = [r for r in rows if in_sample(session_key(r["hash_ids"]), sessions)]
         rows = rows[:limit] if limit else rows
-    return [SimRequest(i, r["timestamp"] / 1e3, prompt_units(r, unit), int(r["input_length"]),
-                       max(1, int(r["output_length"]))) for i, r in enumerate(rows)]
+    return [
+        SimRequest(
+            i, r["timestamp"] / 1e3, prompt_units(r, unit), int(r["input_length"]), max(1, int(r["output_length"]))
+        )
+        for i, r in enumerate(rows)
+    ]

@@ -4,6 +4,7 @@
 marker: decoders ignore it, but every distinct token gives distinct bytes, hence a distinct content key
 and no cache hit, while the decode cost stays that of the real image.
 """
+
 from __future__ import annotations
 
 import asyncio

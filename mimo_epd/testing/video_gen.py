@@ -4,6 +4,7 @@ Moving textured content (a large photo-like texture panned across the frame, a m
 brightness drift and per-frame sensor noise), so motion estimation, B-frames and CABAC work as on real
 footage at a realistic bitrate; 30 fps, keyframe interval 250, x264 `veryfast` (B-frames on), yuv420p.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,19 @@ import numpy as np
 from mimo_epd.testing.media_server import photo_like
 
 
-def make_test_video(out: str, seconds: float, width: int = 640, height: int = 360, fps: int = 30, gop: int = 250,
-                    preset: str = "veryfast", crf: int = 23, seed: int = 0, noise: int = 12, progress=None) -> dict:
+def make_test_video(
+    out: str,
+    seconds: float,
+    width: int = 640,
+    height: int = 360,
+    fps: int = 30,
+    gop: int = 250,
+    preset: str = "veryfast",
+    crf: int = 23,
+    seed: int = 0,
+    noise: int = 12,
+    progress=None,
+) -> dict:
     import av
 
     if width % 2 or height % 2:
@@ -28,7 +40,9 @@ def make_test_video(out: str, seconds: float, width: int = 640, height: int = 36
     # Fresh sensor noise every frame (cycled from a bank, never repeating within x264's reference window):
     # real footage is never a perfectly motion-compensated pan, and noise sets a realistic bitrate.
     rng = np.random.default_rng(seed + 1)
-    noise_bank = [rng.integers(-noise, noise + 1, (height, width, 3), dtype=np.int16) for _ in range(17)] if noise else []
+    noise_bank = (
+        [rng.integers(-noise, noise + 1, (height, width, 3), dtype=np.int16) for _ in range(17)] if noise else []
+    )
     t0 = time.perf_counter()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     with av.open(out, "w") as c:
@@ -38,9 +52,9 @@ def make_test_video(out: str, seconds: float, width: int = 640, height: int = 36
         for i in range(n):
             ox = int((width / 2) * (1 + math.sin(i / 400.0)))
             oy = int((height / 2) * (1 + math.cos(i / 530.0)))
-            frame = tex[oy:oy + height, ox:ox + width].copy()
+            frame = tex[oy : oy + height, ox : ox + width].copy()
             bx, by = int((i * 3) % (width - 40)), int((height - 40) * (0.5 + 0.4 * math.sin(i / 60.0)))
-            frame[by:by + 40, bx:bx + 40] = (230, 40, 40)
+            frame[by : by + 40, bx : bx + 40] = (230, 40, 40)
             if noise_bank:
                 frame = np.clip(frame.astype(np.int16) + noise_bank[i % len(noise_bank)], 0, 255).astype(np.uint8)
             if i % 90 == 0:
@@ -52,5 +66,13 @@ def make_test_video(out: str, seconds: float, width: int = 640, height: int = 36
                 progress(i, n)
         for pkt in st.encode():
             c.mux(pkt)
-    return {"path": out, "frames": n, "seconds": seconds, "fps": fps, "resolution": f"{width}x{height}", "gop": gop,
-            "bytes": Path(out).stat().st_size, "generate_s": round(time.perf_counter() - t0, 2)}
+    return {
+        "path": out,
+        "frames": n,
+        "seconds": seconds,
+        "fps": fps,
+        "resolution": f"{width}x{height}",
+        "gop": gop,
+        "bytes": Path(out).stat().st_size,
+        "generate_s": round(time.perf_counter() - t0, 2),
+    }

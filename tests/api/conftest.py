@@ -1,6 +1,7 @@
 """Real servers for the HTTP API tests: an encoder (URL allowlist for the loopback media server, a small
 item limit and a short fetch deadline so size and timeout errors can be provoked), a loopback media server
 (images, a path that 404s, a socket that never answers) and an LLM worker with its HTTP API on a free port."""
+
 from __future__ import annotations
 
 import re
@@ -18,8 +19,10 @@ ITEM_LIMIT = 300_000
 
 @pytest.fixture(scope="session")
 def images() -> dict[str, bytes]:
-    return {"a.jpg": encode_image(textured(200, 300, seed=3), "JPEG"),
-            "b.jpg": encode_image(textured(200, 300, seed=4), "JPEG")}
+    return {
+        "a.jpg": encode_image(textured(200, 300, seed=3), "JPEG"),
+        "b.jpg": encode_image(textured(200, 300, seed=4), "JPEG"),
+    }
 
 
 @pytest.fixture(scope="session")
@@ -57,16 +60,41 @@ def silent_port():
 
 @pytest.fixture(scope="session")
 def api_encoder():
-    s = start_server(["--decode-workers", "1", "--url-allowlist", "127.0.0.1/32", "--fetch-timeout-s", "1",
-                      "--max-item-bytes", str(ITEM_LIMIT)])
+    s = start_server(
+        [
+            "--decode-workers",
+            "1",
+            "--url-allowlist",
+            "127.0.0.1/32",
+            "--fetch-timeout-s",
+            "1",
+            "--max-item-bytes",
+            str(ITEM_LIMIT),
+        ]
+    )
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="session")
 def worker(api_encoder):
-    s = start_server(["--encoder", api_encoder.address, "--http-port", "0", "--kv-cache-tokens", "6000",
-                      "--swa-cache-tokens", "1500", "--max-running", "2", "--max-waiting", "1"], subcommand="llm")
+    s = start_server(
+        [
+            "--encoder",
+            api_encoder.address,
+            "--http-port",
+            "0",
+            "--kv-cache-tokens",
+            "6000",
+            "--swa-cache-tokens",
+            "1500",
+            "--max-running",
+            "2",
+            "--max-waiting",
+            "1",
+        ],
+        subcommand="llm",
+    )
     assert s.http_address, "the worker printed no `http HOST:PORT` line before `ready`"
     yield s
     assert s.stop() == 0

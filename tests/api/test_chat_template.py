@@ -1,5 +1,6 @@
 """Chat templates render exactly as transformers' `apply_chat_template` does (the same template, the same
 messages, both ways), including whitespace control, raise_exception, namespaces, loop controls and tojson."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ MESSAGES = [
     {"role": "system", "content": "  You are terse. «ünïcode» 日本  "},
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
     {"role": "assistant", "content": "A cat."},
-    {"role": "user", "content": "And <this>? \"quoted\" & more"},
+    {"role": "user", "content": 'And <this>? "quoted" & more'},
 ]
 
 
@@ -43,9 +44,12 @@ def hf_tokenizer(template: str, bos: str = "<s>", eos: str = "</s>"):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2},
-                                                                              unk_token="[UNK]")),
-                                  bos_token=bos, eos_token=eos, unk_token="[UNK]")
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<s>": 0, "</s>": 1, "[UNK]": 2}, unk_token="[UNK]")),
+        bos_token=bos,
+        eos_token=eos,
+        unk_token="[UNK]",
+    )
     tok.chat_template = template
     return tok
 
@@ -53,10 +57,12 @@ def hf_tokenizer(template: str, bos: str = "<s>", eos: str = "</s>"):
 @pytest.mark.parametrize("template", [CHATML, TINY_TEMPLATE], ids=["chatml", "tiny"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_renders_like_transformers(template, add_generation_prompt):
-    ref = hf_tokenizer(template).apply_chat_template(MESSAGES, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt)
+    ref = hf_tokenizer(template).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
     ours = ChatTemplate(template, {"bos_token": "<s>", "eos_token": "</s>"}).render(
-        MESSAGES, add_generation_prompt=add_generation_prompt)
+        MESSAGES, add_generation_prompt=add_generation_prompt
+    )
     assert ours == ref
     assert ours.endswith(("<|im_start|>assistant\n", "<|assistant|>\n")) == add_generation_prompt
 
@@ -85,15 +91,22 @@ def test_sandboxed():
 
 
 def test_tiny_template_documented_shape():
-    text = load_chat_template("tiny").render([{"role": "system", "content": "You are helpful."},
-                                              {"role": "user", "content": "Hi"}])
+    text = load_chat_template("tiny").render(
+        [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"}]
+    )
     assert text == "<|system|>\nYou are helpful.\n<|user|>\nHi\n<|assistant|>\n"
 
 
 def test_checkpoint_template_and_special_tokens(tmp_path):
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": "x"}],
-        "bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": [{"name": "default", "template": CHATML}, {"name": "tool_use", "template": "x"}],
+                "bos_token": {"content": "<s>", "lstrip": False},
+                "eos_token": "</s>",
+            }
+        )
+    )
     tpl = load_chat_template(str(tmp_path))
     ref = hf_tokenizer(CHATML).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     assert tpl.render(MESSAGES) == ref and tpl.render(MESSAGES).lstrip().startswith("<s><|im_start|>system")

@@ -1,5 +1,6 @@
 """The incremental detokenizer and the stop-string matcher, on crafted id streams and real tokenizers
 (the tiny model's bytes; byte-level BPE and SentencePiece-style BPE trained here with `tokenizers`)."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def hf(kind: str) -> HFTokenizer:
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                      show_progress=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        )
     else:  # SentencePiece-style: "▁" marks a word start, and decoding drops the first token's leading space
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.Metaspace()
@@ -70,7 +72,7 @@ def test_real_tokenizers_keep_word_boundaries_and_characters(kind):
 
 def test_prompt_context_gives_the_first_word_its_space():
     tok = hf("metaspace")
-    prompt, out = tok.encode("hello"), tok.encode("hello world")[len(tok.encode("hello")):]
+    prompt, out = tok.encode("hello"), tok.encode("hello world")[len(tok.encode("hello")) :]
     assert tok.decode(out) == "world"  # alone, the first output word loses its leading space
     assert "".join(stream(IncrementalDetokenizer(tok, prompt), out)) == " world"
 

@@ -1,6 +1,7 @@
 """Every error of the HTTP API, over raw HTTP (aiohttp client) against a real worker: OpenAI error bodies
 ({"error": {"message", "type", "param", "code"}}) with the right status, the worker serving on afterwards;
 a client that disconnects mid-stream frees its KV; the router's front answers 503 when the worker is down."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,11 @@ pytestmark = pytest.mark.integration
 
 async def call(worker, body, path="/v1/chat/completions", raw: bytes | None = None):
     async with aiohttp.ClientSession() as s:
-        async with s.post(f"http://{worker.http_address}{path}", data=raw if raw is not None else None,
-                          json=body if raw is None else None) as r:
+        async with s.post(
+            f"http://{worker.http_address}{path}",
+            data=raw if raw is not None else None,
+            json=body if raw is None else None,
+        ) as r:
             return r.status, await r.json(content_type=None), r.headers
 
 
@@ -45,54 +49,64 @@ async def test_malformed_json(worker, raw):
     assert err["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("body,param", [
-    ([1, 2], None),
-    ({"messages": "hi"}, "messages"),
-    ({"messages": []}, "messages"),
-    ({}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"content": "x"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "messages[0].content[0].type"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.jpg"}}]}]},
-     "messages[0].content[0].image_url.url"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "temperature": 3.5}, "temperature"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
-    ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
-    ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop[0]"),
-    ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
-    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "stream_options": []}, "stream_options"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ([1, 2], None),
+        ({"messages": "hi"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "messages[0].content[0].type",
+        ),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "ftp://x/y.jpg"}}]}]},
+            "messages[0].content[0].image_url.url",
+        ),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": "ten"}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 3.5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "seed": 1.5}, "seed"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop[0]"),
+        ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream_options": []}, "stream_options"),
+    ],
+)
 async def test_bad_chat_requests(worker, body, param):
     status, resp, _ = await call(worker, body)
     assert_error(status, resp, 400, param=param)
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"prompt": ["a", "b"]}, "prompt"),
-    ({"prompt": [1, "x"]}, "prompt"),
-    ({"prompt": 7}, "prompt"),
-    ({"prompt": "x", "logprobs": 9}, "logprobs"),
-    ({"prompt": "x", "echo": True}, "echo"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"prompt": [1, "x"]}, "prompt"),
+        ({"prompt": 7}, "prompt"),
+        ({"prompt": "x", "logprobs": 9}, "logprobs"),
+        ({"prompt": "x", "echo": True}, "echo"),
+    ],
+)
 async def test_bad_completion_requests(worker, body, param):
     status, resp, _ = await call(worker, body, path="/v1/completions")
     assert_error(status, resp, 400, param=param)
 
 
 async def test_token_outside_the_vocabulary_and_unknown_model(worker):
-    status, body, _ = await call(worker, {"prompt": [256, 10 ** 6], "max_tokens": 1}, path="/v1/completions")
+    status, body, _ = await call(worker, {"prompt": [256, 10**6], "max_tokens": 1}, path="/v1/completions")
     assert_error(status, body, 400, contains="outside the vocabulary")
     status, body, _ = await call(worker, {**user("x"), "model": "gpt-9"})
     assert_error(status, body, 404, param="model")
@@ -133,9 +147,16 @@ async def test_media_errors_carry_the_encoders_status(worker, media, silent_port
 
 
 async def long_stream(session, worker, prompt="x" * 40, max_tokens=3000):
-    r = await session.post(f"http://{worker.http_address}/v1/chat/completions", json={
-        "model": "tiny", "stream": True, "max_tokens": max_tokens, "ignore_eos": True,
-        "messages": [{"role": "user", "content": prompt}]})
+    r = await session.post(
+        f"http://{worker.http_address}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "stream": True,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}],
+        },
+    )
     assert r.status == 200
     while b'"delta": {"content"' not in await r.content.readline():  # a token: the request is running
         pass
@@ -174,8 +195,9 @@ async def test_overload_is_429_with_retry_after(worker):
     # the worker runs 2 requests at once and queues 1 (--max-running 2 --max-waiting 1)
     async with aiohttp.ClientSession() as s:
         running = [await long_stream(s, worker, prompt=f"busy {i} " * 5) for i in range(2)]
-        queued = asyncio.ensure_future(s.post(f"http://{worker.http_address}/v1/chat/completions",
-                                              json={**user("queued"), "max_tokens": 1}))
+        queued = asyncio.ensure_future(
+            s.post(f"http://{worker.http_address}/v1/chat/completions", json={**user("queued"), "max_tokens": 1})
+        )
         await wait_metrics(worker, lambda m: m["llm_requests_waiting"] == 1)
         status, body, headers = await call(worker, user("one too many"))
         err = assert_error(status, body, 429, contains="--max-waiting")

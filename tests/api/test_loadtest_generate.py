@@ -1,5 +1,6 @@
 """`mimo-epd loadtest generate` against the `serve` it starts: a few seconds of the images workload over
 HTTP and gRPC, zero failures, a summary with QPS, TTFT and end-to-end percentiles and tokens/s."""
+
 import json
 import subprocess
 import sys
@@ -13,25 +14,68 @@ pytestmark = pytest.mark.integration
 
 
 def test_generate_loadtest_against_serve(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "loadtest", "generate", "--users", "2", "--spawn-rate", "2",
-                        "--run-time", "6s", "--workload", "images", "--grpc-share", "0.5", "--max-tokens", "4",
-                        "--csv-dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "loadtest",
+            "generate",
+            "--users",
+            "2",
+            "--spawn-rate",
+            "2",
+            "--run-time",
+            "6s",
+            "--workload",
+            "images",
+            "--grpc-share",
+            "0.5",
+            "--max-tokens",
+            "4",
+            "--csv-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert s["loadtest"] == "generate" and s["requests"] > 0 and s["failures"] == 0 and s["failures_by_status"] == {}
     assert s["qps"] > 0 and s["p90_ms"] >= s["p50_ms"] > 0 and s["ttft_ms"]["p90_ms"] > 0
-    assert s["completion_tokens"] == 4 * s["by_api"]["http"]["requests"] + s["by_api"].get("grpc", {}).get(
-        "completion_tokens", 0) and s["tokens_per_s"] > 0
+    assert (
+        s["completion_tokens"]
+        == 4 * s["by_api"]["http"]["requests"] + s["by_api"].get("grpc", {}).get("completion_tokens", 0)
+        and s["tokens_per_s"] > 0
+    )
     assert set(s["by_api"]) <= {"http", "grpc"} and "http" in s["by_api"]
     assert (tmp_path / "locust_stats.csv").exists()
 
 
 def test_summary_groups_failures_by_status():
-    recs = [{"api": "http", "start": 0.0, "end": 1.0, "e2e_ms": 1000.0, "ttft_ms": 100.0, "tokens": 4, "error": None},
-            {"api": "http", "start": 0.5, "end": 2.0, "e2e_ms": 1500.0, "ttft_ms": None, "tokens": 0,
-             "error": "HTTP 429: overloaded"},
-            {"api": "grpc", "start": 1.0, "end": 2.0, "e2e_ms": 900.0, "ttft_ms": None, "tokens": 0,
-             "error": "grpc UNAVAILABLE: down"}]
+    recs = [
+        {"api": "http", "start": 0.0, "end": 1.0, "e2e_ms": 1000.0, "ttft_ms": 100.0, "tokens": 4, "error": None},
+        {
+            "api": "http",
+            "start": 0.5,
+            "end": 2.0,
+            "e2e_ms": 1500.0,
+            "ttft_ms": None,
+            "tokens": 0,
+            "error": "HTTP 429: overloaded",
+        },
+        {
+            "api": "grpc",
+            "start": 1.0,
+            "end": 2.0,
+            "e2e_ms": 900.0,
+            "ttft_ms": None,
+            "tokens": 0,
+            "error": "grpc UNAVAILABLE: down",
+        },
+    ]
     s = summarize(recs)
     assert s["requests"] == 3 and s["failures"] == 2 and s["qps"] == 1.5 and s["tokens_per_s"] == 2.0
     assert s["failures_by_status"] == {"HTTP 429": 1, "grpc UNAVAILABLE": 1}

@@ -2,6 +2,7 @@
 chat (plain and streamed) equal to the offline engine on the rendered prompt, images by data: and http URL,
 a video, completions, models, usage with cached tokens, logprobs, stop strings, multi-byte text streamed
 exactly as returned whole, the SGLang-style endpoints and the metrics."""
+
 from __future__ import annotations
 
 import base64
@@ -39,8 +40,11 @@ def get_json(worker, path: str):
 
 
 def post_json(worker, path: str, body: dict):
-    req = urllib.request.Request(f"http://{worker.http_address}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://{worker.http_address}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return r.read().decode()
 
@@ -54,16 +58,24 @@ def test_chat_equals_offline_engine_and_stream_equals_whole(client, offline):
     r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True})
     text = r.choices[0].message.content
     prompt = offline.tokenizer.encode(load_chat_template("tiny").render(MESSAGES, add_generation_prompt=True))
-    want = offline.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=10,
-                                                                                      ignore_eos=True))[0]
+    want = offline.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=10, ignore_eos=True))[
+        0
+    ]
     assert text == want.text
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 10
     assert r.usage.total_tokens == len(prompt) + 10 and r.object == "chat.completion" and r.model == "tiny"
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=10,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
@@ -73,10 +85,12 @@ def test_chat_equals_offline_engine_and_stream_equals_whole(client, offline):
 
 def test_usage_reports_cached_tokens_of_a_shared_prefix(client):
     system = {"role": "system", "content": "You answer questions about the shared document. " * 8}
-    first = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-        system, {"role": "user", "content": "First question?"}])
-    second = client.chat.completions.create(model="tiny", max_tokens=2, messages=[
-        system, {"role": "user", "content": "A different question?"}])
+    first = client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "First question?"}]
+    )
+    second = client.chat.completions.create(
+        model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "A different question?"}]
+    )
     shared = len("<|system|>\n" + system["content"] + "\n<|user|>\n") + 1  # + BOS
     assert first.usage.prompt_tokens_details.cached_tokens < shared
     assert second.usage.prompt_tokens_details.cached_tokens >= shared
@@ -84,12 +98,25 @@ def test_usage_reports_cached_tokens_of_a_shared_prefix(client):
 
 def test_image_by_data_url_and_by_http_url(client, images, media):
     def ask(url, **kw):
-        return client.chat.completions.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "Describe:"}, {"type": "image_url", "image_url": {"url": url}}]}], **kw)
+        return client.chat.completions.create(
+            model="tiny",
+            max_tokens=3,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Describe:"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+            **kw,
+        )
 
     inline = ask(data_url(images["a.jpg"]))
-    text_only = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Describe:"}]}])
+    text_only = client.chat.completions.create(
+        model="tiny", max_tokens=1, messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}]}]
+    )
     # 200x300 -> 196x308 -> grid 14x22 -> 77 LLM tokens, placed after BOS
     assert inline.usage.prompt_tokens == text_only.usage.prompt_tokens + 77
     fetched = ask(media.url("a.jpg"))
@@ -97,9 +124,22 @@ def test_image_by_data_url_and_by_http_url(client, images, media):
     assert fetched.usage.prompt_tokens_details.cached_tokens >= 77  # the same bytes: the same placeholder prefix
     other = ask(media.url("b.jpg"))
     assert other.usage.prompt_tokens_details.cached_tokens <= 1  # a different image never shares it
-    streamed = list(client.chat.completions.create(model="tiny", max_tokens=3, stream=True, messages=[
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": media.url("a.jpg")}},
-                                     {"type": "text", "text": "Describe:"}]}]))
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny",
+            max_tokens=3,
+            stream=True,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": media.url("a.jpg")}},
+                        {"type": "text", "text": "Describe:"},
+                    ],
+                }
+            ],
+        )
+    )
     assert sum(1 for c in streamed if c.choices and c.choices[0].finish_reason) == 1
 
 
@@ -109,26 +149,42 @@ def test_video_by_data_url(client, tmp_path):
     path = tmp_path / "v.mp4"
     make_test_video(str(path), 1.0, width=128, height=96, fps=8, noise=0)
     url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
-    r = client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
-        {"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]}])
-    text_only = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
-        {"role": "user", "content": "What happens?"}])
+    r = client.chat.completions.create(
+        model="tiny",
+        max_tokens=2,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "video_url", "video_url": {"url": url}},
+                    {"type": "text", "text": "What happens?"},
+                ],
+            }
+        ],
+    )
+    text_only = client.chat.completions.create(
+        model="tiny", max_tokens=1, messages=[{"role": "user", "content": "What happens?"}]
+    )
     assert r.usage.prompt_tokens > text_only.usage.prompt_tokens  # the video's embedding rows
 
 
 def test_completions_text_and_token_ids(client, offline):
     from llm_backend import SamplingParams
 
-    r = client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny", prompt="The quick brown fox", max_tokens=12, extra_body={"ignore_eos": True}
+    )
     want = offline.generate(["The quick brown fox"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert r.choices[0].text == want.text and r.object == "text_completion"
     assert r.usage.prompt_tokens == len("The quick brown fox") + 1 and r.usage.completion_tokens == 12
     ids = offline.tokenizer.encode("The quick brown fox")
     by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
     assert by_ids.choices[0].text == want.text
-    streamed = list(client.completions.create(model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True,
-                                              extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.completions.create(
+            model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in streamed) == want.text
 
 
@@ -146,19 +202,28 @@ def test_multibyte_output_streams_exactly_as_returned_whole(client, worker):
     streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
     assert "".join(streamed) == whole
     assert any(ord(ch) > 127 and ch != "\ufffd" for ch in whole)  # real multi-byte characters came out
-    native = json.loads(post_json(worker, "/generate", {"text": prompt, "sampling_params": {
-        "max_new_tokens": 120, "temperature": 1.0, "sampling_seed": 0, "ignore_eos": True}}))
+    native = json.loads(
+        post_json(
+            worker,
+            "/generate",
+            {
+                "text": prompt,
+                "sampling_params": {"max_new_tokens": 120, "temperature": 1.0, "sampling_seed": 0, "ignore_eos": True},
+            },
+        )
+    )
     assert native["text"] == whole
     assert bytes(t for t in native["output_ids"] if t < 256).decode("utf-8", errors="replace") == whole
 
 
 def test_stop_strings_span_tokens_and_are_excluded(client):
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=60, temperature=1.0, seed=3,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny", prompt="Once upon a time", max_tokens=60, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+    )
     full = client.completions.create(**kw).choices[0].text
-    start = next(i for i in range(2, len(full) - 3) if "\ufffd" not in full[i:i + 3])
-    stop = full[start:start + 3]  # three characters: at least three tokens
-    cut = full[:full.index(stop)]
+    start = next(i for i in range(2, len(full) - 3) if "\ufffd" not in full[i : i + 3])
+    stop = full[start : start + 3]  # three characters: at least three tokens
+    cut = full[: full.index(stop)]
     r = client.completions.create(stop=[stop], **kw)
     assert r.choices[0].text == cut and r.choices[0].finish_reason == "stop"
     assert r.usage.completion_tokens < 60
@@ -172,24 +237,29 @@ def test_stop_token_ids(client, offline):
 
     out = offline.generate(["abc"], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_token_ids
     stop_id = out[3]
-    r = client.completions.create(model="tiny", prompt="abc", max_tokens=8, extra_body={"ignore_eos": True,
-                                                                                       "stop_token_ids": [stop_id]})
+    r = client.completions.create(
+        model="tiny", prompt="abc", max_tokens=8, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}
+    )
     k = out.index(stop_id)
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
     assert r.choices[0].text == offline.tokenizer.decode(out[:k])  # the stop token's own text is left out
 
 
 def test_chat_logprobs_and_top_logprobs(client):
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
     for entry in content:
         assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the top choice
         assert entry.bytes is not None
-    streamed = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True,
-                                                   stream=True, extra_body={"ignore_eos": True}))
+    streamed = list(
+        client.chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     lps = [e.logprob for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert lps == pytest.approx([e.logprob for e in content], abs=1e-5)
 
@@ -203,15 +273,27 @@ def test_sglang_style_worker_endpoints(worker):
         assert status == 200 and info["dp_size"] == 1 and info["context_length"] > 0
     assert get_json(worker, "/health")[0] == 200
     assert get_json(worker, "/health_generate")[0] == 200
-    whole = json.loads(post_json(worker, "/generate", {"text": "abc", "sampling_params": {"max_new_tokens": 5,
-                                                                                          "ignore_eos": True}}))
+    whole = json.loads(
+        post_json(worker, "/generate", {"text": "abc", "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}})
+    )
     assert len(whole["output_ids"]) == 5 and whole["meta_info"]["finish_reason"] == {"type": "length", "length": 5}
-    by_ids = json.loads(post_json(worker, "/generate", {"input_ids": [256, 97, 98, 99],
-                                                        "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}))
+    by_ids = json.loads(
+        post_json(
+            worker,
+            "/generate",
+            {"input_ids": [256, 97, 98, 99], "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}},
+        )
+    )
     assert by_ids["output_ids"] == whole["output_ids"] and by_ids["meta_info"]["cached_tokens"] >= 3
-    events = [ln[len("data: "):] for ln in post_json(worker, "/generate", {
-        "text": "abc", "stream": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}).splitlines()
-        if ln.startswith("data: ")]
+    events = [
+        ln[len("data: ") :]
+        for ln in post_json(
+            worker,
+            "/generate",
+            {"text": "abc", "stream": True, "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}},
+        ).splitlines()
+        if ln.startswith("data: ")
+    ]
     assert events[-1] == "[DONE]"
     last = json.loads(events[-2])
     assert last["text"] == whole["text"] and last["meta_info"]["finish_reason"]["type"] == "length"

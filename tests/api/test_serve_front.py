@@ -1,6 +1,7 @@
 """The router's HTTP front of `mimo-epd serve`: the openai client through it (streamed and whole, an image
 through the node's own encoders), the worker's endpoints forwarded, and a client that disconnects
 mid-stream through the front aborting its request on the worker."""
+
 from __future__ import annotations
 
 import asyncio
@@ -19,8 +20,11 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def node():
-    s = start_server(["--http-port", "0", "--llm-kv-cache-tokens", "6000", "--llm-swa-cache-tokens", "1500"],
-                     subcommand="serve", timeout=300)
+    s = start_server(
+        ["--http-port", "0", "--llm-kv-cache-tokens", "6000", "--llm-swa-cache-tokens", "1500"],
+        subcommand="serve",
+        timeout=300,
+    )
     assert s.http_address, "serve printed no `http HOST:PORT` line before `ready`"
     yield s
     assert s.stop() == 0
@@ -29,14 +33,26 @@ def node():
 def test_openai_client_through_the_front(node):
     client = openai.OpenAI(base_url=f"http://{node.http_address}/v1", api_key="unused", timeout=120, max_retries=0)
     image = "data:image/jpeg;base64," + base64.b64encode(encode_image(textured(200, 300, seed=9), "JPEG")).decode()
-    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": image}},
-                                             {"type": "text", "text": "Describe:"}]}]
-    whole = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6,
-                                           extra_body={"ignore_eos": True})
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": "Describe:"}],
+        }
+    ]
+    whole = client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=6, extra_body={"ignore_eos": True}
+    )
     assert whole.usage.completion_tokens == 6 and whole.usage.prompt_tokens > 77
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 77  # the image is a prefix hit the second time
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -46,9 +62,16 @@ async def test_disconnect_through_the_front_aborts_on_the_worker(node):
     async with aiohttp.ClientSession() as s:
         async with s.get(f"http://{node.http_address}/health") as r:
             assert r.status == 200
-        r = await s.post(f"http://{node.http_address}/v1/chat/completions", json={
-            "model": "tiny", "stream": True, "max_tokens": 3000, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "keep going"}]})
+        r = await s.post(
+            f"http://{node.http_address}/v1/chat/completions",
+            json={
+                "model": "tiny",
+                "stream": True,
+                "max_tokens": 3000,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "keep going"}],
+            },
+        )
         for _ in range(6):
             await r.content.readline()
         assert scrape(node.http_address)["llm_requests_running"] == 1  # /metrics is the worker's, forwarded
@@ -57,4 +80,4 @@ async def test_disconnect_through_the_front_aborts_on_the_worker(node):
     while (await asyncio.to_thread(scrape, node.http_address))["llm_requests_running"] != 0:
         assert time.monotonic() < deadline, "the worker kept generating for a client that left"
         await asyncio.sleep(0.1)
-    assert scrape(node.http_address)["llm_requests_finished_total{reason=\"abort\"}"] >= 1
+    assert scrape(node.http_address)['llm_requests_finished_total{reason="abort"}'] >= 1

@@ -1,5 +1,6 @@
 """One /metrics for the whole node: `serve --encoders 2 --metrics-port P` starts (it used to die with
 Address already in use), P merges both encoders with a process label, and a port in use is named."""
+
 import socket
 import subprocess
 import sys
@@ -27,8 +28,9 @@ def _families(text: str) -> dict:
 
 
 def test_merge_labels_every_sample_with_its_process():
-    fams = _families(merge({"encoder-0": CHILD.format(n=2.0), "encoder-1": CHILD.format(n=5.0), "encoder-2": None})
-                     .decode())
+    fams = _families(
+        merge({"encoder-0": CHILD.format(n=2.0), "encoder-1": CHILD.format(n=5.0), "encoder-2": None}).decode()
+    )
     reqs = {s.labels["process"]: s.value for s in fams["encoder_requests"].samples}
     assert reqs == {"encoder-0": 2.0, "encoder-1": 5.0} and fams["encoder_requests"].type == "counter"
     depth = [(s.labels["process"], s.labels["queue"]) for s in fams["encoder_queue_depth"].samples]
@@ -63,15 +65,18 @@ def _free_port_run(n: int) -> int:
 @pytest.mark.integration
 def test_serve_two_encoders_one_metrics_endpoint():
     port = _free_port_run(3)
-    server = start_server(["--encoders", "2", "--metrics-port", str(port), "--no-llm", "--http-port", "-1"],
-                          subcommand="serve", cwd=ROOT)
+    server = start_server(
+        ["--encoders", "2", "--metrics-port", str(port), "--no-llm", "--http-port", "-1"], subcommand="serve", cwd=ROOT
+    )
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         rc = server.stop()
     fams = _families(text)
-    assert {s.labels["process"]: s.value for s in fams["mimo_epd_scrape_up"].samples} == \
-        {"encoder-0": 1.0, "encoder-1": 1.0}
+    assert {s.labels["process"]: s.value for s in fams["mimo_epd_scrape_up"].samples} == {
+        "encoder-0": 1.0,
+        "encoder-1": 1.0,
+    }
     assert {s.labels["process"] for s in fams["encoder_requests"].samples} == {"encoder-0", "encoder-1"}
     assert rc == 0
     for _ in range(50):  # the stderr reader thread may still be catching up with the exited process
@@ -79,7 +84,7 @@ def test_serve_two_encoders_one_metrics_endpoint():
         if "shutting down: router first" in log:
             break
         time.sleep(0.1)
-    assert "left the ring" not in log[log.index("shutting down: router first"):]  # stopping its own encoders
+    assert "left the ring" not in log[log.index("shutting down: router first") :]  # stopping its own encoders
 
 
 @pytest.mark.integration
@@ -88,8 +93,25 @@ def test_a_metrics_port_in_use_is_named():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "mimo_epd", "serve", "--port", "0", "--metrics-port", str(port),
-                            "--no-llm", "--http-port", "-1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "mimo_epd",
+                "serve",
+                "--port",
+                "0",
+                "--metrics-port",
+                str(port),
+                "--no-llm",
+                "--http-port",
+                "-1",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 1
     assert f"127.0.0.1:{port} (--metrics-port): Address already in use" in r.stderr, r.stderr[-2000:]
 
@@ -100,7 +122,12 @@ def test_a_grpc_port_in_use_is_named():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        r = subprocess.run([sys.executable, "-m", "mimo_epd", "encoder", "--port", str(port)], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "mimo_epd", "encoder", "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (--host/--port): Address already in use" in r.stderr, r.stderr[-2000:]

@@ -5,6 +5,7 @@ ports instead of 50051/8000, so tests never collide), then each quick-start comm
 
 The README's `https://example.com/cat.png` needs the internet, which tests do not have; a `data:` URI takes
 its place (the same URL path through the server, no network)."""
+
 import base64
 import json
 import signal
@@ -27,8 +28,13 @@ MIMO_EPD = str(Path(sys.executable).parent / "mimo-epd")  # the console script, 
 
 class Node:
     def __init__(self):
-        self.proc = subprocess.Popen([MIMO_EPD, "serve", "--port", "0", "--http-port", "0"], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [MIMO_EPD, "serve", "--port", "0", "--http-port", "0"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.stderr: list[str] = []
         self._reader = threading.Thread(target=lambda: [self.stderr.append(x) for x in self.proc.stderr], daemon=True)
         self._reader.start()
@@ -101,8 +107,9 @@ def test_encode_a_file_and_a_url_to_safetensors(node, workdir):
 
 
 def test_generate_with_an_image(node, workdir):
-    r = cli("generate", "--server", node.address, "--prompt", "What is in the picture?", "--image", "photo.jpg",
-            cwd=workdir)
+    r = cli(
+        "generate", "--server", node.address, "--prompt", "What is in the picture?", "--image", "photo.jpg", cwd=workdir
+    )
     assert r.returncode == 0, r.stderr
     final = json.loads(r.stderr.strip().splitlines()[-1])
     assert final["media_tokens"] > 0 and final["completion_tokens"] > 0 and final["prompt_tokens"] > 0
@@ -110,8 +117,20 @@ def test_generate_with_an_image(node, workdir):
 
 
 def test_loadtest_against_serve_has_zero_failures(node, workdir):
-    r = cli("loadtest", "encoder", "--server", node.address, "--run-time", "10s", "--users", "2", "--csv-dir",
-            str(workdir / "lt"), cwd=workdir, timeout=600)
+    r = cli(
+        "loadtest",
+        "encoder",
+        "--server",
+        node.address,
+        "--run-time",
+        "10s",
+        "--users",
+        "2",
+        "--csv-dir",
+        str(workdir / "lt"),
+        cwd=workdir,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["requests"] > 0 and summary["failures"] == 0 and summary["failures_by_status"] == {}
@@ -142,7 +161,7 @@ def test_ctrl_c_shuts_down_quietly(node):
     rc = node.stop()
     log = "".join(node.stderr)
     assert rc == 0, log[-3000:]
-    shutdown = log[log.index("shutting down: router first"):]
+    shutdown = log[log.index("shutting down: router first") :]
     # the node stopping its own encoders is not an encoder failure (under heavy CPU load a health check may
     # still time out while serving; that is a real event, so only the shutdown is checked)
     assert "left the ring" not in shutdown, shutdown

@@ -2,6 +2,7 @@
 
 A test that expects a URL to be refused asserts the counter stays 0: the refusal must happen before any
 request reaches the server, not after a fetch that happened to fail."""
+
 from __future__ import annotations
 
 import asyncio

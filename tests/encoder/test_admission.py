@@ -3,6 +3,7 @@ and one slow host holds at most --fetch-per-host of the --fetch-concurrency fetc
 
 The assertions are about order, not time: an item must be answered while the slow downloads it used to
 queue behind are still in progress (the media server has received them and not yet answered any)."""
+
 from __future__ import annotations
 
 import time
@@ -44,9 +45,24 @@ def local_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(local_dir):
-    s = start_server(["--url-allowlist", "127.0.0.0/8", "--fetch-concurrency", "2", "--fetch-per-host", "1",
-                      "--fetch-timeout-s", "60", "--decode-workers", "0", "--cache-bytes", "0",
-                      "--allowed-local-dir", str(local_dir)])
+    s = start_server(
+        [
+            "--url-allowlist",
+            "127.0.0.0/8",
+            "--fetch-concurrency",
+            "2",
+            "--fetch-per-host",
+            "1",
+            "--fetch-timeout-s",
+            "60",
+            "--decode-workers",
+            "0",
+            "--cache-bytes",
+            "0",
+            "--allowed-local-dir",
+            str(local_dir),
+        ]
+    )
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines)[-2000:]
 

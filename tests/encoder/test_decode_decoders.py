@@ -1,5 +1,6 @@
 """The decoders package: one registry of names (what --decoder validation uses), one protocol, a typed
 result, and each image's header opened once whatever the backend."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -44,8 +45,11 @@ def test_every_backend_speaks_the_protocol(name):
 def test_the_header_is_opened_once_per_image(monkeypatch, name, resize, which):
     exif = Image.Exif()
     exif[0x0112] = 6
-    data = {"jpeg": JPEG, "png": PNG,
-            "rotated-jpeg": encode_image(textured(900, 1300, seed=6), "JPEG", exif=exif.tobytes())}[which]
+    data = {
+        "jpeg": JPEG,
+        "png": PNG,
+        "rotated-jpeg": encode_image(textured(900, 1300, seed=6), "JPEG", exif=exif.tobytes()),
+    }[which]
     opened = []
     real_open = Image.open
     monkeypatch.setattr(Image, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))

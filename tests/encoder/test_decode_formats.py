@@ -3,6 +3,7 @@
 A pillow(-simd) built without a library's headers silently lacks that format (WebP needs libwebp-dev at
 build time; scripts/setup_env.sh installs it and rebuilds a cached wheel that lacks it), so these tests
 fail on a machine whose build cannot read a documented format."""
+
 from __future__ import annotations
 
 import io
@@ -51,7 +52,9 @@ def test_pil_build_has_every_codec_the_formats_need():
     from PIL import features
 
     missing = [c for c in ("jpg", "zlib", "webp") if not features.check(c)]
-    assert not missing, f"PIL was built without {missing}: rerun scripts/setup_env.sh (installs the -dev headers, rebuilds)"
+    assert not missing, (
+        f"PIL was built without {missing}: rerun scripts/setup_env.sh (installs the -dev headers, rebuilds)"
+    )
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))

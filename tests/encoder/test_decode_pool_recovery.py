@@ -1,5 +1,6 @@
 """A decode process killed (SIGKILL, as the OOM killer does) is replaced, the images it held are decoded
 again, and every shared-memory slot comes back: the pool keeps working instead of failing every image."""
+
 from __future__ import annotations
 
 import asyncio

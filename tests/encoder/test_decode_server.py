@@ -1,5 +1,6 @@
 """Decode behaviour through the real gRPC server: a killed decode process, truncated files, every
 documented format, tiny and elongated images and video frames, Ctrl-C."""
+
 from __future__ import annotations
 
 import os
@@ -72,8 +73,10 @@ def test_sigkilled_decode_process_is_replaced_and_requests_keep_succeeding(serve
         items = [pb.MediaItem(data=encode_image(textured(200 + i, 300, seed=10 + i * 3 + j), "JPEG")) for j in range(3)]
         r = encode(server.address, *items)
         assert [it.num_tokens for it in r.items] and all(it.num_tokens > 0 for it in r.items)
-    again = encode(server.address, pb.MediaItem(data=encode_image(textured(240, 320, seed=1), "JPEG", quality=90,
-                                                                    comment=b"not a cache hit"))).items[0]
+    again = encode(
+        server.address,
+        pb.MediaItem(data=encode_image(textured(240, 320, seed=1), "JPEG", quality=90, comment=b"not a cache hit")),
+    ).items[0]
     assert np.array_equal(np.frombuffer(again.embedding.data, "<f4"), np.frombuffer(before.embedding.data, "<f4"))
     _, health = stubs(server.address)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == health_pb2.HealthCheckResponse.SERVING
@@ -87,7 +90,7 @@ def test_decode_process_killed_while_requests_are_in_flight(server):
     import concurrent.futures
 
     with concurrent.futures.ThreadPoolExecutor(2) as ex:
-        futs = [ex.submit(encode, server.address, *big[i:i + 2]) for i in (0, 2)]
+        futs = [ex.submit(encode, server.address, *big[i : i + 2]) for i in (0, 2)]
         time.sleep(0.5)
         workers = decode_workers(server.proc.pid)
         assert workers
@@ -101,8 +104,9 @@ def test_decode_process_killed_while_requests_are_in_flight(server):
 def test_half_a_jpeg_with_an_end_marker_is_invalid_argument(server):
     data = encode_image(textured(480, 640, seed=5), "JPEG", quality=90)
     cut = data[: len(data) // 2] + b"\xff\xd9"
-    msg = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "truncated",
-                       pb.MediaItem(data=JPEG), pb.MediaItem(data=cut))
+    msg = expect_error(
+        server.address, grpc.StatusCode.INVALID_ARGUMENT, "truncated", pb.MediaItem(data=JPEG), pb.MediaItem(data=cut)
+    )
     assert msg.startswith("item 1:"), msg
     assert encode(server.address, pb.MediaItem(data=data)).items[0].num_tokens > 0
 
@@ -130,8 +134,13 @@ def test_images_smaller_than_the_factor_are_scaled_up_as_the_reference_does(serv
     for (h, w), it in zip(sizes, r.items):
         th, tw = reference(h, w, factor=28, min_pixels=56 * 56, max_pixels=28 * 28 * 1280)
         assert it.num_tokens == (th // 28) * (tw // 28), (h, w)
-    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "item 1: image is 402x2; aspect ratio",
-                 pb.MediaItem(data=JPEG), pb.MediaItem(data=encode_image(textured(2, 402), "PNG")))
+    expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "item 1: image is 402x2; aspect ratio",
+        pb.MediaItem(data=JPEG),
+        pb.MediaItem(data=encode_image(textured(2, 402), "PNG")),
+    )
 
 
 def test_tiny_and_elongated_video_frames(server, tmp_path):
@@ -141,8 +150,13 @@ def test_tiny_and_elongated_video_frames(server, tmp_path):
     r = encode(server.address, pb.MediaItem(data=tiny, modality=pb.VIDEO)).items[0]
     assert r.num_tokens > 0 and r.video.frames_sampled == 4
     thin = open(tiny_video(str(tmp_path / "thin.mp4"), 402, 2), "rb").read()
-    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "item 1: video: frames are 402x2; aspect ratio",
-                 pb.MediaItem(data=JPEG), pb.MediaItem(data=thin, modality=pb.VIDEO))
+    expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "item 1: video: frames are 402x2; aspect ratio",
+        pb.MediaItem(data=JPEG),
+        pb.MediaItem(data=thin, modality=pb.VIDEO),
+    )
     assert encode(server.address, pb.MediaItem(data=JPEG)).items[0].num_tokens > 0
 
 
@@ -157,9 +171,25 @@ def test_ctrl_c_to_the_process_group_stops_cleanly_without_worker_tracebacks(tmp
     from tests.conftest import ROOT
     from tests.video.test_video import tiny_video
 
-    proc = subprocess.Popen([sys.executable, "-m", "mimo_epd", "encoder", "--port", "0", "--decode-workers", "2",
-                             "--video-decode-workers", "2"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # its own group, not pytest's
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "encoder",
+            "--port",
+            "0",
+            "--decode-workers",
+            "2",
+            "--video-decode-workers",
+            "2",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )  # its own group, not pytest's
     err: list[str] = []
     reader = threading.Thread(target=lambda: [err.append(x) for x in proc.stderr], daemon=True)
     reader.start()

@@ -1,6 +1,7 @@
 """A JPEG cut short and closed with an end-of-image marker: libjpeg pads the missing rows with grey and
 only warns, so every decoder used to accept it. It is refused as truncated, by every decoder and draft
 scale; harmless libjpeg warnings (extraneous bytes before a marker) still decode, as in PIL."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -58,9 +59,10 @@ def test_decode_image_refuses_a_jpeg_cut_in_half(case, turbo, draft):
 @pytest.mark.parametrize("decoder", ["turbo", "pil", "torchvision"])
 def test_every_decoder_in_the_workers_refuses_it(decoder):
     cut = cut_in_half(CASES["baseline"])
-    for opts in (DecodeOptions(max_pixels=LIMIT, decoder=decoder, jpeg_draft=False),
-                 DecodeOptions(max_pixels=LIMIT, decoder=decoder, resize=True, patchify=True,
-                               preprocess=PreprocessConfig())):
+    for opts in (
+        DecodeOptions(max_pixels=LIMIT, decoder=decoder, jpeg_draft=False),
+        DecodeOptions(max_pixels=LIMIT, decoder=decoder, resize=True, patchify=True, preprocess=PreprocessConfig()),
+    ):
         with pytest.raises(DecodeError, match="truncated"):
             decode_job(cut, opts, -1)
     with pytest.raises(DecodeError, match="truncated"):  # the GPU decode path, run with a CPU device
@@ -70,7 +72,9 @@ def test_every_decoder_in_the_workers_refuses_it(decoder):
 def test_dali_refuses_it():
     pytest.importorskip("nvidia.dali")
     with pytest.raises(DecodeError, match="truncated"):
-        decode_job(cut_in_half(CASES["baseline"]), DecodeOptions(max_pixels=LIMIT, decoder="dali", jpeg_draft=False), -1)
+        decode_job(
+            cut_in_half(CASES["baseline"]), DecodeOptions(max_pixels=LIMIT, decoder="dali", jpeg_draft=False), -1
+        )
 
 
 def test_harmless_libjpeg_warnings_still_decode():

@@ -1,6 +1,7 @@
 """Limits and client input through the real server: a reply over --max-message-mb is refused before the
 forward (INVALID_ARGUMENT naming the sizes), and paths the filesystem cannot open (a NUL byte, a
 component over NAME_MAX, a path over PATH_MAX) are INVALID_ARGUMENT naming the item, never INTERNAL."""
+
 from __future__ import annotations
 
 import socket
@@ -36,8 +37,18 @@ def local_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(local_dir):
     port = free_port()
-    s = start_server(["--max-message-mb", "1", "--decode-workers", "0", "--allowed-local-dir", str(local_dir),
-                      "--metrics-port", str(port)])
+    s = start_server(
+        [
+            "--max-message-mb",
+            "1",
+            "--decode-workers",
+            "0",
+            "--allowed-local-dir",
+            str(local_dir),
+            "--metrics-port",
+            str(port),
+        ]
+    )
     s.metrics_port = port
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines)[-2000:]
@@ -49,8 +60,9 @@ def encoded_items(server) -> float:
 
 def test_reply_over_max_message_is_refused_before_the_forward(server):
     before = encoded_items(server)
-    details = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "--max-message-mb",
-                           *[pb.MediaItem(data=b) for b in IMAGES])
+    details = expect_error(
+        server.address, grpc.StatusCode.INVALID_ARGUMENT, "--max-message-mb", *[pb.MediaItem(data=b) for b in IMAGES]
+    )
     assert details.startswith("item 2: "), details  # the item that pushed the reply over the limit
     assert "391 tokens x 256 x 4 bytes" in details and "1 MiB" in details, details
     assert encoded_items(server) - before <= 2, "the refused item was run through the tower anyway"
@@ -61,20 +73,28 @@ def test_reply_over_max_message_is_refused_before_the_forward(server):
 
 def test_reply_over_max_message_from_cache_hits_is_refused_too(server):
     encode(server.address, pb.MediaItem(data=IMAGES[0]))  # cached now; the rest of the request as well
-    details = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "--max-message-mb",
-                           *[pb.MediaItem(data=IMAGES[0]) for _ in range(3)])
+    details = expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "--max-message-mb",
+        *[pb.MediaItem(data=IMAGES[0]) for _ in range(3)],
+    )
     assert "item 2: " in details
 
 
-@pytest.mark.parametrize("name,make,fragment", [
-    ("nul-byte", lambda d: f"{d}/ok\x00.jpg", "NUL byte"),
-    ("long-component", lambda d: f"{d}/{'x' * 300}.jpg", "NAME_MAX"),
-    ("long-path", lambda d: f"{d}/" + "a/" * 2100 + "x.jpg", "PATH_MAX"),
-    ("directory", lambda d: f"{d}/subdir", "no such file"),
-])
+@pytest.mark.parametrize(
+    "name,make,fragment",
+    [
+        ("nul-byte", lambda d: f"{d}/ok\x00.jpg", "NUL byte"),
+        ("long-component", lambda d: f"{d}/{'x' * 300}.jpg", "NAME_MAX"),
+        ("long-path", lambda d: f"{d}/" + "a/" * 2100 + "x.jpg", "PATH_MAX"),
+        ("directory", lambda d: f"{d}/subdir", "no such file"),
+    ],
+)
 def test_unopenable_paths_are_client_errors_naming_the_item(server, local_dir, name, make, fragment):
     code = grpc.StatusCode.NOT_FOUND if name == "directory" else grpc.StatusCode.INVALID_ARGUMENT
-    details = expect_error(server.address, code, fragment, pb.MediaItem(data=IMAGES[1]),
-                           pb.MediaItem(path=make(local_dir)))
+    details = expect_error(
+        server.address, code, fragment, pb.MediaItem(data=IMAGES[1]), pb.MediaItem(path=make(local_dir))
+    )
     assert details.startswith("item 1: "), details
     assert encode(server.address, pb.MediaItem(path=str(local_dir / "ok.jpg"))).items[0].num_tokens == 391

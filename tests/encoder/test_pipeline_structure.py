@@ -1,5 +1,6 @@
 """The pipeline's structure (#17): stages say where a job goes next, the tower runs on one thread only
 (the video path included), and the decode-fallback metric counts what the decode pool reports."""
+
 from __future__ import annotations
 
 import asyncio
@@ -27,8 +28,9 @@ def pipeline(**kw) -> tuple[EncodePipeline, list[str]]:
         return forward(*args, **kwargs)
 
     model.module.forward = recording_forward
-    base = dict(cache_bytes=1 << 24, decode_workers=0, max_wait_ms=1.0, video_decode_mode="thread",
-                video_decode_workers=1)
+    base = dict(
+        cache_bytes=1 << 24, decode_workers=0, max_wait_ms=1.0, video_decode_mode="thread", video_decode_workers=1
+    )
     base.update(kw)
     return EncodePipeline(EncoderServerConfig(**base), model), threads
 
@@ -55,11 +57,16 @@ def test_video_and_image_tower_calls_all_run_on_the_one_forward_thread(video_byt
     threads.clear()
     video = ItemRequest(MediaSource("data", video_bytes), "video", video_max_frames=8)
     p_threads_before_start = list(threads)
-    (v, img), (img2,) = asyncio.run(_run(p, [video, ItemRequest(MediaSource("data", JPEG))],
-                                         [ItemRequest(MediaSource("data", encode_image(textured(200, 300), "JPEG")))]))
+    (v, img), (img2,) = asyncio.run(
+        _run(
+            p,
+            [video, ItemRequest(MediaSource("data", JPEG))],
+            [ItemRequest(MediaSource("data", encode_image(textured(200, 300), "JPEG")))],
+        )
+    )
     assert v.grid_thw[0] == 4 and v.num_tokens == v.embedding.shape[0] > 0
     assert img.num_tokens > 0 and img2.num_tokens > 0
-    serving = threads[len(p_threads_before_start):]
+    serving = threads[len(p_threads_before_start) :]
     assert len(serving) >= 3, threads  # the start-up warm-up, the video's chunk(s) and the image batch(es)
     assert {t.rsplit("_", 1)[0] for t in serving} == {"vision-forward"}, threads
 
@@ -85,8 +92,11 @@ def test_stages_return_where_the_job_goes():
             await p._route(job, Next.BATCH)  # to the batcher: answers the job, its twin, and caches it
             first, second = await asyncio.wait_for(asyncio.gather(job.future, twin.future), 60)
             assert not first.cache_hit and second.cache_hit and first.content_key == second.content_key
-            hashed = Job(2, ItemRequest(MediaSource("url", "http://unused.invalid/x"), content_hash=bytes_digest(JPEG)),
-                         loop.create_future())
+            hashed = Job(
+                2,
+                ItemRequest(MediaSource("url", "http://unused.invalid/x"), content_hash=bytes_digest(JPEG)),
+                loop.create_future(),
+            )
             assert p.stages.check(hashed) is Next.ANSWERED and hashed.future.result().cache_hit
             vid = Job(3, ItemRequest(MediaSource("data", b"not a video at all"), "video"), loop.create_future())
             p.stages.check(vid)
@@ -99,8 +109,13 @@ def test_stages_return_where_the_job_goes():
 
 def test_decode_fallback_metric_counts_images_too_large_for_a_slot():
     p, _ = pipeline(decode_workers=1, decode_slot_bytes=4096, cache_bytes=0)
-    asyncio.run(_run(p, [ItemRequest(MediaSource("data", JPEG))],
-                     [ItemRequest(MediaSource("data", encode_image(textured(300, 200, seed=3), "JPEG")))]))
+    asyncio.run(
+        _run(
+            p,
+            [ItemRequest(MediaSource("data", JPEG))],
+            [ItemRequest(MediaSource("data", encode_image(textured(300, 200, seed=3), "JPEG")))],
+        )
+    )
     assert p.decode_pool.fallbacks == 2
     assert p.metrics.registry.get_sample_value("encoder_decode_pickled_total") == 2
 

@@ -6,6 +6,7 @@ or the C library maps onto loopback / link-local / metadata addresses: fullwidth
 dots (IDNA turns them into a plain IP literal), IPv6 forms carrying an IPv4 address, site-local IPv6,
 and legacy numeric IPv4 (`2130706433`, `0177.0.0.1`, `127.1`).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,12 @@ SPELLINGS = [
 @pytest.mark.parametrize("name,url,fragment", SPELLINGS, ids=[s[0] for s in SPELLINGS])
 def test_every_spelling_of_a_refused_address_is_refused_before_any_request(server, media, name, url, fragment):
     before = media.total_hits
-    details = expect_error(server.address, grpc.StatusCode.PERMISSION_DENIED, "refused by policy",
-                           pb.MediaItem(url=url.format(port=media.port)))
+    details = expect_error(
+        server.address,
+        grpc.StatusCode.PERMISSION_DENIED,
+        "refused by policy",
+        pb.MediaItem(url=url.format(port=media.port)),
+    )
     assert fragment in details, details
     assert details.startswith("item 0: ")
     assert media.total_hits == before == 0, "the loopback media server was reached"

@@ -9,6 +9,7 @@ server that exits or stops answering health checks fails the test.
 Bounded by default (a few dozen examples per test, derandomized, so the suite is quick and repeatable);
 `MIMO_EPD_FUZZ_EXAMPLES=5000` runs that many random examples per test (see docs/reliability.md).
 """
+
 from __future__ import annotations
 
 import os
@@ -28,9 +29,13 @@ LONG_RUN = int(os.environ.get("MIMO_EPD_FUZZ_EXAMPLES", "0") or 0)
 def fuzz_settings(examples: int) -> settings:
     """`examples` in the bounded run (derandomized: the same inputs every time, no flakes); with
     MIMO_EPD_FUZZ_EXAMPLES=N, N random examples."""
-    return settings(max_examples=LONG_RUN or examples, deadline=None, derandomize=not LONG_RUN,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture], print_blob=True)
+    return settings(
+        max_examples=LONG_RUN or examples,
+        deadline=None,
+        derandomize=not LONG_RUN,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+        print_blob=True,
+    )
 
 
 # Statuses the API documents for bad input (README "Errors"). INTERNAL and UNKNOWN are never acceptable.
@@ -62,8 +67,9 @@ class FuzzServer:
         except grpc.RpcError as e:
             out = Outcome(e.code(), e.details() or "", None)
         assert self.proc.poll() is None, f"the server exited ({self.proc.returncode}) on this input: {out}"
-        assert not (out.code == grpc.StatusCode.DEADLINE_EXCEEDED and out.details == "Deadline Exceeded"), \
+        assert not (out.code == grpc.StatusCode.DEADLINE_EXCEEDED and out.details == "Deadline Exceeded"), (
             f"hang: no answer within {deadline_s}s"
+        )
         assert out.code not in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN), f"server error: {out}"
         if out.code == grpc.StatusCode.OK:
             it = out.resp.items[0]
@@ -85,9 +91,28 @@ def media_dir(tmp_path_factory):
 def fuzz_server(media_dir):
     # Small limits keep each example cheap on a shared CPU; huge header dimensions still hit the
     # decompression-bomb check (--max-image-pixels), exactly as they would at the default.
-    s = start_server(["--allowed-local-dir", str(media_dir), "--decode-workers", "1", "--max-image-pixels", "4000000",
-                      "--max-item-bytes", "8000000", "--fetch-timeout-s", "2", "--cache-bytes", "0",
-                      "--video-decode-workers", "1", "--video-decode-mode", "thread", "--grace-period-s", "2"])
+    s = start_server(
+        [
+            "--allowed-local-dir",
+            str(media_dir),
+            "--decode-workers",
+            "1",
+            "--max-image-pixels",
+            "4000000",
+            "--max-item-bytes",
+            "8000000",
+            "--fetch-timeout-s",
+            "2",
+            "--cache-bytes",
+            "0",
+            "--video-decode-workers",
+            "1",
+            "--video-decode-mode",
+            "thread",
+            "--grace-period-s",
+            "2",
+        ]
+    )
     fs = FuzzServer(s.proc, s.address)
     fs.log = s.stderr_lines
     yield fs

@@ -7,6 +7,7 @@ flips, overwritten ranges, duplicated or deleted ranges, trailing garbage). PNG 
 CRC after an edit, so the mutation reaches past the checksum. Containers (MP4 boxes, Matroska elements)
 get their size fields and well-known header boxes rewritten the same way.
 """
+
 from __future__ import annotations
 
 import struct
@@ -22,7 +23,7 @@ def _put(data: bytearray, off: int, fmt: str, value: int) -> None:
     size = struct.calcsize(fmt)
     if 0 <= off and off + size <= len(data):
         lo, hi = _range(fmt)
-        data[off:off + size] = struct.pack(fmt, max(lo, min(hi, value)))
+        data[off : off + size] = struct.pack(fmt, max(lo, min(hi, value)))
 
 
 def _range(fmt: str) -> tuple[int, int]:
@@ -34,7 +35,9 @@ def _range(fmt: str) -> tuple[int, int]:
 def edit_jpeg(data: bytearray, draw) -> None:
     """SOFn: precision, height, width, component count; or a marker segment length."""
     sofs = [i for i in range(len(data) - 9) if data[i] == 0xFF and data[i + 1] in (0xC0, 0xC1, 0xC2)]
-    segs = [i for i in range(2, len(data) - 4) if data[i] == 0xFF and 0xC0 <= data[i + 1] <= 0xFE and data[i + 1] != 0xD9]
+    segs = [
+        i for i in range(2, len(data) - 4) if data[i] == 0xFF and 0xC0 <= data[i + 1] <= 0xFE and data[i + 1] != 0xD9
+    ]
     what = draw(st.sampled_from(["height", "width", "precision", "components", "seglen"]))
     if what == "seglen" and segs:
         _put(data, draw(st.sampled_from(segs)) + 2, ">H", draw(st.sampled_from(EDGE16) | st.integers(0, 65535)))
@@ -51,8 +54,8 @@ def edit_jpeg(data: bytearray, draw) -> None:
 def _png_chunks(data: bytes) -> list[tuple[int, bytes, int]]:
     out, off = [], 8
     while off + 8 <= len(data):
-        (n,) = struct.unpack(">I", data[off:off + 4])
-        out.append((off, bytes(data[off + 4:off + 8]), n))
+        (n,) = struct.unpack(">I", data[off : off + 4])
+        out.append((off, bytes(data[off + 4 : off + 8]), n))
         if n > len(data):
             break
         off += 12 + n
@@ -82,7 +85,7 @@ def edit_png(data: bytearray, draw) -> None:
     else:
         data[off + 12] = draw(st.sampled_from([0, 1, 2, 255]))
     if draw(st.booleans()):  # a valid CRC, so the decoder gets past it and trusts the edited field
-        crc = zlib.crc32(bytes(data[ihdr[0] + 4:off + 13])) & 0xFFFFFFFF
+        crc = zlib.crc32(bytes(data[ihdr[0] + 4 : off + 13])) & 0xFFFFFFFF
         _put(data, off + 13, ">I", crc)
 
 
@@ -96,14 +99,22 @@ def edit_gif(data: bytearray, draw) -> None:
     else:
         descs = [i for i in range(13, len(data) - 10) if data[i] == 0x2C]
         if descs:
-            _put(data, draw(st.sampled_from(descs)) + draw(st.sampled_from([1, 3, 5, 7])), "<H", draw(st.sampled_from(EDGE16)))
+            _put(
+                data,
+                draw(st.sampled_from(descs)) + draw(st.sampled_from([1, 3, 5, 7])),
+                "<H",
+                draw(st.sampled_from(EDGE16)),
+            )
 
 
 def edit_bmp(data: bytearray, draw) -> None:
     """BITMAPINFOHEADER width/height (signed: negative height = top-down), planes, bit count, compression,
     pixel-data offset, header size, palette size."""
-    field = draw(st.sampled_from([(18, "<i"), (22, "<i"), (26, "<H"), (28, "<H"), (30, "<I"), (10, "<I"), (14, "<I"),
-                                  (46, "<I")]))
+    field = draw(
+        st.sampled_from(
+            [(18, "<i"), (22, "<i"), (26, "<H"), (28, "<H"), (30, "<I"), (10, "<I"), (14, "<I"), (46, "<I")]
+        )
+    )
     edge = [0, 1, -1, 27, 28, -28, 32768, -32768, (1 << 31) - 1, -(1 << 31), 4, 8, 16, 24, 32, 3, 6]
     _put(data, field[0], field[1], draw(st.sampled_from(edge) | st.integers(-(1 << 31), (1 << 31) - 1)))
 
@@ -116,7 +127,7 @@ def edit_tiff(data: bytearray, draw) -> None:
     (ifd,) = struct.unpack(end + "I", data[4:8])
     if ifd + 2 > len(data):
         return
-    (n,) = struct.unpack(end + "H", data[ifd:ifd + 2])
+    (n,) = struct.unpack(end + "H", data[ifd : ifd + 2])
     n = min(n, (len(data) - ifd - 2) // 12)
     if n == 0:
         return
@@ -146,10 +157,44 @@ def edit_webp(data: bytearray, draw) -> None:
 
 EDITORS = {"JPEG": edit_jpeg, "PNG": edit_png, "GIF": edit_gif, "BMP": edit_bmp, "TIFF": edit_tiff, "WEBP": edit_webp}
 
-MP4_BOXES = [b"ftyp", b"moov", b"mvhd", b"trak", b"tkhd", b"mdia", b"mdhd", b"minf", b"stbl", b"stsd", b"stts",
-             b"stss", b"stsc", b"stsz", b"stco", b"co64", b"avcC", b"mdat", b"hdlr", b"ctts", b"elst"]
-MKV_IDS = [b"\x1a\x45\xdf\xa3", b"\x18\x53\x80\x67", b"\x16\x54\xae\x6b", b"\xae", b"\xb0", b"\xba", b"\x1f\x43\xb6\x75",
-           b"\xa3", b"\xe7", b"\x2a\xd7\xb1", b"\x44\x89", b"\x63\xa2", b"\x1c\x53\xbb\x6b"]
+MP4_BOXES = [
+    b"ftyp",
+    b"moov",
+    b"mvhd",
+    b"trak",
+    b"tkhd",
+    b"mdia",
+    b"mdhd",
+    b"minf",
+    b"stbl",
+    b"stsd",
+    b"stts",
+    b"stss",
+    b"stsc",
+    b"stsz",
+    b"stco",
+    b"co64",
+    b"avcC",
+    b"mdat",
+    b"hdlr",
+    b"ctts",
+    b"elst",
+]
+MKV_IDS = [
+    b"\x1a\x45\xdf\xa3",
+    b"\x18\x53\x80\x67",
+    b"\x16\x54\xae\x6b",
+    b"\xae",
+    b"\xb0",
+    b"\xba",
+    b"\x1f\x43\xb6\x75",
+    b"\xa3",
+    b"\xe7",
+    b"\x2a\xd7\xb1",
+    b"\x44\x89",
+    b"\x63\xa2",
+    b"\x1c\x53\xbb\x6b",
+]
 
 
 def edit_container(data: bytearray, draw) -> None:
@@ -163,7 +208,12 @@ def edit_container(data: bytearray, draw) -> None:
         if draw(st.booleans()):
             _put(data, i - 4, ">I", draw(st.sampled_from(EDGE32 + [8, 7, 16]) | st.integers(0, (1 << 32) - 1)))
         else:
-            _put(data, i + 4 + 4 * draw(st.integers(0, 6)), ">I", draw(st.sampled_from(EDGE32) | st.integers(0, (1 << 32) - 1)))
+            _put(
+                data,
+                i + 4 + 4 * draw(st.integers(0, 6)),
+                ">I",
+                draw(st.sampled_from(EDGE32) | st.integers(0, (1 << 32) - 1)),
+            )
     else:
         hits = [(i, eid) for eid in MKV_IDS for i in _find_all(data, eid)][:400]
         if not hits:
@@ -201,19 +251,19 @@ def generic_mutation(draw, data: bytearray) -> str:
     elif kind == "overwrite":
         i = draw(st.integers(0, n - 1))
         blob = draw(st.binary(min_size=1, max_size=32))
-        data[i:i + len(blob)] = blob
+        data[i : i + len(blob)] = blob
     elif kind == "duplicate":
         i = draw(st.integers(0, n - 1))
         j = draw(st.integers(i, min(n, i + 4096)))
         data[j:j] = data[i:j]
     elif kind == "delete":
         i = draw(st.integers(0, n - 1))
-        del data[i:i + draw(st.integers(1, 512))]
+        del data[i : i + draw(st.integers(1, 512))]
     elif kind == "append":
         data += draw(st.binary(min_size=1, max_size=256))
     else:
         i = draw(st.integers(0, n - 1))
-        data[i:i + draw(st.integers(1, 256))] = bytes(min(256, n - i))
+        data[i : i + draw(st.integers(1, 256))] = bytes(min(256, n - i))
     return kind
 
 

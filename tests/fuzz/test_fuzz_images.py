@@ -4,6 +4,7 @@ Every reply must be a success or INVALID_ARGUMENT (the documented status of bad 
 INTERNAL, never a hang, and the server stays up. Also: header dimensions far beyond --max-image-pixels
 must be refused from the header (a quick INVALID_ARGUMENT), whatever the format.
 """
+
 from __future__ import annotations
 
 import io
@@ -82,7 +83,7 @@ def _png_with_size(w: int, h: int) -> bytes:
 def _jpeg_with_size(w: int, h: int) -> bytes:
     raw = bytearray(CORPUS["baseline.jpg"][1])
     i = raw.find(b"\xff\xc0")
-    raw[i + 5:i + 9] = struct.pack(">HH", h, w)
+    raw[i + 5 : i + 9] = struct.pack(">HH", h, w)
     return bytes(raw)
 
 
@@ -98,8 +99,9 @@ def _gif_with_size(w: int, h: int) -> bytes:
     return bytes(raw)
 
 
-@pytest.mark.parametrize("make", [_png_with_size, _jpeg_with_size, _bmp_with_size, _gif_with_size],
-                         ids=["png", "jpeg", "bmp", "gif"])
+@pytest.mark.parametrize(
+    "make", [_png_with_size, _jpeg_with_size, _bmp_with_size, _gif_with_size], ids=["png", "jpeg", "bmp", "gif"]
+)
 @pytest.mark.parametrize("w,h", [(65535, 65535), (60000, 100), (3000, 3000)])
 def test_huge_header_dimensions_are_refused_from_the_header(fuzz_server, make, w, h):
     """A few-KB file claiming more than --max-image-pixels (4 MP here): refused, and quickly (the check

@@ -3,6 +3,7 @@
 
 Every reply must be a success or INVALID_ARGUMENT; never INTERNAL, never a hang; the server stays up.
 """
+
 from __future__ import annotations
 
 import math
@@ -53,12 +54,15 @@ def test_mutated_containers(fuzz_server, corpus, data):
 
 
 @fuzz_settings(10)
-@given(fps=st.sampled_from([0.0, -1.0, 1e-9, 1e9, math.inf, -math.inf, math.nan]) | st.floats(-10, 100),
-       max_frames=st.sampled_from([0, 1, 2, 3, -1, 769, 1 << 30, -(1 << 31)]) | st.integers(-5, 40),
-       min_frames=st.sampled_from([0, 1, -1, 1 << 30]) | st.integers(-5, 40))
+@given(
+    fps=st.sampled_from([0.0, -1.0, 1e-9, 1e9, math.inf, -math.inf, math.nan]) | st.floats(-10, 100),
+    max_frames=st.sampled_from([0, 1, 2, 3, -1, 769, 1 << 30, -(1 << 31)]) | st.integers(-5, 40),
+    min_frames=st.sampled_from([0, 1, -1, 1 << 30]) | st.integers(-5, 40),
+)
 def test_video_options(fuzz_server, corpus, fps, max_frames, min_frames):
-    out = fuzz_server.encode(video_item(corpus["clip.mp4"][1], fps=fps, max_frames=max_frames, min_frames=min_frames),
-                             deadline_s=60)
+    out = fuzz_server.encode(
+        video_item(corpus["clip.mp4"][1], fps=fps, max_frames=max_frames, min_frames=min_frames), deadline_s=60
+    )
     assert out.code in ALLOWED, (fps, max_frames, min_frames, out)
     if out.code == grpc.StatusCode.OK:
         v = out.resp.items[0].video

@@ -4,6 +4,7 @@ Two servers: `server` with the default URL policy (every private address refused
 `url_server` that may fetch from 127.0.0.1 only (`--url-allowlist 127.0.0.1/32`), to fetch from a
 real local aiohttp media server. No traffic leaves the machine: refusals are decided before connecting.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -44,8 +45,20 @@ def local_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(local_dir):
-    s = start_server(["--max-item-bytes", "3000000", "--max-image-pixels", "6000000", "--max-items-per-request", "8",
-                      "--allowed-local-dir", str(local_dir), "--decode-workers", "2"])
+    s = start_server(
+        [
+            "--max-item-bytes",
+            "3000000",
+            "--max-image-pixels",
+            "6000000",
+            "--max-items-per-request",
+            "8",
+            "--allowed-local-dir",
+            str(local_dir),
+            "--decode-workers",
+            "2",
+        ]
+    )
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines)[-2000:]
 
@@ -62,11 +75,13 @@ def media_server():
     def respond(make):
         async def handler(_req):
             return make()
+
         return handler
 
     def redirect(location):
         async def handler(_req):
             raise web.HTTPFound(location)
+
         return handler
 
     app = web.Application()
@@ -179,7 +194,9 @@ def test_exif_rotation_is_applied(server):
     exif[0x0112] = 6  # "rotate 90 CW to display": a landscape file that is shown as portrait
     rotated = encode_image(arr, "JPEG", quality=95, exif=exif.tobytes())
     upright = encode_image(np.ascontiguousarray(np.rot90(arr, k=-1)), "JPEG", quality=95)
-    a, b, c = encode(server.address, pb.MediaItem(data=plain), pb.MediaItem(data=rotated), pb.MediaItem(data=upright)).items
+    a, b, c = encode(
+        server.address, pb.MediaItem(data=plain), pb.MediaItem(data=rotated), pb.MediaItem(data=upright)
+    ).items
     assert list(a.grid_thw) == [1, 34, 46]
     assert list(b.grid_thw) == [1, 46, 34]
     assert list(b.grid_thw) == list(c.grid_thw)
@@ -202,7 +219,9 @@ def test_local_path_under_allowed_dir(server, local_dir):
 def test_sixteen_concurrent_requests(server):
     images = [encode_image(textured(200 + 10 * i, 300, seed=100 + i), "JPEG") for i in range(16)]
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda b: encode(server.address, pb.MediaItem(data=b), pb.MediaItem(data=JPEG)), images))
+        results = list(
+            pool.map(lambda b: encode(server.address, pb.MediaItem(data=b), pb.MediaItem(data=JPEG)), images)
+        )
     assert len(results) == 16
     keys = {r.items[0].content_key for r in results}
     assert len(keys) == 16
@@ -228,25 +247,56 @@ def test_content_hash_checked_and_used_for_cache(url_server, media_server):
     hit = encode(url_server.address, pb.MediaItem(url=f"{media_server}/missing.jpg", content_hash=good)).items[0]
     assert hit.cache_hit and hit.content_key == r.content_key
     # A hash not in the cache: the bytes are fetched and checked against it.
-    expect_error(url_server.address, grpc.StatusCode.INVALID_ARGUMENT, "does not match",
-                 pb.MediaItem(url=f"{media_server}/photo.png", content_hash=bytes_digest(b"other bytes")))
-    expect_error(url_server.address, grpc.StatusCode.INVALID_ARGUMENT, "32 hex digits",
-                 pb.MediaItem(data=JPEG, content_hash="nothex"))
+    expect_error(
+        url_server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "does not match",
+        pb.MediaItem(url=f"{media_server}/photo.png", content_hash=bytes_digest(b"other bytes")),
+    )
+    expect_error(
+        url_server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "32 hex digits",
+        pb.MediaItem(data=JPEG, content_hash="nothex"),
+    )
 
 
 # ----------------------------------------------------------------------------------- errors
 BAD_CASES = [
     ("empty", lambda: pb.MediaItem(data=b""), grpc.StatusCode.INVALID_ARGUMENT, "empty"),
     ("truncated", lambda: pb.MediaItem(data=JPEG[: len(JPEG) // 2]), grpc.StatusCode.INVALID_ARGUMENT, "truncated"),
-    ("garbage", lambda: pb.MediaItem(data=b"\x00not an image at all" * 10), grpc.StatusCode.INVALID_ARGUMENT, "unsupported"),
-    ("unsupported-format", lambda: pb.MediaItem(data=encode_image(textured(64, 64), "PPM")), grpc.StatusCode.INVALID_ARGUMENT,
-     "unsupported"),
-    ("too-many-bytes", lambda: pb.MediaItem(data=encode_image(np.random.default_rng(0).integers(0, 255, (1200, 1200, 3), np.uint8), "PNG")),
-     grpc.StatusCode.INVALID_ARGUMENT, "larger than the limit"),
-    ("too-many-pixels", lambda: pb.MediaItem(data=encode_image(np.zeros((2100, 3000, 3), np.uint8), "PNG")),
-     grpc.StatusCode.INVALID_ARGUMENT, "over the limit"),
-    ("aspect", lambda: pb.MediaItem(data=encode_image(textured(28, 6000), "PNG")), grpc.StatusCode.INVALID_ARGUMENT,
-     "aspect ratio"),
+    (
+        "garbage",
+        lambda: pb.MediaItem(data=b"\x00not an image at all" * 10),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unsupported",
+    ),
+    (
+        "unsupported-format",
+        lambda: pb.MediaItem(data=encode_image(textured(64, 64), "PPM")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "unsupported",
+    ),
+    (
+        "too-many-bytes",
+        lambda: pb.MediaItem(
+            data=encode_image(np.random.default_rng(0).integers(0, 255, (1200, 1200, 3), np.uint8), "PNG")
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "larger than the limit",
+    ),
+    (
+        "too-many-pixels",
+        lambda: pb.MediaItem(data=encode_image(np.zeros((2100, 3000, 3), np.uint8), "PNG")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "over the limit",
+    ),
+    (
+        "aspect",
+        lambda: pb.MediaItem(data=encode_image(textured(28, 6000), "PNG")),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "aspect ratio",
+    ),
     ("no-source", lambda: pb.MediaItem(), grpc.StatusCode.INVALID_ARGUMENT, "no source"),
     ("path-outside", lambda: pb.MediaItem(path="/etc/passwd"), grpc.StatusCode.PERMISSION_DENIED, "outside"),
     ("path-missing", lambda: pb.MediaItem(path="/nonexistent/x.jpg"), grpc.StatusCode.PERMISSION_DENIED, "outside"),
@@ -262,32 +312,63 @@ def test_bad_item_fails_request_naming_index_and_server_keeps_serving(server, na
 
 
 def test_too_many_items(server):
-    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "over the limit of 8",
-                 *[pb.MediaItem(data=JPEG) for _ in range(9)])
+    expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "over the limit of 8",
+        *[pb.MediaItem(data=JPEG) for _ in range(9)],
+    )
     expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "no items")
     assert_serving(server.address)
 
 
-@pytest.mark.parametrize("url", [
-    "http://127.0.0.1/x.jpg", "http://10.0.0.1/x.jpg", "http://169.254.169.254/latest/meta-data/",
-    "http://[::1]/x.jpg", "http://192.168.1.1:8080/x.jpg", "http://[::ffff:127.0.0.1]/x.jpg",
-    "http://metadata.google.internal/computeMetadata/v1/", "http://localhost:9/x.jpg",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "http://127.0.0.1/x.jpg",
+        "http://10.0.0.1/x.jpg",
+        "http://169.254.169.254/latest/meta-data/",
+        "http://[::1]/x.jpg",
+        "http://192.168.1.1:8080/x.jpg",
+        "http://[::ffff:127.0.0.1]/x.jpg",
+        "http://metadata.google.internal/computeMetadata/v1/",
+        "http://localhost:9/x.jpg",
+    ],
+)
 def test_private_urls_refused_by_default(server, url):
     expect_error(server.address, grpc.StatusCode.PERMISSION_DENIED, "refused by policy", pb.MediaItem(url=url))
 
 
 def test_redirect_to_refused_host_is_refused(url_server, media_server):
-    expect_error(url_server.address, grpc.StatusCode.PERMISSION_DENIED, "metadata", pb.MediaItem(url=f"{media_server}/to-metadata"))
-    expect_error(url_server.address, grpc.StatusCode.PERMISSION_DENIED, "10.0.0.1", pb.MediaItem(url=f"{media_server}/to-private"))
+    expect_error(
+        url_server.address,
+        grpc.StatusCode.PERMISSION_DENIED,
+        "metadata",
+        pb.MediaItem(url=f"{media_server}/to-metadata"),
+    )
+    expect_error(
+        url_server.address,
+        grpc.StatusCode.PERMISSION_DENIED,
+        "10.0.0.1",
+        pb.MediaItem(url=f"{media_server}/to-private"),
+    )
     assert_serving(url_server.address)
 
 
 def test_fetch_errors_map_to_statuses(url_server, media_server):
-    expect_error(url_server.address, grpc.StatusCode.NOT_FOUND, "HTTP 404", pb.MediaItem(url=f"{media_server}/missing.jpg"))
-    expect_error(url_server.address, grpc.StatusCode.UNAVAILABLE, "HTTP 503", pb.MediaItem(url=f"{media_server}/server-error"))
+    expect_error(
+        url_server.address, grpc.StatusCode.NOT_FOUND, "HTTP 404", pb.MediaItem(url=f"{media_server}/missing.jpg")
+    )
+    expect_error(
+        url_server.address, grpc.StatusCode.UNAVAILABLE, "HTTP 503", pb.MediaItem(url=f"{media_server}/server-error")
+    )
     t0 = time.monotonic()
-    expect_error(url_server.address, grpc.StatusCode.DEADLINE_EXCEEDED, "longer than 1.5s", pb.MediaItem(url=f"{media_server}/slow"))
+    expect_error(
+        url_server.address,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        "longer than 1.5s",
+        pb.MediaItem(url=f"{media_server}/slow"),
+    )
     assert time.monotonic() - t0 < 4.5
     assert_serving(url_server.address)
 
@@ -300,8 +381,13 @@ def test_cli_encode_health_and_out_file(server, tmp_path):
     f.write_bytes(JPEG)
     out = tmp_path / "emb.safetensors"
     cli = [sys.executable, "-m", "mimo_epd"]
-    r = subprocess.run([*cli, "encode", "--server", server.address, str(f), "--out", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [*cli, "encode", "--server", server.address, str(f), "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     line = json.loads(r.stdout.splitlines()[0])
     assert line["num_tokens"] == 391 and line["dim"] == 256 and line["grid_thw"] == [1, 34, 46]
@@ -309,11 +395,17 @@ def test_cli_encode_health_and_out_file(server, tmp_path):
     tensors = load_file(str(out))
     assert tensors[line["key"]].shape == (391, 256)
     assert subprocess.run([*cli, "health", "--server", server.address], cwd=ROOT, timeout=60).returncode == 0
-    dead = subprocess.run([*cli, "health", "--server", "127.0.0.1:1", "--timeout", "2"], cwd=ROOT, timeout=60,
-                          capture_output=True)
+    dead = subprocess.run(
+        [*cli, "health", "--server", "127.0.0.1:1", "--timeout", "2"], cwd=ROOT, timeout=60, capture_output=True
+    )
     assert dead.returncode == 1
-    bad = subprocess.run([*cli, "encode", "--server", server.address, "http://10.0.0.1/x.jpg"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [*cli, "encode", "--server", server.address, "http://10.0.0.1/x.jpg"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "PERMISSION_DENIED" in bad.stderr
 
 
@@ -322,7 +414,9 @@ def test_reflection_lists_the_encoder_service(server):
 
     ch = grpc.insecure_channel(server.address)
     stub_ = reflection_pb2_grpc.ServerReflectionStub(ch)
-    resp = next(stub_.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10))
+    resp = next(
+        stub_.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    )
     names = {s.name for s in resp.list_services_response.service}
     assert "mimo_epd.v1.Encoder" in names and "grpc.health.v1.Health" in names
 
@@ -336,8 +430,18 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         metrics_port = sock.getsockname()[1]
-    s = start_server(["--decode-workers", "1", "--grace-period-s", "60", "--no-pipeline", "--no-jpeg-draft",
-                      "--metrics-port", str(metrics_port)])
+    s = start_server(
+        [
+            "--decode-workers",
+            "1",
+            "--grace-period-s",
+            "60",
+            "--no-pipeline",
+            "--no-jpeg-draft",
+            "--metrics-port",
+            str(metrics_port),
+        ]
+    )
     big = [pb.MediaItem(data=encode_image(textured(1500, 2000, seed=40 + i), "JPEG")) for i in range(24)]
     enc, _ = stub(s.address)
     fut = enc.Encode.future(pb.EncodeRequest(items=big), timeout=120)
@@ -353,8 +457,10 @@ def test_sigterm_finishes_in_flight_work_and_exits_zero():
     try:
         resp = fut.result()
     except grpc.RpcError as e:
-        pytest.fail(f"the in-flight request failed ({e.code()}: {e.details()}); server exit code {rc}; its log:\n"
-                    + "".join(s.stderr_lines)[-3000:])
+        pytest.fail(
+            f"the in-flight request failed ({e.code()}: {e.details()}); server exit code {rc}; its log:\n"
+            + "".join(s.stderr_lines)[-3000:]
+        )
     assert len(resp.items) == 24 and all(it.num_tokens > 0 for it in resp.items)
     assert rc == 0, "".join(s.stderr_lines)[-2000:]
     with pytest.raises(grpc.RpcError) as ei:
@@ -406,9 +512,16 @@ def test_video_item_through_grpc_with_timestamps_and_cache(server, video_bytes):
     assert list(v.embedding.shape) == [v.num_tokens, 256] and img.num_tokens == 391
     assert v.timestamps_s[0] == 0 and 118 < v.timestamps_s[-1] <= 120
     again = encode(server.address, item, timeout=300).items[0]
-    assert again.cache_hit and again.embedding.data == v.embedding.data and list(again.timestamps_s) == list(v.timestamps_s)
-    other = encode(server.address, pb.MediaItem(data=video_bytes, modality=pb.VIDEO,
-                                                video=pb.VideoOptions(max_frames=32)), timeout=300).items[0]
+    assert (
+        again.cache_hit
+        and again.embedding.data == v.embedding.data
+        and list(again.timestamps_s) == list(v.timestamps_s)
+    )
+    other = encode(
+        server.address,
+        pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=32)),
+        timeout=300,
+    ).items[0]
     assert not other.cache_hit and other.content_key != v.content_key  # sampling is part of the key
     assert other.grid_thw[0] == 16
 
@@ -431,23 +544,35 @@ def audio_only_bytes() -> bytes:
         return open(f.name, "rb").read()
 
 
-@pytest.mark.parametrize("name,make,fragment", [
-    ("audio-only", lambda vb: audio_only_bytes(), "no video stream"),
-    ("empty", lambda vb: b"", "empty"),
-    ("truncated", lambda vb: vb[: len(vb) // 50], "video"),
-    ("corrupted", lambda vb: b"\x00" * 4096 + vb[4096:], "video"),
-    ("garbage", lambda vb: b"\x00garbage" * 500, "video"),
-])
+@pytest.mark.parametrize(
+    "name,make,fragment",
+    [
+        ("audio-only", lambda vb: audio_only_bytes(), "no video stream"),
+        ("empty", lambda vb: b"", "empty"),
+        ("truncated", lambda vb: vb[: len(vb) // 50], "video"),
+        ("corrupted", lambda vb: b"\x00" * 4096 + vb[4096:], "video"),
+        ("garbage", lambda vb: b"\x00garbage" * 500, "video"),
+    ],
+)
 def test_bad_videos_get_clear_errors_and_server_keeps_serving(server, video_bytes, name, make, fragment):
-    details = expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, fragment,
-                           pb.MediaItem(data=JPEG), pb.MediaItem(data=make(video_bytes), modality=pb.VIDEO))
+    details = expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        fragment,
+        pb.MediaItem(data=JPEG),
+        pb.MediaItem(data=make(video_bytes), modality=pb.VIDEO),
+    )
     assert details.startswith("item 1: ")
     assert_serving(server.address)
 
 
 def test_video_limits(server, video_bytes):
-    expect_error(server.address, grpc.StatusCode.INVALID_ARGUMENT, "--video-max-frames",
-                 pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=5000)))
+    expect_error(
+        server.address,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "--video-max-frames",
+        pb.MediaItem(data=video_bytes, modality=pb.VIDEO, video=pb.VideoOptions(max_frames=5000)),
+    )
 
 
 def test_sigkilled_encoder_leaves_no_shm_arena_and_no_decode_workers():
@@ -469,5 +594,7 @@ def test_sigkilled_encoder_leaves_no_shm_arena_and_no_decode_workers():
     alive = children
     while alive and time.monotonic() < deadline:
         time.sleep(0.3)
-        alive = [c for c in alive if os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read().split()[2]]
+        alive = [
+            c for c in alive if os.path.exists(f"/proc/{c}") and "Z" not in open(f"/proc/{c}/stat").read().split()[2]
+        ]
     assert not alive, f"decode workers outlived their server: {alive}"

@@ -1,5 +1,6 @@
 """gRPC Generate end to end: streaming equals the offline engine, an image through a real encoder,
 and cancellation freeing the KV."""
+
 from __future__ import annotations
 
 import subprocess
@@ -25,8 +26,9 @@ def encoder():
 
 @pytest.fixture(scope="module")
 def worker(encoder):
-    s = start_server(["--encoder", encoder.address, "--kv-cache-tokens", "6000", "--swa-cache-tokens", "1500"],
-                     subcommand="llm")
+    s = start_server(
+        ["--encoder", encoder.address, "--kv-cache-tokens", "6000", "--swa-cache-tokens", "1500"], subcommand="llm"
+    )
     yield s
     assert s.stop() == 0
 
@@ -43,7 +45,9 @@ def stream(address, req, timeout=120):
 
 
 def test_streaming_equals_offline_engine(worker):
-    req = generator_pb2.GenerateRequest(prompt="The quick brown fox", sampling=generator_pb2.SamplingOptions(max_tokens=12))
+    req = generator_pb2.GenerateRequest(
+        prompt="The quick brown fox", sampling=generator_pb2.SamplingOptions(max_tokens=12)
+    )
     tokens, final = stream(worker.address, req)
     want = LLM("tiny").generate(["The quick brown fox"], SamplingParams(max_tokens=12))[0].output_token_ids
     assert tokens == want
@@ -55,8 +59,11 @@ def test_streaming_equals_offline_engine(worker):
 
 def test_image_through_the_encoder(worker):
     img = encode_image(textured(200, 300, seed=3), "JPEG")
-    req = generator_pb2.GenerateRequest(prompt="Describe:", media=[encoder_pb2.MediaItem(data=img)],
-                                        sampling=generator_pb2.SamplingOptions(max_tokens=6))
+    req = generator_pb2.GenerateRequest(
+        prompt="Describe:",
+        media=[encoder_pb2.MediaItem(data=img)],
+        sampling=generator_pb2.SamplingOptions(max_tokens=6),
+    )
     tokens, final = stream(worker.address, req)
     assert len(tokens) == 6
     # 200x300 -> 196x308 -> grid 14x22 -> 77 LLM tokens
@@ -64,15 +71,23 @@ def test_image_through_the_encoder(worker):
     _, again = stream(worker.address, req)
     assert again.cached_tokens >= 77  # the same image gives the same placeholder ids: a prefix hit
     other = encode_image(textured(200, 300, seed=4), "JPEG")
-    _, diff = stream(worker.address, generator_pb2.GenerateRequest(
-        prompt="Describe:", media=[encoder_pb2.MediaItem(data=other)], sampling=generator_pb2.SamplingOptions(max_tokens=2)))
+    _, diff = stream(
+        worker.address,
+        generator_pb2.GenerateRequest(
+            prompt="Describe:",
+            media=[encoder_pb2.MediaItem(data=other)],
+            sampling=generator_pb2.SamplingOptions(max_tokens=2),
+        ),
+    )
     assert diff.cached_tokens <= 1  # a different image never shares the placeholder prefix (BOS at most)
 
 
 def test_cancellation_frees_the_kv(worker):
     stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address))
-    call = stub.Generate(generator_pb2.GenerateRequest(prompt="x" * 50, sampling=generator_pb2.SamplingOptions(
-        max_tokens=5000)), timeout=300)
+    call = stub.Generate(
+        generator_pb2.GenerateRequest(prompt="x" * 50, sampling=generator_pb2.SamplingOptions(max_tokens=5000)),
+        timeout=300,
+    )
     next(call)  # the request is running
     call.cancel()
     deadline = time.monotonic() + 30
@@ -82,29 +97,54 @@ def test_cancellation_frees_the_kv(worker):
         time.sleep(0.1)
     else:
         pytest.fail("the cancelled request was not aborted: " + "".join(worker.stderr_lines[-10:]))
-    tokens, final = stream(worker.address, generator_pb2.GenerateRequest(
-        prompt="still serving", sampling=generator_pb2.SamplingOptions(max_tokens=3)))
+    tokens, final = stream(
+        worker.address,
+        generator_pb2.GenerateRequest(prompt="still serving", sampling=generator_pb2.SamplingOptions(max_tokens=3)),
+    )
     assert len(tokens) == 3
 
 
 def test_errors(worker):
     stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address))
     with pytest.raises(grpc.RpcError) as ei:
-        list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=[10 ** 6]), timeout=30))
+        list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=[10**6]), timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as ei:
-        list(stub.Generate(generator_pb2.GenerateRequest(prompt="x", media=[encoder_pb2.MediaItem(data=b"junk")]),
-                           timeout=30))
+        list(
+            stub.Generate(
+                generator_pb2.GenerateRequest(prompt="x", media=[encoder_pb2.MediaItem(data=b"junk")]), timeout=30
+            )
+        )
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "item 0" in ei.value.details()
 
 
 def test_cli_generate_with_image(worker, tmp_path):
     f = tmp_path / "a.jpg"
     f.write_bytes(encode_image(textured(120, 160, seed=5), "JPEG"))
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "generate", "--server", worker.address, "--prompt", "hi",
-                        "--image", str(f), "--max-tokens", "4"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "generate",
+            "--server",
+            worker.address,
+            "--prompt",
+            "hi",
+            "--image",
+            str(f),
+            "--max-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
-    assert '"completion_tokens": 4' in r.stderr and '"media_tokens": 24' in r.stderr  # 120x160 -> 112x168 -> 8x12 patches
+    assert (
+        '"completion_tokens": 4' in r.stderr and '"media_tokens": 24' in r.stderr
+    )  # 120x160 -> 112x168 -> 8x12 patches
 
 
 def test_stop_strings_and_ignore_eos_over_grpc(worker):
@@ -119,7 +159,9 @@ def test_stop_strings_and_ignore_eos_over_grpc(worker):
     text = "".join(chunks)
     stop = text[5:7]  # two characters from the middle of the unconstrained text
     assert len(stop) == 2
-    req = generator_pb2.GenerateRequest(prompt="Stop here", sampling=generator_pb2.SamplingOptions(**sampling, stop=[stop]))
+    req = generator_pb2.GenerateRequest(
+        prompt="Stop here", sampling=generator_pb2.SamplingOptions(**sampling, stop=[stop])
+    )
     got, final = [], None
     for msg in generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(req, timeout=120):
         if msg.HasField("delta"):
@@ -127,8 +169,11 @@ def test_stop_strings_and_ignore_eos_over_grpc(worker):
         else:
             final = msg.final
     assert final.finish_reason == "stop"
-    assert "".join(got) == text[:text.index(stop)]  # the stop string and what follows are not part of the text
+    assert "".join(got) == text[: text.index(stop)]  # the stop string and what follows are not part of the text
     with pytest.raises(grpc.RpcError) as e:
-        list(generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(
-            generator_pb2.GenerateRequest(prompt="x", sampling=generator_pb2.SamplingOptions(stop=[""])), timeout=60))
+        list(
+            generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address)).Generate(
+                generator_pb2.GenerateRequest(prompt="x", sampling=generator_pb2.SamplingOptions(stop=[""])), timeout=60
+            )
+        )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "stop" in e.value.details()

@@ -1,4 +1,5 @@
 """The shared graceful shutdown (`mimo_epd.common.grpc_server.Drain`) on a real aio server on a loopback port."""
+
 from __future__ import annotations
 
 import asyncio

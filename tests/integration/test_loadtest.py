@@ -1,6 +1,7 @@
 """Headless Locust runs: a few seconds against a real encoder complete with 0 failures, and failed requests
 are reported grouped by gRPC status. (The run against `serve`, the README's server, is in
 tests/cli/test_quickstart.py.)"""
+
 import json
 import os
 import subprocess
@@ -17,9 +18,28 @@ pytestmark = pytest.mark.integration
 
 
 def test_headless_locust_run_with_urls_and_bytes(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "loadtest", "encoder", "--users", "2", "--spawn-rate", "2",
-                        "--run-time", "4s", "--urls", "--csv-dir", str(tmp_path)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "loadtest",
+            "encoder",
+            "--users",
+            "2",
+            "--spawn-rate",
+            "2",
+            "--run-time",
+            "4s",
+            "--urls",
+            "--csv-dir",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["failures"] == 0 and summary["requests"] > 0 and summary["failures_by_status"] == {}
@@ -38,12 +58,37 @@ def test_failed_requests_are_grouped_by_status(tmp_path):
     server = start_server(["--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0"], cwd=ROOT)
     try:
         with MediaServer(images) as media:
-            env = {**os.environ, "MIMO_EPD_MEDIA_URLS": media.url("missing.jpg"),
-                   "MIMO_EPD_IMAGES_DIR": str(tmp_path / "images")}
-            r = subprocess.run([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--users", "2",
-                                "--spawn-rate", "2", "--run-time", "3s", "--host", server.address, "--csv",
-                                str(tmp_path / "locust"), "--only-summary"], env=env, cwd=ROOT, capture_output=True,
-                               text=True, timeout=300)
+            env = {
+                **os.environ,
+                "MIMO_EPD_MEDIA_URLS": media.url("missing.jpg"),
+                "MIMO_EPD_IMAGES_DIR": str(tmp_path / "images"),
+            }
+            r = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "locust",
+                    "-f",
+                    str(LOCUSTFILE),
+                    "--headless",
+                    "--users",
+                    "2",
+                    "--spawn-rate",
+                    "2",
+                    "--run-time",
+                    "3s",
+                    "--host",
+                    server.address,
+                    "--csv",
+                    str(tmp_path / "locust"),
+                    "--only-summary",
+                ],
+                env=env,
+                cwd=ROOT,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
     finally:
         server.stop()
     assert (tmp_path / "locust_failures.csv").exists(), r.stderr[-3000:]

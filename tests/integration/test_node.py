@@ -1,4 +1,5 @@
 """`mimo-epd serve --encoders 2`: router + two encoder processes sharing one shm cache."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def encoders_of(node) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def node():
-    s = start_server(["--encoders", "2", "--health-interval-s", "0.3", "--shm-cache-bytes", str(256 << 20),
-                      "--decode-workers", "1"], subcommand="serve")
+    s = start_server(
+        ["--encoders", "2", "--health-interval-s", "0.3", "--shm-cache-bytes", str(256 << 20), "--decode-workers", "1"],
+        subcommand="serve",
+    )
     yield s
     assert s.stop() == 0, "".join(s.stderr_lines)[-3000:]
     shm = [ln for ln in s.stderr_lines if "node cache: /dev/shm/" in ln]
@@ -96,6 +99,7 @@ def test_video_through_the_router_keeps_timestamps_on_a_shared_cache_hit(node):
     import tempfile
 
     from mimo_epd.testing.video_gen import make_test_video
+
     with tempfile.TemporaryDirectory() as d:
         make_test_video(f"{d}/v.mp4", 10, width=160, height=120, preset="ultrafast")
         data = open(f"{d}/v.mp4", "rb").read()
@@ -112,8 +116,9 @@ def test_generate_with_an_image_through_the_node_router(node):
 
     stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(node.address))
     img = encode_image(textured(140, 196, seed=11), "JPEG")
-    req = generator_pb2.GenerateRequest(prompt="What is it?", media=[pb.MediaItem(data=img)],
-                                        sampling=generator_pb2.SamplingOptions(max_tokens=5))
+    req = generator_pb2.GenerateRequest(
+        prompt="What is it?", media=[pb.MediaItem(data=img)], sampling=generator_pb2.SamplingOptions(max_tokens=5)
+    )
     msgs = list(stub.Generate(req, timeout=120))
     final = msgs[-1].final
     assert sum(len(m.delta.token_ids) for m in msgs[:-1]) == 5 and final.completion_tokens == 5

@@ -1,6 +1,7 @@
 """Nothing outlives a node killed by SIGKILL: its encoders, their decode processes and its LLM worker exit
 (`mimo_epd.common.parent`), and its shared-memory cache segment goes with them (`remove_stale_segments`,
 called by the last encoders on their way out and by the next `serve` at start)."""
+
 from __future__ import annotations
 
 import os
@@ -73,8 +74,13 @@ _PARENT = textwrap.dedent("""
 def test_a_marked_child_gets_sigterm_when_its_parent_is_sigkilled(how, tmp_path):
     out = tmp_path / "child.out"
     with out.open("w") as f:
-        parent = subprocess.Popen([sys.executable, "-c", _PARENT, how, "marked", _CHILD], cwd=ROOT, stdout=subprocess.PIPE,
-                                  stderr=f, text=True)
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _PARENT, how, "marked", _CHILD],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+        )
         child = int(parent.stdout.readline())
     deadline = time.monotonic() + 30
     while "ready" not in out.read_text() and time.monotonic() < deadline:
@@ -98,8 +104,13 @@ def test_an_unmarked_child_is_not_tied_to_its_parent(tmp_path):
     # `mimo-epd encoder` started from a shell (no MIMO_EPD_PARENT_PID) must survive the shell
     out = tmp_path / "child.out"
     with out.open("w") as f:
-        parent = subprocess.Popen([sys.executable, "-c", _PARENT, "prctl", "unmarked", _CHILD], cwd=ROOT,
-                                  stdout=subprocess.PIPE, stderr=f, text=True)
+        parent = subprocess.Popen(
+            [sys.executable, "-c", _PARENT, "prctl", "unmarked", _CHILD],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=f,
+            text=True,
+        )
         child = int(parent.stdout.readline())
     try:
         deadline = time.monotonic() + 30
@@ -118,8 +129,13 @@ def test_an_unmarked_child_is_not_tied_to_its_parent(tmp_path):
 def test_remove_stale_segments_only_takes_segments_of_dead_launchers(tmp_path):
     dead, dead2 = _dead_pid(), _dead_pid()
     old = time.time() - 3600
-    names = {"dead_old": segment_name(dead), "dead_young": segment_name(dead2), "live": segment_name(os.getppid()),
-             "named": "my-cache", "arena": f"mimo-epd-decode-{dead}-x"}
+    names = {
+        "dead_old": segment_name(dead),
+        "dead_young": segment_name(dead2),
+        "live": segment_name(os.getppid()),
+        "named": "my-cache",
+        "arena": f"mimo-epd-decode-{dead}-x",
+    }
     for key, name in names.items():
         if key == "dead_young":
             continue
@@ -136,8 +152,12 @@ def test_remove_stale_segments_only_takes_segments_of_dead_launchers(tmp_path):
 # ------------------------------------------------------------------------------------ a real node
 @pytest.mark.integration
 def test_sigkilled_serve_leaves_no_process_and_no_segment():
-    srv = start_server(["--encoders", "1", "--decode-workers", "1", "--http-port", "-1",
-                        "--shm-cache-bytes", str(64 << 20)], subcommand="serve", timeout=240, cwd=ROOT)
+    srv = start_server(
+        ["--encoders", "1", "--decode-workers", "1", "--http-port", "-1", "--shm-cache-bytes", str(64 << 20)],
+        subcommand="serve",
+        timeout=240,
+        cwd=ROOT,
+    )
     pid = srv.proc.pid
     seg = Path("/dev/shm") / segment_name(pid)
     family = _descendants(pid)

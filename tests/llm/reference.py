@@ -1,13 +1,22 @@
 """Plain reference code the kernels and the model's fast paths are checked against (not used when serving):
 attention over explicit positions, and a per-token mixture of experts."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
-                        scale: float, sliding_window: int | None, sinks: torch.Tensor | None) -> torch.Tensor:
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
     """q [Tq, Hq, D], k [Tk, Hkv, D], v [Tk, Hkv, Dv]; positions per token. Causal (+ window) mask,
     GQA, optional per-head sink logit. Returns [Tq, Hq, Dv]."""
     hq, hkv = q.shape[1], k.shape[1]
@@ -28,8 +37,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos
         probs = probs[..., :-1]
     return torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v)
 
-def moe_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
+
+def moe_reference(
+    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     """Each token through each of its experts, one at a time (transformers' loop, without grouping)."""
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):

@@ -1,4 +1,5 @@
 """The offline engine on the dual pools + SWA radix cache gives the reference model's outputs."""
+
 from __future__ import annotations
 
 import random
@@ -11,10 +12,20 @@ from llm_backend.models import ContiguousKV, MiMoV2FlashConfig, MiMoV2FlashForCa
 
 
 def small_model(window: int, kv_heads: int, seed: int = 0) -> MiMoV2FlashForCausalLM:
-    cfg = MiMoV2FlashConfig(vocab_size=61, hidden_size=48, intermediate_size=64, num_hidden_layers=6,
-                            num_attention_heads=4, num_key_value_heads=kv_heads, head_dim=16, v_head_dim=8,
-                            sliding_window=window + 1, moe_intermediate_size=24, num_experts_per_tok=2,
-                            n_routed_experts=4)
+    cfg = MiMoV2FlashConfig(
+        vocab_size=61,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        head_dim=16,
+        v_head_dim=8,
+        sliding_window=window + 1,
+        moe_intermediate_size=24,
+        num_experts_per_tok=2,
+        n_routed_experts=4,
+    )
     m = MiMoV2FlashForCausalLM(cfg)
     init_random_weights(m, seed, std=0.2)
     return m.eval()
@@ -52,8 +63,9 @@ def test_shared_prefix_is_cached_and_gives_the_cold_output():
     first = llm.generate(prompt_token_ids=[system + [5, 6]], sampling_params=SamplingParams(max_tokens=6))[0]
     second = llm.generate(prompt_token_ids=[system + [7, 8, 9]], sampling_params=SamplingParams(max_tokens=6))[0]
     assert first.usage.cached_tokens == 0 and second.usage.cached_tokens >= 40
-    cold = LLM(model, enable_prefix_cache=False).generate(prompt_token_ids=[system + [7, 8, 9]],
-                                                        sampling_params=SamplingParams(max_tokens=6))[0]
+    cold = LLM(model, enable_prefix_cache=False).generate(
+        prompt_token_ids=[system + [7, 8, 9]], sampling_params=SamplingParams(max_tokens=6)
+    )[0]
     assert second.output_token_ids == cold.output_token_ids
 
 
@@ -64,16 +76,18 @@ def test_no_pseudo_hits_under_heavy_eviction(page):
     model = small_model(4, 1, seed=3)
     rng = random.Random(0)
     bases = [[rng.randrange(61) for _ in range(rng.randrange(5, 30))] for _ in range(6)]
-    prompts = [rng.choice(bases)[: rng.randrange(1, 30)] + [rng.randrange(61) for _ in range(rng.randrange(0, 6))]
-               for _ in range(200)]
+    prompts = [
+        rng.choice(bases)[: rng.randrange(1, 30)] + [rng.randrange(61) for _ in range(rng.randrange(0, 6))]
+        for _ in range(200)
+    ]
     prompts = [p or [1] for p in prompts]
     params = SamplingParams(max_tokens=4)
     cached = LLM(model, kv_cache_tokens=600, swa_cache_tokens=64, chunk_size=8, max_running=4, page_size=page)
     plain = LLM(model, kv_cache_tokens=600, swa_cache_tokens=64, chunk_size=8, max_running=4, enable_prefix_cache=False)
     got, want = [], []
     for i in range(0, 200, 20):  # in waves, so later waves hit what earlier ones cached
-        got += cached.generate(prompt_token_ids=prompts[i:i + 20], sampling_params=params)
-        want += plain.generate(prompt_token_ids=prompts[i:i + 20], sampling_params=params)
+        got += cached.generate(prompt_token_ids=prompts[i : i + 20], sampling_params=params)
+        want += plain.generate(prompt_token_ids=prompts[i : i + 20], sampling_params=params)
     assert [o.output_token_ids for o in got] == [o.output_token_ids for o in want]
     assert sum(o.usage.cached_tokens for o in got) > 0
     assert cached.cache.stats.swa_evicted > 0 or cached.cache.stats.full_evicted > 0

@@ -1,5 +1,6 @@
 """A request can never take the engine down (#18): bad floats are refused, a sequence that can no longer grow
 finishes instead of spinning, and a failing forward fails only its own step's requests."""
+
 from __future__ import annotations
 
 import math
@@ -11,9 +12,21 @@ from llm_backend import LLM, PromptTooLong, SamplingParams
 from tests.llm.test_engine import small_model
 
 
-@pytest.mark.parametrize("field,value", [("temperature", math.nan), ("temperature", math.inf), ("temperature", -1.0),
-                                         ("top_p", math.nan), ("top_p", 0.0), ("top_k", -1), ("max_tokens", 0),
-                                         ("temperature", 1e9), ("seed", -5), ("top_logprobs", 99)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", -1.0),
+        ("top_p", math.nan),
+        ("top_p", 0.0),
+        ("top_k", -1),
+        ("max_tokens", 0),
+        ("temperature", 1e9),
+        ("seed", -5),
+        ("top_logprobs", 99),
+    ],
+)
 def test_bad_sampling_numbers_are_refused_with_the_field_named(field, value):
     llm = LLM(small_model(4, 1))
     with pytest.raises(ValueError, match=field):
@@ -24,7 +37,9 @@ def test_bad_sampling_numbers_are_refused_with_the_field_named(field, value):
 def test_tiny_temperature_is_greedy_not_nan():
     llm = LLM(small_model(4, 1))
     greedy = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=6))[0]
-    tiny = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=6, temperature=1e-300))[0]
+    tiny = llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=SamplingParams(max_tokens=6, temperature=1e-300))[
+        0
+    ]
     assert tiny.output_token_ids == greedy.output_token_ids and tiny.finish_reason == "length"
 
 
@@ -41,8 +56,9 @@ def test_huge_max_tokens_ends_at_the_pool_capacity_without_spinning():
 
 
 def test_long_requests_competing_for_a_small_pool_all_finish():
-    llm = LLM(small_model(4, 1), kv_cache_tokens=40, swa_cache_tokens=40, chunk_size=8, release_interval=4,
-              max_running=3)
+    llm = LLM(
+        small_model(4, 1), kv_cache_tokens=40, swa_cache_tokens=40, chunk_size=8, release_interval=4, max_running=3
+    )
     reqs = [llm.add_request([1 + i, 2, 3], SamplingParams(max_tokens=10_000, ignore_eos=True)) for i in range(3)]
     steps = 0
     while llm.has_work():

@@ -6,6 +6,7 @@ model): attention against `tests/llm/reference.attention_reference` on the gathe
 tests/conftest.py before Triton is imported), so shapes stay small; D != Dv and neither a power of two
 exercises the masked head-dim blocks, and kv lengths cross key blocks and window edges.
 """
+
 import pytest
 import torch
 
@@ -42,13 +43,19 @@ def _paged_batch(kv_lens: list[int], seed: int, pool_slots: int = 400):
     table = perm[torch.randint(0, pool_slots, (len(kv_lens), max_cols), generator=gen)]
     used = 0
     for b, n in enumerate(kv_lens):
-        table[b, :n] = perm[used:used + n]
+        table[b, :n] = perm[used : used + n]
         used += n
     assert used <= pool_slots
     sinks = torch.randn(HQ, generator=gen)
     to = dict(device=DEVICE)
-    return (k_cache.to(**to), v_cache.to(**to), table.to(torch.int32).to(**to),
-            torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE), sinks.to(**to), gen)
+    return (
+        k_cache.to(**to),
+        v_cache.to(**to),
+        table.to(torch.int32).to(**to),
+        torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
+        sinks.to(**to),
+        gen,
+    )
 
 
 @pytest.mark.parametrize("sliding_window", [None, WINDOW])
@@ -59,7 +66,7 @@ def test_decode_attention(sliding_window, use_sinks):
     k_cache, v_cache, table, lens, sinks, gen = _paged_batch(kv_lens, seed=1)
     sinks = sinks if use_sinks else None
     q = torch.randn(len(kv_lens), HQ, D, generator=gen).to(DEVICE)
-    scale = D ** -0.5
+    scale = D**-0.5
 
     out = decode_attention(q, k_cache, v_cache, table, lens, scale, sliding_window, sinks)
     ref = decode_attention_torch(q, k_cache, v_cache, table, lens, scale, sliding_window, sinks)
@@ -68,9 +75,17 @@ def test_decode_attention(sliding_window, use_sinks):
 
     for b, n in enumerate(kv_lens):
         slots = table[b, :n].long()
-        model = attention_reference(q[b:b + 1], k_cache[slots], v_cache[slots], torch.tensor([n - 1], device=DEVICE),
-                                    torch.arange(n, device=DEVICE), scale, sliding_window, sinks)
-        torch.testing.assert_close(ref[b:b + 1], model, atol=1e-5, rtol=1e-5)
+        model = attention_reference(
+            q[b : b + 1],
+            k_cache[slots],
+            v_cache[slots],
+            torch.tensor([n - 1], device=DEVICE),
+            torch.arange(n, device=DEVICE),
+            scale,
+            sliding_window,
+            sinks,
+        )
+        torch.testing.assert_close(ref[b : b + 1], model, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("sliding_window", [None, WINDOW + 9])
@@ -97,11 +112,18 @@ def test_extend_attention(sliding_window, use_sinks):
     for b, (prefix, n) in enumerate(plan):
         if n == 0:
             continue
-        slots = table[b, :prefix + n].long()
-        model = attention_reference(q[start:start + n], k_cache[slots], v_cache[slots],
-                                    torch.arange(prefix, prefix + n, device=DEVICE),
-                                    torch.arange(prefix + n, device=DEVICE), scale, sliding_window, sinks)
-        torch.testing.assert_close(ref[start:start + n], model, atol=1e-5, rtol=1e-5)
+        slots = table[b, : prefix + n].long()
+        model = attention_reference(
+            q[start : start + n],
+            k_cache[slots],
+            v_cache[slots],
+            torch.arange(prefix, prefix + n, device=DEVICE),
+            torch.arange(prefix + n, device=DEVICE),
+            scale,
+            sliding_window,
+            sinks,
+        )
+        torch.testing.assert_close(ref[start : start + n], model, atol=1e-5, rtol=1e-5)
         start += n
 
 
@@ -113,8 +135,14 @@ def _sorted_by_id(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tenso
 
 @pytest.mark.parametrize("n_experts,top_k,norm", [(8, 2, True), (12, 3, False), (12, 3, True)])
 def test_topk_routing(n_experts, top_k, norm):
-    cfg = MiMoV2FlashConfig(hidden_size=16, n_routed_experts=n_experts, num_experts_per_tok=top_k,
-                            norm_topk_prob=norm, routed_scaling_factor=2.5, num_hidden_layers=2)
+    cfg = MiMoV2FlashConfig(
+        hidden_size=16,
+        n_routed_experts=n_experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=norm,
+        routed_scaling_factor=2.5,
+        num_hidden_layers=2,
+    )
     gen = torch.Generator().manual_seed(n_experts * 10 + top_k)
     router = TopkRouter(cfg)
     with torch.no_grad():
@@ -142,8 +170,13 @@ def test_topk_routing(n_experts, top_k, norm):
 @pytest.mark.parametrize("n_tokens", [1, 7, 33])
 def test_fused_moe(n_tokens):
     n_experts, hidden, inter, top_k = 6, 16, 8, 2
-    cfg = MiMoV2FlashConfig(hidden_size=hidden, n_routed_experts=n_experts, moe_intermediate_size=inter,
-                            num_experts_per_tok=top_k, num_hidden_layers=2)
+    cfg = MiMoV2FlashConfig(
+        hidden_size=hidden,
+        n_routed_experts=n_experts,
+        moe_intermediate_size=inter,
+        num_experts_per_tok=top_k,
+        num_hidden_layers=2,
+    )
     gen = torch.Generator().manual_seed(n_tokens)
     experts = Experts(cfg)
     with torch.no_grad():
@@ -198,8 +231,13 @@ def test_rejects_bad_shapes():
     x = torch.zeros(3, 16, device=DEVICE)
     ids = torch.zeros(3, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="w_down"):
-        fused_moe(x, torch.zeros(4, 16, 16, device=DEVICE), torch.zeros(4, 16, 7, device=DEVICE),
-                  torch.zeros(3, 2, device=DEVICE), ids)
+        fused_moe(
+            x,
+            torch.zeros(4, 16, 16, device=DEVICE),
+            torch.zeros(4, 16, 7, device=DEVICE),
+            torch.zeros(3, 2, device=DEVICE),
+            ids,
+        )
 
 
 def test_triton_enabled(monkeypatch):
@@ -254,14 +292,20 @@ def test_real_head_dims_and_key_blocks():
     table = torch.randperm(slots, generator=gen)[:140].view(2, 70).to(torch.int32).to(DEVICE)
     lens = torch.tensor([70, 45], dtype=torch.int32, device=DEVICE)
     sinks = torch.randn(hkv * rep, generator=gen).to(DEVICE)
-    scale = d ** -0.5
+    scale = d**-0.5
     q = torch.randn(2, hkv * rep, d, generator=gen).to(DEVICE)
     for window in (None, 41):
-        torch.testing.assert_close(decode_attention(q, k_cache, v_cache, table, lens, scale, window, sinks),
-                                   decode_attention_torch(q, k_cache, v_cache, table, lens, scale, window, sinks),
-                                   atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            decode_attention(q, k_cache, v_cache, table, lens, scale, window, sinks),
+            decode_attention_torch(q, k_cache, v_cache, table, lens, scale, window, sinks),
+            atol=1e-5,
+            rtol=1e-5,
+        )
     q_starts = torch.tensor([0, 37, 40], dtype=torch.int32, device=DEVICE)  # 37 new of 70, 3 new of 45
     qx = torch.randn(40, hkv * rep, d, generator=gen).to(DEVICE)
-    torch.testing.assert_close(extend_attention(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
-                               extend_attention_torch(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        extend_attention(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
+        extend_attention_torch(qx, k_cache, v_cache, table, lens, q_starts, scale, 41, sinks),
+        atol=1e-5,
+        rtol=1e-5,
+    )

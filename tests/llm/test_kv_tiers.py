@@ -2,6 +2,7 @@
 cache at all, under heavy eviction of both device pools (hits that end in the host tier and in the store, a page
 another worker wrote), corrupt store values are misses, a dead Redis is skipped, and the slot accounting of every
 tier holds after any sequence of operations (hypothesis)."""
+
 from __future__ import annotations
 
 import random
@@ -31,13 +32,14 @@ def workload(seed=0, n=16, systems=4):
 
 def run(model, prompts, **kw):
     """Two requests at a time through tiny pools: heavy eviction of both pools."""
-    opts = dict(kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4,
-                max_running=2)
+    opts = dict(
+        kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4, max_running=2
+    )
     opts.update(kw)
     llm = LLM(model, **opts)
     outs = []
     for i in range(0, len(prompts), 2):
-        outs += [o.output_token_ids for o in llm.generate(prompt_token_ids=prompts[i:i + 2], sampling_params=SP)]
+        outs += [o.output_token_ids for o in llm.generate(prompt_token_ids=prompts[i : i + 2], sampling_params=SP)]
     return outs, llm
 
 
@@ -51,9 +53,15 @@ def cold(model):
     return run(model, workload(), prefix_cache=False)[0]
 
 
-@pytest.mark.parametrize("opts", [dict(host_kv_bytes=10**6), dict(host_kv_bytes=60_000),
-                                  dict(host_kv_bytes=10**6, host_kv_write="through", host_kv_policy="fifo"),
-                                  dict(host_kv_bytes=10**6, swa_backfill=True, swa_checkpoint_interval=16)])
+@pytest.mark.parametrize(
+    "opts",
+    [
+        dict(host_kv_bytes=10**6),
+        dict(host_kv_bytes=60_000),
+        dict(host_kv_bytes=10**6, host_kv_write="through", host_kv_policy="fifo"),
+        dict(host_kv_bytes=10**6, swa_backfill=True, swa_checkpoint_interval=16),
+    ],
+)
 def test_host_tier_outputs_equal_no_cache_under_heavy_eviction(model, cold, opts):
     outs, llm = run(model, workload(), **opts)
     assert outs == cold
@@ -156,13 +164,22 @@ def test_corrupted_store_values_are_misses(model, cold, redis_server):  # noqa: 
 
 def test_redis_killed_mid_run_requests_never_fail(model, cold, redis_server):  # noqa: F811
     prompts = workload()
-    llm = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4,
-              max_running=2, kv_store=redis_server.url, kv_store_timeout_s=0.2)
+    llm = LLM(
+        model,
+        kv_cache_tokens=160,
+        swa_cache_tokens=200,
+        page_size=4,
+        chunk_size=16,
+        release_interval=4,
+        max_running=2,
+        kv_store=redis_server.url,
+        kv_store_timeout_s=0.2,
+    )
     outs = []
     for i in range(0, len(prompts), 2):
         if i == 8:
             redis_server.stop()
-        res = llm.generate(prompt_token_ids=prompts[i:i + 2], sampling_params=SP)
+        res = llm.generate(prompt_token_ids=prompts[i : i + 2], sampling_params=SP)
         assert all(o.finish_reason == "length" for o in res)
         outs += [o.output_token_ids for o in res]
     assert outs == cold
@@ -172,8 +189,13 @@ def test_redis_killed_mid_run_requests_never_fail(model, cold, redis_server):  #
 
 # ----------------------------------------------------------------------------------------------- accounting
 W = 8
-OPS = st.lists(st.tuples(st.sampled_from(["start", "compute", "finish", "evict_full", "evict_swa", "abort"]),
-                         st.integers(0, 10**6)), min_size=5, max_size=60)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "compute", "finish", "evict_full", "evict_swa", "abort"]), st.integers(0, 10**6)
+    ),
+    min_size=5,
+    max_size=60,
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -198,7 +220,7 @@ def test_property_accounting_across_tiers(ops, page, backfill, with_store):
             n = min(len(toks) - len(r.tokens), 1 + x % 9)
             if n > 0 and cache.make_room(n + page, n):
                 try:
-                    r.extend(toks[len(r.tokens):len(r.tokens) + n])
+                    r.extend(toks[len(r.tokens) : len(r.tokens) + n])
                     r.checkpoint()
                 except Exception as e:  # PoolExhausted
                     assert "pool" in str(e)

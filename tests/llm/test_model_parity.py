@@ -2,6 +2,7 @@
 
 Tiny random configs saved by transformers, loaded through `load_llm`; prompts shorter than the window
 and ten times longer; incremental decoding through a KV store; greedy continuations."""
+
 import pytest
 import torch
 
@@ -21,9 +22,19 @@ CONFIGS = {
 
 def hf_model(kw, tmp_path, seed=0):
     torch.manual_seed(seed)
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_attention_heads=4, head_dim=24,
-                v_head_dim=16, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
-                attention_value_scale=0.7, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=4,
+        head_dim=24,
+        v_head_dim=16,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        attention_value_scale=0.7,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     cfg = HFConfig(**base)
     model = HFModel(cfg).eval()
@@ -68,7 +79,7 @@ def test_chunked_and_incremental_equal_one_pass(pair):
     ref = hf_logits(hf, ids)
     for chunk in (max(1, w - 1), w + 3):  # chunk < window and > window
         kv = ContiguousKV(ours.config)
-        outs = [ours(ids[s:s + chunk], torch.arange(s, min(n, s + chunk)), kv) for s in range(0, n, chunk)]
+        outs = [ours(ids[s : s + chunk], torch.arange(s, min(n, s + chunk)), kv) for s in range(0, n, chunk)]
         assert (torch.cat(outs) - ref).abs().max().item() <= TOL
 
 
@@ -78,8 +89,9 @@ def test_greedy_decoding_five_windows_past_the_prompt(pair):
     prompt = torch.randint(0, ours.config.vocab_size, (w + 2,), generator=torch.Generator().manual_seed(3))
     steps = 5 * w
     with torch.no_grad():
-        ref = hf.generate(prompt[None], max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
-                          eos_token_id=None, pad_token_id=0)[0, len(prompt):]
+        ref = hf.generate(
+            prompt[None], max_new_tokens=steps, do_sample=False, min_new_tokens=steps, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :]
     kv = ContiguousKV(ours.config)
     logits = ours(prompt, torch.arange(len(prompt)), kv, logits_for="last")
     got = []
@@ -96,8 +108,13 @@ def test_tiny_default_loads_into_transformers():
     hf = HFModel(cfg).eval()
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
     assert not [m for m in missing if "e_score_correction_bias" not in m] and not unexpected
-    hf.load_state_dict({**hf.state_dict(), **ours.state_dict(),
-                        **{k: v for k, v in ours.named_buffers() if "e_score_correction_bias" in k}})
+    hf.load_state_dict(
+        {
+            **hf.state_dict(),
+            **ours.state_dict(),
+            **{k: v for k, v in ours.named_buffers() if "e_score_correction_bias" in k},
+        }
+    )
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(1))
     assert (ours(ids, torch.arange(40), ContiguousKV(ours.config)) - hf_logits(hf, ids)).abs().max().item() <= TOL
 

@@ -3,6 +3,7 @@ property-based test of the pool accounting invariant with a no-pseudo-hit check.
 
 Every slot handed out is tagged with the token prefix whose KV it would hold; a match must return
 slots whose tags equal the query's prefixes (a wrong slot = a pseudo-hit = wrong attention)."""
+
 from __future__ import annotations
 
 import random
@@ -119,11 +120,11 @@ def test_case4_locked_nodes_survive_eviction_then_become_evictable():
     h.finish(r)
     holder = h.start(a + [7])  # locks the prefix (full: whole path, SWA: last W)
     assert holder.cached_tokens == 20
-    h.cache.evict_full(10 ** 6)
-    h.cache.evict_swa(10 ** 6)
+    h.cache.evict_full(10**6)
+    h.cache.evict_swa(10**6)
     assert h.cache.match_prefix(a).length == 20
     h.finish(holder, cache_result=False)
-    h.cache.evict_full(10 ** 6)
+    h.cache.evict_full(10**6)
     assert h.cache.match_prefix(a).length == 0 and h.cache.token_count() == 0
     h.check_accounting()
 
@@ -134,7 +135,7 @@ def test_case5_swa_eviction_of_internal_node_keeps_children_reachable():
     x, y = base + toks(10, seed=8), base + toks(10, seed=9)
     for seq in (x, y):
         r = h.start(seq)
-        h.compute(r, seq[r.cached_tokens:])
+        h.compute(r, seq[r.cached_tokens :])
         h.finish(r)
     internal = h.cache.root.children[(base[0],)]  # children are keyed by their first page (page size 1)
     assert len(internal.key) == 12 and len(internal.children) == 2
@@ -171,7 +172,7 @@ def test_repair_of_tombstoned_node_serves_the_fresh_slots():
     a, b = toks(20, seed=11), toks(10, seed=12)
     for seq in (a, a + b):
         r = h.start(seq)
-        h.compute(r, seq[r.cached_tokens:])
+        h.compute(r, seq[r.cached_tokens :])
         h.finish(r)
     h.cache.evict_swa(1)  # tombstones the internal node of `a`
     assert h.cache.match_prefix(a).length == 0
@@ -220,8 +221,14 @@ class _AsMatch:
         self.swa = r.swa
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["start", "compute", "decode", "finish", "abort", "evict_swa", "evict_full"]),
-                         st.integers(0, 10 ** 6)), min_size=5, max_size=60)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["start", "compute", "decode", "finish", "abort", "evict_swa", "evict_full"]),
+        st.integers(0, 10**6),
+    ),
+    min_size=5,
+    max_size=60,
+)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -239,7 +246,7 @@ def test_property_accounting_invariant_and_no_pseudo_hits(ops, page):
                 seq = prefixes[x % 3][: rng.randrange(1, 11)] + toks(rng.randrange(0, 12), seed=x, vocab=6)
                 r = h.start(seq)
                 if len(seq) > r.cached_tokens:
-                    h.compute(r, seq[r.cached_tokens:])
+                    h.compute(r, seq[r.cached_tokens :])
                 r.release_out_of_window()
             elif op == "compute" and h.running:
                 r = h.running[x % len(h.running)]
@@ -263,8 +270,8 @@ def test_property_accounting_invariant_and_no_pseudo_hits(ops, page):
             from llm_backend.kv import PoolExhausted
 
             assert isinstance(e, PoolExhausted), e
-            h.cache.evict_swa(10 ** 6)
-            h.cache.evict_full(10 ** 6)
+            h.cache.evict_swa(10**6)
+            h.cache.evict_full(10**6)
         h.check_accounting()
     for r in list(h.running):
         h.finish(r)
@@ -283,15 +290,15 @@ def test_no_stale_swa_mapping_after_the_tree_evicts_unlocked_prefix_slots():
     holder = h.start(a + [1])  # matches 30; locks SWA only over the last W
     assert holder.cached_tokens == 30
     assert all(s is None for s in holder.swa[: 30 - W])
-    h.cache.evict_swa(10 ** 6)  # frees every unlocked SWA slot of the prefix
+    h.cache.evict_swa(10**6)  # frees every unlocked SWA slot of the prefix
     other = h.start(toks(25, seed=22))
-    h.compute(other, other.tokens[other.cached_tokens:] or toks(25, seed=22))  # reuses the freed slots
+    h.compute(other, other.tokens[other.cached_tokens :] or toks(25, seed=22))  # reuses the freed slots
     h.compute(holder, [2, 3])
     h.finish(holder)  # must not hand the tree slots that `other` now owns
     h.finish(other)
     h.check_accounting()
-    h.cache.evict_swa(10 ** 6)
-    h.cache.evict_full(10 ** 6)
+    h.cache.evict_swa(10**6)
+    h.cache.evict_full(10**6)
     h.check_accounting()
 
 
@@ -330,8 +337,8 @@ def test_split_of_a_locked_node_leaves_no_swa_lock_behind():
     h.finish(r2)
     h.finish(r1)
     assert all(n.swa_locks == 0 and n.full_locks == 0 for n in h.cache._nodes())
-    h.cache.evict_swa(10 ** 6)
-    h.cache.evict_full(10 ** 6)
+    h.cache.evict_swa(10**6)
+    h.cache.evict_full(10**6)
     assert h.cache.token_count() == 0  # nothing pinned: everything could be evicted
     h.check_accounting()
 
@@ -401,8 +408,9 @@ def test_full_eviction_counts_cascaded_tombstone_removals_once():
 
 
 def _tree_state(cache: SWARadixCache):
-    return sorted((tuple(n.key), tuple(n.full), tuple(n.swa), n.last_access, n.full_locks, n.swa_locks)
-                  for n in cache._nodes())
+    return sorted(
+        (tuple(n.key), tuple(n.full), tuple(n.swa), n.last_access, n.full_locks, n.swa_locks) for n in cache._nodes()
+    )
 
 
 @pytest.mark.parametrize("page", [1, 2, 4])
@@ -414,12 +422,13 @@ def test_peek_prefix_length_is_read_only_and_equals_match_prefix(page):
         seq = prefixes[k % 3][: rng.randrange(4, 17)] + toks(rng.randrange(0, 10), seed=100 + k, vocab=5)
         r = h.start(seq)
         if len(seq) > r.cached_tokens:
-            h.compute(r, seq[r.cached_tokens:])
+            h.compute(r, seq[r.cached_tokens :])
         h.finish(r)
         if k % 4 == 3:
             h.cache.evict_swa(15)
-    queries = [prefixes[q % 3][: rng.randrange(0, 17)] + toks(rng.randrange(0, 8), seed=500 + q, vocab=5)
-               for q in range(60)]
+    queries = [
+        prefixes[q % 3][: rng.randrange(0, 17)] + toks(rng.randrange(0, 8), seed=500 + q, vocab=5) for q in range(60)
+    ]
     nonzero = 0
     for q in queries:
         before, stats_before = _tree_state(h.cache), (h.cache.stats.lookups, h.cache.stats.hit_tokens)

@@ -1,5 +1,6 @@
 """A real redis-server for the router tests: started on a free loopback port with a temp dir and no
 persistence (scripts/setup_env.sh installs the Debian package when it is missing)."""
+
 from __future__ import annotations
 
 import shutil
@@ -26,9 +27,26 @@ class RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
-             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--daemonize",
+                "no",
+                "--loglevel",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -49,8 +67,10 @@ class RedisServer:
 @pytest.fixture
 def redis_server(tmp_path):
     if shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (scripts/setup_env.sh installs the Debian package redis-server "
-                    "when run as root; install it to run the shared-state tests)")
+        pytest.skip(
+            "redis-server is not installed (scripts/setup_env.sh installs the Debian package redis-server "
+            "when run as root; install it to run the shared-state tests)"
+        )
     server = RedisServer(tmp_path)
     server.start()
     yield server

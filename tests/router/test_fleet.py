@@ -1,6 +1,7 @@
 """The fleet across "machines": two `serve --join` nodes (each its own shm cache, encoder and LLM worker) on one
 real redis-server, and one `mimo-epd router` that finds them there. Requests reach both nodes' workers, the
 Encode API spans both nodes' encoders, and a stopped node drops out of the registry within its heartbeat."""
+
 from __future__ import annotations
 
 import time
@@ -15,9 +16,24 @@ from tests.router.test_llm_router import assert_hits, generate, session_prompt
 
 pytestmark = pytest.mark.integration
 
-NODE = ["--encoders", "1", "--llm-workers", "1", "--http-port", "-1", "--member-ttl-s", "2",
-        "--llm-kv-cache-tokens", "8192", "--llm-swa-cache-tokens", "2048", "--llm-torch-threads", "1",
-        "--shm-cache-bytes", str(64 << 20)]
+NODE = [
+    "--encoders",
+    "1",
+    "--llm-workers",
+    "1",
+    "--http-port",
+    "-1",
+    "--member-ttl-s",
+    "2",
+    "--llm-kv-cache-tokens",
+    "8192",
+    "--llm-swa-cache-tokens",
+    "2048",
+    "--llm-torch-threads",
+    "1",
+    "--shm-cache-bytes",
+    str(64 << 20),
+]
 
 
 def members(r, kind):
@@ -44,11 +60,17 @@ def test_two_nodes_one_redis_one_router(redis_server):
     router = None
     try:
         r = redis.Redis.from_url(url)
-        assert wait_for(lambda: len(members(r, "llm")) == 2 and len(members(r, "encoder")) == 2), \
-            (members(r, "llm"), members(r, "encoder"))
+        assert wait_for(lambda: len(members(r, "llm")) == 2 and len(members(r, "encoder")) == 2), (
+            members(r, "llm"),
+            members(r, "encoder"),
+        )
         router = start_server(["--router-state", url, "--member-ttl-s", "2"], "router")
-        assert wait_for(lambda: any("joined" in x for x in router.stderr_lines) and
-                        sum("LLM worker" in x and "joined" in x for x in router.stderr_lines) == 2)
+        assert wait_for(
+            lambda: (
+                any("joined" in x for x in router.stderr_lines)
+                and sum("LLM worker" in x and "joined" in x for x in router.stderr_lines) == 2
+            )
+        )
         finals = []
         for t in (1, 2):
             for s in range(6):
@@ -60,8 +82,12 @@ def test_two_nodes_one_redis_one_router(redis_server):
         held = {w: r.hlen(f"mimo:kv:{w}") for w in workers}
         assert all(n > 0 for n in held.values()), held  # both nodes served sessions
         with grpc.insecure_channel(router.address) as ch:  # the ring spans both nodes' encoders
-            resp = encoder_pb2_grpc.EncoderStub(ch).Encode(encoder_pb2.EncodeRequest(items=[
-                encoder_pb2.MediaItem(data=encode_image(textured(64, 64, seed=i))) for i in range(6)]), timeout=120)
+            resp = encoder_pb2_grpc.EncoderStub(ch).Encode(
+                encoder_pb2.EncodeRequest(
+                    items=[encoder_pb2.MediaItem(data=encode_image(textured(64, 64, seed=i))) for i in range(6)]
+                ),
+                timeout=120,
+            )
         assert len(resp.items) == 6 and all(it.num_tokens > 0 for it in resp.items)
         nodes[1].stop()
         assert wait_for(lambda: len(members(r, "llm")) == 1 and len(members(r, "encoder")) == 1, timeout=10)

@@ -3,6 +3,7 @@ session sticks to the worker holding its context under affinity (each turn's cac
 previous turn), and under round_robin it does not (consecutive turns alternate workers); the router's /metrics
 (merged into the node's --metrics-port) count requests per worker and the prediction error. Streams keep their
 shape (no usage unless asked). A worker whose HTTP API cannot be reached is retried on the next one."""
+
 from __future__ import annotations
 
 import asyncio
@@ -17,8 +18,18 @@ from tests.router.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
-SERVE_ARGS = ["--http-port", "0", "--llm-workers", "2", "--llm-kv-cache-tokens", "6000",
-              "--llm-swa-cache-tokens", "1500", "--encoders", "1"]
+SERVE_ARGS = [
+    "--http-port",
+    "0",
+    "--llm-workers",
+    "2",
+    "--llm-kv-cache-tokens",
+    "6000",
+    "--llm-swa-cache-tokens",
+    "1500",
+    "--encoders",
+    "1",
+]
 SYSTEM = "You are a careful assistant who answers questions about foxes and dogs. " * 2
 
 
@@ -48,8 +59,11 @@ def run_session(c: openai.OpenAI, s: int, turns: int) -> list[tuple[int, int]]:
 
 
 def router_metrics(node) -> dict[str, float]:
-    return {k.replace(',process="router"', "").replace('process="router",', "").replace('{process="router"}', ""): v
-            for k, v in scrape(node.metrics_port).items() if k.startswith("router_")}
+    return {
+        k.replace(',process="router"', "").replace('process="router",', "").replace('{process="router"}', ""): v
+        for k, v in scrape(node.metrics_port).items()
+        if k.startswith("router_")
+    }
 
 
 def test_multi_turn_sessions_and_policy(node):
@@ -74,10 +88,12 @@ def test_multi_turn_sessions_and_policy(node):
     assert n == 8  # every response's cached tokens were reported against the prediction
     if node.policy == "affinity":
         # the index predicts whole 16-token blocks: the worker reuses at most one block more than predicted
-        exact_or_block = (m['router_prediction_error_tokens_bucket{le="16.0"}']
-                          - m['router_prediction_error_tokens_bucket{le="-1.0"}']
-                          - before.get('router_prediction_error_tokens_bucket{le="16.0"}', 0)
-                          + before.get('router_prediction_error_tokens_bucket{le="-1.0"}', 0))
+        exact_or_block = (
+            m['router_prediction_error_tokens_bucket{le="16.0"}']
+            - m['router_prediction_error_tokens_bucket{le="-1.0"}']
+            - before.get('router_prediction_error_tokens_bucket{le="16.0"}', 0)
+            + before.get('router_prediction_error_tokens_bucket{le="-1.0"}', 0)
+        )
         assert exact_or_block == 8, m
     assert m["router_state_degraded"] == 0 and m["router_live_workers"] == 2
     assert max(v for k, v in m.items() if k.startswith("router_index_blocks{")) > 0
@@ -87,14 +103,24 @@ def test_streams_keep_their_shape_and_report_cached_tokens(node):
     c = client(node)
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "stream this, please"}]
     whole = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, extra_body={"ignore_eos": True})
-    plain = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, stream=True,
-                                           extra_body={"ignore_eos": True}))
+    plain = list(
+        c.chat.completions.create(
+            model="tiny", messages=msgs, max_tokens=8, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     # no usage asked for: none in the stream (the front asked the worker for it and took it out again)
     assert all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
     assert "".join(ch.choices[0].delta.content or "" for ch in plain) == whole.choices[0].message.content
-    with_usage = list(c.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, stream=True,
-                                                stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True}))
+    with_usage = list(
+        c.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert with_usage[-1].usage.prompt_tokens == whole.usage.prompt_tokens
     if node.policy == "affinity":  # the third identical prompt is a hit on the worker that served the first
         assert with_usage[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
@@ -115,8 +141,10 @@ async def test_generate_is_routed_and_bad_bodies_get_the_workers_400(node):
             assert metas[1]["cached_tokens"] == metas[1]["prompt_tokens"] - 1
         async with s.post(f"http://{node.http_address}/v1/chat/completions", data=b"{not json") as r:
             assert r.status == 400 and "malformed JSON" in (await r.json())["error"]["message"]
-        async with s.post(f"http://{node.http_address}/v1/chat/completions",
-                          json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}) as r:
+        async with s.post(
+            f"http://{node.http_address}/v1/chat/completions",
+            json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+        ) as r:
             assert r.status == 400 and (await r.json())["error"]["param"] == "messages[0].role"
 
 
@@ -137,16 +165,19 @@ async def test_unreachable_worker_is_retried_on_the_next(two_workers):
 
     a, b = two_workers
     dead = f"127.0.0.1:{free_port()}"  # worker a's gRPC serves (its feed is live), its HTTP address has no listener
-    router = LLMRouter(LLMRouterConfig(policy="round_robin",
-                                       workers=f"{a.address}/{dead},{b.address}/{b.http_address}"))
+    router = LLMRouter(
+        LLMRouterConfig(policy="round_robin", workers=f"{a.address}/{dead},{b.address}/{b.http_address}")
+    )
     await router.start()
     front = HTTPFront(router=router, template=load_chat_template("tiny"))
     port = await front.start("127.0.0.1", 0)
     try:
         async with aiohttp.ClientSession() as s:
             for i in range(4):
-                async with s.post(f"http://127.0.0.1:{port}/v1/completions",
-                                  json={"model": "tiny", "prompt": f"retry me {i}", "max_tokens": 2}) as r:
+                async with s.post(
+                    f"http://127.0.0.1:{port}/v1/completions",
+                    json={"model": "tiny", "prompt": f"retry me {i}", "max_tokens": 2},
+                ) as r:
                     assert r.status == 200, await r.text()
                     assert (await r.json())["usage"]["completion_tokens"] >= 1
         assert router.stats["retries"] >= 1 and router.stats["failed"] == 0, router.stats
@@ -171,16 +202,31 @@ def test_a_restarted_worker_is_routed_to_again_within_seconds(two_workers):
 
     a, b = two_workers
     mport = free_port()
-    r = start_server(["--workers", f"{a.address},{b.address}", "--llm-policy", "round_robin", "--member-ttl-s", "2",
-                      "--metrics-port", str(mport)], "router")
+    r = start_server(
+        [
+            "--workers",
+            f"{a.address},{b.address}",
+            "--llm-policy",
+            "round_robin",
+            "--member-ttl-s",
+            "2",
+            "--metrics-port",
+            str(mport),
+        ],
+        "router",
+    )
 
     def served_by_a() -> float:
         return scrape(mport).get(f'router_requests_total{{front="grpc",worker="{a.address}"}}', 0.0)
 
     def generate() -> None:
         with grpc.insecure_channel(r.address) as ch:
-            for _ in generator_pb2_grpc.GeneratorStub(ch).Generate(generator_pb2.GenerateRequest(
-                    prompt="are you back?", sampling=generator_pb2.SamplingOptions(max_tokens=1)), timeout=30):
+            for _ in generator_pb2_grpc.GeneratorStub(ch).Generate(
+                generator_pb2.GenerateRequest(
+                    prompt="are you back?", sampling=generator_pb2.SamplingOptions(max_tokens=1)
+                ),
+                timeout=30,
+            ):
                 pass
 
     try:
@@ -193,8 +239,21 @@ def test_a_restarted_worker_is_routed_to_again_within_seconds(two_workers):
             generate()
         time.sleep(10.0)  # down long enough for gRPC's default backoff to grow to ~10 s between attempts
         port = a.address.rsplit(":", 1)[1]
-        restarted = start_server(["--port", port, "--http-port", "-1", "--kv-cache-tokens", "4096",
-                                  "--swa-cache-tokens", "1024", "--torch-threads", "1"], "llm")
+        restarted = start_server(
+            [
+                "--port",
+                port,
+                "--http-port",
+                "-1",
+                "--kv-cache-tokens",
+                "4096",
+                "--swa-cache-tokens",
+                "1024",
+                "--torch-threads",
+                "1",
+            ],
+            "llm",
+        )
         two_workers[0] = restarted  # stopped by the fixture
         ready = time.monotonic()
         before = served_by_a()

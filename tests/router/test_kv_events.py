@@ -1,6 +1,7 @@
 """KV events against the real SWA radix cache: after any sequence of requests and evictions, the publisher's
 block states equal what the tree holds, the index built from its change log equals the mirror, and the
 index's prediction equals the cache's own window-safe match at block granularity."""
+
 from __future__ import annotations
 
 import random
@@ -22,7 +23,7 @@ def tree_blocks(cache: SWARadixCache, B: int) -> dict[int, int]:
         hashes = block_hashes(toks, B)
         start = len(toks) - len(node.key)
         for e in range((start // B + 1) * B, len(toks) + 1, B):
-            safe = all(s is not None for s in swa[max(0, e - cache.window):e])
+            safe = all(s is not None for s in swa[max(0, e - cache.window) : e])
             out[hashes[e // B - 1]] = USABLE if safe else STORED
         stack.extend((c, toks, swa) for c in node.children.values())
     return out
@@ -30,12 +31,12 @@ def tree_blocks(cache: SWARadixCache, B: int) -> dict[int, int]:
 
 def run_request(cache, tokens, rng):
     r = RequestKV(cache, tokens[:-1], release_interval=4)
-    rest = tokens[r.cached_tokens:]
+    rest = tokens[r.cached_tokens :]
     for i in range(0, len(rest), 7):  # chunked "prefill"
         if not cache.make_room(8 + cache.page_size, 8):
             r.finish(False)
             return
-        r.extend(rest[i:i + 7])
+        r.extend(rest[i : i + 7])
         r.release_out_of_window()
         if rng.random() < 0.3:
             r.checkpoint()
@@ -52,7 +53,9 @@ def test_mirror_and_index_follow_the_tree(page, block, window):
     for step in range(250):
         op = rng.random()
         if op < 0.7:
-            seq = rng.choice(prefixes)[: rng.randrange(1, 41)] + [rng.randrange(50) for _ in range(rng.randrange(1, 30))]
+            seq = rng.choice(prefixes)[: rng.randrange(1, 41)] + [
+                rng.randrange(50) for _ in range(rng.randrange(1, 30))
+            ]
             run_request(cache, seq, rng)
         elif op < 0.85:
             cache.evict_full(rng.randrange(1, 40))
@@ -65,8 +68,7 @@ def test_mirror_and_index_follow_the_tree(page, block, window):
         assert {h: s["w"] for h, s in index._by_hash.items()} == pub.blocks
         probe = rng.choice(prefixes) + [rng.randrange(50) for _ in range(rng.randrange(0, 20))]
         predicted = predict_tokens(index.states(block_hashes(probe, block), ["w"])["w"], block, len(probe))
-        expected = max([e for e in range(block, len(probe), block)
-                        if cache.peek_prefix_length(probe[:e]) == e] + [0])
+        expected = max([e for e in range(block, len(probe), block) if cache.peek_prefix_length(probe[:e]) == e] + [0])
         assert predicted == expected
 
 

@@ -2,6 +2,7 @@
 redis-server for the shared state: sessions stick to the worker holding their prefix (seen as the worker's own
 `cached_tokens`), across two routers on one Redis and across a router restart; a killed worker loses only its
 in-flight requests; a killed Redis degrades routing to load only without failing requests."""
+
 from __future__ import annotations
 
 import signal
@@ -23,8 +24,10 @@ def generate(address: str, prompt: str, max_tokens: int = 2, timeout: float = 60
     with grpc.insecure_channel(address) as ch:
         stub = generator_pb2_grpc.GeneratorStub(ch)
         tokens, final = 0, None
-        for m in stub.Generate(generator_pb2.GenerateRequest(
-                prompt=prompt, sampling=generator_pb2.SamplingOptions(max_tokens=max_tokens)), timeout=timeout):
+        for m in stub.Generate(
+            generator_pb2.GenerateRequest(prompt=prompt, sampling=generator_pb2.SamplingOptions(max_tokens=max_tokens)),
+            timeout=timeout,
+        ):
             if m.HasField("delta"):
                 tokens += len(m.delta.token_ids)
             else:
@@ -33,7 +36,9 @@ def generate(address: str, prompt: str, max_tokens: int = 2, timeout: float = 60
 
 
 def session_prompt(s: int, turns: int) -> str:
-    return "".join(f"[session {s} turn {t}] " + "the quick brown fox jumps over the lazy dog. " * 3 for t in range(turns))
+    return "".join(
+        f"[session {s} turn {t}] " + "the quick brown fox jumps over the lazy dog. " * 3 for t in range(turns)
+    )
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
 """Routing policies: each formula of reference.md §6 on small hand-made views."""
+
 from __future__ import annotations
 
 import pytest

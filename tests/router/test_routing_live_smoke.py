@@ -1,6 +1,7 @@
 """`mimo-epd bench routing-live --quick`: one JSON object with every run's figures, the SGLang gateway's (or the
 reason it could not run), and the ratios; affinity keeps more of the cache than round_robin on the same
 multi-turn workload. Figures are the benchmark's; this checks their shape and the ordering that must hold."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ pytestmark = pytest.mark.integration
 
 
 def test_routing_live_quick():
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "bench", "routing-live", "--quick"], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "mimo_epd", "bench", "routing-live", "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout)
     assert "goal" not in r.stdout

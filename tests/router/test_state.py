@@ -1,5 +1,6 @@
 """State backends: the memory one and a real redis-server behave the same; keys expire with their heartbeat;
 a dead Redis raises StateUnavailable (the router's cue to route by load only)."""
+
 from __future__ import annotations
 
 import asyncio

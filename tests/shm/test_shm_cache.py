@@ -1,4 +1,5 @@
 """shm_cache: real POSIX shared memory, several real processes, SIGKILL in the middle of things."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -34,8 +35,11 @@ def key(i: int) -> bytes:
 
 def value(i: int, n_floats: int) -> np.ndarray:
     """Deterministic content derived from the key, so any reader can check what it got."""
-    return (np.arange(n_floats, dtype=np.float32) * 0.5 + i).reshape(-1, 4) if n_floats % 4 == 0 else \
-        np.arange(n_floats, dtype=np.float32) + i
+    return (
+        (np.arange(n_floats, dtype=np.float32) * 0.5 + i).reshape(-1, 4)
+        if n_floats % 4 == 0
+        else np.arange(n_floats, dtype=np.float32) + i
+    )
 
 
 def test_put_get_roundtrip_zero_copy_and_mode_0600(name):

@@ -1,5 +1,6 @@
 """`bench scheduler --quick` and `bench routing --quick`: one JSON object with the ratios, a PNG next to it,
 no grades."""
+
 import io
 import json
 from contextlib import redirect_stdout
@@ -27,7 +28,11 @@ def _no_grades(d):
 
 def test_bench_scheduler_quick(tmp_path):
     d = _run(["bench", "scheduler", "--quick", "--out-dir", str(tmp_path)])
-    assert d["bench"] == "scheduler" and set(d["config"]["policies"]) == {"fcfs", "uncached_first", "uncached_first_buckets"}
+    assert d["bench"] == "scheduler" and set(d["config"]["policies"]) == {
+        "fcfs",
+        "uncached_first",
+        "uncached_first_buckets",
+    }
     r = d["ratios"]
     assert r["long_ttft_p90_vs_fcfs"] > 0 and r["short_ttft_p99_vs_fcfs"] > 0 and r["policy"] != "fcfs"
     assert (tmp_path / "bench_scheduler.png").stat().st_size > 1000

@@ -1,4 +1,5 @@
 """The cost model: monotonic in what a step computes, SWA context capped at the window, the fit recovers a model."""
+
 import pytest
 
 from llm_backend.sim.cost import CostModel, RooflineProfile, fit_linear, load_profile, step_features
@@ -49,8 +50,17 @@ def test_decode_is_memory_bound_and_prefill_compute_bound_on_h200():
     pro, prof = get_shape("pro"), RooflineProfile(gpus=16)
     decode = step_features(pro, [(4096, 1, True)] * 8)
     prefill = step_features(pro, [(0, 16384, True)])
-    mem = lambda f: (pro.dense_params + f.experts_touched * pro.expert_params) * 2 / (prof.hbm_bytes_per_s * prof.bw_efficiency * 16)  # noqa: E731
-    assert prof.step_seconds(decode, pro) == pytest.approx(mem(decode) + prof.step_overhead_s + 8 * prof.segment_overhead_s, rel=0.05)
+
+    def mem(f):
+        return (
+            (pro.dense_params + f.experts_touched * pro.expert_params)
+            * 2
+            / (prof.hbm_bytes_per_s * prof.bw_efficiency * 16)
+        )
+
+    assert prof.step_seconds(decode, pro) == pytest.approx(
+        mem(decode) + prof.step_overhead_s + 8 * prof.segment_overhead_s, rel=0.05
+    )
     assert prof.step_seconds(prefill, pro) > 5 * prof.step_seconds(decode, pro)
 
 

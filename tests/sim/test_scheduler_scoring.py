@@ -1,4 +1,5 @@
 """The scheduler scores a long waiting queue read-only and within a bounded number of cache peeks per step."""
+
 from llm_backend.engine.request import Request, SamplingParams
 from llm_backend.engine.scheduler import REFRESH_PER_STEP, Scheduler
 from llm_backend.kv import RequestKV, SlotPool, SWARadixCache
@@ -13,8 +14,19 @@ def _scheduler(max_running=4):
     kv.extend(system)
     kv.finish(cache_result=True)
     now = [0.0]
-    s = Scheduler(cache, full, swa, chunk_size=256, max_running=max_running, enable_prefix_cache=True,
-                  release_interval=16, fcfs=False, wait_penalty=2048.0, length_buckets=(), clock=lambda: now[0])
+    s = Scheduler(
+        cache,
+        full,
+        swa,
+        chunk_size=256,
+        max_running=max_running,
+        enable_prefix_cache=True,
+        release_interval=16,
+        fcfs=False,
+        wait_penalty=2048.0,
+        length_buckets=(),
+        clock=lambda: now[0],
+    )
     return s, cache, system, now
 
 

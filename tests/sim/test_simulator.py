@@ -1,5 +1,6 @@
 """The simulated worker and fleet: real Scheduler / caches on a virtual clock, deterministic, fair, and equal
 to the live engine's cached tokens."""
+
 import io
 import json
 from contextlib import redirect_stdout
@@ -49,8 +50,16 @@ def test_nothing_starves_under_a_flood_of_short_requests():
     long = _req(0, 0.5, list(range(10**7, 10**7 + 600)), 4)
 
     def run(penalty, buckets):
-        cfg = WorkerConfig(full_tokens=1 << 15, swa_tokens=1 << 13, page_size=1, chunk_size=64, max_running=2,
-                           wait_penalty=penalty, length_buckets=buckets, unit=1)
+        cfg = WorkerConfig(
+            full_tokens=1 << 15,
+            swa_tokens=1 << 13,
+            page_size=1,
+            chunk_size=64,
+            max_running=2,
+            wait_penalty=penalty,
+            length_buckets=buckets,
+            unit=1,
+        )
         cost = CostModel(get_shape("tiny"), load_profile("cpu-measured"))
         w = simulate(SimWorker(cost, cfg), [long] + shorts)
         done = {f.index: f for f in w.finished}
@@ -97,9 +106,20 @@ def _cli_json(argv):
 
 def test_sim_run_is_deterministic(tmp_path):
     trace = tmp_path / "t.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 40 * i, "input_length": 700 + 300 * (i % 5), "output_length": 20,
-                                         "hash_ids": [0] + [i % 4 * 10 + j for j in range(1 + i % 5)]}) + "\n"
-                             for i in range(30)))
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 40 * i,
+                    "input_length": 700 + 300 * (i % 5),
+                    "output_length": 20,
+                    "hash_ids": [0] + [i % 4 * 10 + j for j in range(1 + i % 5)],
+                }
+            )
+            + "\n"
+            for i in range(30)
+        )
+    )
     argv = ["sim", "run", "--trace", str(trace), "--workers", "3", "--policies", "affinity,cache_aware,kv_cost"]
     a, b = _cli_json(argv), _cli_json(argv)
     assert a == b
@@ -107,10 +127,54 @@ def test_sim_run_is_deterministic(tmp_path):
     r = a["policies"]["affinity"]
     assert r["requests"] == 30 and r["ttft_s"]["all"]["p90"] > 0 and r["hit_tokens"] > 0
     assert set(r["queue"]) == {"t", "waiting", "running"}
-    c = _cli_json(["sim", "run", "--trace", "long-mix", "--requests", "12", "--seed", "1", "--shape", "pro",
-                   "--kv-gib", "160", "--chunk-size", "16384", "--unit", "128", "--workers", "1", "--policies", "affinity"])
-    d = _cli_json(["sim", "run", "--trace", "long-mix", "--requests", "12", "--seed", "2", "--shape", "pro",
-                   "--kv-gib", "160", "--chunk-size", "16384", "--unit", "128", "--workers", "1", "--policies", "affinity"])
+    c = _cli_json(
+        [
+            "sim",
+            "run",
+            "--trace",
+            "long-mix",
+            "--requests",
+            "12",
+            "--seed",
+            "1",
+            "--shape",
+            "pro",
+            "--kv-gib",
+            "160",
+            "--chunk-size",
+            "16384",
+            "--unit",
+            "128",
+            "--workers",
+            "1",
+            "--policies",
+            "affinity",
+        ]
+    )
+    d = _cli_json(
+        [
+            "sim",
+            "run",
+            "--trace",
+            "long-mix",
+            "--requests",
+            "12",
+            "--seed",
+            "2",
+            "--shape",
+            "pro",
+            "--kv-gib",
+            "160",
+            "--chunk-size",
+            "16384",
+            "--unit",
+            "128",
+            "--workers",
+            "1",
+            "--policies",
+            "affinity",
+        ]
+    )
     assert c["policies"]["affinity"]["requests"] == 12 and c != d
 
 

@@ -1,4 +1,5 @@
 """Trace parsing: Mooncake hash ids become shared prefixes; the long-context mix covers its buckets."""
+
 import json
 from pathlib import Path
 
@@ -12,9 +13,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def small_trace(tmp_path):
-    rows = [{"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
-            {"timestamp": 250, "input_length": 1600, "output_length": 7, "hash_ids": [0, 1, 2, 3]},
-            {"timestamp": 900, "input_length": 600, "output_length": 3, "hash_ids": [0, 9]}]
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1, 2]},
+        {"timestamp": 250, "input_length": 1600, "output_length": 7, "hash_ids": [0, 1, 2, 3]},
+        {"timestamp": 900, "input_length": 600, "output_length": 3, "hash_ids": [0, 9]},
+    ]
     p = tmp_path / "t.jsonl"
     p.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return str(p)
@@ -51,6 +54,7 @@ def test_session_sampling_keeps_every_turn_of_a_conversation():
     keys = [session_key(r["hash_ids"]) for r in rows]
     sampled_lengths = sorted(q.prompt_len for q in reqs)
     from mimo_epd.sim.traces import in_sample
+
     expected = sorted(r["input_length"] for r, k in zip(rows, keys) if in_sample(k, 0.02))
     assert sampled_lengths == expected
     assert reqs[-1].arrival > 3000  # spread over the whole hour

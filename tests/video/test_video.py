@@ -1,5 +1,6 @@
 """Video: sampling formula, planned/parallel decode exactness, streaming = whole-clip forward, bad files,
 and the CLI on a generated two-minute video."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def reference_indices(total, video_fps, fps=2.0, min_frames=4, max_frames=768, f
     return np.linspace(0, total - 1, n).round().astype(int)
 
 
-@pytest.mark.parametrize("total,vfps", [(108000, 30), (3600, 30), (300, 25), (1800, 29.97), (100, 30), (7201, 60),
-                                        (20, 30)])
+@pytest.mark.parametrize(
+    "total,vfps", [(108000, 30), (3600, 30), (300, 25), (1800, 29.97), (100, 30), (7201, 60), (20, 30)]
+)
 def test_indices_match_reference_formula(total, vfps):
     np.testing.assert_array_equal(sample_indices(total, vfps, VideoSampling()), reference_indices(total, vfps))
 
@@ -118,14 +120,19 @@ def bad_files(tmp_path, two_minute_video):
     (tmp_path / "empty.mp4").write_bytes(b"")
     (tmp_path / "truncated.mp4").write_bytes(data[: len(data) // 50])
     corrupted = bytearray(data)
-    corrupted[: 4096] = b"\x00" * 4096  # container header destroyed
+    corrupted[:4096] = b"\x00" * 4096  # container header destroyed
     (tmp_path / "corrupted.mp4").write_bytes(bytes(corrupted))
-    return {"audio": str(audio), "empty": str(tmp_path / "empty.mp4"), "truncated": str(tmp_path / "truncated.mp4"),
-            "corrupted": str(tmp_path / "corrupted.mp4")}
+    return {
+        "audio": str(audio),
+        "empty": str(tmp_path / "empty.mp4"),
+        "truncated": str(tmp_path / "truncated.mp4"),
+        "corrupted": str(tmp_path / "corrupted.mp4"),
+    }
 
 
-@pytest.mark.parametrize("kind,fragment", [("audio", "no video stream"), ("empty", "empty"),
-                                           ("truncated", ""), ("corrupted", "")])
+@pytest.mark.parametrize(
+    "kind,fragment", [("audio", "no video stream"), ("empty", "empty"), ("truncated", ""), ("corrupted", "")]
+)
 def test_bad_files_get_a_clear_error(bad_files, kind, fragment):
     model = load_vision_model("tiny")
     with pytest.raises(VideoError) as ei:
@@ -142,8 +149,9 @@ def test_uint8_patchify_matches_the_reference_layout():
     mean = torch.tensor(cfg.mean).view(3, 1) * 255
     std = torch.tensor(cfg.std).view(3, 1) * 255
     raw = ((raw.view(-1, 3, 2 * 14 * 14) - mean) / std).view(raw.shape[0], -1)
-    norm = (torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255 - torch.tensor(cfg.mean).view(1, 3, 1, 1)) / \
-        torch.tensor(cfg.std).view(1, 3, 1, 1)
+    norm = (
+        torch.from_numpy(frames).permute(0, 3, 1, 2).float() / 255 - torch.tensor(cfg.mean).view(1, 3, 1, 1)
+    ) / torch.tensor(cfg.std).view(1, 3, 1, 1)
     torch.testing.assert_close(raw, patchify_frames(norm, cfg), atol=1e-5, rtol=1e-5)
 
 
@@ -151,7 +159,7 @@ def test_streaming_chunks_equal_one_whole_clip_forward(short_video):
     model = load_vision_model("tiny")
     cfg = PreprocessConfig()
     small = encode_video(short_video, model, cfg, VideoSampling(), workers=2, mode="thread", max_batch_tokens=300)
-    whole = encode_video(short_video, model, cfg, VideoSampling(), workers=1, mode="thread", max_batch_tokens=10 ** 9)
+    whole = encode_video(short_video, model, cfg, VideoSampling(), workers=1, mode="thread", max_batch_tokens=10**9)
     assert small.grid_thw == whole.grid_thw and small.grid_thw[0] == 20  # 40 frames -> 20 temporal groups
     assert (small.embedding - whole.embedding).abs().max().item() <= 1e-5
     assert small.timestamps_s[:3] == pytest.approx([0.0, 1.0, 2.0], abs=0.05)
@@ -162,16 +170,37 @@ def test_cli_encode_video_two_minutes(two_minute_video, tmp_path):
     from safetensors.torch import load_file
 
     out = tmp_path / "emb.safetensors"
-    r = subprocess.run([sys.executable, "-m", "mimo_epd", "encode-video", two_minute_video, "--out", str(out),
-                        "--workers", "2", "--no-progress"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "encode-video",
+            two_minute_video,
+            "--out",
+            str(out),
+            "--workers",
+            "2",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert s["frames_total"] == 3600 and s["frames_sampled"] == 240 and s["grid_thw"][0] == 120
     assert s["tokens"] == math.prod(s["grid_thw"]) // 4 and set(s["seconds"]) >= {"probe", "encode", "total"}
     t = load_file(str(out))
     assert t["embedding"].shape == (s["tokens"], 256) and t["timestamps_s"].shape == (120,)
-    bad = subprocess.run([sys.executable, "-m", "mimo_epd", "encode-video", "/nonexistent.mp4"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+    bad = subprocess.run(
+        [sys.executable, "-m", "mimo_epd", "encode-video", "/nonexistent.mp4"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "no such file" in bad.stderr
 
 

@@ -1,5 +1,6 @@
 """KV tiers below the device pools (issue #15): the host tier and the cross-tier logic (`host.py`), the shared
 Redis store (`store.py`) and the layerwise host->device loading (`loader.py`). See docs/kv-tiers.md."""
+
 from .host import HostCopy, KVTiers
 from .loader import LayerwiseLoad, LoadStats
 from .store import MemoryKVStore, PageData, RedisKVStore

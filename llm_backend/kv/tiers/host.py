@@ -21,6 +21,7 @@ node on the device has its parent on the device): device eviction takes nodes wi
 
 Data mode (the engine) copies real tensors (`attach(pools)`); bookkeeping mode (the benchmark) moves only slots.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -100,9 +101,20 @@ class TierStats:
 
 
 class KVTiers:
-    def __init__(self, cache, host_full_tokens: int, host_swa_tokens: int, *, policy: str = "lru",
-                 write_through: bool = False, swa_backfill: bool = False, store=None, max_store_pages: int = 256,
-                 token_bytes: tuple[int, int] = (0, 0), evict_fraction: float = 1 / 64):
+    def __init__(
+        self,
+        cache,
+        host_full_tokens: int,
+        host_swa_tokens: int,
+        *,
+        policy: str = "lru",
+        write_through: bool = False,
+        swa_backfill: bool = False,
+        store=None,
+        max_store_pages: int = 256,
+        token_bytes: tuple[int, int] = (0, 0),
+        evict_fraction: float = 1 / 64,
+    ):
         if policy not in ("lru", "fifo"):
             raise ValueError(f"host KV eviction policy must be lru or fifo, got {policy!r}")
         self.cache = cache
@@ -167,8 +179,11 @@ class KVTiers:
         return moved
 
     def _d2h(self, dev_idx, host_idx, sliding) -> int:
-        return self._copy((self.device.k, self.device.v), dev_idx, (self.data.k, self.data.v), host_idx, sliding) \
-            if self.device is not None else len(dev_idx) * (self.swa_b if sliding else self.full_b)
+        return (
+            self._copy((self.device.k, self.device.v), dev_idx, (self.data.k, self.data.v), host_idx, sliding)
+            if self.device is not None
+            else len(dev_idx) * (self.swa_b if sliding else self.full_b)
+        )
 
     # ----------------------------------------------------------------------------------- helpers
     def _slots(self, pages: list[int]) -> list[int]:
@@ -190,10 +205,13 @@ class KVTiers:
         h = tail.host
         if h is None:
             return
-        hp = HostCopy(h.pages[: at // self.P] if h.pages is not None else None,
-                      {j: s for j, s in h.swa.items() if j < at}, h.stamp)
+        hp = HostCopy(
+            h.pages[: at // self.P] if h.pages is not None else None,
+            {j: s for j, s in h.swa.items() if j < at},
+            h.stamp,
+        )
         if h.pages is not None:
-            h.pages = h.pages[at // self.P:]
+            h.pages = h.pages[at // self.P :]
         h.swa = {j - at: s for j, s in h.swa.items() if j >= at}
         head.host = None if hp.empty else hp
         if h.empty:
@@ -209,8 +227,9 @@ class KVTiers:
         want_s = max(swa, self.swa.available() + self.min_swa) if swa and self.swa.available() < swa else 0
 
         def victim(n: Node) -> bool:
-            return n.host is not None and n is not exclude and n.full_locks == 0 and \
-                (n.full is not None or not n.children)
+            return (
+                n.host is not None and n is not exclude and n.full_locks == 0 and (n.full is not None or not n.children)
+            )
 
         heap = [(self._stamp(n), k, n) for k, n in enumerate(self.cache._nodes()) if victim(n)]
         heapq.heapify(heap)
@@ -221,8 +240,9 @@ class KVTiers:
                 continue
             self.stats.host_evictions += 1
             h = n.host
-            if self.pending.touches(False, host=self._slots(h.pages or [])) or \
-                    self.pending.touches(True, host=h.swa.values()):
+            if self.pending.touches(False, host=self._slots(h.pages or [])) or self.pending.touches(
+                True, host=h.swa.values()
+            ):
                 self.flush()  # a queued copy still reads a host slot freed here
             if n.full is not None:  # also on the device: dropping the host copy loses nothing
                 self._free_host(n)
@@ -248,16 +268,18 @@ class KVTiers:
     def _window_js(self, node: Node) -> list[int]:
         """Node-end window tokens live on the device and not yet on the host."""
         hs = node.host.swa if node.host is not None else {}
-        return [j for j in range(max(0, len(node.key) - self.W), len(node.key))
-                if node.swa[j] is not None and j not in hs]
+        return [
+            j for j in range(max(0, len(node.key) - self.W), len(node.key)) if node.swa[j] is not None and j not in hs
+        ]
 
     def _write_host(self, node: Node, full: bool, js: list[int]) -> bool:
         """Copies the node's full KV (if `full`) and the SWA of tokens `js` to the host."""
         need = len(node.key) // self.P if full else 0
         if not self._make_host_room(need, len(js), exclude=node):
             return False
-        if self.pending.touches(False, device=node.full if full else ()) or \
-                self.pending.touches(True, device=[node.swa[j] for j in js]):
+        if self.pending.touches(False, device=node.full if full else ()) or self.pending.touches(
+            True, device=[node.swa[j] for j in js]
+        ):
             self.flush()  # device slots read below are still waiting for a queued load
         h = node.host or HostCopy()
         node.host = h
@@ -319,18 +341,23 @@ class KVTiers:
         W = self.W
         win_js = list(range(len(node.key) - W, len(node.key))) if len(node.key) >= W else []
         has_window = bool(win_js) and all(node.swa[j] is not None or (h is not None and j in h.swa) for j in win_js)
-        if self.device is not None and (self.pending.touches(False, device=node.full or ()) or
-                                        self.pending.touches(True, device=[s for s in node.swa if s is not None])):
+        if self.device is not None and (
+            self.pending.touches(False, device=node.full or ())
+            or self.pending.touches(True, device=[s for s in node.swa if s is not None])
+        ):
             self.flush()
         for i in range(npages):
             last = i == npages - 1
-            page = PageData(hashes[start // self.P + i], has_window=last and has_window,
-                            nbytes=self.P * self.full_b + (W * self.swa_b if last and has_window else 0))
+            page = PageData(
+                hashes[start // self.P + i],
+                has_window=last and has_window,
+                nbytes=self.P * self.full_b + (W * self.swa_b if last and has_window else 0),
+            )
             if self.device is not None:
                 if node.full is not None:
-                    src, idx = (self.device.k, self.device.v), node.full[i * self.P:(i + 1) * self.P]
+                    src, idx = (self.device.k, self.device.v), node.full[i * self.P : (i + 1) * self.P]
                 else:
-                    src, idx = (self.data.k, self.data.v), self._slots(h.pages[i:i + 1])
+                    src, idx = (self.data.k, self.data.v), self._slots(h.pages[i : i + 1])
                 self._gather(page.full, src, idx, False)
                 if page.has_window:
                     for layer in self.device.k:
@@ -379,8 +406,12 @@ class KVTiers:
                     self._drop_subtree(child)
                 freed += c._remove_leaf(node)
             if parent is not c.root and cand(parent):
-                if not parent.children and parent.tombstone and parent.swa_locks == 0 and \
-                        (parent.host is None or not parent.host.swa):
+                if (
+                    not parent.children
+                    and parent.tombstone
+                    and parent.swa_locks == 0
+                    and (parent.host is None or not parent.host.swa)
+                ):
                     freed += c._prune_tombstone_leaves(parent)
                 else:
                     heapq.heappush(heap, (parent.last_access, rank[parent.id], parent))
@@ -418,7 +449,7 @@ class KVTiers:
             return []
         hashes = block_hashes(tokens[:whole], P)
         first = m // P
-        pages = self.store.get_many(hashes[first:first + self.max_store_pages])
+        pages = self.store.get_many(hashes[first : first + self.max_store_pages])
         run = []
         for p in pages:
             if p is None:
@@ -514,8 +545,13 @@ class KVTiers:
             leaf = Node(key, full, [None] * (len(key) - win) + swa_slots, node)
             node.children[c._edge(key)] = leaf
             if self.device is not None:
-                per = {layer: (torch.cat([p.full[layer][0] for p in store_pages]),
-                               torch.cat([p.full[layer][1] for p in store_pages])) for layer in store_pages[0].full}
+                per = {
+                    layer: (
+                        torch.cat([p.full[layer][0] for p in store_pages]),
+                        torch.cat([p.full[layer][1] for p in store_pages]),
+                    )
+                    for layer in store_pages[0].full
+                }
                 self.pending.add_tensors(False, full, per)
                 self.pending.add_tensors(True, swa_slots, store_pages[-1].swa)
             self.stats.pages_s2d += len(store_pages)
@@ -527,7 +563,9 @@ class KVTiers:
             c.unlock(node)
             final = leaf
         c.unlock(final)
-        return self._finish(final, end_store if store_pages else tree_end, m, host_tokens, end_store - m if store_pages else 0)
+        return self._finish(
+            final, end_store if store_pages else tree_end, m, host_tokens, end_store - m if store_pages else 0
+        )
 
     # ----------------------------------------------------------------------------------- observability
     def accounting(self) -> dict:
@@ -536,10 +574,18 @@ class KVTiers:
             if n.host is not None:
                 held_p += len(n.host.pages) if n.host.pages is not None else 0
                 held_s += len(n.host.swa)
-        return {"host_full_pages": {"held": held_p, "free": len(self.full._free) if self.full else 0,
-                                    "total": self.full.pages if self.full else 0},
-                "host_swa": {"held": held_s, "free": self.swa.available() if self.swa else 0,
-                             "total": self.swa.size if self.swa else 0}}
+        return {
+            "host_full_pages": {
+                "held": held_p,
+                "free": len(self.full._free) if self.full else 0,
+                "total": self.full.pages if self.full else 0,
+            },
+            "host_swa": {
+                "held": held_s,
+                "free": self.swa.available() if self.swa else 0,
+                "total": self.swa.size if self.swa else 0,
+            },
+        }
 
     def metrics(self) -> dict:
         acc = self.accounting()

@@ -9,6 +9,7 @@ The time attention actually waited is the *exposed* load time; the rest of the c
 `flush()` runs what is queued synchronously: the tiers call it before they read device slots or free host slots
 that a queued copy still uses, so a copy can never read or write a slot after it changed owner.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,13 +27,19 @@ class LoadStats:
     flushes: int = 0  # synchronous flushes (a tier needed the slots before the forward)
 
     def as_dict(self) -> dict:
-        return {"loads": self.loads, "copy_ms": round(self.copy_s * 1e3, 3), "exposed_ms": round(self.exposed_s * 1e3, 3),
-                "hidden_ms": round(max(0.0, self.copy_s - self.exposed_s) * 1e3, 3), "flushes": self.flushes}
+        return {
+            "loads": self.loads,
+            "copy_ms": round(self.copy_s * 1e3, 3),
+            "exposed_ms": round(self.exposed_s * 1e3, 3),
+            "hidden_ms": round(max(0.0, self.copy_s - self.exposed_s) * 1e3, 3),
+            "flushes": self.flushes,
+        }
 
 
 @dataclass
 class PendingLoads:
     """Copies queued for the next forward. Host copies are index lists; store copies carry their tensors."""
+
     host: dict = field(default_factory=lambda: {False: ([], []), True: ([], [])})  # sliding -> (src, dst)
     tensors: list = field(default_factory=list)  # (sliding, dst slots, {layer: (k, v)})
     srcs: dict = field(default_factory=lambda: {False: set(), True: set()})  # host slots read
@@ -73,7 +80,10 @@ class LoadPlan:
         self.idx = {}
         for sliding, (src, dst) in loads.host.items():
             if src:
-                self.idx[sliding] = (torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long, device=dev))
+                self.idx[sliding] = (
+                    torch.tensor(src, dtype=torch.long),
+                    torch.tensor(dst, dtype=torch.long, device=dev),
+                )
         self.tensors = [(sl, torch.tensor(dst, dtype=torch.long, device=dev), per) for sl, dst, per in loads.tensors]
         self.nbytes = 0
 

@@ -15,6 +15,7 @@ reads happen at admission. The server bounds memory itself (maxmemory + an LRU p
 Redis error marks the tier down for `retry_s`: meanwhile lookups are misses and writes are dropped, so requests
 never fail because the store did.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,6 +40,7 @@ MAGIC = b"MKV1"
 class PageData:
     """One page: `full` = {layer: (k, v)} of its P tokens, `swa` = {layer: (k, v)} of the window before its end
     (empty: not a match end). In bookkeeping mode (the benchmark) both are empty and only `nbytes` is set."""
+
     hash: int
     full: dict = field(default_factory=dict)
     swa: dict = field(default_factory=dict)
@@ -62,7 +64,9 @@ def encode_page(p: PageData) -> bytes:
                 shapes.append([part, layer, list(t.shape)])
     payload = b"".join(tensors)
     header = json.dumps({"hash": p.hash, "window": p.has_window, "dtype": dtype, "shapes": shapes}).encode()
-    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)) + payload
+    return (
+        MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)) + payload
+    )
 
 
 def decode_page(raw: bytes, want_hash: int, expect: dict, dtype: torch.dtype) -> PageData | None:
@@ -71,9 +75,9 @@ def decode_page(raw: bytes, want_hash: int, expect: dict, dtype: torch.dtype) ->
         if raw[:4] != MAGIC:
             return None
         (hlen,) = struct.unpack_from("<I", raw, 4)
-        header = json.loads(raw[8:8 + hlen])
+        header = json.loads(raw[8 : 8 + hlen])
         (checksum,) = struct.unpack_from("<Q", raw, 8 + hlen)
-        payload = memoryview(raw)[16 + hlen:]
+        payload = memoryview(raw)[16 + hlen :]
         if header["hash"] != want_hash or header["dtype"] != str(dtype).removeprefix("torch."):
             return None
         if xxhash.xxh3_64_intdigest(payload) != checksum:
@@ -93,7 +97,7 @@ def decode_page(raw: bytes, want_hash: int, expect: dict, dtype: torch.dtype) ->
             n = int(np.prod(shape)) * esz
             if pos + n > len(payload):
                 return None
-            t = torch.frombuffer(bytearray(payload[pos:pos + n]), dtype=torch.uint8).view(dtype).reshape(shape)
+            t = torch.frombuffer(bytearray(payload[pos : pos + n]), dtype=torch.uint8).view(dtype).reshape(shape)
             pos += n
             if key in pending:
                 getattr(out, part)[layer] = (pending.pop(key), t)
@@ -128,8 +132,16 @@ class StoreStats:
 
 
 class RedisKVStore:
-    def __init__(self, url: str, namespace: str, *, ttl_s: int = 3600, timeout_s: float = 0.5, retry_s: float = 5.0,
-                 max_queue: int = 1024):
+    def __init__(
+        self,
+        url: str,
+        namespace: str,
+        *,
+        ttl_s: int = 3600,
+        timeout_s: float = 0.5,
+        retry_s: float = 5.0,
+        max_queue: int = 1024,
+    ):
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)

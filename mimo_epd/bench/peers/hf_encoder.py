@@ -16,6 +16,7 @@ the benchmark's load generator is identical for every mode.
     python -m mimo_epd.bench.peers.hf_encoder --checkpoint DIR [--batching] --threads 16 --port 0
 prints `ready HOST:PORT` once serving.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,17 +45,21 @@ class HfImagePath:
 
         self.min_pixels, self.max_pixels, self.patch_size = min_pixels, max_pixels, patch_size
         self.processor = Qwen2VLImageProcessor(
-            size={"shortest_edge": min_pixels, "longest_edge": max_pixels}, patch_size=patch_size,
-            temporal_patch_size=2, merge_size=2)  # default image_mean/std are the CLIP ones we use
-        self.model = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(
-            checkpoint, dtype=torch.float32).eval()
+            size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+            patch_size=patch_size,
+            temporal_patch_size=2,
+            merge_size=2,
+        )  # default image_mean/std are the CLIP ones we use
+        self.model = Qwen2_5_VisionTransformerPretrainedModel.from_pretrained(checkpoint, dtype=torch.float32).eval()
 
     def preprocess(self, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
         from PIL import Image
         from qwen_vl_utils import fetch_image
 
-        img = fetch_image({"image": Image.open(io.BytesIO(data)), "min_pixels": self.min_pixels,
-                           "max_pixels": self.max_pixels}, image_patch_size=self.patch_size)
+        img = fetch_image(
+            {"image": Image.open(io.BytesIO(data)), "min_pixels": self.min_pixels, "max_pixels": self.max_pixels},
+            image_patch_size=self.patch_size,
+        )
         out = self.processor(images=[img], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
 
@@ -109,7 +114,7 @@ class DynamicBatcher:
             for _, g, fut in batch:
                 n = int(g.prod()) // 4  # tokens after the 2x2 merge
                 if not fut.done():
-                    fut.set_result(out[start:start + n].numpy())
+                    fut.set_result(out[start : start + n].numpy())
                 start += n
 
 
@@ -145,9 +150,13 @@ class PeerEncoder(encoder_pb2_grpc.EncoderServicer):
             except Exception as e:  # noqa: BLE001 - reported to the client, the server keeps serving
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"item {i}: {type(e).__name__}: {e}")
             emb = np.ascontiguousarray(emb, dtype=np.float32)
-            items.append(encoder_pb2.ItemEmbedding(
-                embedding=encoder_pb2.Tensor(data=emb.tobytes(), shape=list(emb.shape), dtype="float32"),
-                grid_thw=grid, num_tokens=emb.shape[0]))
+            items.append(
+                encoder_pb2.ItemEmbedding(
+                    embedding=encoder_pb2.Tensor(data=emb.tobytes(), shape=list(emb.shape), dtype="float32"),
+                    grid_thw=grid,
+                    num_tokens=emb.shape[0],
+                )
+            )
         return encoder_pb2.EncodeResponse(items=items, model="transformers-qwen2.5-vl-vision")
 
 
@@ -171,11 +180,19 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--threads", type=int, default=16, help="worker threads (= the client concurrency) (default: 16)")
-    p.add_argument("--batching", action=argparse.BooleanOptionalAction, default=False,
-                   help="dynamic batching across callers (default: off)")
+    p.add_argument(
+        "--batching",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="dynamic batching across callers (default: off)",
+    )
     p.add_argument("--max-batch", type=int, default=16, help="images per batched forward (default: 16)")
-    p.add_argument("--max-wait-ms", type=float, default=5.0,
-                   help="how long a batch waits for more images after its first (default: 5)")
+    p.add_argument(
+        "--max-wait-ms",
+        type=float,
+        default=5.0,
+        help="how long a batch waits for more images after its first (default: 5)",
+    )
     p.add_argument("--min-pixels", type=int, default=56 * 56)
     p.add_argument("--max-pixels", type=int, default=28 * 28 * 1280)
     p.add_argument("--patch-size", type=int, default=14)

@@ -11,6 +11,7 @@ would batch offline requests with it.
 Each returns (stats, outputs in request order). `PeerFailed` carries the peer's own error when it cannot run.
 Times are seconds from the moment every request has arrived (`t0`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,9 +30,15 @@ def pct_ms(xs, q) -> float:
 
 
 def summarize(wall: float, out_tokens: int, ttft: list[float], e2e: list[float]) -> dict:
-    return {"seconds": round(wall, 3), "output_tokens": out_tokens, "output_tokens_per_s": round(out_tokens / wall, 1),
-            "ttft_p50_ms": pct_ms(ttft, 50), "ttft_p90_ms": pct_ms(ttft, 90), "e2e_p50_ms": pct_ms(e2e, 50),
-            "e2e_p90_ms": pct_ms(e2e, 90)}
+    return {
+        "seconds": round(wall, 3),
+        "output_tokens": out_tokens,
+        "output_tokens_per_s": round(out_tokens / wall, 1),
+        "ttft_p50_ms": pct_ms(ttft, 50),
+        "ttft_p90_ms": pct_ms(ttft, 90),
+        "e2e_p50_ms": pct_ms(e2e, 50),
+        "e2e_p90_ms": pct_ms(e2e, 90),
+    }
 
 
 def static(hf, reqs: list[tuple[list[int], int]], batch: int) -> tuple[dict, list[list[int]]]:
@@ -51,23 +58,30 @@ def static(hf, reqs: list[tuple[list[int], int]], batch: int) -> tuple[dict, lis
     ttft, e2e = [0.0] * len(reqs), [0.0] * len(reqs)
     t0 = time.perf_counter()
     for b in range(0, len(order), batch):
-        rows = order[b:b + batch]
+        rows = order[b : b + batch]
         width = max(len(reqs[i][0]) for i in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for j, i in enumerate(rows):  # left padding, as decoder-only generation needs
             p = reqs[i][0]
-            ids[j, width - len(p):] = torch.tensor(p)
-            mask[j, width - len(p):] = 1
+            ids[j, width - len(p) :] = torch.tensor(p)
+            mask[j, width - len(p) :] = 1
         steps = max(reqs[i][1] for i in rows)
         first = FirstToken()
         with torch.inference_mode():
-            gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
-                              do_sample=False, eos_token_id=None, pad_token_id=0,
-                              logits_processor=LogitsProcessorList([first]))
+            gen = hf.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                logits_processor=LogitsProcessorList([first]),
+            )
         done = time.perf_counter()
         for j, i in enumerate(rows):
-            outputs[i] = gen[j, width:width + reqs[i][1]].tolist()
+            outputs[i] = gen[j, width : width + reqs[i][1]].tolist()
             ttft[i], e2e[i] = first.at - t0, done - t0
     wall = time.perf_counter() - t0
     stats = summarize(wall, sum(n for _, n in reqs), ttft, e2e)
@@ -89,8 +103,9 @@ def continuous(hf, reqs: list[tuple[list[int], int]], timeout_s: float = 3600) -
         try:
             t0 = time.perf_counter()
             for i, (p, n) in enumerate(reqs):
-                manager.add_request(list(p), request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1,
-                                    record_timestamps=True)
+                manager.add_request(
+                    list(p), request_id=f"r{i}", max_new_tokens=n, eos_token_id=-1, record_timestamps=True
+                )
             deadline = t0 + timeout_s
             while len(results) < len(reqs) and time.perf_counter() < deadline:
                 r = manager.get_result(timeout=0.05)

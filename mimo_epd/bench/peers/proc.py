@@ -1,5 +1,6 @@
 """Process measurements from /proc: CPU seconds and resident memory of a process and its descendants, and
 starting a peer server module the way `bench.common.start_server` starts ours (a `ready HOST:PORT` line)."""
+
 from __future__ import annotations
 
 import os
@@ -20,7 +21,7 @@ def _stat(pid: int) -> list[str] | None:
             text = f.read()
     except OSError:
         return None
-    return text[text.rindex(")") + 2:].split()  # fields after "pid (comm) ", the comm may contain spaces
+    return text[text.rindex(")") + 2 :].split()  # fields after "pid (comm) ", the comm may contain spaces
 
 
 def descendants(pid: int) -> list[int]:
@@ -142,8 +143,9 @@ class PeakRss:
 
 def start_peer(module: str, args: list[str], timeout: float = 180) -> ServerProcess:
     """Starts `python -m MODULE ARGS` and waits for its `ready HOST:PORT` line on stdout."""
-    proc = subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     log: list[str] = []
     threading.Thread(target=lambda: [log.append(x) for x in proc.stderr], daemon=True).start()
     deadline = time.monotonic() + timeout

@@ -12,6 +12,7 @@ or `error` with the reader's own message. DIR receives `embedding.npy`, `indices
 `linspace(0, total - 1, n).round()`, the indices ours uses. The pixel bounds (`min_pixels`, `max_pixels`,
 `total_pixels`) are ours, so the frame size is the same.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,9 +71,16 @@ def run(args) -> dict:
 
     vp.logger.addHandler(Catch())
     t0 = time.perf_counter()
-    video, meta = vp.fetch_video({"video": args.video, "nframes": args.nframes, "min_pixels": args.min_pixels,
-                                  "max_pixels": args.max_pixels, "total_pixels": args.total_pixels},
-                                 return_video_metadata=True)
+    video, meta = vp.fetch_video(
+        {
+            "video": args.video,
+            "nframes": args.nframes,
+            "min_pixels": args.min_pixels,
+            "max_pixels": args.max_pixels,
+            "total_pixels": args.total_pixels,
+        },
+        return_video_metadata=True,
+    )
     t_fetch = time.perf_counter() - t0
     if fell_back:
         raise RuntimeError(fell_back[0])
@@ -88,17 +96,23 @@ def run(args) -> dict:
     outs = []
     for g0 in range(0, groups, chunk):
         g1 = min(groups, g0 + chunk)
-        pv = np.concatenate([patchify_frames_uint8(frames[g * tp:(g + 1) * tp], pre) for g in range(g0, g1)])
+        pv = np.concatenate([patchify_frames_uint8(frames[g * tp : (g + 1) * tp], pre) for g in range(g0, g1)])
         with torch.inference_mode():
             outs.append(model(torch.from_numpy(pv), torch.tensor([[g1 - g0, h // ps, w // ps]])))
     emb = torch.cat(outs).numpy()
     t_encode = time.perf_counter() - t1
     np.save(os.path.join(args.out, "embedding.npy"), emb)
-    np.save(os.path.join(args.out, "frames.npy"), frames[:n:args.keep_every])
+    np.save(os.path.join(args.out, "frames.npy"), frames[: n : args.keep_every])
     np.save(os.path.join(args.out, "indices.npy"), np.asarray(list(meta.get("frames_indices", [])), np.int64))
-    return {"backend_used": meta.get("video_backend", args.backend), "frames": [n, h, w],
-            "seconds": {"fetch_video": round(t_fetch, 3), "encode": round(t_encode, 3),
-                        "total": round(t_fetch + t_encode, 3)}}
+    return {
+        "backend_used": meta.get("video_backend", args.backend),
+        "frames": [n, h, w],
+        "seconds": {
+            "fetch_video": round(t_fetch, 3),
+            "encode": round(t_encode, 3),
+            "total": round(t_fetch + t_encode, 3),
+        },
+    }
 
 
 if __name__ == "__main__":
