@@ -19,9 +19,11 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from encoder_server.config import EncoderServerConfig
+from mimo_epd.common import flags
+from mimo_epd.common.flags import flag
 from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
 from mimo_epd.common.parent import child_env, pid_alive
 from mimo_epd.router.encoder import EncoderRouter, RouterConfig
@@ -30,95 +32,49 @@ from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_
 log = logging.getLogger(__name__)
 
 
+def _llm_default(name: str):
+    """The worker's own default for a node flag that sets an LLM-worker setting (declared once, in LLMConfig)."""
+    from llm_backend.config import LLMConfig
+
+    return LLMConfig.__dataclass_fields__[name].default
+
+
 @dataclass
 class NodeConfig:
-    encoders: int = 1
-    health_interval_s: float = 1.0
-    vnodes: int = 160
-    restart_encoders: bool = True
-    encoder_start_timeout_s: float = 180.0
-    llm: bool = True
-    llm_model: str = "tiny"
-    llm_kv_cache_tokens: int = 16384
-    llm_swa_cache_tokens: int = 4096
-    http_port: int = 8000
-    llm_workers: int = 1
-    join: str = ""
-    node_host: str = "127.0.0.1"
+    """The node's own flags (`serve`); the encoders' come from EncoderServerConfig, the LLM workers' from
+    LLMConfig (passed through as --llm-*), the routing ones from LLMRouterConfig."""
+
+    encoders: int = flag(1, "encoder processes on this node, sharing one shm cache")
+    health_interval_s: float = flag(1.0, "seconds between the router's health checks of each encoder")
+    vnodes: int = flag(160, "virtual nodes per encoder on the hash ring")
+    restart_encoders: bool = flag(True, "restart an encoder process that exits unexpectedly")
+    encoder_start_timeout_s: float = flag(180.0, "seconds to wait for an encoder's (or an LLM worker's) ready line")
+    llm: bool = flag(True, "start LLM workers and serve Generate (and the HTTP API) through the router")
+    llm_model: str = flag(_llm_default("model"), "the LLM workers' model")
+    llm_kv_cache_tokens: int = flag(_llm_default("kv_cache_tokens"), "each LLM worker's full-attention KV pool, tokens")
+    llm_swa_cache_tokens: int = flag(
+        _llm_default("swa_cache_tokens"), "each LLM worker's sliding-window KV pool, tokens"
+    )
+    http_port: int = flag(8000, "the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off")
+    llm_workers: int = flag(
+        1,
+        "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
+        "unless --llm-torch-threads is set",
+    )
+    join: str = flag(
+        "",
+        "redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with heartbeats) for the "
+        "routers that share it; no router of its own (empty = off)",
+    )
+    node_host: str = flag(
+        "127.0.0.1",
+        "address the node's encoders and workers listen on and register under; use a routable one when routers "
+        "run on other machines",
+    )
 
     @staticmethod
     def add_arguments(parser) -> None:
-        import argparse
-
-        parser.add_argument(
-            "--encoders", type=int, default=1, help="encoder processes on this node, sharing one shm cache (default: 1)"
-        )
-        parser.add_argument(
-            "--health-interval-s",
-            type=float,
-            default=1.0,
-            help="seconds between the router's health checks of each encoder (default: 1.0)",
-        )
-        parser.add_argument(
-            "--vnodes", type=int, default=160, help="virtual nodes per encoder on the hash ring (default: 160)"
-        )
-        parser.add_argument(
-            "--restart-encoders",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="restart an encoder process that exits unexpectedly (default: on)",
-        )
-        parser.add_argument(
-            "--encoder-start-timeout-s",
-            type=float,
-            default=180.0,
-            help="seconds to wait for an encoder's (or the LLM worker's) ready line (default: 180)",
-        )
-        parser.add_argument(
-            "--llm",
-            action=argparse.BooleanOptionalAction,
-            default=True,
-            help="start an LLM worker and serve Generate through the router (default: on)",
-        )
-        parser.add_argument("--llm-model", default="tiny", help="the LLM worker's model (default: tiny)")
-        parser.add_argument(
-            "--llm-kv-cache-tokens",
-            type=int,
-            default=16384,
-            help="the LLM worker's full-attention KV pool, tokens (default: 16384)",
-        )
-        parser.add_argument(
-            "--llm-swa-cache-tokens",
-            type=int,
-            default=4096,
-            help="the LLM worker's sliding-window KV pool, tokens (default: 4096)",
-        )
-        parser.add_argument(
-            "--http-port",
-            type=int,
-            default=8000,
-            help="the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off (default: 8000)",
-        )
-        # --- the LLM-worker fleet (#13, docs/routing.md) -------------------------------------------------
-        parser.add_argument(
-            "--llm-workers",
-            type=int,
-            default=1,
-            help="LLM worker processes on this node, each its own engine; on the CPU each gets "
-            "cores // N torch threads unless --llm-torch-threads is set (default: 1)",
-        )
-        parser.add_argument(
-            "--join",
-            default="",
-            help="redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with "
-            "heartbeats) for the routers that share it; no router of its own (default: off)",
-        )
-        parser.add_argument(
-            "--node-host",
-            default="127.0.0.1",
-            help="address the node's encoders and workers listen on and register under; use a "
-            "routable one when routers run on other machines (default: 127.0.0.1)",
-        )
+        flags.add_arguments(parser, NodeConfig)
         from mimo_epd.router.llm import add_policy_arguments
 
         add_policy_arguments(parser)
@@ -126,7 +82,7 @@ class NodeConfig:
 
     @classmethod
     def from_args(cls, args) -> "NodeConfig":
-        cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        cfg = flags.from_args(cls, args)
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.llm_workers < 1:
