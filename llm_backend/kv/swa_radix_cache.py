@@ -145,8 +145,9 @@ class SWARadixCache:
             while k < limit and child.key[k] == tokens[i + k]:
                 k += 1
             k -= k % P  # nodes start and end on page boundaries
+            partial = k < len(child.key)  # decided before yielding: the caller may split `child` meanwhile
             yield child, k
-            if k < len(child.key):
+            if partial:
                 return
             i += k
             node = child

@@ -439,3 +439,25 @@ def test_peek_prefix_length_is_read_only_and_equals_match_prefix(page):
         nonzero += peeked > 0
     assert nonzero > 5  # the comparison covered real hits, not only misses
     h.check_accounting()
+
+
+@pytest.mark.parametrize("page", [1, 2])
+def test_a_match_that_splits_a_node_stops_there_and_never_continues_into_the_tails_children(page):
+    """Regression: the read-only walk decided whether a node matched whole *after* its caller had split it, so a
+    match ending inside a node whose tail was shorter than the matched part went on into the tail's children at the
+    wrong offset (a pseudo-hit the engine's no-pseudo-hit test caught)."""
+    full, swa = SlotPool("full", 64, page), SlotPool("swa", 64)
+    cache = SWARadixCache(full, swa, window=64, page_size=page)
+
+    a = [1, 2, 3, 4, 5, 6, 7, 8]
+    b = a + [9, 10]
+    slots_a = [s for p in full.alloc_pages(len(a) // page) for s in full.page_slots(p)]
+    cache.insert(a, slots_a, swa.alloc(len(a)))
+    slots_b = slots_a + [s for p in full.alloc_pages(2 // page) for s in full.page_slots(p)]
+    cache.insert(b, slots_b, [None] * len(a) + swa.alloc(2))
+    probe = [1, 2, 3, 4, 5, 6, 9, 10]  # diverges after 6 tokens; [9, 10] is a child of the tail [7, 8]
+    assert cache.peek_prefix_length(probe) == 6
+    m = cache.match_prefix(probe)  # splits [1..8] into [1..6] + [7, 8]
+    assert m.raw_length == 6 and m.length == 6
+    assert cache.match_prefix(probe).raw_length == 6  # and again on the split tree
+    assert cache.match_prefix(b).raw_length == len(b)
