@@ -1,8 +1,14 @@
 """Which frames of a video are encoded, and at what size (the qwen-vl-utils convention, reference.md §3).
 
-n = round to a multiple of `frame_factor` of clamp(duration * fps, min_frames, max_frames), never more
-than the frames the video has; indices = linspace(0, total - 1, n).round(); each frame is resized with
-smart_resize under the video pixel bounds, with its budget shrunk so that n * pixels <= total_pixels.
+The peer users compare us with is qwen-vl-utils 0.0.14 (`smart_nframes` + `torch.linspace`), so its arithmetic
+is followed exactly, including two details the formula in reference.md leaves open:
+- n = clamp(duration * fps, min_frames, max_frames), never more than the frames the video has, then rounded
+  *down* to a multiple of `frame_factor` (the reference's `floor_by_factor`; rounding to nearest gives 12
+  frames where it gives 10 for a 5.6 s clip);
+- indices = linspace(0, total - 1, n).round() in float32, as `torch.linspace` computes it: on a one-hour
+  30 fps video float64 would pick 2 of the 768 frames one frame later.
+Each frame is resized with smart_resize under the video pixel bounds, with its budget shrunk so that
+n * pixels <= total_pixels.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import torch
 
 from ..preprocess import PreprocessConfig, smart_resize
 
@@ -35,10 +42,6 @@ class VideoSampling:
         return ",".join(f"{k}={v}" for k, v in sorted(asdict(self).items()))
 
 
-def _round_by(x: float, f: int) -> int:
-    return int(round(x / f) * f)
-
-
 def _floor_by(x: float, f: int) -> int:
     return int(math.floor(x / f) * f)
 
@@ -52,16 +55,17 @@ def num_frames(total_frames: int, video_fps: float, s: VideoSampling) -> int:
         raise ValueError("the video has no frames")
     f = s.frame_factor
     lo = _ceil_by(s.min_frames, f)
-    hi = _floor_by(min(s.max_frames, total_frames), f)
-    n = total_frames / video_fps * s.fps
-    n = min(max(n, lo), hi) if hi >= lo else min(total_frames, lo)
-    n = _round_by(n, f) if n >= f else n
-    return int(max(1, min(n, total_frames)))
+    hi = _floor_by(s.max_frames, f)
+    n = min(max(total_frames / video_fps * s.fps, lo), hi, total_frames)
+    n = _floor_by(n, f)
+    # fewer than frame_factor frames (a 1-frame video, --max-frames 1): the reference refuses; we take what there is
+    return int(n) if n >= f else max(1, min(total_frames, s.max_frames))
 
 
 def sample_indices(total_frames: int, video_fps: float, s: VideoSampling) -> np.ndarray:
     n = num_frames(total_frames, video_fps, s)
-    return np.linspace(0, total_frames - 1, n).round().astype(np.int64)
+    # float32 like the reference's torch.linspace (see the module docstring); torch rounds half to even, as numpy
+    return torch.linspace(0, total_frames - 1, n).round().long().numpy()
 
 
 def frame_size(height: int, width: int, n_frames: int, s: VideoSampling, pre: PreprocessConfig) -> tuple[int, int]:

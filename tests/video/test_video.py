@@ -36,20 +36,39 @@ def short_video(tmp_path_factory):
 
 
 # --------------------------------------------------------------------------- sampling
-def reference_indices(total, video_fps, fps=2.0, min_frames=4, max_frames=768, factor=2):
-    """reference.md §3, written out independently."""
-    lo = math.ceil(min_frames / factor) * factor
-    hi = math.floor(min(max_frames, total) / factor) * factor
-    n = min(max(total / video_fps * fps, lo), hi)
-    n = int(round(n / factor) * factor)
-    return np.linspace(0, total - 1, n).round().astype(int)
+def reference_indices(total, video_fps, **ele):
+    """The peer itself: qwen-vl-utils' frame count and torch.linspace, as its video readers call them."""
+    from qwen_vl_utils.vision_process import smart_nframes
+
+    n = smart_nframes(ele, total_frames=total, video_fps=video_fps)
+    return torch.linspace(0, total - 1, n).round().long().numpy()
 
 
 @pytest.mark.parametrize(
-    "total,vfps", [(108000, 30), (3600, 30), (300, 25), (1800, 29.97), (100, 30), (7201, 60), (20, 30)]
+    "total,vfps", [(108000, 30), (3600, 30), (300, 25), (1800, 29.97), (100, 30), (7201, 60), (20, 30), (67, 24)]
 )
-def test_indices_match_reference_formula(total, vfps):
+def test_indices_match_qwen_vl_utils(total, vfps):
     np.testing.assert_array_equal(sample_indices(total, vfps, VideoSampling()), reference_indices(total, vfps))
+
+
+def test_frame_counts_match_qwen_vl_utils_over_a_grid():
+    # rounding down, not to nearest, to the frame factor: a 67-frame 24 fps clip is 5.58 s -> 11.2 -> 10 frames
+    grid = [
+        (t, f, fps, mx)
+        for t in range(4, 2500, 13)
+        for f in (24, 25, 29.97, 60)
+        for fps in (0.5, 2.0, 3.3)
+        for mx in (16, 768)
+    ]
+    for total, vfps, fps, mx in grid:
+        ours = sample_indices(total, vfps, VideoSampling(fps=fps, max_frames=mx))
+        ref = reference_indices(total, vfps, fps=fps, max_frames=mx)
+        assert np.array_equal(ours, ref), (total, vfps, fps, mx, len(ours), len(ref))
+
+
+def test_a_video_shorter_than_the_frame_factor_is_encoded_not_refused():
+    # the reference raises for 1 frame; we encode the one frame there is
+    assert sample_indices(1, 30, VideoSampling()).tolist() == [0]
 
 
 def test_sampling_limits_and_pixel_budget():
