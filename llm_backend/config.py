@@ -56,6 +56,13 @@ class LLMConfig:
         "back", "host tier writes: back (on device eviction) or through (on insert)", _KV, choices=("back", "through")
     )
     kv_store: str = flag("", "shared KV tier: redis://host:port/db (empty = off); pages are content-addressed", _KV)
+    kv_store_write: str = flag(
+        "insert",
+        "shared KV tier writes: insert (a page when it enters the tree: other workers reuse it at once) or "
+        "evict (when it leaves the tree)",
+        _KV,
+        choices=("insert", "evict"),
+    )
     kv_store_ttl_s: int = flag(3600, "TTL of a page in the shared KV tier, seconds", _KV)
     kv_store_timeout_s: float = flag(
         0.5, "shared KV tier socket timeout; on an error it is skipped for --kv-store-retry-s", _KV

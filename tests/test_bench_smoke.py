@@ -158,7 +158,8 @@ def test_prefix_cache_tiers_quick(tmp_path):
     out = run_bench("prefix-cache", "--trace", trace, "--tiers", timeout=120)
     no_grades(out)
     modes = out["modes"]
-    tiered = {"l1_l2", "l1_l2_swa_backfill", "l1_l2_swa_checkpoint", "l1_l2_l3_round_robin", "l1_l2_l3_affinity"}
+    fleets = {f"l1_l2_l3_{p}{w}" for p in ("round_robin", "affinity") for w in ("", "_evict")}
+    tiered = {"l1_l2", "l1_l2_swa_backfill", "l1_l2_swa_checkpoint"} | fleets
     assert {"swa_aware", "full_kv", "unbounded", "l1"} | tiered == set(modes) == set(out["hit_token_rate"])
     assert out["config"]["requests"] <= 300
     for name, m in modes.items():
@@ -172,16 +173,23 @@ def test_prefix_cache_tiers_quick(tmp_path):
         # The tiers count a hit in whole token units; the bench caps each request's hit at its real length.
         tier_hits = t["hit_device"] + t["hit_host"] + t["hit_store"]
         assert modes[name]["hit_tokens"] <= tier_hits <= modes[name]["hit_tokens"] + 128 * out["config"]["requests"]
-    for name in ("l1_l2_l3_round_robin", "l1_l2_l3_affinity"):
+    for name in fleets:
         assert modes[name]["workers"] == 4 and len(modes[name]["hit_tokens_per_worker"]) == 4
         assert modes[name]["store"]["gets"] > 0  # every worker asks the shared store where its tree's match ends
+    # written at insert (the default), a prefix one worker computed is loaded from the store by the next one
+    assert (
+        modes["l1_l2_l3_round_robin"]["store"]["puts"] > 0 and modes["l1_l2_l3_round_robin"]["tiers"]["hit_store"] > 0
+    )
+    assert out["config"]["tiers"]["store_write"] == "insert"
     assert max(modes["l1_l2_l3_affinity"]["hit_tokens_per_worker"]) < modes["l1_l2_l3_affinity"]["hit_tokens"]
     hits = {k: m["hit_tokens"] for k, m in modes.items()}
     assert hits["l1"] == hits["swa_aware"]  # L1 is the SWA-aware replay at the same budget
     assert hits["l1_l2"] >= hits["l1"]
     assert all(hits["unbounded"] >= v for v in hits.values()), hits
     assert modes["l1_l2"]["tiers"]["pages_d2h"] > 0  # the device evicted into the host tier
-    assert {"l1_l2_vs_unbounded", "l3_round_robin_vs_affinity"} <= set(out["ratios"])
+    assert {"l1_l2_vs_unbounded", "l3_round_robin_vs_affinity", "l3_round_robin_vs_affinity_evict"} <= set(
+        out["ratios"]
+    )
     assert out["ratios"]["l1_l2_vs_unbounded"] == round(hits["l1_l2"] / hits["unbounded"], 3)
 
 

@@ -121,6 +121,7 @@ class LLM:
             write_through=cfg.host_kv_write == "through",
             swa_backfill=cfg.swa_backfill,
             store=store,
+            store_write=cfg.kv_store_write,
         )
         tiers.attach(self.pools)
         self.runner.tiers = tiers

@@ -28,6 +28,9 @@ device budget as `swa_aware`:
   pools and host tier, sharing one store (an in-process `MemoryKVStore` of `--store-factor` x one worker's device
   bytes, or the Redis at `--kv-store`); requests go round robin or to the longest cached prefix (the router's own
   `RoundRobin` / `Affinity` policies, each worker's predicted match = its cache's read-only peek over device+host);
+  pages go to the store as `--kv-store-write` says (default `insert`: when they enter a worker's tree);
+- `l1_l2_l3_round_robin_<other>`, `l1_l2_l3_affinity_<other>`: the same with the other write policy (`evict`:
+  a page reaches the store when it leaves a worker's tree), the measurement behind the engine's default;
 - `unbounded`: as above.
 Without `--kv-store` the tiers run in bookkeeping mode (slots, pages and bytes are counted, no tensor is copied;
 bytes are those of the MiMo shape). A Redis store needs real values, so with `--kv-store` the tiers copy tiny
@@ -154,6 +157,7 @@ def make_tiers(
     checkpoint_units: int = 0,
     store=None,
     data: bool = False,
+    store_write: str = "insert",
 ):
     from llm_backend.kv.tiers import KVTiers
 
@@ -164,6 +168,7 @@ def make_tiers(
         host_swa,
         swa_backfill=swa_backfill,
         store=store,
+        store_write=store_write,
         token_bytes=unit_bytes,
         evict_fraction=evict_fraction,
     )
@@ -299,6 +304,10 @@ def main(args) -> dict:
                 "l1_vs_unbounded": ratio("l1", "unbounded"),
                 "l1_l2_vs_l1": ratio("l1_l2", "l1"),
                 "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
+                f"l3_round_robin_vs_affinity_{OTHER_WRITE[args.kv_store_write]}": ratio(
+                    f"l1_l2_l3_round_robin_{OTHER_WRITE[args.kv_store_write]}",
+                    f"l1_l2_l3_affinity_{OTHER_WRITE[args.kv_store_write]}",
+                ),
                 "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
                 "swa_backfill_on_vs_off": ratio("l1_l2_swa_backfill", "l1_l2"),
                 "swa_checkpoint_on_vs_off": ratio("l1_l2_swa_checkpoint", "l1_l2"),
@@ -349,6 +358,9 @@ class FluidLoad:
         self.backlog[worker] += tokens
 
 
+OTHER_WRITE = {"insert": "evict", "evict": "insert"}
+
+
 def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
     """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
     from mimo_epd.router.policies import Affinity, Candidate, RequestView, RoundRobin
@@ -376,7 +388,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     switch_k = K or max(args.chunk_size, 2 * cfg.window) // unit
     data = bool(args.kv_store)
 
-    def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True):
+    def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True, write=args.kv_store_write):
         t = dict(
             host_full=host_full if host else 0,
             host_swa=host_swa if host else 0,
@@ -386,6 +398,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
             checkpoint_units=k,
             store=store,
             data=data,
+            store_write=write,
         )
         return Replay(name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t)
 
@@ -406,10 +419,10 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     timed("l1_l2_swa_checkpoint", lambda: single(replay("l1_l2_swa_checkpoint", backfill=False, k=switch_k)))
     store_bytes = int(device_bytes * args.store_factor)
 
-    def fleet(name, policy):
+    def fleet(name, policy, write=args.kv_store_write):
         store = new_store(args, store_bytes, cfg, p)
         try:
-            workers = [replay(f"{name}[{i}]", store=store) for i in range(args.workers)]
+            workers = [replay(f"{name}[{i}]", store=store, write=write) for i in range(args.workers)]
             names = [str(i) for i in range(args.workers)]
             load = FluidLoad(args.workers, rate)
             for (units, length), t in zip(reqs, stamps):
@@ -431,6 +444,9 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
 
     timed("l1_l2_l3_round_robin", lambda: fleet("l1_l2_l3_round_robin", RoundRobin()))
     timed("l1_l2_l3_affinity", lambda: fleet("l1_l2_l3_affinity", Affinity()))
+    other = OTHER_WRITE[args.kv_store_write]
+    timed(f"l1_l2_l3_round_robin_{other}", lambda: fleet(f"l1_l2_l3_round_robin_{other}", RoundRobin(), other))
+    timed(f"l1_l2_l3_affinity_{other}", lambda: fleet(f"l1_l2_l3_affinity_{other}", Affinity(), other))
     return {
         "device_bytes": device_bytes,
         "host_factor": args.host_factor,
@@ -440,6 +456,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
         "store": args.kv_store or "memory",
         "store_bytes": None if args.kv_store else store_bytes,
         "store_factor": args.store_factor,
+        "store_write": args.kv_store_write,
         "swa_backfill": args.swa_backfill,
         "swa_checkpoint_interval": args.swa_checkpoint_interval,
         "swa_checkpoint_interval_switch": switch_k * unit,
@@ -532,6 +549,13 @@ def add_arguments(p) -> None:
         "--kv-store",
         default="",
         help="--tiers: a real Redis (redis://host:port/db) as the shared store instead of an in-process one",
+    )
+    p.add_argument(
+        "--kv-store-write",
+        choices=("insert", "evict"),
+        default="insert",
+        help="--tiers: when pages go to the shared store in the L1+L2+L3 modes (the other policy runs too as "
+        "*_<policy> modes; default: insert, as the engine's --kv-store-write)",
     )
     p.add_argument(
         "--swa-backfill",

@@ -113,18 +113,42 @@ def store_run(model, url, prompts, **kw):
     return run(model, prompts, kv_store=url, **kw)
 
 
-def test_store_page_written_by_one_worker_is_loaded_by_another(model, cold, redis_server):  # noqa: F811
+@pytest.mark.parametrize("write", ["evict", "insert"])
+def test_store_page_written_by_one_worker_is_loaded_by_another(model, cold, redis_server, write):  # noqa: F811
     prompts = workload()
-    outs_a, a = store_run(model, redis_server.url, prompts)
+    outs_a, a = store_run(model, redis_server.url, prompts, kv_store_write=write)
     assert outs_a == cold
-    a.cache.evict_full(10**9)  # everything leaves worker A: its pages go to Redis
+    if write == "evict":
+        a.cache.evict_full(10**9)  # everything leaves worker A: its pages go to Redis
+    # insert: A keeps its tree; its pages went to Redis as they entered it
     a.tiers.store.flush()
     assert a.tiers.store.stats.puts > 0
-    outs_b, b = store_run(model, redis_server.url, prompts)  # a fresh worker: its own tree is empty
+    outs_b, b = store_run(model, redis_server.url, prompts, kv_store_write=write)  # a fresh worker: empty tree
     assert outs_b == cold
     s = b.stats()
     assert s["kv_tier_hit_store"] > 0 and s["kv_tier_pages_s2d"] > 0 and s["kv_store_hits"] > 0
     assert s["kv_store_corrupt"] == 0
+
+
+def test_a_page_without_its_window_never_replaces_one_with_it(redis_server):  # noqa: F811
+    from llm_backend.kv.tiers import RedisKVStore
+    from llm_backend.kv.tiers.store import PageData
+
+    store = RedisKVStore(redis_server.url, "nx-test")
+    k, v = torch.ones(4, 1, 2), torch.zeros(4, 1, 2)
+    store.expect, store.dtype = {("full", 0): ([4, 1, 2], [4, 1, 2]), ("swa", 1): ([8, 1, 2], [8, 1, 2])}, torch.float32
+    store.put(PageData(7, full={0: (k, v)}, swa={1: (k, v)}, has_window=True))
+    store.flush()
+    store.put(PageData(7, full={0: (k, v)}, has_window=False))  # the same prefix again, as a path only
+    store.flush()
+    (page,) = store.get_many([7])
+    assert page is not None and page.has_window and torch.equal(page.swa[1][0], k)
+    store.put(PageData(8, full={0: (k, v)}, has_window=False))
+    store.flush()
+    store.put(PageData(8, full={0: (k, v)}, swa={1: (k, v)}, has_window=True))  # a window upgrades a path page
+    store.flush()
+    assert store.get_many([8])[0].has_window
+    store.close()
 
 
 def test_store_with_host_tier_outputs_equal(model, cold, redis_server):  # noqa: F811
@@ -199,12 +223,14 @@ OPS = st.lists(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.booleans())
-def test_property_accounting_across_tiers(ops, page, backfill, with_store):
+@given(OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([None, "evict", "insert"]))
+def test_property_accounting_across_tiers(ops, page, backfill, store_write):
     full_pool, swa_pool = SlotPool("full", 240, page), SlotPool("swa", 100)
     cache = SWARadixCache(full_pool, swa_pool, W, page)
-    store = MemoryKVStore(10**9) if with_store else None
-    tiers = KVTiers(cache, 160, 60, swa_backfill=backfill, store=store, token_bytes=(10, 10))
+    store = MemoryKVStore(10**9) if store_write else None
+    tiers = KVTiers(
+        cache, 160, 60, swa_backfill=backfill, store=store, store_write=store_write or "evict", token_bytes=(10, 10)
+    )
     prefixes = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
     running: list[tuple[RequestKV, list[int]]] = []
     for op, x in ops:

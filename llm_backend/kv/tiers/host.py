@@ -12,7 +12,10 @@ node on the device has its parent on the device): device eviction takes nodes wi
 - `swa_backfill`: before SWA eviction tombstones a node, its node-end window goes to the host, so hits ending
   there survive the tombstone (the full KV is still on the device).
 - Host eviction (LRU by the tree's stamps, or FIFO by write time): drops the host copy of a node that is also on
-  the device, or removes a host-only leaf. A removed node's pages go to the shared store when there is one.
+  the device, or removes a host-only leaf. A removed node's pages go to the shared store when there is one
+  (`store_write="evict"`); with `store_write="insert"` a new leaf's pages go to the store when it is inserted
+  instead, so another worker can reuse a prefix while the worker that computed it still holds it (round-robin
+  placement needs that: under write-on-evict a page reaches the store only once its writer has lost it).
 - `match`: the window-safe rule counts an SWA token as present if it is on the device or the host; a match may
   continue into the shared store (pages whose chained hashes follow the tree's path). Every host or store part
   of the match gets fresh device slots at once (the tree owns them, as any node's) and its KV is queued for the
@@ -111,18 +114,21 @@ class KVTiers:
         write_through: bool = False,
         swa_backfill: bool = False,
         store=None,
+        store_write: str = "evict",
         max_store_pages: int = 256,
         token_bytes: tuple[int, int] = (0, 0),
         evict_fraction: float = 1 / 64,
     ):
         if policy not in ("lru", "fifo"):
             raise ValueError(f"host KV eviction policy must be lru or fifo, got {policy!r}")
+        if store_write not in ("evict", "insert"):
+            raise ValueError(f"KV store writes must be evict or insert, got {store_write!r}")
         self.cache = cache
         self.P, self.W = cache.page_size, cache.window
         self.full = SlotPool("host-full", host_full_tokens, self.P) if host_full_tokens > 0 else None
         self.swa = SlotPool("host-swa", host_swa_tokens) if host_full_tokens > 0 and host_swa_tokens > 0 else None
         self.policy, self.write_through, self.swa_backfill = policy, write_through, swa_backfill
-        self.store, self.max_store_pages = store, max_store_pages
+        self.store, self.max_store_pages, self.store_write = store, max_store_pages, store_write
         self.full_b, self.swa_b = token_bytes
         self.min_full = max(1, int((self.full.pages if self.full else 0) * evict_fraction))
         self.min_swa = max(1, int((self.swa.size if self.swa else 0) * evict_fraction))
@@ -296,9 +302,11 @@ class KVTiers:
         return True
 
     def on_insert(self, leaf: Node) -> None:
-        """Write-through: a new leaf is copied to the host at once."""
+        """Write-through: a new leaf is copied to the host at once; with `store_write="insert"`, to the store."""
         if self.write_through and self.full is not None:
             self._write_host(leaf, True, self._window_js(leaf)) or self._write_host(leaf, True, [])
+        if self.store_write == "insert" and self.store is not None and self.store.up:
+            self._sink(leaf)
 
     def backfill(self, node: Node) -> None:
         """SWA eviction is about to tombstone `node`: its node-end window goes to the host first."""
@@ -326,8 +334,9 @@ class KVTiers:
         return True
 
     def on_remove(self, node: Node) -> None:
-        """`node` leaves the tree: its pages go to the store (if any), its host copy is freed."""
-        if self.store is not None and self.store.up:
+        """`node` leaves the tree: its pages go to the store (if any, and written on eviction), its host copy is
+        freed."""
+        if self.store_write == "evict" and self.store is not None and self.store.up:
             self._sink(node)
         self._free_host(node)
 

@@ -212,7 +212,9 @@ class RedisKVStore:
                     continue
                 raw = encode_page(page)
                 if self.up:
-                    self.client.set(self.key(page.hash), raw, ex=self.ttl_s)
+                    # A page without its window never replaces one with it (the same prefix written again as
+                    # a path to later pages: a split node's head, a node removed after an insert-time write).
+                    self.client.set(self.key(page.hash), raw, ex=self.ttl_s, nx=not page.has_window)
                     self.stats.puts += 1
                     self.stats.bytes_written += len(raw)
                 else:
