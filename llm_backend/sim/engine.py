@@ -9,6 +9,9 @@ The scheduler's `clock` is the virtual time, so TTFT, wait penalties and admissi
 Sizes are given in real tokens and divided by `unit` (runner.py explains units): pools, page, chunk, window
 (rounded up), length buckets and the wait penalty (tokens per second). With unit 1 the worker is the live
 engine's scheduling exactly (`mimo-epd sim validate` checks the cached tokens per request).
+
+With `host_full_tokens` / `host_swa_tokens` or a shared `store`, the worker runs the engine's own `KVTiers`
+below its pools (bookkeeping mode) and each step's loads are priced by `links` (tiers.py).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..engine.scheduler import Scheduler
 from ..kv import SlotPool, SWARadixCache
 from .cost import CostModel
 from .runner import SimRunner, output_units
+from .tiers import LoadTotals, TierLinks
 from .trace import SimRequest
 
 
@@ -37,6 +41,10 @@ class WorkerConfig:
     wait_penalty: float = 2048.0  # tokens per second waited
     length_buckets: tuple[int, ...] = (65536, 262144)
     unit: int = 1
+    host_full_tokens: int = 0  # host KV tier (real tokens of full-layer KV; 0 = off) and its SWA window slots
+    host_swa_tokens: int = 0
+    swa_backfill: bool = False  # the engine's --swa-backfill
+    links: TierLinks = field(default_factory=TierLinks)
 
 
 @dataclass
@@ -56,7 +64,7 @@ class Finished:
 
 
 class SimWorker:
-    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0"):
+    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None):
         c, U = config, config.unit
         self.name, self.config, self.unit = name, config, U
         window = -(-cost.shape.window // U)
@@ -79,11 +87,27 @@ class SimWorker:
             max_prefill_tokens=c.max_prefill_tokens // U,
         )
         self.runner = SimRunner(cost, U)
+        self.tiers = None
+        self.loads = LoadTotals()
+        if c.host_full_tokens > 0 or store is not None:
+            from ..kv.tiers import KVTiers
+
+            sh = cost.shape
+            self.tiers = KVTiers(
+                self.cache,
+                c.host_full_tokens // U,
+                c.host_swa_tokens // U,
+                store=store,
+                store_write="insert",
+                swa_backfill=c.swa_backfill,
+                token_bytes=(sh.kv_bytes_full * U, sh.kv_bytes_swa * U),  # the tiers count a unit as a token
+            )
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []
         self.queue_samples: list[tuple[float, int, int]] = []  # (time, waiting, running) at each step start
         self._ids = 0
         self._step: tuple | None = None
+        self._bytes_seen = (0, 0)
         self.busy_until: float | None = None
 
     # ----------------------------------------------------------------------------------- requests
@@ -135,8 +159,27 @@ class SimWorker:
             return None
         results = self.runner.execute(segments)
         self._step = (segments, results)
-        self.busy_until = self.now + self.runner.last_seconds
+        seconds = self.runner.last_seconds
+        if self.tiers is not None:
+            seconds = self._price_loads(seconds)
+        self.busy_until = self.now + seconds
         return self.busy_until
+
+    def _price_loads(self, compute_s: float) -> float:
+        """This step's admissions queued host / store copies (KVTiers.match): their bytes, priced by the links."""
+        t = self.tiers
+        self.tiers.start_load()  # bookkeeping mode: takes the queued copies (nothing to copy)
+        host, store = t.stats.bytes_h2d, t.stats.bytes_s2d
+        dh, ds = host - self._bytes_seen[0], store - self._bytes_seen[1]
+        self._bytes_seen = (host, store)
+        if not dh and not ds:
+            return compute_s
+        links = self.config.links
+        load_s = links.load_seconds(dh, ds)
+        step_s = links.step_seconds(compute_s, load_s)
+        self.loads.add(dh, ds, load_s, compute_s, step_s)
+        self.runner.busy_s += step_s - compute_s
+        return step_s
 
     def end_step(self) -> None:
         segments, results = self._step
@@ -170,6 +213,14 @@ class SimWorker:
             "preemptions": s.preemptions,
             "prefix_hit_tokens": self.cache.stats.hit_tokens * self.unit,
             "rejected": len(self.rejected),
+            **(self._tier_stats() if self.tiers is not None else {}),
+        }
+
+    def _tier_stats(self) -> dict:
+        t, U = self.tiers.stats, self.unit
+        return {
+            "hit_tokens_by_tier": {"device": t.hit_device * U, "host": t.hit_host * U, "store": t.hit_store * U},
+            "tier_loads": self.loads.as_dict(),
         }
 
 

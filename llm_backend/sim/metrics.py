@@ -89,4 +89,15 @@ def summarize(finished, samples_per_worker, worker_stats: list[dict], rejected: 
         "steps": sum(s["steps"] for s in worker_stats),
         "busy_fraction": [round(s["busy_s"] / span, 3) for s in worker_stats],
         "queue": queue_series(samples_per_worker, end),
+        **_tier_totals(worker_stats),
     }
+
+
+def _tier_totals(worker_stats: list[dict]) -> dict:
+    """Tiered workers (sim/tiers.py): hit tokens per tier and the loads' bytes and seconds, summed."""
+    tiered = [s for s in worker_stats if "hit_tokens_by_tier" in s]
+    if not tiered:
+        return {}
+    hits = {k: sum(s["hit_tokens_by_tier"][k] for s in tiered) for k in tiered[0]["hit_tokens_by_tier"]}
+    loads = {k: sum(s["tier_loads"][k] for s in tiered) for k in tiered[0]["tier_loads"]}
+    return {"hit_tokens_by_tier": hits, "tier_loads": {k: round(v, 4) for k, v in loads.items()}}

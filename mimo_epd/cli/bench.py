@@ -21,6 +21,11 @@ BENCHMARKS = (
     ("shm-index", "shm_index", "shm cache lookups (hit, miss) at 1K / 100K / 1M entries: the hash index vs a key scan"),
     ("scheduler", "scheduler", "simulated wait-queue policies on the long-context mix: TTFT vs FCFS at 70-90% load"),
     ("routing", "routing", "simulated fleet on the Mooncake trace: every routing policy, 2/4/8 workers, 60-90% load"),
+    (
+        "tier-ttft",
+        "tier_ttft",
+        "simulated fleet with KV tiers: TTFT with host/store loads at PCIe/network bandwidth vs recompute",
+    ),
     ("routing-live", "routing_live", "live LLM workers: every routing policy and SGLang's gateway on multi-turn chat"),
 )
 

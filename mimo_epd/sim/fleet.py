@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 
 from llm_backend.kv.events import KVEventPublisher, event_block_size
+from llm_backend.kv.tiers import MemoryKVStore
 from llm_backend.sim.cost import CostModel
 from llm_backend.sim.engine import SimWorker, WorkerConfig
 from llm_backend.sim.metrics import summarize
@@ -47,10 +48,13 @@ class Fleet:
         policy: str,
         policy_config: PolicyConfig | None = None,
         block: int = 16,
+        store_bytes: int = 0,
     ):
         self.unit = config.unit
         self.index = MemoryIndex()
-        self.workers = [SimWorker(cost, config, f"w{i}") for i in range(workers)]
+        # the shared KV tier (L3): one bounded in-process store every worker reads and writes (0 = none)
+        self.store = MemoryKVStore(store_bytes) if store_bytes > 0 else None
+        self.workers = [SimWorker(cost, config, f"w{i}", store=self.store) for i in range(workers)]
         self.publishers = [
             _LivePublisher(w.cache, event_block_size(w.full_pool.page_size, block), w.name, self.index)
             for w in self.workers
@@ -121,6 +125,7 @@ def run_fleet(
     policy: str,
     requests: list[SimRequest],
     policy_config: PolicyConfig | None = None,
+    store_bytes: int = 0,
 ) -> dict:
     """One run on fresh workers (the requests are only read)."""
-    return Fleet(cost, config, workers, policy, policy_config).run(requests)
+    return Fleet(cost, config, workers, policy, policy_config, store_bytes=store_bytes).run(requests)

@@ -52,3 +52,25 @@ def test_bench_routing_quick(tmp_path, monkeypatch):
     assert {p["policy"] for p in d["points"]} == {"affinity", "round_robin", "least_load", "cache_aware", "kv_cost"}
     assert (tmp_path / "bench_routing.png").stat().st_size > 1000
     _no_grades(d)
+
+
+def test_bench_tier_ttft_quick(tmp_path, monkeypatch):
+    if not (ROOT / DEFAULT_TRACE).is_file():
+        pytest.skip("the Mooncake trace is not in ../shared/traces/")
+    monkeypatch.chdir(ROOT)
+    d = _run(["bench", "tier-ttft", "--quick", "--out-dir", str(tmp_path)])
+    assert set(d["runs"]) == {"round_robin", "affinity"}
+    for pol, modes in d["runs"].items():
+        assert set(modes) == {"recompute", "tiers", "tiers_no_overlap", "tiers_free"}
+        assert all(m["requests"] == d["config"]["requests"] > 0 for m in modes.values())
+        assert "hit_tokens_by_tier" not in modes["recompute"]
+        t = modes["tiers"]
+        assert sum(t["hit_tokens_by_tier"].values()) >= t["hit_tokens"]  # tiers count whole units, capped after
+        assert modes["tiers_free"]["tier_loads"]["load_s"] == 0
+        nol = modes["tiers_no_overlap"]["tier_loads"]
+        assert nol["exposed_s"] == pytest.approx(nol["load_s"], abs=1e-3)
+        assert d["ratios"][f"{pol}_ttft_p90_tiers_vs_recompute"] > 0
+    # with the store written at insert, round robin finds what the other worker computed
+    assert d["runs"]["round_robin"]["tiers"]["hit_tokens_by_tier"]["store"] > 0
+    assert json.loads((tmp_path / "bench_tier_ttft.json").read_text())["ratios"] == d["ratios"]
+    _no_grades(d)

@@ -194,3 +194,62 @@ def test_cached_tokens_equal_the_live_engine():
     assert res["steps"]["live"] == res["steps"]["sim"]
     assert res["cached_tokens_equal"], res["mismatched_requests"]
     assert 0 <= res["step_time_error"]
+
+
+# ----------------------------------------------------------------------------------------------- KV tiers
+def test_tier_links_price_loads_with_and_without_overlap():
+    from llm_backend.sim.tiers import TierLinks
+
+    links = TierLinks(pcie_bytes_per_s=10e9, store_bytes_per_s=1e9, gpus=2, layers=10)
+    assert links.load_seconds(20e9, 0) == pytest.approx(1.0)  # 20 GB over 2 GPUs x 10 GB/s
+    assert links.load_seconds(0, 3e9) == pytest.approx(3.0)
+    assert links.step_seconds(5.0, 1.0) == pytest.approx(5.0)  # hidden behind the forward, layer by layer
+    assert links.step_seconds(1.0, 5.0) == pytest.approx(5.1)  # exposed: only the last layer waits on top
+    assert TierLinks(overlap=False).step_seconds(1.0, 5.0) == 6.0
+    assert links.step_seconds(1.0, 0.0) == 1.0
+
+
+def _evicting_fleet(policy, store_bytes, links=None, host=0, swa=2400, backfill=False):
+    from dataclasses import replace
+
+    from llm_backend.sim.tiers import TierLinks
+
+    cfg = WorkerConfig(full_tokens=3000, swa_tokens=swa, page_size=16, chunk_size=256, max_running=4, unit=1)
+    if store_bytes or host:
+        cfg = replace(
+            cfg, host_full_tokens=host, host_swa_tokens=host // 4, links=links or TierLinks(), swa_backfill=backfill
+        )
+    return Fleet(PRO, cfg, 2, policy, store_bytes=store_bytes).run(_sessions(turns=3))
+
+
+def test_a_fleet_with_a_shared_store_reuses_what_round_robin_spreads_and_pays_for_the_loads():
+    from llm_backend.sim.tiers import TierLinks
+
+    plain = _evicting_fleet("round_robin", 0)
+    slow = _evicting_fleet("round_robin", 10**12, TierLinks(store_bytes_per_s=1e8, overlap=False))
+    free = _evicting_fleet("round_robin", 10**12, TierLinks(store_bytes_per_s=float("inf")))
+    assert plain["requests"] == slow["requests"] == free["requests"] == 39
+    assert "hit_tokens_by_tier" not in plain
+    assert slow["hit_tokens_by_tier"]["store"] > 0 and slow["hit_tokens"] > plain["hit_tokens"]
+    loads = slow["tier_loads"]
+    assert loads["store_bytes"] > 0 and loads["load_s"] > 0
+    assert loads["exposed_s"] == pytest.approx(loads["load_s"])  # no overlap: every copy is on the step's path
+    assert free["tier_loads"]["load_s"] == 0 and free["tier_loads"]["store_bytes"] > 0
+    # the same hits, a slow link: the loads are in the TTFT
+    assert slow["ttft_s"]["all"]["p90"] > free["ttft_s"]["all"]["p90"]
+
+
+def test_a_host_tier_in_the_simulator_keeps_hits_the_device_pools_lost():
+    plain = _evicting_fleet("affinity", 0)
+    tiered = _evicting_fleet("affinity", 0, host=12000)
+    assert tiered["hit_tokens_by_tier"]["host"] > 0 and tiered["hit_tokens"] > plain["hit_tokens"]
+    assert tiered["tier_loads"]["host_bytes"] > 0
+
+
+def test_swa_backfill_keeps_the_hits_a_scarce_swa_pool_tombstones():
+    # an SWA pool of ~9 windows: SWA eviction tombstones node ends long before the full pool evicts anything
+    plain = _evicting_fleet("affinity", 0, swa=1200)
+    off = _evicting_fleet("affinity", 0, host=12000, swa=1200)
+    on = _evicting_fleet("affinity", 0, host=12000, swa=1200, backfill=True)
+    assert off["hit_tokens"] == plain["hit_tokens"]  # no device eviction: the host tier alone gets nothing
+    assert on["hit_tokens_by_tier"]["host"] > 0 and on["hit_tokens"] > 1.5 * off["hit_tokens"]
