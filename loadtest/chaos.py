@@ -34,7 +34,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mimo_epd.testing.redis_server import RedisServer, free_port
 
 USERS_FILE = Path(__file__).with_name("chaos_users.py")
 FAULTS = ("encoder", "decode_worker", "llm", "router", "redis")
@@ -208,12 +209,6 @@ def discover(router_pid: int) -> Node:
     return node
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def health_serving(address: str, timeout: float = 1.0) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -328,62 +323,12 @@ def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float, pa
 
 
 # ------------------------------------------------------------------------------------------ the campaign
-class Redis:
+class Redis(RedisServer):
     """The fleet's redis-server: no persistence, so a restart comes back empty (the worst case for the routers:
-    every registration and index entry has to be written again)."""
+    every registration and index entry has to be written again). Stopped gracefully."""
 
-    def __init__(self, workdir: Path):
-        self.port, self.dir, self.proc = free_port(), workdir, None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self, timeout: float = 10.0) -> None:
-        self.proc = subprocess.Popen(
-            [
-                "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--dir",
-                str(self.dir),
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--daemonize",
-                "no",
-                "--loglevel",
-                "warning",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.answers():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"redis-server did not answer on 127.0.0.1:{self.port}")
-
-    def answers(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), 0.2) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+    def stop(self, graceful: bool = True) -> None:
+        super().stop(graceful)
 
 
 class Campaign:

@@ -19,8 +19,8 @@ from llm_backend.sim.load import scale_to_load
 from mimo_epd.router.policies import POLICIES
 from mimo_epd.sim.fleet import run_fleet
 from mimo_epd.sim.plot import ttft_vs_load
-from mimo_epd.sim.setup import add_model_flags, build, describe
-from mimo_epd.sim.traces import DEFAULT_TRACE, mooncake_requests
+from mimo_epd.sim.setup import add_model_flags, add_trace_flags, build, describe
+from mimo_epd.sim.traces import mooncake_requests
 
 
 def _floats(s: str) -> list[float]:
@@ -116,16 +116,7 @@ def main(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE})")
-    p.add_argument(
-        "--sessions",
-        type=float,
-        default=0.0125,
-        help="fraction of the trace's conversations replayed, every turn of each (default: 0.0125, "
-        "about 150 requests over the whole hour); 1 = every request",
-    )
-    p.add_argument("--requests", type=int, default=0, help="at most this many of them, 0 = all (default: 0)")
-    p.add_argument("--offset", type=int, default=0, help="first trace line considered (default: 0)")
+    add_trace_flags(p, 0.0125, ", about 150 requests over the whole hour")
     p.add_argument("--workers", default="2,4,8", help="fleet sizes, comma-separated (default: 2,4,8)")
     p.add_argument(
         "--loads", default="0.6,0.7,0.8,0.9", help="nominal loads, comma-separated (default: 0.6,0.7,0.8,0.9)"

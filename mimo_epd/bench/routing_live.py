@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from mimo_epd.bench.common import scrape, start_server
+from mimo_epd.testing.redis_server import free_port
 
 POLICIES = ("affinity", "round_robin", "least_load", "cache_aware", "kv_cost")
 GATEWAY_VERSION = "0.3.2"  # the dev extra's pin (pyproject.toml)
@@ -207,14 +208,6 @@ def worker_stats(workers) -> list[dict]:
             }
         )
     return out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _imbalance(values) -> float:

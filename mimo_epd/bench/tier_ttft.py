@@ -28,8 +28,8 @@ from pathlib import Path
 from llm_backend.sim.load import scale_to_load
 from llm_backend.sim.tiers import TierLinks
 from mimo_epd.sim.fleet import run_fleet
-from mimo_epd.sim.setup import DEFAULT_GPUS, add_model_flags, build, describe
-from mimo_epd.sim.traces import DEFAULT_TRACE, mooncake_requests
+from mimo_epd.sim.setup import DEFAULT_GPUS, add_model_flags, add_trace_flags, build, describe
+from mimo_epd.sim.traces import mooncake_requests
 
 POLICIES = ("round_robin", "affinity")
 MODES = ("recompute", "tiers", "tiers_no_overlap", "tiers_free")
@@ -148,15 +148,7 @@ def main(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE})")
-    p.add_argument(
-        "--sessions",
-        type=float,
-        default=0.05,
-        help="fraction of the trace's conversations replayed, every turn of each (default: 0.05)",
-    )
-    p.add_argument("--requests", type=int, default=0, help="at most this many of them, 0 = all (default: 0)")
-    p.add_argument("--offset", type=int, default=0, help="first trace line considered (default: 0)")
+    add_trace_flags(p, 0.05, ", about 590 requests over the whole hour")
     p.add_argument("--workers", type=int, default=4, help="simulated workers (default: 4)")
     p.add_argument("--load", type=float, default=0.8, help="nominal load (default: 0.8)")
     p.add_argument(

@@ -14,6 +14,22 @@ SCHEDULERS = {  # name -> (fcfs, length buckets): the wait-queue policies the en
 DEFAULT_GPUS = {"tiny": 1, "flash": 8, "pro": 16}
 
 
+def add_trace_flags(p, sessions: float, about: str = "") -> None:
+    """--trace / --sessions / --requests / --offset of the benchmarks that replay the Mooncake trace."""
+    from .traces import DEFAULT_TRACE
+
+    p.add_argument("--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE})")
+    p.add_argument(
+        "--sessions",
+        type=float,
+        default=sessions,
+        help=f"fraction of the trace's conversations replayed, every turn of each (default: {sessions}{about}); "
+        "1 = every request",
+    )
+    p.add_argument("--requests", type=int, default=0, help="at most this many of them, 0 = all (default: 0)")
+    p.add_argument("--offset", type=int, default=0, help="first trace line considered (default: 0)")
+
+
 def add_model_flags(p, shape="flash", kv_gib=40.0, page=128, chunk=8192, max_running=32, unit=16) -> None:
     g = p.add_argument_group("simulated worker")
     g.add_argument(
