@@ -386,7 +386,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         for w in workers:
             q = max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
             r = max(int(w.load.get("running_tokens", 0)) if not self.degraded else 0, w.local_running)
-            cands.append(Candidate(w.id, predicted[w.id], q, r))
+            n = int(w.load.get("waiting", 0)) + int(w.load.get("running", 0)) if not self.degraded else 0
+            cands.append(Candidate(w.id, predicted[w.id], q, r, max(n, len(self.flights.get(w.id, ())))))
         view = RequestView(len(tokens), B, tuple(hashes))
         order = self.policy.rank(view, cands)
         self.policy.observe(view, order[0])

@@ -11,7 +11,8 @@ same answers, so a simulator can run them as they are.
   normalized_load = (queued + running tokens) / the largest such load among the candidates.
 - `round_robin`: the next worker in turn.
 - `least_load`: the fewest queued + running tokens.
-- `cache_aware` (SGLang's gateway): if the loads are imbalanced (max - min > balance_abs and
+- `cache_aware` (SGLang's gateway): load = requests in flight on the worker (SGLang counts the requests it sent
+  that have not finished, not tokens); if the loads are imbalanced (max - min > balance_abs and
   max > balance_rel x min), the least loaded; else, if the best match fraction in the router's own approximate
   tree of what it routed exceeds cache_threshold, that worker; else the worker with the smallest tree.
 - `kv_cost` (Dynamo's KV router): cost = prefill_weight x prefill blocks (the request's uncached blocks on that
@@ -39,6 +40,7 @@ class Candidate:
     matched_tokens: int = 0  # tokens this worker would reuse (the index's prediction)
     queued_tokens: int = 0
     running_tokens: int = 0
+    in_flight: int = 0  # requests sent to this worker and not finished (cache_aware's load)
 
     @property
     def load(self) -> int:
@@ -145,7 +147,7 @@ class CacheAware(Policy):
         if not candidates:
             return []
         cfg = self.config
-        loads = [c.load for c in candidates]
+        loads = [c.in_flight for c in candidates]
         hi, lo = max(loads), min(loads)
         n = len(candidates)
         rot = lambda i: ((i - self._turn) % n, candidates[i].worker)  # noqa: E731

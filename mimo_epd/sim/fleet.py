@@ -73,7 +73,13 @@ class Fleet:
             pred = predict_tokens(states.get(w.name, []), B, len(spec.prompt)) * U
             load = w.load()
             cands.append(
-                Candidate(w.name, min(pred, max(0, spec.prompt_len - 1)), load["queued_tokens"], load["running_tokens"])
+                Candidate(
+                    w.name,
+                    min(pred, max(0, spec.prompt_len - 1)),
+                    load["queued_tokens"],
+                    load["running_tokens"],
+                    load["waiting"] + load["running"],
+                )
             )
         view = RequestView(spec.prompt_len, B * U, tuple(hashes))
         order = self.policy.rank(view, cands)

@@ -9,8 +9,8 @@ from mimo_epd.router.policies import Candidate, PolicyConfig, RequestView, make_
 REQ = RequestView(num_tokens=1000, block_size=16, block_hashes=tuple(range(62)))
 
 
-def C(w, matched=0, queued=0, running=0):
-    return Candidate(w, matched, queued, running)
+def C(w, matched=0, queued=0, running=0, in_flight=0):
+    return Candidate(w, matched, queued, running, in_flight)
 
 
 def test_affinity_prefers_the_cache_until_load_outweighs_it():
@@ -46,10 +46,13 @@ def test_cache_aware_follows_sglang_thresholds():
     p.observe(a, "x")
     # the same prefix again: match fraction 1 > 0.3 -> x, even though y's tree is smaller
     assert p.rank(a, [C("x"), C("y")])[0] == "x"
-    # imbalance: max - min > 64 and max > 1.5 min -> least loaded, whatever the cache says
-    assert p.rank(a, [C("x", running=200), C("y", running=100)])[0] == "y"
-    # imbalanced by ratio but not by 64 tokens: the cache still wins
-    assert p.rank(a, [C("x", running=60), C("y", running=0)])[0] == "x"
+    # imbalance in requests in flight (SGLang's load): max - min > 64 and max > 1.5 min -> least loaded,
+    # whatever the cache says
+    assert p.rank(a, [C("x", in_flight=200), C("y", in_flight=100)])[0] == "y"
+    # imbalanced by ratio but not by 64 requests: the cache still wins
+    assert p.rank(a, [C("x", in_flight=60), C("y", in_flight=0)])[0] == "x"
+    # tokens are not its load: 100x more queued tokens on x with equal requests in flight, the cache still wins
+    assert p.rank(a, [C("x", queued=20000, in_flight=3), C("y", queued=200, in_flight=3)])[0] == "x"
     # a request sharing only 4 of 20 blocks (20% <= 0.3) goes to the smallest tree
     b = RequestView(320, 16, tuple(range(4)) + tuple(range(100, 116)))
     assert p.rank(b, [C("x"), C("y")])[0] == "y"
