@@ -55,12 +55,20 @@ def test_killed_worker_is_replaced_and_inflight_images_are_retried():
                 out.append(await pool.decode(small))
                 await asyncio.sleep(0.05)
             assert pool.respawns == 1
-            # 2. A worker killed while images are in flight on it: they are decoded again on fresh processes.
-            tasks = [asyncio.ensure_future(pool.decode(d)) for d in (big, big, small, big)]
-            await asyncio.sleep(0.3)
-            victims = pool.worker_pids()
+            # 2. Workers killed while images are in flight on them: they are decoded again on fresh processes.
+            # Eight big images (~0.1 s each on an idle core) keep both workers busy for a while; the kill lands as
+            # soon as the replaced pool's processes exist (they start on demand), not after a fixed sleep, which
+            # on a quiet machine came after every image was done.
+            work = (big,) * 7 + (small,)
+            tasks = [asyncio.ensure_future(pool.decode(d)) for d in work]
+            victims, deadline = [], time.monotonic() + 30
+            while len(victims) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                victims = pool.worker_pids()
             assert victims and not set(victims) & set(pids)  # fresh processes replaced the broken pool
-            os.kill(victims[0], signal.SIGKILL)
+            for pid in victims:
+                os.kill(pid, signal.SIGKILL)
+            assert not all(t.done() for t in tasks)  # the kill came while images were in flight
             results = await asyncio.gather(*tasks)
             assert pool.respawns == 2
             # Every slot is back in the free list, each exactly once.
@@ -74,7 +82,7 @@ def test_killed_worker_is_replaced_and_inflight_images_are_retried():
     out, results, after = asyncio.run(run())
     for d in out:
         np.testing.assert_array_equal(d.pixels, expected[small])
-    for d, data in zip(results + after, (big, big, small, big, big)):
+    for d, data in zip(results + after, (big,) * 7 + (small, big)):
         np.testing.assert_array_equal(d.pixels, expected[data])
 
 
