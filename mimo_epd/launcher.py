@@ -31,6 +31,20 @@ from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_
 
 log = logging.getLogger(__name__)
 
+# glibc gives every thread that allocates its own malloc arena (up to 8 per core) and keeps what each frees:
+# an encoder's fetch / decode / forward threads then hold ever more freed heap. Two arenas keep it flat: a
+# 600 s chaos soak measured the encoders' anonymous memory at +0.2-0.3 MB/min (3.7-4.5 MB/min without), and
+# `bench encoder` measured the same QPS within noise (tiny 33.2 vs 34.6, large 3.69 vs 3.41). A value the user
+# set wins.
+MALLOC_ARENAS = "2"
+
+
+def worker_env() -> dict:
+    """The environment of a process `serve` starts: exits with it, and at most MALLOC_ARENAS malloc arenas."""
+    env = child_env()
+    env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
+    return env
+
 
 def _llm_default(name: str):
     """The worker's own default for a node flag that sets an LLM-worker setting (declared once, in LLMConfig)."""
@@ -174,8 +188,8 @@ class ChildProcess:
         ]
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
-        # child_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL
-        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=child_env())
+        # worker_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL; two arenas
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=worker_env())
         try:
             async with asyncio.timeout(self.timeout_s):
                 while True:

@@ -71,6 +71,18 @@ def test_item_errors_keep_status_and_the_clients_index(node):
     assert ei.value.details().startswith("item 2: "), ei.value.details()
 
 
+def test_the_processes_serve_starts_use_two_malloc_arenas(node, monkeypatch):
+    # glibc's per-thread arenas made the encoders' heap creep under load (mimo_epd/launcher.py: MALLOC_ARENAS)
+    for pid in encoders_of(node).values():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        assert env.get(b"MALLOC_ARENA_MAX") == b"2", pid
+    from mimo_epd.launcher import worker_env
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "8")
+    assert worker_env()["MALLOC_ARENA_MAX"] == "8"  # a value the user set wins
+
+
 def test_killing_an_encoder_keeps_requests_succeeding_and_it_rejoins(node):
     eps = encoders_of(node)
     victim_ep, victim_pid = next(iter(eps.items()))
