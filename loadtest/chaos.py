@@ -42,6 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loadtest.locust_cmd import locust_command
 from mimo_epd.testing.redis_server import RedisServer, free_port
 
 USERS_FILE = Path(__file__).with_name("chaos_users.py")
@@ -426,28 +427,15 @@ class Campaign:
             "MIMO_EPD_CALL_TIMEOUT": str(self.args.call_timeout_s),
             "MIMO_EPD_CHAOS_ROUTERS": ",".join(self.addresses),
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "locust",
-            "-f",
-            str(USERS_FILE),
-            "--headless",
-            "--users",
-            str(self.args.users),
-            "--spawn-rate",
-            str(self.args.users),
-            "--host",
-            self.address,
-            "--only-summary",
-            "--csv",
-            str(self.workdir / "locust"),
-            "--stop-timeout",
-            str(int(self.args.call_timeout_s) + 5),
-            "--loglevel",
-            "WARNING",
-            *classes,
-        ]
+        cmd = locust_command(
+            USERS_FILE,
+            users=self.args.users,
+            spawn_rate=self.args.users,
+            host=self.address,
+            csv_prefix=self.workdir / "locust",
+            stop_timeout_s=int(self.args.call_timeout_s) + 5,
+            extra=("--loglevel", "WARNING", *classes),
+        )
         self.locust = subprocess.Popen(
             cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(self.workdir / "locust.log", "w")
         )

@@ -18,6 +18,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from loadtest.locust_cmd import locust_command
+
 LOCUSTFILE = Path(__file__).with_name("generate_locustfile.py")
 
 
@@ -100,27 +102,15 @@ def run(args) -> int:
             "MIMO_EPD_GEN_IMAGES_DIR": str(img_dir),
             "MIMO_EPD_GEN_RESULTS": str(results),
         }
-        cmd = [
-            sys.executable,
-            "-m",
-            "locust",
-            "-f",
-            str(LOCUSTFILE),
-            "--headless",
-            "--users",
-            str(args.users),
-            "--spawn-rate",
-            str(args.spawn_rate),
-            "--run-time",
-            args.run_time,
-            "--host",
-            http or grpc_addr,
-            "--csv",
-            str(out_dir / "locust"),
-            "--only-summary",
-            "--stop-timeout",
-            "60",
-        ]
+        cmd = locust_command(
+            LOCUSTFILE,
+            users=args.users,
+            spawn_rate=args.spawn_rate,
+            run_time=args.run_time,
+            host=http or grpc_addr,
+            csv_prefix=out_dir / "locust",
+            stop_timeout_s=60,
+        )
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout_s)
     finally:
         if server is not None:

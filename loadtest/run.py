@@ -20,6 +20,8 @@ import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
+from loadtest.locust_cmd import locust_command
+
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 _ALLOW_HINT = "--url-allowlist 127.0.0.1/32"
 
@@ -138,27 +140,15 @@ def run(args) -> int:
                     print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
                     return 1
             env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
-            cmd = [
-                sys.executable,
-                "-m",
-                "locust",
-                "-f",
-                str(LOCUSTFILE),
-                "--headless",
-                "--users",
-                str(args.users),
-                "--spawn-rate",
-                str(args.spawn_rate),
-                "--run-time",
-                args.run_time,
-                "--host",
-                address,
-                "--csv",
-                str(out_dir / "locust"),
-                "--only-summary",
-                "--stop-timeout",
-                "30",
-            ]
+            cmd = locust_command(
+                LOCUSTFILE,
+                users=args.users,
+                spawn_rate=args.spawn_rate,
+                run_time=args.run_time,
+                host=address,
+                csv_prefix=out_dir / "locust",
+                stop_timeout_s=30,
+            )
             print(
                 f"loadtest: {args.users} users for {args.run_time} against {address} "
                 f"({'bytes and URLs' if urls else 'bytes'})",
