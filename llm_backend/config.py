@@ -72,9 +72,9 @@ class LLMConfig:
         False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA eviction tombstones it", _KV
     )
     swa_checkpoint_interval: int = flag(
-        0,
-        "denser SWA checkpoints: keep the window before every multiple of this "
-        "many tokens when trimming SWA (0 = only node ends)",
+        512,
+        "denser SWA checkpoints: SWA trimming also keeps the window before the last multiple of this many "
+        "tokens inside each cached span, a multiple of --page-size above the window (0 = node ends only)",
         _KV,
     )
     # --- scheduling ----------------------------------------------------------------------------

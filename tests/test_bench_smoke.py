@@ -159,7 +159,8 @@ def test_prefix_cache_tiers_quick(tmp_path):
     no_grades(out)
     modes = out["modes"]
     fleets = {f"l1_l2_l3_{p}{w}" for p in ("round_robin", "affinity") for w in ("", "_evict")}
-    tiered = {"l1_l2", "l1_l2_swa_backfill", "l1_l2_swa_checkpoint"} | fleets
+    # The switches flipped from their defaults (back-fill off, checkpoints on): one mode each.
+    tiered = {"l1_l2", "l1_l2_swa_backfill_on", "l1_l2_swa_checkpoint_off"} | fleets
     assert {"swa_aware", "full_kv", "unbounded", "l1"} | tiered == set(modes) == set(out["hit_token_rate"])
     assert out["config"]["requests"] <= 300
     for name, m in modes.items():

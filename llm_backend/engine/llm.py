@@ -66,10 +66,13 @@ class LLM:
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
+        try:
+            self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
+        except ValueError as e:
+            raise ValueError(f"--swa-checkpoint-interval: {e}") from None
         self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
         self.pools = self.runner.pools
         self.tiers: Any = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
-        self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
         self.scheduler = Scheduler(
             self.cache,
             self.full_pool,

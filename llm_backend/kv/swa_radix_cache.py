@@ -102,10 +102,25 @@ class SWARadixCache:
         # KV tiers below the device (kv.tiers.KVTiers, sets itself here), or None: the methods below then behave
         # exactly as without tiers.
         self.tiers = None
-        # Denser SWA checkpoints (0 = off): trimming also keeps the W tokens before every multiple of this many
-        # tokens, so a shared prefix that ends inside a node (a system prompt, not chunk-aligned) is cut back at
-        # most this far instead of to the previous node end.
-        self.swa_checkpoint_interval = 0
+        self._checkpoint = 0
+
+    @property
+    def swa_checkpoint_interval(self) -> int:
+        """Denser SWA checkpoints (0 = off): trimming also keeps the W tokens before the last multiple of this many
+        tokens inside each node. A next turn that re-sends a prompt but diverges shortly before its end (a
+        re-rendered last message; on a block-hashed trace, the partial last block) then resumes there instead of
+        at the previous node end. One extra window per node, not one per K tokens: keeping every multiple of 512
+        cost so many SWA slots that the trace's hit tokens fell to 0.7x (docs/kv-tiers.md)."""
+        return self._checkpoint
+
+    @swa_checkpoint_interval.setter
+    def swa_checkpoint_interval(self, k: int) -> None:
+        if k < 0 or (k and (k <= self.window or k % self.page_size)):
+            raise ValueError(
+                f"SWA checkpoint interval {k} must be 0 (off) or a multiple of the page size ({self.page_size}) "
+                f"larger than the window ({self.window})"
+            )
+        self._checkpoint = k
 
     # ----------------------------------------------------------------------------------- structure
     def _split(self, node: Node, at: int) -> Node:
@@ -365,30 +380,49 @@ class SWARadixCache:
             n = parent
         return freed
 
-    def _trim_positions(self, node: Node) -> list[int]:
-        """Token indexes of `node` whose SWA trimming frees: outside its last W, and (denser checkpoints) outside
-        the W tokens before each multiple of `swa_checkpoint_interval`."""
-        tail = max(0, len(node.swa) - self.window)
-        K = self.swa_checkpoint_interval
-        if not K:
-            return [j for j in range(tail) if node.swa[j] is not None]
+    def _start(self, node: Node) -> int:
+        """Tokens before `node` on its path from the root."""
         start, n = 0, node.parent
         while n is not None and n is not self.root:
             start += len(n.key)
             n = n.parent
-        W = self.window
-        return [j for j in range(tail) if node.swa[j] is not None and (K > W and (start + j) % K < K - W)]
+        return start
+
+    def window_ends(self, node: Node) -> list[int]:
+        """Node-relative points where a match into `node` may end and keep its hit, so trimming keeps the W tokens
+        before each: the node end and (denser checkpoints) the last multiple of `swa_checkpoint_interval` inside."""
+        ends = [len(node.key)]
+        K = self._checkpoint
+        if K:
+            start = self._start(node)
+            last = (start + len(node.key) - 1) // K * K
+            if last > start:
+                ends.append(last - start)
+        return ends
+
+    def window_tokens(self, node: Node) -> set[int]:
+        """Token indexes of `node` inside the window before one of its `window_ends`."""
+        keep: set[int] = set()
+        for e in self.window_ends(node):
+            keep.update(range(max(0, e - self.window), e))
+        return keep
+
+    def _trim_positions(self, node: Node) -> list[int]:
+        """Token indexes of `node` whose SWA trimming frees: live and outside every kept window."""
+        if len(node.swa) <= self.window:
+            return []
+        keep = self.window_tokens(node)
+        return [j for j, s in enumerate(node.swa) if s is not None and j not in keep]
 
     def _trimmable(self, node: Node) -> int:
-        if self.swa_checkpoint_interval:
-            return len(self._trim_positions(node))
-        return sum(s is not None for s in node.swa[: max(0, len(node.swa) - self.window)])
+        return len(self._trim_positions(node))
 
     def evict_swa(self, num: int) -> int:
         """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA), in two passes:
-        1. trim: free the SWA of tokens outside the last W of a node. A match can only end where the W tokens
-           before it are live; node ends (where prompts ended or diverged) keep that window, so their hits
-           survive — only hits ending in the middle of a node are lost. Locked nodes are trimmed too: a lock
+        1. trim: free the SWA of tokens outside the last W of a node (and outside its checkpoint window, see
+           `window_ends`). A match can only end where the W tokens before it are live; node ends (where prompts
+           ended or diverged) keep that window, so their hits survive — only hits ending elsewhere in a node
+           are cut back. Locked nodes are trimmed too: a lock
            always ends at a node end (a match ending inside a node splits it), so the window it protects is a
            suffix of at most W tokens of each node it covers, which trimming keeps;
         2. tombstone: free whole unlocked nodes' SWA, least recently used first."""
@@ -396,17 +430,11 @@ class SWARadixCache:
         heap, _ = self._lru_heap(self._trimmable)
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
-            if self.swa_checkpoint_interval:
-                js = self._trim_positions(node)
-                live = [node.swa[j] for j in js]
-                self.swa_pool.free(live)
-                for j in js:
-                    node.swa[j] = None
-            else:
-                tail = max(0, len(node.swa) - self.window)
-                live = [s for s in node.swa[:tail] if s is not None]
-                self.swa_pool.free(live)
-                node.swa[:tail] = [None] * tail
+            js = self._trim_positions(node)
+            live = [node.swa[j] for j in js]
+            self.swa_pool.free(live)
+            for j in js:
+                node.swa[j] = None
             freed += len(live)
             if live and self.on_event is not None:
                 self.on_event("swa", node)

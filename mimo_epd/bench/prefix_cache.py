@@ -9,7 +9,8 @@ whole pages go into the tree at once, as `engine.LLM` does), and finishes (its w
 cache evicts LRU when a pool runs out). Output tokens are not in the trace's ids and are not replayed.
 
 - `swa_aware`: full pool = full-attention layers' KV (10 layers per token), SWA pool = sliding layers' KV
-  (60 layers per token) kept only where a window needs it; the byte budget is split by `--swa-share`;
+  (60 layers per token) kept only where a window needs it (node ends and, `--swa-checkpoint-interval`, each
+  node's last checkpoint); the byte budget is split by `--swa-share`;
 - `full_kv`: one pool holding all 70 layers' KV per token, nothing ever released (what serving stacks did
   before they supported SWA): the same bytes hold 7x fewer tokens;
 - `unbounded`: the same as `full_kv` with no byte limit — the ideal (~36.6% of blocks, reference.md §7).
@@ -23,7 +24,8 @@ device budget as `swa_aware`:
 
 - `l1`: device pools only (the `swa_aware` replay itself);
 - `l1_l2`: plus a host tier of `--host-factor` x the device bytes (split like the device pools);
-- `l1_l2_swa_backfill`, `l1_l2_swa_checkpoint`: `l1_l2` with one hit-rate switch on (`l1_l2` is the off case);
+- `l1_l2_swa_backfill_on|off`, `l1_l2_swa_checkpoint_on|off`: `l1_l2` with one hit-rate switch flipped from its
+  configured value (`--swa-backfill`, default off; `--swa-checkpoint-interval`, default 512 as the engine's);
 - `l1_l2_l3_round_robin`, `l1_l2_l3_affinity`: 4 workers (`--workers`) in this process, each with its own device
   pools and host tier, sharing one store (an in-process `MemoryKVStore` of `--store-factor` x one worker's device
   bytes, or the Redis at `--kv-store`); requests go round robin or to the longest cached prefix (the router's own
@@ -92,11 +94,13 @@ class Replay:
         chunk_units: int,
         evict_fraction: float,
         tiers: dict | None = None,
+        checkpoint_units: int = 0,
     ):
         self.name = name
         self.full_pool = SlotPool("full", full_units, page_units)
         self.swa_pool = SlotPool("swa", swa_units)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, window_units, page_units)
+        self.cache.swa_checkpoint_interval = checkpoint_units
         self.chunk = chunk_units
         # Evicting a little more than needed at a time (a low watermark) amortises the LRU scan over many
         # requests; real servers do the same.
@@ -154,14 +158,12 @@ def make_tiers(
     unit_bytes: tuple[int, int],
     evict_fraction: float,
     swa_backfill: bool = False,
-    checkpoint_units: int = 0,
     store=None,
     data: bool = False,
     store_write: str = "insert",
 ):
     from llm_backend.kv.tiers import KVTiers
 
-    cache.swa_checkpoint_interval = checkpoint_units
     tiers = KVTiers(
         cache,
         host_full,
@@ -241,6 +243,12 @@ def main(args) -> dict:
             f"--token-unit {unit} must divide the block (512), the window ({cfg.window}), "
             f"--page-size ({page}) and --chunk-size ({args.chunk_size})"
         )
+    K = args.swa_checkpoint_interval
+    if K % unit or K % page or 0 < K <= cfg.window:
+        raise SystemExit(
+            f"--swa-checkpoint-interval {K} must be 0 or a multiple of --token-unit ({unit}) and --page-size "
+            f"({page}) larger than the window ({cfg.window})"
+        )
     quick = 300 if args.tiers else 1000
     trace = load_trace(args.trace, quick if args.quick and not args.requests else args.requests)
     reqs = [(prompt_units(r, unit), r["input_length"]) for r in trace]
@@ -254,7 +262,9 @@ def main(args) -> dict:
     swa_units = int(budget * args.swa_share) // (swa_b * unit)
     full_units = (budget - swa_units * swa_b * unit) // (full_b * unit)
     modes = {
-        "swa_aware": Replay("swa_aware", full_units, max(swa_units, w + c), w, p, c, args.evict_fraction),
+        "swa_aware": Replay(
+            "swa_aware", full_units, max(swa_units, w + c), w, p, c, args.evict_fraction, checkpoint_units=K // unit
+        ),
         "full_kv": Replay(
             "full_kv",
             budget // (all_full_b * unit),
@@ -309,8 +319,8 @@ def main(args) -> dict:
                     f"l1_l2_l3_affinity_{OTHER_WRITE[args.kv_store_write]}",
                 ),
                 "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
-                "swa_backfill_on_vs_off": ratio("l1_l2_swa_backfill", "l1_l2"),
-                "swa_checkpoint_on_vs_off": ratio("l1_l2_swa_checkpoint", "l1_l2"),
+                "swa_backfill_on_vs_off": ratio(*switch_modes(args, "swa_backfill")),
+                "swa_checkpoint_on_vs_off": ratio(*switch_modes(args, "swa_checkpoint")),
             }
         )
     out = {
@@ -328,6 +338,7 @@ def main(args) -> dict:
             "token_unit": unit,
             "page_size": page,
             "chunk_size": args.chunk_size,
+            "swa_checkpoint_interval": K,
             "replay": "trace order, one request at a time, prompts only",
         },
         "hit_token_rate": rate,
@@ -359,17 +370,25 @@ class FluidLoad:
 
 
 OTHER_WRITE = {"insert": "evict", "evict": "insert"}
+SWITCHES = ("swa_backfill", "swa_checkpoint")
+DEFAULT_CHECKPOINT = 512  # the engine's --swa-checkpoint-interval default
+
+
+def switch_on(args, switch: str) -> bool:
+    return bool(args.swa_backfill if switch == "swa_backfill" else args.swa_checkpoint_interval)
+
+
+def switch_modes(args, switch: str) -> tuple[str, str]:
+    """(mode with `switch` on, mode with it off): one is `l1_l2` (as configured), the other flips the switch."""
+    if switch_on(args, switch):
+        return "l1_l2", f"l1_l2_{switch}_off"
+    return f"l1_l2_{switch}_on", "l1_l2"
 
 
 def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
     """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
     from mimo_epd.router.policies import Affinity, Candidate, RequestView, RoundRobin
 
-    if args.swa_checkpoint_interval % unit or 0 < args.swa_checkpoint_interval <= cfg.window:
-        raise SystemExit(
-            f"--swa-checkpoint-interval {args.swa_checkpoint_interval} must be a multiple of "
-            f"--token-unit ({unit}) and larger than the window ({cfg.window})"
-        )
     if args.host_factor <= 0 or args.store_factor <= 0 or args.workers < 1 or args.fleet_load <= 0:
         raise SystemExit("--host-factor, --store-factor and --fleet-load must be positive, --workers at least 1")
     span = max(stamps) - min(stamps)
@@ -382,10 +401,8 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     share = dev_full / max(device_bytes, 1)  # the host bytes split like the device pools' (as engine.LLM does)
     host_full, host_swa = int(host_bytes * share) // ubytes[0], int(host_bytes * (1 - share)) // ubytes[1]
     K = args.swa_checkpoint_interval // unit
-    # The switch comparison's K when the flag is 0: one prefill chunk. Denser checkpoints cost SWA slots, which
-    # are scarce at this budget: on the first 2000 requests K = 512 / 2048 / 8192 gave 0.23x / 0.73x / 1.01x of
-    # the hit tokens without checkpoints.
-    switch_k = K or max(args.chunk_size, 2 * cfg.window) // unit
+    # The switch comparison's K when the flag is 0: the engine's default (one trace block).
+    switch_k = K or max(DEFAULT_CHECKPOINT, page, 2 * cfg.window) // unit
     data = bool(args.kv_store)
 
     def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True, write=args.kv_store_write):
@@ -395,12 +412,13 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
             unit_bytes=ubytes,
             evict_fraction=args.evict_fraction,
             swa_backfill=backfill,
-            checkpoint_units=k,
             store=store,
             data=data,
             store_write=write,
         )
-        return Replay(name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t)
+        return Replay(
+            name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t, checkpoint_units=k
+        )
 
     def timed(name, fn):
         t0 = time.perf_counter()
@@ -414,9 +432,15 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
 
     results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
     seconds["l1"] = seconds["swa_aware"]
-    timed("l1_l2", lambda: single(replay("l1_l2", backfill=False, k=0)))
-    timed("l1_l2_swa_backfill", lambda: single(replay("l1_l2_swa_backfill", backfill=True, k=0)))
-    timed("l1_l2_swa_checkpoint", lambda: single(replay("l1_l2_swa_checkpoint", backfill=False, k=switch_k)))
+    timed("l1_l2", lambda: single(replay("l1_l2")))
+    # Each hit-rate switch flipped from its configured value (`switch_modes`): on vs off, all else equal.
+    flipped = {
+        "swa_backfill": dict(backfill=not args.swa_backfill),
+        "swa_checkpoint": dict(k=0 if K else switch_k),
+    }
+    for sw in SWITCHES:
+        name = f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}"
+        timed(name, lambda name=name, sw=sw: single(replay(name, **flipped[sw])))
     store_bytes = int(device_bytes * args.store_factor)
 
     def fleet(name, policy, write=args.kv_store_write):
@@ -459,7 +483,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
         "store_write": args.kv_store_write,
         "swa_backfill": args.swa_backfill,
         "swa_checkpoint_interval": args.swa_checkpoint_interval,
-        "swa_checkpoint_interval_switch": switch_k * unit,
+        "swa_checkpoint_interval_switch": 0 if K else switch_k * unit,
         "data_mode": data,
         "fleet_load": args.fleet_load,
         "prefill_tokens_per_s_per_worker": round(rate, 1),
@@ -560,12 +584,13 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--swa-backfill",
         action="store_true",
-        help="--tiers: SWA back-fill on in the L1+L2+L3 modes (the switch comparison runs either way)",
+        help="--tiers: SWA back-fill on in the L1+L2 and L1+L2+L3 modes (the switch comparison flips it)",
     )
     p.add_argument(
         "--swa-checkpoint-interval",
         type=int,
-        default=0,
-        help="--tiers: denser SWA checkpoints every K tokens in the L1+L2+L3 modes, and K for the switch "
-        "comparison (0: off there, --chunk-size for the comparison; default: 0)",
+        default=DEFAULT_CHECKPOINT,
+        help="denser SWA checkpoints (the engine's flag): the SWA-aware modes keep the window before the last "
+        "multiple of K tokens inside each cached span; --tiers flips it for the switch comparison "
+        f"(0 = off, then {DEFAULT_CHECKPOINT} for the comparison; default: {DEFAULT_CHECKPOINT})",
     )

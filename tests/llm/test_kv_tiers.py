@@ -223,10 +223,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([None, "evict", "insert"]))
-def test_property_accounting_across_tiers(ops, page, backfill, store_write):
+@given(
+    OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([None, "evict", "insert"]), st.sampled_from([0, 12])
+)
+def test_property_accounting_across_tiers(ops, page, backfill, store_write, checkpoint):
     full_pool, swa_pool = SlotPool("full", 240, page), SlotPool("swa", 100)
     cache = SWARadixCache(full_pool, swa_pool, W, page)
+    cache.swa_checkpoint_interval = checkpoint
     store = MemoryKVStore(10**9) if store_write else None
     tiers = KVTiers(
         cache, 160, 60, swa_backfill=backfill, store=store, store_write=store_write or "evict", token_bytes=(10, 10)
@@ -275,3 +278,73 @@ def test_property_accounting_across_tiers(ops, page, backfill, store_write):
         r.finish()
     cache.evict_full(10**9)
     cache.evict_swa(10**9)
+
+
+def _tree_with_checkpoint(checkpoint: int, store=None, host: bool = True):
+    """A 32-token prompt cached through one prompt chunk (all SWA live in the tree), window 8, pages of 4."""
+    cache = SWARadixCache(SlotPool("full", 200, 4), SlotPool("swa", 100), W, 4)
+    cache.swa_checkpoint_interval = checkpoint
+    tiers = KVTiers(cache, 160 if host else 0, 60, store=store, store_write="insert", token_bytes=(10, 10))
+    return cache, tiers
+
+
+PROMPT = [random.Random(7).randrange(50) for _ in range(32)]
+NEXT = PROMPT[:24] + [51, 52, 53, 54]  # re-sends the prompt, diverges at token 24 (inside the cached node)
+
+
+def _cache_prompt(cache):
+    r = RequestKV(cache, PROMPT)
+    r.extend(PROMPT)
+    r.checkpoint()
+    r.finish()
+
+
+@pytest.mark.parametrize("checkpoint,resumes_at", [(0, 0), (16, 16)])
+def test_host_write_back_keeps_the_checkpoint_window(checkpoint, resumes_at):
+    """Device eviction writes the node back with the windows before each point a match may end (node end and,
+    with checkpoints, its last multiple of K); the next turn then resumes in the host tier at the checkpoint."""
+    cache, tiers = _tree_with_checkpoint(checkpoint)
+    _cache_prompt(cache)
+    cache.evict_swa(1)  # trim to the kept windows
+    cache.evict_full(10**6)  # everything to the host
+    node = cache.root.children[tuple(PROMPT[:4])]
+    assert node.full is None
+    assert set(node.host.swa) == set(range(24, 32)) | (set(range(8, 16)) if checkpoint else set())
+    m = RequestKV(cache, NEXT)
+    assert m.cached_tokens == resumes_at and tiers.stats.hit_host == resumes_at
+    m.finish(cache_result=False)
+
+
+@pytest.mark.parametrize("checkpoint,resumes_at", [(0, 0), (16, 16)])
+def test_store_page_at_a_checkpoint_carries_its_window(checkpoint, resumes_at):
+    """Written on insert, the page ending at the node's checkpoint carries the window before it: another worker
+    resumes there from the store."""
+    store = MemoryKVStore(10**9)
+    writer, _ = _tree_with_checkpoint(checkpoint, store)
+    _cache_prompt(writer)
+    store.flush()
+    reader, tiers = _tree_with_checkpoint(checkpoint, store, host=False)
+    m = RequestKV(reader, NEXT)
+    assert m.cached_tokens == resumes_at and tiers.stats.hit_store == resumes_at
+    m.finish(cache_result=False)
+
+
+
+@pytest.mark.parametrize("checkpoint,resumes_at", [(0, 0), (16, 36)])
+def test_engine_resumes_at_the_checkpoint_with_the_same_greedy_output(model, checkpoint, resumes_at):
+    """The next turn re-sends a 40-token prompt (one prefill chunk) but diverges at token 36. After SWA trimming
+    the node keeps the window before its end ([32, 40)) and, with checkpoints every 16, before 32 ([24, 32)):
+    together they cover the W = 8 tokens before 36, so the engine resumes there (without, at 0) and samples
+    exactly what no cache samples."""
+    rng = random.Random(3)
+    prompt = [rng.randrange(61) for _ in range(40)]
+    nxt = prompt[:36] + [rng.randrange(61) for _ in range(6)]
+    opts = dict(page_size=4, chunk_size=64, swa_checkpoint_interval=checkpoint)
+    want = LLM(model, prefix_cache=False, **opts).generate(prompt_token_ids=[nxt], sampling_params=SP)
+    llm = LLM(model, **opts)
+    llm.generate(prompt_token_ids=[prompt], sampling_params=SP)
+    llm.cache.evict_swa(1)  # SWA pressure: the cached prompt is trimmed to its kept windows
+    before = llm.stats()["prefix_hit_tokens"]
+    got = llm.generate(prompt_token_ids=[nxt], sampling_params=SP)
+    assert llm.stats()["prefix_hit_tokens"] - before == resumes_at
+    assert got[0].output_token_ids == want[0].output_token_ids

@@ -232,12 +232,13 @@ OPS = st.lists(
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(OPS, st.sampled_from([1, 2, 4]))
-def test_property_accounting_invariant_and_no_pseudo_hits(ops, page):
+@given(OPS, st.sampled_from([1, 2, 4]), st.sampled_from([0, 12]))
+def test_property_accounting_invariant_and_no_pseudo_hits(ops, page, checkpoint):
     """free + evictable + protected + in-flight == total for both pools after every operation, and every
     match returns slots holding exactly the query's prefixes — under a tiny SWA pool and heavy eviction,
-    for page sizes 1, 2 and 4."""
+    for page sizes 1, 2 and 4, with denser SWA checkpoints off and on."""
     h = Harness(full=300, swa=60, page=page)
+    h.cache.swa_checkpoint_interval = checkpoint
     prefixes = [toks(10, seed=s, vocab=6) for s in range(3)]  # few, short vocab: lots of sharing
     for op, x in ops:
         rng = random.Random(x)
@@ -320,6 +321,37 @@ def test_swa_eviction_trims_to_node_ends_first_even_under_a_lock():
     assert again.cached_tokens == 40  # the prompt's end is still window-safe
     h.finish(again)
     h.check_accounting()
+
+
+@pytest.mark.parametrize("k,resumes_at", [(0, 0), (16, 16)])
+def test_denser_checkpoint_keeps_the_window_before_a_nodes_last_multiple_of_k(k, resumes_at):
+    """A next turn that re-sends a cached prompt but diverges before its end (token 20 of 30): trimming keeps the
+    window before the node's last multiple of K (16), so the match resumes there; without checkpoints only the node
+    end's window is left and the match falls back to the node start."""
+    h = Harness(full=400, swa=120)
+    h.cache.swa_checkpoint_interval = k
+    a = toks(30, seed=41)
+    r = h.start(a)
+    h.compute(r, a)
+    r.checkpoint()  # a prompt chunk: the tree gets all 30 tokens with live SWA
+    h.finish(r)
+    h.cache.evict_swa(1)  # pass 1 trims the node
+    node = h.cache.root.children[(a[0],)]
+    live = {j for j, s in enumerate(node.swa) if s is not None}
+    assert live == set(range(30 - W, 30)) | (set(range(16 - W, 16)) if k else set())
+    assert h.cache.window_ends(node) == ([30, 16] if k else [30])
+    h.check_accounting()
+    nxt = h.start(a[:20] + toks(6, seed=42))  # start() checks the hit's slots hold exactly this prefix's KV
+    assert nxt.cached_tokens == resumes_at
+    h.finish(nxt)
+    h.check_accounting()
+
+
+@pytest.mark.parametrize("k,page", [(8, 1), (10, 4), (-16, 1)])
+def test_checkpoint_interval_must_be_a_page_multiple_above_the_window(k, page):
+    h = Harness(page=page)
+    with pytest.raises(ValueError, match="multiple of the page size"):
+        h.cache.swa_checkpoint_interval = k
 
 
 def test_split_of_a_locked_node_leaves_no_swa_lock_behind():

@@ -2,8 +2,9 @@
 
 Every tree node keeps its full-pool slots while it is on the device (`node.full`), or `None` once its device copy
 was evicted; `node.host` is its host copy (`HostCopy`): host pages with the full layers' KV of all its tokens and
-host SWA slots for the sliding layers' KV of its last W tokens only (a match can only end at a node end, and a
-sliding layer needs exactly the W tokens before it). The device-resident nodes are always a top of the tree (a
+host SWA slots for the sliding layers' KV of the W tokens before each point where a match may end (the node end
+and, with denser checkpoints, the node's last checkpoint: `SWARadixCache.window_ends`), since a sliding layer needs
+exactly the W tokens before a match end. The device-resident nodes are always a top of the tree (a
 node on the device has its parent on the device): device eviction takes nodes with no device child.
 
 - Device full eviction (`evict_full`) writes a node back to the host (unless it already has a host copy: then the
@@ -48,7 +49,7 @@ class HostCopy:
 
     def __init__(self, pages: list[int] | None = None, swa: dict[int, int] | None = None, stamp: int = 0):
         self.pages = pages  # host full pages covering the node's tokens (None: not on the host)
-        self.swa = swa if swa is not None else {}  # node token index -> host SWA slot (its last W tokens at most)
+        self.swa = swa if swa is not None else {}  # node token index -> host SWA slot (window tokens only)
         self.stamp = stamp
 
     @property
@@ -272,11 +273,10 @@ class KVTiers:
 
     # ----------------------------------------------------------------------------------- write paths
     def _window_js(self, node: Node) -> list[int]:
-        """Node-end window tokens live on the device and not yet on the host."""
+        """Window tokens (before the node end and its checkpoint, `window_ends`) live on the device and not yet on
+        the host."""
         hs = node.host.swa if node.host is not None else {}
-        return [
-            j for j in range(max(0, len(node.key) - self.W), len(node.key)) if node.swa[j] is not None and j not in hs
-        ]
+        return sorted(j for j in self.cache.window_tokens(node) if node.swa[j] is not None and j not in hs)
 
     def _write_host(self, node: Node, full: bool, js: list[int]) -> bool:
         """Copies the node's full KV (if `full`) and the SWA of tokens `js` to the host."""
@@ -348,19 +348,27 @@ class KVTiers:
         h = node.host
         npages = len(node.key) // self.P
         W = self.W
-        win_js = list(range(len(node.key) - W, len(node.key))) if len(node.key) >= W else []
-        has_window = bool(win_js) and all(node.swa[j] is not None or (h is not None and j in h.swa) for j in win_js)
+
+        def live(j: int) -> bool:
+            return node.swa[j] is not None or (h is not None and j in h.swa)
+
+        # A page ending where a match may end (`window_ends`) carries the window before it, when all of it is live.
+        windows = {
+            e: list(range(e - W, e))
+            for e in self.cache.window_ends(node)
+            if e >= W and e % self.P == 0 and all(live(j) for j in range(e - W, e))
+        }
         if self.device is not None and (
             self.pending.touches(False, device=node.full or ())
             or self.pending.touches(True, device=[s for s in node.swa if s is not None])
         ):
             self.flush()
         for i in range(npages):
-            last = i == npages - 1
+            win_js = windows.get((i + 1) * self.P)
             page = PageData(
                 hashes[start // self.P + i],
-                has_window=last and has_window,
-                nbytes=self.P * self.full_b + (W * self.swa_b if last and has_window else 0),
+                has_window=win_js is not None,
+                nbytes=self.P * self.full_b + (W * self.swa_b if win_js is not None else 0),
             )
             if self.device is not None:
                 if node.full is not None:
@@ -368,7 +376,7 @@ class KVTiers:
                 else:
                     src, idx = (self.data.k, self.data.v), self._slots(h.pages[i : i + 1])
                 self._gather(page.full, src, idx, False)
-                if page.has_window:
+                if win_js is not None:
                     for layer in self.device.k:
                         if not self.device.sliding[layer]:
                             continue
