@@ -67,7 +67,7 @@ class LLM:
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
         try:
-            self.cache.swa_checkpoint_interval = cfg.swa_checkpoint_interval
+            self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:
             raise ValueError(f"--swa-checkpoint-interval: {e}") from None
         self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
@@ -329,3 +329,25 @@ class OverloadedError(RuntimeError):
 
 
 __all__ = ["LLM", "OverloadedError", "PromptTooLong"]
+
+
+def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:
+    """The SWA checkpoint interval: a value the user set is used as is (the cache rejects one that is not a page
+    multiple above the window); the default is rounded up to the first page multiple above the window, so a page
+    size or a model window it does not fit never stops a worker from starting."""
+    k = cfg.swa_checkpoint_interval
+    default = next(f.default for f in fields(LLMConfig) if f.name == "swa_checkpoint_interval")
+    if k != default:
+        return k
+    page = cfg.page_size
+    fitted = max(k, window + 1)
+    fitted = -(-fitted // page) * page
+    if fitted != k:
+        log.info(
+            "SWA checkpoint interval %d -> %d (a multiple of the page size %d above the window %d)",
+            k,
+            fitted,
+            page,
+            window,
+        )
+    return fitted

@@ -401,8 +401,9 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     share = dev_full / max(device_bytes, 1)  # the host bytes split like the device pools' (as engine.LLM does)
     host_full, host_swa = int(host_bytes * share) // ubytes[0], int(host_bytes * (1 - share)) // ubytes[1]
     K = args.swa_checkpoint_interval // unit
-    # The switch comparison's K when the flag is 0: the engine's default (one trace block).
-    switch_k = K or max(DEFAULT_CHECKPOINT, page, 2 * cfg.window) // unit
+    # The switch comparison's K when the flag is 0: the engine's default (one trace block), as the engine fits it
+    # (a page multiple above the window).
+    switch_k = K or -(-max(DEFAULT_CHECKPOINT // unit, w + 1) // p) * p
     data = bool(args.kv_store)
 
     def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True, write=args.kv_store_write):

@@ -329,7 +329,6 @@ def test_store_page_at_a_checkpoint_carries_its_window(checkpoint, resumes_at):
     m.finish(cache_result=False)
 
 
-
 @pytest.mark.parametrize("checkpoint,resumes_at", [(0, 0), (16, 36)])
 def test_engine_resumes_at_the_checkpoint_with_the_same_greedy_output(model, checkpoint, resumes_at):
     """The next turn re-sends a 40-token prompt (one prefill chunk) but diverges at token 36. After SWA trimming
@@ -348,3 +347,13 @@ def test_engine_resumes_at_the_checkpoint_with_the_same_greedy_output(model, che
     got = llm.generate(prompt_token_ids=[nxt], sampling_params=SP)
     assert llm.stats()["prefix_hit_tokens"] - before == resumes_at
     assert got[0].output_token_ids == want[0].output_token_ids
+
+
+def test_default_checkpoint_interval_fits_the_page_size_and_a_set_one_is_checked(model):
+    """The default (512) is fitted to a page size it does not divide; a value the user set is never changed:
+    one the cache cannot use is a startup error naming the flag."""
+    assert LLM(model, page_size=4).cache.swa_checkpoint_interval == 512
+    assert LLM(model, page_size=48).cache.swa_checkpoint_interval == 528
+    assert LLM(model, page_size=4, swa_checkpoint_interval=0).cache.swa_checkpoint_interval == 0
+    with pytest.raises(ValueError, match="--swa-checkpoint-interval: .* 100 must be"):
+        LLM(model, page_size=48, swa_checkpoint_interval=100)
