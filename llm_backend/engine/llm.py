@@ -63,6 +63,19 @@ class LLM:
                 f"least window {mcfg.window} + --chunk-size {cfg.chunk_size} + --release-interval "
                 f"{cfg.release_interval} + 1"
             )
+        busy = cfg.max_running * (mcfg.window + cfg.release_interval) + cfg.chunk_size
+        if cfg.swa_cache_tokens < busy:
+            log.warning(
+                "--swa-cache-tokens %d holds less than --max-running %d windows (%d + --release-interval %d each) "
+                "plus one --chunk-size %d chunk (%d tokens): with that many requests running, a prompt chunk "
+                "preempts a younger request to fit",
+                cfg.swa_cache_tokens,
+                cfg.max_running,
+                mcfg.window,
+                cfg.release_interval,
+                cfg.chunk_size,
+                busy,
+            )
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)

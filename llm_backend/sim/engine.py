@@ -44,6 +44,7 @@ class WorkerConfig:
     host_full_tokens: int = 0  # host KV tier (real tokens of full-layer KV; 0 = off) and its SWA window slots
     host_swa_tokens: int = 0
     swa_backfill: bool = False  # the engine's --swa-backfill
+    swa_checkpoint_interval: int = 512  # the engine's --swa-checkpoint-interval (real tokens; fitted to pages, 0 = off)
     links: TierLinks = field(default_factory=TierLinks)
 
 
@@ -71,6 +72,9 @@ class SimWorker:
         self.full_pool = SlotPool("full", c.full_tokens // U, max(1, c.page_size // U))
         self.swa_pool = SlotPool("swa", c.swa_tokens // U)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
+        if c.swa_checkpoint_interval:  # as the engine fits its default: a page multiple above the window
+            page = self.full_pool.page_size
+            self.cache.swa_checkpoint_interval = -(-max(-(-c.swa_checkpoint_interval // U), window + 1) // page) * page
         self.now = 0.0
         self.scheduler = Scheduler(
             self.cache,

@@ -167,4 +167,4 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--quick", action="store_true", help="a seconds-long version (CI): 0.5%% of the conversations, 2 workers"
     )
-    add_model_flags(p, kv_gib=8.0)
+    add_model_flags(p, kv_gib=16.0)

@@ -64,6 +64,13 @@ def add_model_flags(p, shape="flash", kv_gib=40.0, page=128, chunk=8192, max_run
         help="prefill tokens per step, oldest prompt first (-1 = one chunk, 0 = no cap) (default: -1)",
     )
     g.add_argument(
+        "--swa-checkpoint-interval",
+        type=int,
+        default=512,
+        help="the engine's denser SWA checkpoints: trimming keeps the window before each cached span's last "
+        "multiple of this many tokens, fitted to a page multiple above the window (0 = off; default: 512)",
+    )
+    g.add_argument(
         "--wait-penalty", type=float, default=2048.0, help="uncached tokens forgiven per second waited (default: 2048)"
     )
     g.add_argument(
@@ -102,7 +109,10 @@ def build(args, scheduler: str = "uncached_first_buckets") -> tuple[CostModel, W
         length_buckets=buckets,
         unit=args.unit,
         max_prefill_tokens=args.chunk_size if args.max_prefill_tokens < 0 else args.max_prefill_tokens,
+        swa_checkpoint_interval=args.swa_checkpoint_interval,
     )
+    if args.swa_checkpoint_interval < 0:
+        raise SystemExit(f"--swa-checkpoint-interval must be >= 0, got {args.swa_checkpoint_interval}")
     return cost, cfg
 
 
@@ -118,6 +128,7 @@ def describe(cost: CostModel, cfg: WorkerConfig) -> dict:
             "max_running": cfg.max_running,
             "max_prefill_tokens": cfg.max_prefill_tokens,
             "wait_penalty": cfg.wait_penalty,
+            "swa_checkpoint_interval": cfg.swa_checkpoint_interval,
             "unit": cfg.unit,
         },
     }

@@ -162,3 +162,16 @@ def test_engine_on_triton_kernels_equals_reference_model(monkeypatch, window, kv
     assert rest[0].usage.cached_tokens > 0  # the second prompt extended a cached prefix through the extend kernel
     for p, o in zip(prompts, first + rest):
         assert o.output_token_ids == reference_greedy(model, p, steps)
+
+
+def test_an_swa_pool_too_small_for_the_running_requests_is_logged(caplog):
+    """A pool that passes the one-request check but cannot hold --max-running windows plus a chunk starts, and
+    says that prompt chunks will preempt."""
+    model = small_model(8, 1)
+    with caplog.at_level("WARNING", logger="llm_backend.engine.llm"):
+        LLM(model, swa_cache_tokens=100, chunk_size=16, max_running=16, release_interval=4)
+    assert any("preempts a younger request" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="llm_backend.engine.llm"):
+        LLM(model, swa_cache_tokens=400, chunk_size=16, max_running=16, release_interval=4)
+    assert not any("preempts" in r.getMessage() for r in caplog.records)
