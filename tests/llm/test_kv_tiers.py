@@ -357,3 +357,23 @@ def test_default_checkpoint_interval_fits_the_page_size_and_a_set_one_is_checked
     assert LLM(model, page_size=4, swa_checkpoint_interval=0).cache.swa_checkpoint_interval == 0
     with pytest.raises(ValueError, match="--swa-checkpoint-interval: .* 100 must be"):
         LLM(model, page_size=48, swa_checkpoint_interval=100)
+
+
+@pytest.mark.parametrize("checkpoint,resumes_at", [(0, 0), (16, 32)])
+def test_another_worker_resumes_at_a_checkpoint_page_from_redis(model, redis_server, checkpoint, resumes_at):  # noqa: F811
+    """Worker A caches a 40-token prompt (one prefill chunk) and writes its pages to Redis as they enter its tree;
+    worker B, empty, gets the next turn diverging at token 36: the page ending at A's checkpoint (32) carries the
+    window before it, so B loads 32 tokens from Redis (real tensors) and samples what no cache samples."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(61) for _ in range(40)]
+    nxt = prompt[:36] + [rng.randrange(61) for _ in range(6)]
+    opts = dict(page_size=4, chunk_size=64, swa_checkpoint_interval=checkpoint)
+    want = LLM(model, prefix_cache=False, **opts).generate(prompt_token_ids=[nxt], sampling_params=SP)
+    a = LLM(model, kv_store=redis_server.url, kv_store_write="insert", **opts)
+    a.generate(prompt_token_ids=[prompt], sampling_params=SP)
+    a.tiers.store.flush()
+    b = LLM(model, kv_store=redis_server.url, kv_store_write="insert", **opts)
+    got = b.generate(prompt_token_ids=[nxt], sampling_params=SP)
+    s = b.stats()
+    assert s["kv_tier_hit_store"] == resumes_at and s["kv_store_corrupt"] == 0
+    assert got[0].output_token_ids == want[0].output_token_ids
