@@ -148,3 +148,26 @@ def test_a_failing_admission_fails_that_request_and_the_engine_goes_on(monkeypat
     assert bad.finish_reason == "error" and "bookkeeping bug" in bad.error and not llm.has_work()
     good = llm.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_tokens=3))[0]
     assert good.finish_reason == "length"
+
+
+def test_nothing_running_never_refuses_a_request_the_trees_evictable_swa_makes_room_for():
+    """The smallest SWA pool the engine accepts (window + chunk + release interval + 1), filled with the cached
+    windows and checkpoints of earlier prompts: with nothing running, a new prompt that needs a whole chunk of SWA
+    is admitted (the tree's unlocked SWA is evicted for it), never refused as "does not fit"."""
+    model = small_model(8, 1)
+    W, chunk, interval = 8, 16, 4
+    llm = LLM(
+        model,
+        kv_cache_tokens=4000,
+        swa_cache_tokens=W + chunk + interval + 1,
+        chunk_size=chunk,
+        release_interval=interval,
+        page_size=4,
+        swa_checkpoint_interval=16,
+    )
+    sp = SamplingParams(max_tokens=3)
+    for i in range(12):
+        prompt = [(i * 7 + j) % 61 for j in range(40 + i)]
+        (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
+        assert out.finish_reason == "length", (i, out.finish_reason)
+        assert llm.cache.accounting()["swa"]["evictable"] > 0  # the tree keeps SWA for the next request to evict
