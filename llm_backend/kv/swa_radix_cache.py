@@ -407,15 +407,27 @@ class SWARadixCache:
             keep.update(range(max(0, e - self.window), e))
         return keep
 
+    def _outside_windows(self, node: Node) -> list[tuple[int, int]]:
+        """The [a, b) runs of `node`'s token indexes outside every window trimming keeps."""
+        n, W = len(node.swa), self.window
+        if n <= W:
+            return []
+        runs, pos = [], 0
+        for a, b in sorted((max(0, e - W), e) for e in self.window_ends(node)):
+            if a > pos:
+                runs.append((pos, a))
+            pos = max(pos, b)
+        if pos < n:
+            runs.append((pos, n))
+        return runs
+
     def _trim_positions(self, node: Node) -> list[int]:
         """Token indexes of `node` whose SWA trimming frees: live and outside every kept window."""
-        if len(node.swa) <= self.window:
-            return []
-        keep = self.window_tokens(node)
-        return [j for j, s in enumerate(node.swa) if s is not None and j not in keep]
+        return [j for a, b in self._outside_windows(node) for j in range(a, b) if node.swa[j] is not None]
 
-    def _trimmable(self, node: Node) -> int:
-        return len(self._trim_positions(node))
+    def _trimmable(self, node: Node) -> bool:
+        # list.count runs in C: the LRU scan asks this of every node on each SWA eviction
+        return any(node.swa[a:b].count(None) != b - a for a, b in self._outside_windows(node))
 
     def evict_swa(self, num: int) -> int:
         """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA), in two passes:
