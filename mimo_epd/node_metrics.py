@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Callable
+
+from mimo_epd.common.metrics_http import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +54,7 @@ class NodeMetrics:
 
     def __init__(self, targets: Callable[[], dict[str, int]], timeout_s: float = 2.0):
         self.targets, self.timeout_s = targets, timeout_s
-        self._runner = None
+        self._server = MetricsServer(self._body, "the node's metrics", "--metrics-port")
         self._session = None
 
     async def _scrape(self, port: int) -> str | None:
@@ -65,38 +66,24 @@ class NodeMetrics:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
 
-    async def _handle(self, request):
-        from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST
-
+    async def _body(self) -> bytes:
         targets = self.targets()
         texts = await asyncio.gather(*(self._scrape(p) for p in targets.values()))
-        body = merge(dict(zip(targets, texts)))
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return merge(dict(zip(targets, texts)))
 
     async def start(self, host: str, port: int) -> int:
         """Starts serving; returns the port. A port in use raises OSError naming it."""
         import aiohttp
-        from aiohttp import web
 
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        app = web.Application()
-        app.router.add_get("/metrics", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
         try:
-            await site.start()
-        except OSError as e:
+            return await self._server.start(host, port)
+        except OSError:
             await self.close()
-            reason = os.strerror(e.errno) if e.errno else str(e)
-            raise OSError(f"cannot serve the node's metrics on {host}:{port} (--metrics-port): {reason}") from None
-        return site._server.sockets[0].getsockname()[1]
+            raise
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._server.close()
         if self._session is not None:
             await self._session.close()
             self._session = None

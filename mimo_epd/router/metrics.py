@@ -20,6 +20,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
+from mimo_epd.common.metrics_http import MetricsServer
+
 # Signed token errors: exact predictions land in the 0 bucket; one block (16 tokens) off either way is common.
 ERROR_BUCKETS = (-4096, -1024, -256, -64, -16, -1, 0, 16, 64, 256, 1024, 4096, float("inf"))
 
@@ -50,35 +52,20 @@ class RouterMetrics:
         self.live.set_function(lambda: float(len(router.live())))
         self.index_blocks: dict[str, int] = {}  # refreshed by the router's discovery loop
         r.register(_IndexCollector(self))
-        self._runner = None
+        self._server = MetricsServer(self._body, "the router's metrics")
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    async def _body(self) -> bytes:
+        return self.render()
+
     async def start(self, host: str, port: int) -> int:
         """Serves /metrics on host:port (0 = a free port); returns the port."""
-        from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST
-
-        async def handle(request):
-            return web.Response(body=self.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        try:
-            await site.start()
-        except OSError as e:
-            await self.close()
-            raise OSError(f"cannot serve the router's metrics on {host}:{port}: {e.strerror or e}") from None
-        return site._server.sockets[0].getsockname()[1]
+        return await self._server.start(host, port)
 
     async def close(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
+        await self._server.close()
 
 
 class _IndexCollector:
