@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 
 class MetricsServer:
@@ -12,7 +13,7 @@ class MetricsServer:
     def __init__(self, body: Callable[[], Awaitable[bytes]], what: str, flag: str = ""):
         # `what` and `flag` name the server in errors: "the node's metrics", "--metrics-port"
         self.body, self.what, self.flag = body, what, flag
-        self._runner = None
+        self._runner: Any = None
 
     async def start(self, host: str, port: int) -> int:
         """Starts serving on host:port (0 = a free port); returns the port. A port in use raises OSError naming
@@ -25,9 +26,9 @@ class MetricsServer:
 
         app = web.Application()
         app.router.add_get("/metrics", handle)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        runner = self._runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port)
         try:
             await site.start()
         except OSError as e:
@@ -35,7 +36,8 @@ class MetricsServer:
             reason = os.strerror(e.errno) if e.errno else str(e)
             flag = f" ({self.flag})" if self.flag else ""
             raise OSError(f"cannot serve {self.what} on {host}:{port}{flag}: {reason}") from None
-        return site._server.sockets[0].getsockname()[1]
+        server: Any = site._server
+        return server.sockets[0].getsockname()[1]
 
     async def close(self) -> None:
         if self._runner is not None:
