@@ -160,7 +160,9 @@ def test_prefix_cache_tiers_quick(tmp_path):
     modes = out["modes"]
     fleets = {f"l1_l2_l3_{p}{w}" for p in ("round_robin", "affinity") for w in ("", "_evict")}
     # The switches flipped from their defaults (back-fill off, checkpoints on): one mode each.
-    tiered = {"l1_l2", "l1_l2_swa_backfill_on", "l1_l2_swa_checkpoint_off"} | fleets
+    # The host tier's other policy and write mode: one mode each too.
+    tiered = {"l1_l2", "l1_l2_swa_backfill_on", "l1_l2_swa_checkpoint_off", "l1_l2_host_fifo", "l1_l2_write_through"}
+    tiered |= fleets
     assert {"swa_aware", "full_kv", "unbounded", "l1"} | tiered == set(modes) == set(out["hit_token_rate"])
     assert out["config"]["requests"] <= 300
     for name, m in modes.items():
@@ -188,6 +190,9 @@ def test_prefix_cache_tiers_quick(tmp_path):
     assert hits["l1_l2"] >= hits["l1"]
     assert all(hits["unbounded"] >= v for v in hits.values()), hits
     assert modes["l1_l2"]["tiers"]["pages_d2h"] > 0  # the device evicted into the host tier
+    # write-through copies every inserted node: at least the pages write-back copies on eviction
+    assert modes["l1_l2_write_through"]["tiers"]["pages_d2h"] >= modes["l1_l2"]["tiers"]["pages_d2h"]
+    assert {"host_lru_vs_fifo", "write_back_vs_through"} <= set(out["ratios"])
     assert {"l1_l2_vs_unbounded", "l3_round_robin_vs_affinity", "l3_round_robin_vs_affinity_evict"} <= set(
         out["ratios"]
     )

@@ -26,6 +26,9 @@ device budget as `swa_aware`:
 - `l1_l2`: plus a host tier of `--host-factor` x the device bytes (split like the device pools);
 - `l1_l2_swa_backfill_on|off`, `l1_l2_swa_checkpoint_on|off`: `l1_l2` with one hit-rate switch flipped from its
   configured value (`--swa-backfill`, default off; `--swa-checkpoint-interval`, default 512 as the engine's);
+- `l1_l2_host_<policy>`, `l1_l2_write_<mode>`: `l1_l2` with the host tier's other eviction policy (`--host-kv-policy`,
+  default lru) or its other write mode (`--host-kv-write`, default back: a node is copied when the device evicts
+  it; through: when it is inserted), the measurements behind the engine's defaults;
 - `l1_l2_l3_round_robin`, `l1_l2_l3_affinity`: 4 workers (`--workers`) in this process, each with its own device
   pools and host tier, sharing one store (an in-process `MemoryKVStore` of `--store-factor` x one worker's device
   bytes, or the Redis at `--kv-store`); requests go round robin or to the longest cached prefix (the router's own
@@ -161,6 +164,8 @@ def make_tiers(
     store=None,
     data: bool = False,
     store_write: str = "insert",
+    policy: str = "lru",
+    write: str = "back",
 ):
     from llm_backend.kv.tiers import KVTiers
 
@@ -171,6 +176,8 @@ def make_tiers(
         swa_backfill=swa_backfill,
         store=store,
         store_write=store_write,
+        policy=policy,
+        write_through=write == "through",
         token_bytes=unit_bytes,
         evict_fraction=evict_fraction,
     )
@@ -321,6 +328,12 @@ def main(args) -> dict:
                 "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
                 "swa_backfill_on_vs_off": ratio(*switch_modes(args, "swa_backfill")),
                 "swa_checkpoint_on_vs_off": ratio(*switch_modes(args, "swa_checkpoint")),
+                f"host_{args.host_kv_policy}_vs_{OTHER_POLICY[args.host_kv_policy]}": ratio(
+                    "l1_l2", f"l1_l2_host_{OTHER_POLICY[args.host_kv_policy]}"
+                ),
+                f"write_{args.host_kv_write}_vs_{OTHER_HOST_WRITE[args.host_kv_write]}": ratio(
+                    "l1_l2", f"l1_l2_write_{OTHER_HOST_WRITE[args.host_kv_write]}"
+                ),
             }
         )
     out = {
@@ -370,6 +383,8 @@ class FluidLoad:
 
 
 OTHER_WRITE = {"insert": "evict", "evict": "insert"}
+OTHER_POLICY = {"lru": "fifo", "fifo": "lru"}
+OTHER_HOST_WRITE = {"back": "through", "through": "back"}
 SWITCHES = ("swa_backfill", "swa_checkpoint")
 DEFAULT_CHECKPOINT = 512  # the engine's --swa-checkpoint-interval default
 
@@ -406,7 +421,16 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     switch_k = K or -(-max(DEFAULT_CHECKPOINT // unit, w + 1) // p) * p
     data = bool(args.kv_store)
 
-    def replay(name, store=None, backfill=args.swa_backfill, k=K, host=True, write=args.kv_store_write):
+    def replay(
+        name,
+        store=None,
+        backfill=args.swa_backfill,
+        k=K,
+        host=True,
+        write=args.kv_store_write,
+        policy=args.host_kv_policy,
+        host_write=args.host_kv_write,
+    ):
         t = dict(
             host_full=host_full if host else 0,
             host_swa=host_swa if host else 0,
@@ -416,6 +440,8 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
             store=store,
             data=data,
             store_write=write,
+            policy=policy,
+            write=host_write,
         )
         return Replay(
             name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t, checkpoint_units=k
@@ -442,6 +468,14 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     for sw in SWITCHES:
         name = f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}"
         timed(name, lambda name=name, sw=sw: single(replay(name, **flipped[sw])))
+    # The host tier's two policy flags, each flipped (the measurement behind the engine's defaults).
+    other_policy = OTHER_POLICY[args.host_kv_policy]
+    other_host_write = OTHER_HOST_WRITE[args.host_kv_write]
+    timed(f"l1_l2_host_{other_policy}", lambda: single(replay(f"l1_l2_host_{other_policy}", policy=other_policy)))
+    timed(
+        f"l1_l2_write_{other_host_write}",
+        lambda: single(replay(f"l1_l2_write_{other_host_write}", host_write=other_host_write)),
+    )
     store_bytes = int(device_bytes * args.store_factor)
 
     def fleet(name, policy, write=args.kv_store_write):
@@ -477,6 +511,8 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
         "host_factor": args.host_factor,
         "host_bytes": host_bytes,
         "host_units": {"full": host_full, "swa": host_swa},
+        "host_kv_policy": args.host_kv_policy,
+        "host_kv_write": args.host_kv_write,
         "workers": args.workers,
         "store": args.kv_store or "memory",
         "store_bytes": None if args.kv_store else store_bytes,
@@ -563,6 +599,19 @@ def add_arguments(p) -> None:
         help="--tiers: in-process shared store bytes / one worker's device bytes (default: 4)",
     )
     p.add_argument("--workers", type=int, default=4, help="--tiers: workers sharing the L3 store (default: 4)")
+    p.add_argument(
+        "--host-kv-policy",
+        choices=("lru", "fifo"),
+        default="lru",
+        help="--tiers: host tier eviction, as the engine's flag (the other policy runs as l1_l2_host_<policy>; "
+        "default: lru)",
+    )
+    p.add_argument(
+        "--host-kv-write",
+        choices=("back", "through"),
+        default="back",
+        help="--tiers: host tier writes, as the engine's flag (the other runs as l1_l2_write_<mode>; default: back)",
+    )
     p.add_argument(
         "--fleet-load",
         type=float,
