@@ -433,10 +433,10 @@ class SWARadixCache:
         """Frees at least `num` SWA slots if it can (LRU over unlocked nodes with live SWA), in two passes:
         1. trim: free the SWA of tokens outside the last W of a node (and outside its checkpoint window, see
            `window_ends`). A match can only end where the W tokens before it are live; node ends (where prompts
-           ended or diverged) keep that window, so their hits survive — only hits ending elsewhere in a node
-           are cut back. Locked nodes are trimmed too: a lock
-           always ends at a node end (a match ending inside a node splits it), so the window it protects is a
-           suffix of at most W tokens of each node it covers, which trimming keeps;
+           ended or diverged) keep that window, so their hits survive — only hits ending elsewhere in a node are
+           cut back. Locked nodes are trimmed too: a lock always ends at a node end (a match ending inside a node
+           splits it), so the window it protects is a suffix of at most W tokens of each node it covers, which
+           trimming keeps;
         2. tombstone: free whole unlocked nodes' SWA, least recently used first."""
         freed = 0
         heap, _ = self._lru_heap(self._trimmable)
