@@ -78,8 +78,8 @@ class NodeMetrics:
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
             return await self._server.start(host, port)
-        except OSError:
-            await self.close()
+        except BaseException:
+            await self.close()  # the scrape session too
             raise
 
     async def close(self) -> None:

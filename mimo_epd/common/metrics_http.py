@@ -21,6 +21,9 @@ class MetricsServer:
         from aiohttp import web
         from prometheus_client import CONTENT_TYPE_LATEST
 
+        if self._runner is not None:
+            raise RuntimeError(f"{self.what}: already serving")
+
         async def handle(request):
             return web.Response(body=await self.body(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -33,9 +36,14 @@ class MetricsServer:
             await site.start()
         except OSError as e:
             await self.close()
-            reason = os.strerror(e.errno) if e.errno else str(e)
+            # "Address already in use" (asyncio's own text repeats the address); a resolver error has a negative
+            # errno and its own text ("Name or service not known")
+            reason = os.strerror(e.errno) if e.errno and e.errno > 0 else e.strerror or str(e)
             flag = f" ({self.flag})" if self.flag else ""
             raise OSError(f"cannot serve {self.what} on {host}:{port}{flag}: {reason}") from None
+        except BaseException:
+            await self.close()
+            raise
         server: Any = site._server
         return server.sockets[0].getsockname()[1]
 

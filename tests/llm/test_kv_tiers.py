@@ -224,15 +224,29 @@ OPS = st.lists(
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    OPS, st.sampled_from([1, 2, 4]), st.booleans(), st.sampled_from([None, "evict", "insert"]), st.sampled_from([0, 12])
+    OPS,
+    st.sampled_from([1, 2, 4]),
+    st.booleans(),
+    st.sampled_from([None, "evict", "insert"]),
+    st.sampled_from([0, 12]),
+    st.booleans(),
+    st.sampled_from([(24, 16), (40, 30), (160, 60)]),
 )
-def test_property_accounting_across_tiers(ops, page, backfill, store_write, checkpoint):
+def test_property_accounting_across_tiers(ops, page, backfill, store_write, checkpoint, write_through, host):
+    """Slot accounting of the device pools and the host tier after every operation, and the device-resident nodes
+    a top of the tree, under every combination of the tiers' switches and host sizes (small hosts evict)."""
     full_pool, swa_pool = SlotPool("full", 240, page), SlotPool("swa", 100)
     cache = SWARadixCache(full_pool, swa_pool, W, page)
     cache.swa_checkpoint_interval = checkpoint
     store = MemoryKVStore(10**9) if store_write else None
     tiers = KVTiers(
-        cache, 160, 60, swa_backfill=backfill, store=store, store_write=store_write or "evict", token_bytes=(10, 10)
+        cache,
+        *host,
+        swa_backfill=backfill,
+        write_through=write_through,
+        store=store,
+        store_write=store_write or "evict",
+        token_bytes=(10, 10),
     )
     prefixes = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
     running: list[tuple[RequestKV, list[int]]] = []
@@ -377,3 +391,46 @@ def test_another_worker_resumes_at_a_checkpoint_page_from_redis(model, redis_ser
     s = b.stats()
     assert s["kv_tier_hit_store"] == resumes_at and s["kv_store_corrupt"] == 0
     assert got[0].output_token_ids == want[0].output_token_ids
+
+
+def _host_pressure_workload(seed: int) -> None:
+    """Random requests over three shared prefixes through a small host tier (write-back or write-through):
+    host eviction runs often, with many nodes of equal LRU stamps."""
+    rng = random.Random(seed)
+    page = rng.choice([1, 2, 4])
+    cache = SWARadixCache(SlotPool("full", 240, page), SlotPool("swa", 100), W, page)
+    KVTiers(
+        cache,
+        rng.choice([24, 40, 80]),
+        rng.choice([16, 30]),
+        write_through=rng.random() < 0.5,
+        swa_backfill=rng.random() < 0.5,
+        token_bytes=(10, 10),
+    )
+    prefixes = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
+    running: list[tuple[RequestKV, list[int]]] = []
+    for _ in range(80):
+        op, x = rng.choice(["start", "compute", "finish", "evict_full", "evict_swa"]), rng.randrange(10**6)
+        if op == "start" and len(running) < 3:
+            toks = prefixes[x % 3][: rng.randrange(4, 40)] + [rng.randrange(6) for _ in range(rng.randrange(0, 12))]
+            running.append((RequestKV(cache, toks, release_interval=4), toks))
+        elif op == "compute" and running:
+            r, toks = running[x % len(running)]
+            n = min(len(toks) - len(r.tokens), 1 + x % 9)
+            if n > 0 and cache.make_room(n + page, n):
+                r.extend(toks[len(r.tokens) : len(r.tokens) + n])
+                r.checkpoint()
+        elif op == "finish" and running:
+            running.pop(x % len(running))[0].finish()
+        elif op == "evict_full":
+            cache.evict_full(1 + x % 60)
+        elif op == "evict_swa":
+            cache.evict_swa(1 + x % 30)
+
+
+def test_host_eviction_under_pressure_never_fails():
+    """Host eviction once numbered the parents it re-queued from the queue's length, which could repeat the rank of
+    a queued node with the same LRU stamp: the queue then compared two nodes and raised TypeError (seeds 80 and 83
+    of this workload did)."""
+    for seed in range(120):
+        _host_pressure_workload(seed)

@@ -238,9 +238,12 @@ class KVTiers:
                 n.host is not None and n is not exclude and n.full_locks == 0 and (n.full is not None or not n.children)
             )
 
-        heap = [(self._stamp(n), k, n) for k, n in enumerate(self.cache._nodes()) if victim(n)]
+        nodes = list(self.cache._nodes())
+        heap = [(self._stamp(n), k, n) for k, n in enumerate(nodes) if victim(n)]
         heapq.heapify(heap)
-        k = len(heap)
+        # Re-queued parents rank after every node: a rank already in the heap with the same stamp would make heapq
+        # compare the two nodes themselves (a TypeError).
+        ranks = itertools.count(len(nodes))
         while heap and (len(self.full._free) < want_p or (want_s and self.swa.available() < want_s)):
             _, _, n = heapq.heappop(heap)
             if not victim(n) or n.parent is None:
@@ -257,8 +260,7 @@ class KVTiers:
             parent = n.parent
             self.cache._remove_leaf(n)  # host-only leaf: gone from the tree (to the store, if any)
             if parent is not self.cache.root and victim(parent):
-                k += 1
-                heapq.heappush(heap, (self._stamp(parent), k, parent))
+                heapq.heappush(heap, (self._stamp(parent), next(ranks), parent))
         return len(self.full._free) >= pages and (not swa or self.swa.available() >= swa)
 
     def _free_host(self, node: Node) -> None:
