@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..config import LLMConfig
-from ..kv import SlotPool, SWARadixCache
+from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
 from ..models import load_llm
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
@@ -353,8 +353,7 @@ def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:
     if k != default:
         return k
     page = cfg.page_size
-    fitted = max(k, window + 1)
-    fitted = -(-fitted // page) * page
+    fitted = fit_checkpoint_interval(k, window, page)
     if fitted != k:
         log.info(
             "SWA checkpoint interval %d -> %d (a multiple of the page size %d above the window %d)",

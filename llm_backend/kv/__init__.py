@@ -3,6 +3,6 @@ and a running request's slots on top of it (`request_kv.py`)."""
 
 from .pools import PoolExhausted, SlotPool
 from .request_kv import RequestKV
-from .swa_radix_cache import Match, SWARadixCache
+from .swa_radix_cache import Match, SWARadixCache, fit_checkpoint_interval
 
-__all__ = ["SlotPool", "PoolExhausted", "SWARadixCache", "Match", "RequestKV"]
+__all__ = ["SlotPool", "PoolExhausted", "SWARadixCache", "Match", "RequestKV", "fit_checkpoint_interval"]

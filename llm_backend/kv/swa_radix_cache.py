@@ -86,6 +86,14 @@ class CacheStats:
     extra: dict = field(default_factory=dict)
 
 
+def fit_checkpoint_interval(k: int, window: int, page: int) -> int:
+    """The smallest multiple of `page` that is at least `k` and above `window` (what the cache accepts for a
+    checkpoint interval of about k tokens); 0 stays 0 (off)."""
+    if k <= 0:
+        return 0
+    return -(-max(k, window + 1) // page) * page
+
+
 class SWARadixCache:
     def __init__(self, full_pool: SlotPool, swa_pool: SlotPool, window: int, page_size: int = 1):
         if window < 0 or page_size < 1:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..engine.request import PromptTooLong, Request, SamplingParams
 from ..engine.scheduler import Scheduler
-from ..kv import SlotPool, SWARadixCache
+from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
 from .cost import CostModel
 from .runner import SimRunner, output_units
 from .tiers import LoadTotals, TierLinks
@@ -72,9 +72,10 @@ class SimWorker:
         self.full_pool = SlotPool("full", c.full_tokens // U, max(1, c.page_size // U))
         self.swa_pool = SlotPool("swa", c.swa_tokens // U)
         self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
-        if c.swa_checkpoint_interval:  # as the engine fits its default: a page multiple above the window
-            page = self.full_pool.page_size
-            self.cache.swa_checkpoint_interval = -(-max(-(-c.swa_checkpoint_interval // U), window + 1) // page) * page
+        # as the engine fits its default: a page multiple above the window (in units)
+        self.cache.swa_checkpoint_interval = fit_checkpoint_interval(
+            -(-c.swa_checkpoint_interval // U), window, self.full_pool.page_size
+        )
         self.now = 0.0
         self.scheduler = Scheduler(
             self.cache,

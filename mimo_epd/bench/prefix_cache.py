@@ -51,7 +51,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache, fit_checkpoint_interval
 from llm_backend.models import PRO_SHAPE_CONFIG
 from mimo_epd.bench.kv_capacity import NEVER_RELEASE, token_bytes
 
@@ -418,7 +418,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     K = args.swa_checkpoint_interval // unit
     # The switch comparison's K when the flag is 0: the engine's default (one trace block), as the engine fits it
     # (a page multiple above the window).
-    switch_k = K or -(-max(DEFAULT_CHECKPOINT // unit, w + 1) // p) * p
+    switch_k = K or fit_checkpoint_interval(DEFAULT_CHECKPOINT // unit, w, p)
     data = bool(args.kv_store)
 
     def replay(
