@@ -42,12 +42,12 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(TYPED)
 
-# Regenerates the committed gRPC stubs (tests/test_protos.py checks they are current).
+# Regenerates the committed gRPC stubs (tests/cli/test_protos.py checks they are current).
 protos: $(VENV)/.installed-dev
 	$(VENV)/bin/python -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. \
 		protos/mimo_epd/v1/*.proto
 
-# Regenerates docs/cli.md from the CLI's parsers (tests/test_docs_and_cli.py checks it is current).
+# Regenerates docs/cli.md from the CLI's parsers (tests/cli/test_docs_and_cli.py checks it is current).
 docs: $(VENV)/.installed
 	$(VENV)/bin/python scripts/gen_cli_docs.py
 

@@ -1,4 +1,4 @@
-"""Image preprocessing in the Qwen2-VL processor convention (reference.md §2).
+"""Image preprocessing in the Qwen2-VL processor convention (transformers `Qwen2VLImageProcessor`).
 
 `preprocess_images(images, config, device)` returns `(pixel_values [num_patches, C*T*P*P], grid_thw [n, 3])`
 exactly in the order and layout of transformers' `Qwen2VLImageProcessor`:

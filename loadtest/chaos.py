@@ -386,7 +386,7 @@ class Campaign:
         return ["--port", str(port), "--router-state", self.redis.url, *shlex.split(self.args.router_args)]
 
     def start_node(self) -> None:
-        from mimo_epd.bench.common import start_server
+        from mimo_epd.testing.servers import start_server
 
         if self.fleet:
             self.redis = Redis(self.workdir)
@@ -545,7 +545,7 @@ class Campaign:
 
     def recover_router(self, t_kill: float, info: dict, out: dict) -> None:
         """The single router is the node: see what its death left behind, then start the node again."""
-        from mimo_epd.bench.common import start_server
+        from mimo_epd.testing.servers import start_server
 
         try:
             self.server.proc.wait(10)
@@ -573,7 +573,7 @@ class Campaign:
 
     def recover_fleet_router(self, t_kill: float, info: dict, out: dict) -> None:
         """One of the routers: the clients fail over to the others; start it again on its port."""
-        from mimo_epd.bench.common import start_server
+        from mimo_epd.testing.servers import start_server
 
         i = info["router_index"]
         old = self.routers[i]

@@ -72,7 +72,7 @@ def run(args) -> int:
     if args.workload not in ("chat", "images"):
         print(f"error: --workload must be chat or images, got {args.workload!r}", file=sys.stderr)
         return 2
-    from mimo_epd.bench.common import start_server
+    from mimo_epd.testing.servers import start_server
 
     out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-generate-"))
     out_dir.mkdir(parents=True, exist_ok=True)

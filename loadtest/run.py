@@ -86,8 +86,8 @@ def run(args) -> int:
 
     import grpc
 
-    from mimo_epd.bench.common import start_server
     from mimo_epd.testing.media_server import MediaServer, generate_pool
+    from mimo_epd.testing.servers import start_server
     from mimo_epd.v1 import encoder_pb2
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process

@@ -50,7 +50,7 @@ def encode_image(arr: np.ndarray, fmt: str = "JPEG", mode: str | None = None, **
 
 def start_server(args: list[str], subcommand: str = "encoder", timeout: float = 120):
     """The product's own launcher helper, run from the project root."""
-    from mimo_epd.bench.common import start_server as _start
+    from mimo_epd.testing.servers import start_server as _start
 
     return _start(args, subcommand, timeout, cwd=ROOT)
 

@@ -1,7 +1,7 @@
-"""Which frames of a video are encoded, and at what size (the qwen-vl-utils convention, reference.md §3).
+"""Which frames of a video are encoded, and at what size (the qwen-vl-utils convention).
 
 The peer users compare us with is qwen-vl-utils 0.0.14 (`smart_nframes` + `torch.linspace`), so its arithmetic
-is followed exactly, including two details the formula in reference.md leaves open:
+is followed exactly, including two details a summary of the formula leaves open:
 - n = clamp(duration * fps, min_frames, max_frames), never more than the frames the video has, then rounded
   *down* to a multiple of `frame_factor` (the reference's `floor_by_factor`; rounding to nearest gives 12
   frames where it gives 10 for a 5.6 s clip);

@@ -90,11 +90,9 @@ class Scheduler:
         self.peak_swa_per_request = 0
         self.prompt_tokens = self.generated_tokens = 0
         self._next_bucket = 0
-        self._uncached: dict[int, tuple[int, int]] = {}
+        self._uncached: dict[int, tuple[int, int]] = {}  # request id -> (uncached tokens, step it was computed)
         self._headroom: int | None = None
-        self._in_hand: Request | None = (
-            None  # the waiting request being admitted (failed if admission raises)  # request id -> (uncached tokens, step it was computed)
-        )
+        self._in_hand: Request | None = None  # the waiting request being admitted (failed if admission raises)
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size

@@ -10,7 +10,7 @@ vocabulary, hash like any other token). The router hashes a new prompt the same 
 order: the blocks a worker holds, from the first, are the prefix it would reuse.
 
 Each block is in one of three states on a worker: absent, stored, or stored *and usable as a match end*. The
-second exists because of hybrid SWA (reference.md §5): a prefix ending at token n is reusable only when the SWA
+second exists because of hybrid SWA (docs/caches.md): a prefix ending at token n is reusable only when the SWA
 slots of the W tokens before n are live; once SWA eviction trims or tombstones them, the block's full KV is still
 there (a path to deeper blocks) but a match cannot end on it.
 

@@ -1,6 +1,6 @@
 """KV slot pools: which token slots of the KV tensors are free.
 
-Hybrid SWA keeps two pools (reference.md §4-5): the *full* pool holds every token's KV for the
+Hybrid SWA keeps two pools (docs/llm.md): the *full* pool holds every token's KV for the
 full-attention layers (O(N) per sequence); the *SWA* pool holds the KV of the sliding-window layers,
 but only while a token can still be seen by some query (O(W) per running sequence). A slot is an index
 into the pool's KV tensors; this module only does the bookkeeping, the tensors live with the engine.

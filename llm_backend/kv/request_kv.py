@@ -1,4 +1,4 @@
-"""The KV slots of one running request, on top of the radix cache (reference.md §5, "Releasing").
+"""The KV slots of one running request, on top of the radix cache (docs/caches.md, "Releasing").
 
 A request starts from a cache match (full slots of the whole prefix, SWA slots of its last W tokens,
 both locked in the tree), then takes full-pool *pages* for the tokens it computes (its tokens fill a page

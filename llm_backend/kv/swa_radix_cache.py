@@ -1,4 +1,4 @@
-"""SWA-aware radix prefix cache (reference.md §5).
+"""SWA-aware radix prefix cache (semantics in docs/caches.md).
 
 A radix tree over token ids. Each node holds, per token, a full-pool slot (always) and an SWA-pool slot
 or None (released: the token left every window that could still see it). A node whose SWA slots are

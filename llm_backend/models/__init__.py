@@ -41,7 +41,7 @@ TINY_LLM_CONFIG = MiMoV2FlashConfig(
 )
 TINY_SEED = 0
 
-# MiMo-V2.5-Pro's attention shape (reference.md §4), for KV capacity accounting only (never instantiated with
+# MiMo-V2.5-Pro's attention shape, for KV capacity accounting only (never instantiated with
 # weights): 70 layers, 10 of them full attention, 8 KV heads in both layer types, head dims 192/128, window 128.
 PRO_FULL_LAYERS = (0, 7, 15, 23, 31, 39, 47, 55, 62, 69)
 PRO_SHAPE_CONFIG = MiMoV2FlashConfig(

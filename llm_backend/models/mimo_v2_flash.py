@@ -1,7 +1,7 @@
 """MiMo-V2-Flash, written to match transformers' `mimo_v2_flash` parameter for parameter (so a checkpoint
 saved by transformers loads unchanged) and op for op (parity tests in tests/llm/).
 
-Architecture (reference.md §4):
+Architecture (transformers `mimo_v2_flash`; docs/llm.md):
 - per-layer `full_attention` / `sliding_attention`; sliding layers have twice the KV heads, a learnable
   per-head attention sink (one extra softmax column, then dropped) and their own rope theta;
 - q/k head_dim != v_head_dim; partial rotary (the first `partial_rotary_factor * head_dim` dims);

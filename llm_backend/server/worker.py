@@ -44,7 +44,7 @@ async def serve_llm(
     thread.start()
     server, drain = new_server(256)
     generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(core), server)
-    from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index (#13)
+    from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
     attach_kv_events(engine, server, model=name)
     health = add_health_and_reflection(server, [SERVICE_NAME])

@@ -1,4 +1,4 @@
-"""Pricing the KV tiers' loads in simulated steps (issue #15: TTFT with loads at PCIe / network bandwidth vs
+"""Pricing the KV tiers' loads in simulated steps (TTFT with loads at PCIe / network bandwidth vs
 recompute).
 
 A simulated worker may run the real `KVTiers` (llm_backend.kv.tiers) below its device pools in bookkeeping mode:

@@ -69,10 +69,3 @@ def long_context_mix(
         body = [rng.getrandbits(48) for _ in range(max(0, units - len(prefix)))]
         out.append(SimRequest(i, t, (prefix + body)[: max(units, 1)], length, olen))
     return out
-
-
-def scale_arrivals(reqs: list[SimRequest], factor: float) -> list[SimRequest]:
-    """Arrival times multiplied by `factor` (< 1 = more load); the list is reused."""
-    for r in reqs:
-        r.arrival *= factor
-    return reqs

@@ -20,7 +20,7 @@ Per mode: QPS, P50/P90/P99, CPU seconds per image (user + system of the server p
 from /proc, over the measured window). Outputs are checked: each distinct image is encoded once by every
 mode and compared with `naive` (full decode, no draft): relative L2 per image. Tolerance: 1e-4 for the
 peers (same pixels; float rounding of a different normalize/patchify order), 0.05 for `pipelined` (its JPEG
-draft decode; the bound README documents and tests/test_pipeline_switches.py checks).
+draft decode; the bound README documents and tests/encoder/test_pipeline_switches.py checks).
 Our stage busy fractions come from the server's Prometheus counters: busy seconds / (wall x workers).
 
 Both encoder sizes run (`--model-size`): `tiny` (forward cheap next to decode, like a GPU deployment) and
@@ -42,9 +42,10 @@ import numpy as np
 
 from encoder_server.models import TINY_VISION_CONFIG, VisionConfig, random_model, save_checkpoint
 from encoder_server.preprocess import PreprocessConfig
-from mimo_epd.bench.common import closed_loop, latency_stats, scrape, start_server
+from mimo_epd.bench.common import closed_loop, latency_stats
 from mimo_epd.bench.peers.proc import start_peer, tree_cpu_seconds
 from mimo_epd.testing.media_server import MediaServer, generate_pool
+from mimo_epd.testing.servers import scrape, start_server
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 LARGE_VISION_CONFIG = VisionConfig(

@@ -1,5 +1,5 @@
 """`mimo-epd bench kv`: how many concurrent sequences fit in a fixed KV byte budget, hybrid dual pool vs one
-full pool for all layers, for the MiMo-V2.5-Pro shape (reference.md §4) at several context lengths.
+full pool for all layers, for the MiMo-V2.5-Pro shape (docs/llm.md) at several context lengths.
 
 Both layouts allocate through the engine's own allocator: `KVPools` sizes the tensors (on the `meta` device,
 so terabyte budgets cost no memory; their `nbytes` is checked against the budget), `SlotPool` hands out

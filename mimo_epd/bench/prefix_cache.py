@@ -1,8 +1,8 @@
-"""`mimo-epd bench prefix-cache --trace ../shared/traces/conversation_trace.jsonl`: prefix-cache hit tokens of
+"""`mimo-epd bench prefix-cache` (the shipped Mooncake trace, or `--trace PATH`): prefix-cache hit tokens of
 the SWA-aware dual-pool cache vs a cache that keeps full KV for the sliding layers too vs an unbounded cache,
 replaying a real request trace at a fixed KV byte budget under the MiMo-V2.5-Pro shape.
 
-The trace (reference.md §7) gives each request's prompt as hash ids of 512-token blocks (equal ids = equal
+The trace (mimo_epd/data/traces/README.md) gives each request's prompt as hash ids of 512-token blocks (equal ids = equal
 content). Requests are replayed in trace order, one at a time, through the engine's own cache code path:
 `RequestKV` matches the prompt in the real `SWARadixCache`, computes the rest in prefill chunks (each chunk's
 whole pages go into the tree at once, as `engine.LLM` does), and finishes (its whole pages stay cached; the
@@ -13,7 +13,7 @@ cache evicts LRU when a pool runs out). Output tokens are not in the trace's ids
   node's last checkpoint); the byte budget is split by `--swa-share`;
 - `full_kv`: one pool holding all 70 layers' KV per token, nothing ever released (what serving stacks did
   before they supported SWA): the same bytes hold 7x fewer tokens;
-- `unbounded`: the same as `full_kv` with no byte limit — the ideal (~36.6% of blocks, reference.md §7).
+- `unbounded`: the same as `full_kv` with no byte limit — the ideal (~36.6% of blocks).
 
 Tokens are simulated in units of `--token-unit` (default 128 = the window): a block is 4 units, the window one
 unit; block boundaries and the window are multiples of it, so window-safe matching at block granularity is
@@ -54,16 +54,18 @@ from types import SimpleNamespace
 from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache, fit_checkpoint_interval
 from llm_backend.models import PRO_SHAPE_CONFIG
 from mimo_epd.bench.kv_capacity import NEVER_RELEASE, token_bytes
+from mimo_epd.data import MOONCAKE_TRACE, open_text
 
 BLOCK = 512
 
 
 def load_trace(path: str, limit: int = 0) -> list[dict]:
-    p = Path(path)
+    """The trace's rows; `path` "mooncake" is the shipped Mooncake conversation trace (mimo_epd.data)."""
+    p = Path(MOONCAKE_TRACE if path == "mooncake" else path)
     if not p.is_file():
-        raise SystemExit(f"trace {path!r} not found (the Mooncake conversation trace lives in ../shared/traces/)")
+        raise SystemExit(f"trace {path!r} not found (the shipped Mooncake trace is {MOONCAKE_TRACE})")
     out = []
-    with p.open() as f:
+    with open_text(p) as f:
         for i, line in enumerate(f):
             if limit and len(out) >= limit:
                 break
@@ -555,8 +557,9 @@ def new_store(args, capacity: int, cfg, page: int):
 def add_arguments(p) -> None:
     p.add_argument(
         "--trace",
-        default="../shared/traces/conversation_trace.jsonl",
-        help="Mooncake-format JSONL trace (default: ../shared/traces/conversation_trace.jsonl)",
+        default="mooncake",
+        help="mooncake (the shipped Mooncake conversation trace) or a Mooncake-format JSONL path, plain, .xz or "
+        ".gz (default: mooncake)",
     )
     p.add_argument("--requests", type=int, default=0, help="replay only the first N requests, 0 = all (default: 0)")
     p.add_argument(

@@ -34,8 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from mimo_epd.bench.common import scrape, start_server
 from mimo_epd.testing.redis_server import free_port
+from mimo_epd.testing.servers import scrape, start_server
 
 POLICIES = ("affinity", "round_robin", "least_load", "cache_aware", "kv_cost")
 GATEWAY_VERSION = "0.3.2"  # the dev extra's pin (pyproject.toml)

@@ -1,6 +1,6 @@
 """`mimo-epd bench tier-ttft`: what the KV tiers do to TTFT, in the fleet simulator (mimo_epd/sim) on the
 Mooncake conversation trace — a hit loaded from the host at PCIe bandwidth or from the shared store at network
-bandwidth, against recomputing the miss (issue #15).
+bandwidth, against recomputing the miss.
 
 Every run is the same fleet (`--workers` simulated workers, the engine's own scheduler and SWA radix cache,
 the router's real policy over a real page-hash index) at `--load` nominal load, under `round_robin` and

@@ -1,6 +1,6 @@
 """docs/cli.md, generated from the parsers: every command, every flag, its default and its help.
 
-`make docs` (scripts/gen_cli_docs.py) writes it; tests/test_docs_and_cli.py checks that regenerating gives
+`make docs` (scripts/gen_cli_docs.py) writes it; tests/cli/test_docs_and_cli.py checks that regenerating gives
 the committed text, so the reference cannot drift from the code.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import re
 
 HEADER = """<!-- Generated from the CLI's parsers by `make docs` (scripts/gen_cli_docs.py). Do not edit by hand:
-     tests/test_docs_and_cli.py fails when this file differs from what the parsers generate. -->
+     tests/cli/test_docs_and_cli.py fails when this file differs from what the parsers generate. -->
 # `mimo-epd` command reference
 
 Every command and every flag, with its default. `mimo-epd COMMAND --help` prints the same.

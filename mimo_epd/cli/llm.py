@@ -21,7 +21,7 @@ def run_llm(args) -> int:
     from llm_backend import LLM
     from llm_backend.config import LLMConfig
     from llm_backend.server.config import ServerConfig
-    from llm_backend.service import serve_llm
+    from llm_backend.server.worker import serve_llm
     from mimo_epd.common.flags import from_args
 
     try:

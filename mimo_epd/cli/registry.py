@@ -76,10 +76,6 @@ class Commands:
         p = self.command(name, help, description=description)
         return Commands(p, dest=dest, title=f"{name} commands")
 
-    def setup_later(self, name: str, setup: Setup) -> None:
-        """Adds one more lazy setup step to the subcommand `name` (e.g. a subcommand group's children)."""
-        getattr(self._sub.choices[name], _PENDING).append(setup)
-
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps descriptions and epilogs as written (they hold example command lines)."""

@@ -8,12 +8,11 @@ import json
 def _run_flags(p) -> None:
     from mimo_epd.router.policies import POLICIES
     from mimo_epd.sim.setup import SCHEDULERS, add_model_flags
-    from mimo_epd.sim.traces import DEFAULT_TRACE
 
     p.add_argument(
         "--trace",
         default="mooncake",
-        help=f"mooncake ({DEFAULT_TRACE}), long-mix (the generated long-context mix) or a Mooncake-format "
+        help="mooncake (the shipped Mooncake conversation trace), long-mix (the generated long-context mix) or a Mooncake-format "
         "JSONL path (default: mooncake)",
     )
     p.add_argument("--requests", type=int, default=400, help="requests to replay / generate (default: 400)")
@@ -46,7 +45,7 @@ def _run(args) -> int:
     from mimo_epd.router.policies import POLICIES
     from mimo_epd.sim.fleet import run_fleet
     from mimo_epd.sim.setup import build, describe
-    from mimo_epd.sim.traces import DEFAULT_TRACE, mooncake_requests
+    from mimo_epd.sim.traces import mooncake_requests
 
     policies = [p for p in args.policies.split(",") if p] or list(POLICIES)
     if args.quick:
@@ -59,7 +58,7 @@ def _run(args) -> int:
     if args.trace == "long-mix":
         reqs = long_context_mix(args.requests, 1.0, seed=args.seed, unit=cfg.unit)
     else:
-        reqs = mooncake_requests(DEFAULT_TRACE if args.trace == "mooncake" else args.trace, args.requests, cfg.unit)
+        reqs = mooncake_requests(args.trace, args.requests, cfg.unit)
     scaled = (
         scale_to_load(cost, reqs, args.load, args.workers, cfg.chunk_size, cfg.max_running) if args.load > 0 else {}
     )

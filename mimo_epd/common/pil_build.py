@@ -45,10 +45,3 @@ def loaded_pil_distribution() -> tuple[str, str]:
         if version == PIL.__version__:
             return name.lower(), PIL.__version__
     return ("pillow-simd" if "post" in PIL.__version__ else "pillow"), PIL.__version__
-
-
-def pillow_simd_loaded() -> bool:
-    try:
-        return loaded_pil_distribution()[0] == "pillow-simd"
-    except ImportError:
-        return False

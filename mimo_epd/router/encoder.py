@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mimo_epd.router.channels import channel_options
 from mimo_epd.router.hash_ring import HashRing
-from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2_grpc
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -177,26 +177,3 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
             return resp, None
         except grpc.aio.AioRpcError as e:
             return None, (e.code(), e.details())
-
-
-class GeneratorProxy(generator_pb2_grpc.GeneratorServicer):
-    """Forwards Generate streams to the node's LLM worker; a client's cancellation reaches the worker."""
-
-    def __init__(self):
-        self._stub = None
-
-    def connect(self, endpoint: str) -> None:
-        ch = grpc.aio.insecure_channel(endpoint, options=channel_options(256))
-        self._stub = generator_pb2_grpc.GeneratorStub(ch)
-
-    async def Generate(self, request, context):
-        if self._stub is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the LLM worker is not ready yet")
-        call = self._stub.Generate(request, timeout=context.time_remaining())
-        try:
-            async for msg in call:
-                yield msg
-        except grpc.aio.AioRpcError as e:
-            await context.abort(e.code(), e.details())
-        finally:
-            call.cancel()

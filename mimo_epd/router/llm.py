@@ -203,10 +203,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self.state = state if state is not None else open_state(config.router_state)
         self.policy = make_policy(config.policy, config.policy_config())
         if tokenizer is None:
-            try:
-                from llm_backend.tokenizer import load_tokenizer
-            except ImportError:  # pragma: no cover - before the engine split
-                from llm_backend.engine import load_tokenizer
+            from llm_backend.tokenizer import load_tokenizer
+
             tokenizer = load_tokenizer(config.model)
         self.tokenizer = tokenizer
         self.workers: dict[str, WorkerView] = {}

@@ -1,4 +1,4 @@
-"""LLM routing policies: which worker serves a request, best first (reference.md §6).
+"""LLM routing policies: which worker serves a request, best first (formulas and sources in docs/routing.md).
 
 Every policy takes the same small typed view — the request (`RequestView`: its tokens, in blocks) and one
 `Candidate` per live worker (predicted reusable tokens from the page-hash index, queued and running tokens) —

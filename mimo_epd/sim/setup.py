@@ -16,9 +16,12 @@ DEFAULT_GPUS = {"tiny": 1, "flash": 8, "pro": 16}
 
 def add_trace_flags(p, sessions: float, about: str = "") -> None:
     """--trace / --sessions / --requests / --offset of the benchmarks that replay the Mooncake trace."""
-    from .traces import DEFAULT_TRACE
-
-    p.add_argument("--trace", default=DEFAULT_TRACE, help=f"Mooncake-format JSONL trace (default: {DEFAULT_TRACE})")
+    p.add_argument(
+        "--trace",
+        default="mooncake",
+        help="mooncake (the shipped Mooncake conversation trace) or a Mooncake-format JSONL path, plain, .xz or "
+        ".gz (default: mooncake)",
+    )
     p.add_argument(
         "--sessions",
         type=float,

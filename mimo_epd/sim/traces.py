@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from llm_backend.sim.trace import SimRequest
 from mimo_epd.bench.prefix_cache import BLOCK, load_trace, prompt_units
+from mimo_epd.data import MOONCAKE_TRACE
 
-DEFAULT_TRACE = "../shared/traces/conversation_trace.jsonl"
+DEFAULT_TRACE = MOONCAKE_TRACE
 
 
 def session_key(hash_ids: list[int]) -> int:

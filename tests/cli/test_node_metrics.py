@@ -10,8 +10,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from mimo_epd.bench.common import start_server
 from mimo_epd.node_metrics import merge
+from mimo_epd.testing.servers import start_server
 from tests.conftest import ROOT
 
 CHILD = """# HELP encoder_requests_total Encode requests received

@@ -9,7 +9,7 @@ import socket
 import grpc
 import pytest
 
-from mimo_epd.bench.common import scrape
+from mimo_epd.testing.servers import scrape
 from mimo_epd.v1 import encoder_pb2 as pb
 from tests.conftest import encode_image, start_server, textured
 from tests.integration.test_encoder_server import encode, expect_error

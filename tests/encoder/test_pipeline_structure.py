@@ -1,4 +1,4 @@
-"""The pipeline's structure (#17): stages say where a job goes next, the tower runs on one thread only
+"""The pipeline's structure: stages say where a job goes next, the tower runs on one thread only
 (the video path included), and the decode-fallback metric counts what the decode pool reports."""
 
 from __future__ import annotations

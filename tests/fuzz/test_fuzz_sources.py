@@ -338,7 +338,7 @@ def test_special_files_are_refused_without_blocking(fuzz_server, tree, rel):
     }, out
 
 
-# Regressions (#18): these came back INTERNAL (OSError ENAMETOOLONG, ValueError "embedded null byte") from the
+# Regressions: these came back INTERNAL (OSError ENAMETOOLONG, ValueError "embedded null byte") from the
 # local-path reader before it mapped them to INVALID_ARGUMENT.
 @pytest.mark.parametrize(
     "rel",

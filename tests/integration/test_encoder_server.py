@@ -425,7 +425,7 @@ def test_reflection_lists_the_encoder_service(server):
 def test_sigterm_finishes_in_flight_work_and_exits_zero():
     import socket
 
-    from mimo_epd.bench.common import scrape
+    from mimo_epd.testing.servers import scrape
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from loadtest.run import LOCUSTFILE, failures_by_status
-from mimo_epd.bench.common import start_server
 from mimo_epd.testing.media_server import MediaServer, generate_pool
+from mimo_epd.testing.servers import start_server
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from mimo_epd.bench.common import start_server
 from mimo_epd.launcher import remove_stale_segments, segment_name
+from mimo_epd.testing.servers import start_server
 from tests.conftest import ROOT
 
 

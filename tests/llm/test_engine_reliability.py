@@ -1,4 +1,4 @@
-"""A request can never take the engine down (#18): bad floats are refused, a sequence that can no longer grow
+"""A request can never take the engine down: bad floats are refused, a sequence that can no longer grow
 finishes instead of spinning, and a failing forward fails only its own step's requests."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""KV tiers (issue #15): greedy outputs are the same with the host tier and the shared Redis tier on as with no
+"""KV tiers: greedy outputs are the same with the host tier and the shared Redis tier on as with no
 cache at all, under heavy eviction of both device pools (hits that end in the host tier and in the store, a page
 another worker wrote), corrupt store values are misses, a dead Redis is skipped, and the slot accounting of every
 tier holds after any sequence of operations (hypothesis)."""

@@ -1,4 +1,4 @@
-"""The SWA-aware radix cache: the cases of reference.md §5, the known failure modes of peer systems, and a
+"""The SWA-aware radix cache: the cases of docs/caches.md, the known failure modes of peer systems, and a
 property-based test of the pool accounting invariant with a no-pseudo-hit check.
 
 Every slot handed out is tagged with the token prefix whose KV it would hold; a match must return

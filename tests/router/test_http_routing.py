@@ -12,7 +12,7 @@ import aiohttp
 import openai
 import pytest
 
-from mimo_epd.bench.common import scrape
+from mimo_epd.testing.servers import scrape
 from tests.conftest import start_server
 from tests.router.conftest import free_port
 

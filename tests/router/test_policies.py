@@ -1,4 +1,4 @@
-"""Routing policies: each formula of reference.md §6 on small hand-made views."""
+"""Routing policies: each formula of docs/routing.md on small hand-made views."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from llm_backend.sim.trace import BUCKETS, length_class, long_context_mix
+from mimo_epd.data import open_text
 from mimo_epd.sim.traces import DEFAULT_TRACE, mooncake_requests, session_key
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,10 +46,9 @@ def test_bad_trace_lines_are_named(tmp_path):
 
 
 def test_session_sampling_keeps_every_turn_of_a_conversation():
-    path = ROOT / DEFAULT_TRACE
-    if not path.is_file():
-        pytest.skip(f"the Mooncake trace is not at {path}")
-    rows = [json.loads(x) for x in path.open()]
+    path = DEFAULT_TRACE
+    with open_text(path) as f:
+        rows = [json.loads(x) for x in f]
     reqs = mooncake_requests(str(path), sessions=0.02)
     assert 100 < len(reqs) < 800
     keys = [session_key(r["hash_ids"]) for r in rows]

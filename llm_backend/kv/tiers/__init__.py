@@ -1,4 +1,4 @@
-"""KV tiers below the device pools (issue #15): the host tier and the cross-tier logic (`host.py`), the shared
+"""KV tiers below the device pools: the host tier and the cross-tier logic (`host.py`), the shared
 Redis store (`store.py`) and the layerwise host->device loading (`loader.py`). See docs/kv-tiers.md."""
 
 from .host import HostCopy, KVTiers

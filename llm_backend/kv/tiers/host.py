@@ -1,4 +1,4 @@
-"""The host KV tier (L2) and the tier logic of the radix cache: write-back, cross-tier matching, loading (issue #15).
+"""The host KV tier (L2) and the tier logic of the radix cache: write-back, cross-tier matching, loading.
 
 Every tree node keeps its full-pool slots while it is on the device (`node.full`), or `None` once its device copy
 was evicted; `node.host` is its host copy (`HostCopy`): host pages with the full layers' KV of all its tokens and

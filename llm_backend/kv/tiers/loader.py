@@ -1,4 +1,4 @@
-"""Host/store -> device KV copies, layer by layer (issue #15 item 2).
+"""Host/store -> device KV copies, layer by layer.
 
 Loads are queued while the scheduler admits requests (`PendingLoads`: a hit that ends in the host tier or in the
 shared store gets fresh device slots at once, their KV is copied later). The runner turns the queue into one

@@ -1,4 +1,4 @@
-"""The shared KV tier (L3): content-addressed pages in a Redis server every worker uses (issue #15 item 3).
+"""The shared KV tier (L3): content-addressed pages in a Redis server every worker uses.
 
 A page is `page_size` tokens starting at a multiple of it, named by the chained page hash of
 `llm_backend.kv.events.block_hashes` (equal hashes = equal token prefixes), under a namespace that names the

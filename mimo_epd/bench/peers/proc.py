@@ -4,13 +4,12 @@ starting a peer server module the way `bench.common.start_server` starts ours (a
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
 import threading
 import time
 
-from mimo_epd.bench.common import ServerProcess
+from mimo_epd.testing.servers import ServerProcess
 
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -63,15 +62,6 @@ def tree_rss_bytes(pid: int) -> int:
         except OSError:
             pass
     return total
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set (VmHWM)."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class RssSampler:

@@ -128,15 +128,8 @@ def synthetic_trace(path, conversations=60, turns=5, seed=0) -> str:
 
 
 def test_prefix_cache_bench_quick(tmp_path):
-    """On the public trace when it is there (../shared/traces), else on a synthetic one of the same format."""
-    import os
-
-    from tests.conftest import ROOT as root
-
-    trace = os.path.join(os.path.dirname(root), "shared", "traces", "conversation_trace.jsonl")
-    if not os.path.isfile(trace):
-        trace = synthetic_trace(tmp_path / "trace.jsonl")
-    out = run_bench("prefix-cache", "--trace", trace)
+    """On the shipped Mooncake trace (the default)."""
+    out = run_bench("prefix-cache")
     no_grades(out)
     rates = out["hit_token_rate"]
     assert set(rates) == {"swa_aware", "full_kv", "unbounded"}
@@ -145,17 +138,22 @@ def test_prefix_cache_bench_quick(tmp_path):
     assert {"swa_aware_vs_full_kv", "swa_aware_vs_unbounded"} <= set(out["ratios"])
 
 
+def test_prefix_cache_bench_reads_a_gzipped_trace_of_the_same_format(tmp_path):
+    import gzip
+    import shutil
+
+    plain = synthetic_trace(tmp_path / "trace.jsonl")
+    with open(plain, "rb") as src, gzip.open(tmp_path / "trace.jsonl.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    a = run_bench("prefix-cache", "--trace", plain)
+    b = run_bench("prefix-cache", "--trace", str(tmp_path / "trace.jsonl.gz"))
+    assert a["hit_token_rate"] == b["hit_token_rate"] and a["hit_token_rate"]["unbounded"] > 0
+
+
 def test_prefix_cache_tiers_quick(tmp_path):
     """--tiers: every tier mode reports hit tokens and the tiers' traffic; a host tier never loses hits here and
     nothing beats the unbounded cache (it hits every prefix seen before)."""
-    import os
-
-    from tests.conftest import ROOT as root
-
-    trace = os.path.join(os.path.dirname(root), "shared", "traces", "conversation_trace.jsonl")
-    if not os.path.isfile(trace):
-        trace = synthetic_trace(tmp_path / "trace.jsonl")
-    out = run_bench("prefix-cache", "--trace", trace, "--tiers", timeout=120)
+    out = run_bench("prefix-cache", "--tiers", timeout=120)
     no_grades(out)
     modes = out["modes"]
     fleets = {f"l1_l2_l3_{p}{w}" for p in ("round_robin", "affinity") for w in ("", "_evict")}

@@ -215,3 +215,25 @@ def test_video_commands_keep_stdout_for_json(tmp_path):
     summary = json.loads(r.stdout)
     assert summary["video"] == str(video) and summary["frames_sampled"] > 0
     assert "encoded" in r.stderr and "frames/s" in r.stderr
+
+
+def test_the_repository_is_self_contained():
+    """No tracked file names a path outside the repository (a shared folder beside it, a design note that ships
+    elsewhere): what the product relies on is in the repository."""
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    outside = re.compile(r"\.\./shared|shared/traces|shared/design|reference\.md §")
+    offenders = []
+    for name in files:
+        if name == "tests/cli/test_docs_and_cli.py" or not name.endswith((".py", ".md", ".toml", ".sh", "Makefile")):
+            continue
+        text = Path(ROOT, name).read_text(errors="replace")
+        offenders += [f"{name}: {m.group(0)}" for m in outside.finditer(text)]
+    assert not offenders, offenders
+
+
+def test_the_shipped_trace_is_the_default_and_complete():
+    from mimo_epd.data import MOONCAKE_TRACE, open_text
+
+    with open_text(MOONCAKE_TRACE) as f:
+        rows = [json.loads(x) for x in f]
+    assert len(rows) == 12031 and all(r["hash_ids"] and r["input_length"] > 0 for r in rows)

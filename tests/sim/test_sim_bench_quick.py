@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 from mimo_epd.cli import main as cli
-from mimo_epd.sim.traces import DEFAULT_TRACE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,8 +40,6 @@ def test_bench_scheduler_quick(tmp_path):
 
 
 def test_bench_routing_quick(tmp_path, monkeypatch):
-    if not (ROOT / DEFAULT_TRACE).is_file():
-        pytest.skip("the Mooncake trace is not in ../shared/traces/")
     monkeypatch.chdir(ROOT)
     d = _run(["bench", "routing", "--quick", "--out-dir", str(tmp_path)])
     r = d["ratios"]
@@ -55,8 +52,6 @@ def test_bench_routing_quick(tmp_path, monkeypatch):
 
 
 def test_bench_tier_ttft_quick(tmp_path, monkeypatch):
-    if not (ROOT / DEFAULT_TRACE).is_file():
-        pytest.skip("the Mooncake trace is not in ../shared/traces/")
     monkeypatch.chdir(ROOT)
     d = _run(["bench", "tier-ttft", "--quick", "--out-dir", str(tmp_path)])
     assert set(d["runs"]) == {"round_robin", "affinity"}
