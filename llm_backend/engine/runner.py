@@ -27,7 +27,9 @@ class ModelRunner:
         p = next(model.parameters())
         self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
         self.device = p.device
-        self.tiers: Any = None  # kv.tiers.KVTiers: KV queued from the host / shared store is loaded layer by layer
+        # What queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache), loaded layer by
+        # layer while the forward runs; None without KV tiers.
+        self.kv_loads: Any = None
 
     def _inputs(self, seg: Segment):
         r, start, n = seg
@@ -46,7 +48,7 @@ class ModelRunner:
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
-        load = self.tiers.start_load() if self.tiers is not None else None
+        load = self.kv_loads.start_load() if self.kv_loads is not None else None
         try:
             paged = PagedBatch(
                 self.pools,
