@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..paged_attention import KVPools, PagedBatch
+from ..models.mimo_v2_flash import SeqInput
+from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .sampler import SamplingError, sample
 from .scheduler import Segment, SegmentResult
 
@@ -31,7 +32,7 @@ class ModelRunner:
         # layer while the forward runs; None without KV tiers.
         self.kv_loads: Any = None
 
-    def _inputs(self, seg: Segment):
+    def _inputs(self, seg: Segment) -> SeqInput:
         r, start, n = seg
         new = r.tokens[start : start + n]
         ids = torch.tensor(new, device=self.device)
@@ -43,7 +44,7 @@ class ModelRunner:
                 row = r.media.get(start + j)
                 if row is not None:
                     embeds[j] = row.to(embeds.dtype)
-        return ids, torch.arange(start, start + n, device=self.device), None, embeds
+        return SeqInput(ids, torch.arange(start, start + n, device=self.device), embeds)
 
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
@@ -52,7 +53,7 @@ class ModelRunner:
         try:
             paged = PagedBatch(
                 self.pools,
-                [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
+                [SeqSlots(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
                 wait=load.wait if load is not None else None,
             )
             logits = self.model.forward_batch(

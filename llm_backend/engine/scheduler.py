@@ -346,7 +346,7 @@ class Scheduler:
                 for q in self.running
                 if q.kv is not None and len(q.kv.tokens) < len(q.prompt)
             )
-            self._headroom = self.full_pool.available() + self.cache.accounting()["full"]["evictable"] - pending
+            self._headroom = self.full_pool.available() + self.cache.accounting().full.evictable - pending
         return self._headroom
 
     def _release(self, r: Request) -> None:

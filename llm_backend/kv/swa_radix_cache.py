@@ -107,6 +107,20 @@ class Match:
 
 
 @dataclass
+class HeldSlots:
+    """Slots of one pool the tree holds: evictable now, or protected by a running request's lock."""
+
+    evictable: int = 0
+    protected: int = 0
+
+
+@dataclass
+class CacheAccounting:
+    full: HeldSlots
+    swa: HeldSlots
+
+
+@dataclass
 class CacheStats:
     lookups: int = 0
     hit_tokens: int = 0
@@ -570,13 +584,20 @@ class SWARadixCache:
         return freed
 
     # ----------------------------------------------------------------------------------- accounting
-    def accounting(self) -> dict[str, dict[str, int]]:
+    def accounting(self) -> "CacheAccounting":
         """Slots the tree holds, split into evictable and protected (locked), per pool."""
-        out = {"full": {"evictable": 0, "protected": 0}, "swa": {"evictable": 0, "protected": 0}}
+        full, swa = HeldSlots(), HeldSlots()
         for n in self._nodes():
-            out["full"]["protected" if n.full_locks else "evictable"] += len(n.full) if n.full is not None else 0
-            out["swa"]["protected" if n.swa_locks else "evictable"] += n.live_swa
-        return out
+            held = len(n.full) if n.full is not None else 0
+            if n.full_locks:
+                full.protected += held
+            else:
+                full.evictable += held
+            if n.swa_locks:
+                swa.protected += n.live_swa
+            else:
+                swa.evictable += n.live_swa
+        return CacheAccounting(full, swa)
 
     def token_count(self) -> int:
         return sum(len(n.key) for n in self._nodes())

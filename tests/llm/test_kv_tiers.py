@@ -72,7 +72,7 @@ def test_host_tier_outputs_equal_no_cache_under_heavy_eviction(model, cold, opts
     assert st_["prefix_hit_tokens"] > base  # the tier adds hits
     acc = llm.tiers.host_accounting()
     for k in ("host_full_pages", "host_swa"):
-        assert acc[k]["held"] + acc[k]["free"] == acc[k]["total"]
+        assert getattr(acc, k).held + getattr(acc, k).free == getattr(acc, k).total
 
 
 def test_tiers_off_is_the_plain_cache(model):
@@ -280,11 +280,12 @@ def test_property_accounting_across_tiers(ops, page, backfill, store_write, chec
         acc = cache.accounting()
         infl_full = sum(r.own_full_slots() for r, _ in running)
         infl_swa = sum(r.own_swa_live() for r, _ in running)
-        assert full_pool.available() + acc["full"]["evictable"] + acc["full"]["protected"] + infl_full == full_pool.size
-        assert swa_pool.available() + acc["swa"]["evictable"] + acc["swa"]["protected"] + infl_swa == swa_pool.size
+        assert full_pool.available() + acc.full.evictable + acc.full.protected + infl_full == full_pool.size
+        assert swa_pool.available() + acc.swa.evictable + acc.swa.protected + infl_swa == swa_pool.size
         hacc = tiers.host_accounting()
         for k in ("host_full_pages", "host_swa"):
-            assert hacc[k]["held"] + hacc[k]["free"] == hacc[k]["total"], (k, hacc)
+            use = getattr(hacc, k)
+            assert use.held + use.free == use.total, (k, hacc)
         # the device-resident nodes are a top of the tree; host-only nodes have a full host copy
         for n in cache._nodes():
             if n.full is None:

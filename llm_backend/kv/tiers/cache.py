@@ -43,7 +43,7 @@ import torch
 from ..events import block_hashes
 from ..pools import SlotPool
 from ..swa_radix_cache import Match, Node, SWARadixCache
-from .host import HostCopy, HostKV, TierStats, token_bytes
+from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, token_bytes
 from .loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
 from .store import PageData
 
@@ -515,34 +515,27 @@ class TieredRadixCache(SWARadixCache):
         )
 
     # ----------------------------------------------------------------------------------- observability
-    def host_accounting(self) -> dict:
+    def host_accounting(self) -> HostAccounting:
         """Host pages and SWA slots held by tree nodes, free and in total."""
         held_p = held_s = 0
         for n in self.nodes():
             if n.host is not None:
                 held_p += len(n.host.pages) if n.host.pages is not None else 0
                 held_s += len(n.host.swa)
-        return {
-            "host_full_pages": {
-                "held": held_p,
-                "free": self.host_full.free_pages_count if self.host_full else 0,
-                "total": self.host_full.pages if self.host_full else 0,
-            },
-            "host_swa": {
-                "held": held_s,
-                "free": self.host_swa.available() if self.host_swa else 0,
-                "total": self.host_swa.size if self.host_swa else 0,
-            },
-        }
+        hf, hs = self.host_full, self.host_swa
+        return HostAccounting(
+            HostUse(held_p, hf.free_pages_count if hf else 0, hf.pages if hf else 0),
+            HostUse(held_s, hs.available() if hs else 0, hs.size if hs else 0),
+        )
 
     def tier_metrics(self) -> dict:
         acc = self.host_accounting()
         out = {f"kv_tier_{k}": v for k, v in self.tier_stats.__dict__.items()}
         out.update({f"kv_load_{k}": v for k, v in self.load_stats.as_dict().items()})
-        out["kv_host_full_tokens_used"] = acc["host_full_pages"]["held"] * self.P
-        out["kv_host_full_tokens_total"] = acc["host_full_pages"]["total"] * self.P
-        out["kv_host_swa_used"] = acc["host_swa"]["held"]
-        out["kv_host_swa_total"] = acc["host_swa"]["total"]
+        out["kv_host_full_tokens_used"] = acc.host_full_pages.held * self.P
+        out["kv_host_full_tokens_total"] = acc.host_full_pages.total * self.P
+        out["kv_host_swa_used"] = acc.host_swa.held
+        out["kv_host_swa_total"] = acc.host_swa.total
         if self.store is not None:
             out.update({f"kv_store_{k}": v for k, v in self.store.stats.as_dict().items()})
             out["kv_store_up"] = int(bool(self.store.up))

@@ -67,3 +67,18 @@ class TierStats:
     host_evictions: int = 0  # host copies dropped or host-only nodes removed
     backfills: int = 0
     fallbacks: int = 0  # matches cut to the device part: the device could not make room for the load
+
+
+@dataclass
+class HostUse:
+    """One host pool: units held by tree nodes, free, in total (pages for full KV, slots for SWA)."""
+
+    held: int
+    free: int
+    total: int
+
+
+@dataclass
+class HostAccounting:
+    host_full_pages: HostUse
+    host_swa: HostUse
