@@ -30,7 +30,9 @@ def _ipv6() -> bool:
 def test_the_ready_line_brackets_an_ipv6_host_and_that_address_answers(capsys):
     async def main():
         srv = GrpcServer("::1", 0, 16)
-        srv.add(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderRouter([], RouterConfig()), "mimo_epd.v1.Encoder")
+        srv.add(
+            encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderRouter([], RouterConfig()), "mimo_epd.v1.Encoder"
+        )
         await srv.start()
         srv.announce()
         line = capsys.readouterr().out.strip()
