@@ -33,7 +33,7 @@ class ModelRunner:
         self.kv_loads: Any = None
 
     def _inputs(self, seg: Segment) -> SeqInput:
-        r, start, n = seg
+        r, start, n = seg.request, seg.start, seg.n
         new = r.tokens[start : start + n]
         ids = torch.tensor(new, device=self.device)
         embeds = None
