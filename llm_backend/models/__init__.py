@@ -135,11 +135,13 @@ def transformers_twin(model: MiMoV2FlashForCausalLM):
     from transformers import MiMoV2FlashConfig as HFConfig
     from transformers import MiMoV2FlashForCausalLM as HFModel
 
-    cfg = {k: v for k, v in model.config.to_hf_dict().items() if k != "model_type" and v is not None}
+    skip = ("model_type", "num_nextn_predict_layers")
+    cfg = {k: v for k, v in model.config.to_hf_dict().items() if k not in skip and v is not None}
     p = next(model.parameters())
     hf = HFModel(HFConfig(**cfg)).to(dtype=p.dtype, device=p.device).eval()
-    state = {**hf.state_dict(), **model.state_dict()}
-    missing = set(hf.state_dict()) - set(model.state_dict())
+    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("model.mtp.")}  # transformers has none
+    state = {**hf.state_dict(), **ours}
+    missing = set(hf.state_dict()) - set(ours)
     if [k for k in missing if not k.endswith("e_score_correction_bias")]:
         raise ValueError(f"transformers expects weights the model lacks: {sorted(missing)[:5]}")
     hf.load_state_dict(state)
