@@ -54,16 +54,17 @@ class TrainConfig:
     experts: int = flag(8, "routed experts per MoE layer")
     experts_per_token: int = flag(2, "experts each token uses")
     mtp_layers: int = flag(MTP_DEPTH, "MTP layers (MiMo-V2-Flash has 3)")
-    seq_len: int = flag(512, "tokens per training row")
-    batch: int = flag(8, "rows per step")
-    steps: int = flag(2000, "optimizer steps")
-    lr: float = flag(3e-3, "peak learning rate")
-    warmup: int = flag(100, "linear warm-up steps")
+    seq_len: int = flag(384, "tokens per training row")
+    batch: int = flag(6, "rows per step")
+    steps: int = flag(650, "optimizer steps")
+    lr: float = flag(2e-3, "peak learning rate")
+    warmup: int = flag(50, "linear warm-up steps")
     min_lr_ratio: float = flag(0.1, "the cosine decay's floor, as a fraction of --lr")
     weight_decay: float = flag(0.1, "AdamW weight decay of matrices")
     mtp_weight: float = flag(0.3, "weight of each MTP layer's loss next to the main loss")
+    mtp_stride: int = flag(2, "the MTP losses are taken at every N-th position (all positions are evaluated)")
     bias_update: float = flag(1e-3, "step of the router's load-balancing correction bias")
-    checkpoint_every: int = flag(100, "steps between resumable checkpoints")
+    checkpoint_every: int = flag(50, "steps between resumable checkpoints")
     eval_rows: int = flag(64, "held-out rows measured at the end")
     log_every: int = flag(10, "steps between progress lines on stderr")
     threads: int = flag(0, "torch CPU threads (0 = all cores)")
@@ -71,7 +72,7 @@ class TrainConfig:
     def validate(self) -> None:
         if not self.out:
             raise ValueError("--out is required: the checkpoint directory to write")
-        for name in ("steps", "batch", "seq_len", "vocab_size", "checkpoint_every", "eval_rows", "log_every"):
+        for name in ("steps", "batch", "seq_len", "vocab_size", "checkpoint_every", "eval_rows", "log_every", "mtp_stride"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.mtp_layers <= 8:
@@ -196,8 +197,10 @@ class Data:
 # ------------------------------------------------------------------------------------------------------- loss
 
 
-def losses(model, rows: torch.Tensor, depth: int):
-    """rows [B, L + 1 + depth] -> (main loss, [MTP layer k's loss], each head's logits and targets, expert ids)."""
+def losses(model, rows: torch.Tensor, depth: int, mtp_stride: int = 1):
+    """rows [B, L + 1 + depth] -> (main loss, [MTP layer k's loss], each head's logits and targets, expert ids).
+    The MTP layers run over every position (their attention needs them all); their LM head and loss over every
+    `mtp_stride`-th position only (the shared 4096-wide head is the largest matmul of a step)."""
     from llm_backend.models.dense import logits, main_hidden, mtp_hidden
 
     n = rows.shape[1] - 1 - depth
@@ -208,8 +211,8 @@ def losses(model, rows: torch.Tensor, depth: int):
     emb = model.model.embed_tokens
     for k in range(1, depth + 1):
         hidden = mtp_hidden(model, k - 1, emb(rows[:, k : n + k]), hidden)
-        outs.append(logits(model, hidden))
-        targets.append(rows[:, 1 + k : n + 1 + k])
+        outs.append(logits(model, hidden[:, ::mtp_stride]))
+        targets.append(rows[:, 1 + k : n + 1 + k][:, ::mtp_stride])
     ce = [F.cross_entropy(o.reshape(-1, o.shape[-1]).float(), t.reshape(-1)) for o, t in zip(outs, targets)]
     return ce[0], ce[1:], outs, targets, expert_ids
 
@@ -301,13 +304,14 @@ def train(tc: TrainConfig) -> dict:
         print(f"resumed at step {step} from {state_path}", file=sys.stderr, flush=True)
     model.train()
     depth = model.config.num_nextn_predict_layers
+    data.batch(step)  # builds the first epoch's rows before the clock of the first progress line starts
     window_t, window_tok = time.monotonic(), 0
     run_start = time.monotonic() - elapsed
     while step < tc.steps:
         rows = data.batch(step)
         for group in opt.param_groups:
             group["lr"] = learning_rate(tc, step)
-        main, mtp, _, _, expert_ids = losses(model, rows, depth)
+        main, mtp, _, _, expert_ids = losses(model, rows, depth, tc.mtp_stride)
         loss = main + tc.mtp_weight * sum(mtp, torch.zeros(()))
         opt.zero_grad(set_to_none=True)
         loss.backward()
