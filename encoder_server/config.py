@@ -21,7 +21,11 @@ class EncoderServerConfig:
     # --- serving -------------------------------------------------------------------------------
     host: str = _f("127.0.0.1", "address to listen on")
     port: int = _f(50051, "gRPC port (0 = pick a free one; the ready line tells which)")
-    model: str = _f("tiny", "'tiny' (embedded random-weight model) or a transformers checkpoint directory")
+    model: str = _f(
+        "tiny",
+        "'tiny' (the shipped default model's tower), 'tiny-random' (seeded random weights) or a transformers "
+        "checkpoint directory (Qwen2.5-VL, or mimo_v2_flash with a vision_config)",
+    )
     device: str = _f("cpu", "torch device for preprocessing and the vision tower (cpu, cuda, cuda:1)")
     dtype: str = _f("float32", "vision tower dtype: float32, bfloat16 or float16")
     preprocess: str = _f("auto", "preprocessing preset: auto (from the checkpoint), qwen2_5_vl or mimo_v2_5")

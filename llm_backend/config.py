@@ -16,7 +16,12 @@ _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "
 @dataclass
 class LLMConfig:
     # --- serving -------------------------------------------------------------------------------
-    model: str = flag("tiny", "'tiny' (embedded random-weight model) or a mimo_v2_flash checkpoint directory", _SERVE)
+    model: str = flag(
+        "tiny",
+        "'tiny' (the shipped trained model), 'tiny-random' (seeded random weights, byte tokenizer) or a "
+        "mimo_v2_flash checkpoint directory",
+        _SERVE,
+    )
     host: str = flag("127.0.0.1", "address to listen on", _SERVE)
     port: int = flag(50061, "gRPC port (0 = pick a free one; the ready line tells which)", _SERVE)
     http_port: int = flag(0, "HTTP port of the OpenAI-compatible API (0 = pick a free one, -1 = off)", _SERVE)

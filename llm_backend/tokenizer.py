@@ -1,13 +1,16 @@
-"""Tokenizers: bytes for the embedded `tiny` model, a checkpoint's `tokenizer.json` through `tokenizers`."""
+"""Tokenizers: a checkpoint's `tokenizer.json` through `tokenizers` (the shipped `tiny` is a checkpoint), and
+bytes for `tiny-random` and for a directory without one."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
+
 
 class ByteTokenizer:
-    """The tiny model's tokenizer: one token per UTF-8 byte; 256 = BOS, 257 = EOS."""
+    """`tiny-random`'s tokenizer: one token per UTF-8 byte; 256 = BOS, 257 = EOS."""
 
     bos_token_id, eos_token_id = 256, 257
     vocab_size = 258
@@ -50,8 +53,10 @@ def _special_ids(model_dir: str) -> tuple[int | None, int | None]:
 
 
 def load_tokenizer(model: str):
-    """`tiny` uses bytes; a checkpoint directory its `tokenizer.json` (bytes when it has none)."""
-    path = os.path.join(model, "tokenizer.json") if model != "tiny" else ""
+    """A checkpoint directory's `tokenizer.json` (`tiny`: the shipped one); bytes for `tiny-random` or a
+    directory without one."""
+    d = resolve_model(model)
+    path = os.path.join(d, "tokenizer.json") if model != TINY_RANDOM else ""
     if path and os.path.isfile(path):
-        return HFTokenizer(path, *_special_ids(model))
+        return HFTokenizer(path, *_special_ids(d))
     return ByteTokenizer()

@@ -1,10 +1,12 @@
 """Vision models and their loader.
 
-`load_vision_model("tiny")` builds the embedded default: the real Qwen2.5-VL vision architecture at
-small sizes with deterministic random weights (seeded), so everything runs on a laptop CPU with
-nothing downloaded. `load_vision_model(PATH)` loads a checkpoint directory saved by transformers:
-either a vision model alone (`model_type: qwen2_5_vl_vision`) or a full Qwen2.5-VL checkpoint, from
-which only the `visual.*` weights are read.
+`load_vision_model("tiny")` loads the tower of the shipped default model (`mimo_epd.data`, docs/model.md): the
+real Qwen2.5-VL vision architecture at small sizes (`TINY_VISION_CONFIG`) with deterministic random weights
+(seeded; `random_model(TINY_VISION_CONFIG)` builds the same), stored in that checkpoint under `visual.*`, so it
+loads through the same path as a user's multimodal checkpoint and runs on a laptop CPU with nothing downloaded.
+`tiny-random` builds those weights without reading any file. `load_vision_model(PATH)` loads a checkpoint
+directory saved by transformers: a vision model alone (`model_type: qwen2_5_vl_vision`), a full Qwen2.5-VL
+checkpoint, or a `mimo_v2_flash` checkpoint with a `vision_config`; only the `visual.*` weights are read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 
 from .qwen2_5_vision import Qwen2_5VisionTower, VisionConfig
 
@@ -141,22 +145,22 @@ def load_vision_model(
     The module's `forward(pixel_values, grid_thw)` returns `[total_tokens_after_merge, out_dim]`.
     """
     torch_dtype = resolve_dtype(dtype)
-    if name_or_path == "tiny":
+    if name_or_path == TINY_RANDOM:
         model = Qwen2_5VisionTower(TINY_VISION_CONFIG)
         init_random_weights(model, TINY_SEED)
         info = LoadedVisionModel(model, f"tiny-qwen2_5_vl-vision-seed{TINY_SEED}", None)
     else:
-        directory = Path(name_or_path)
+        directory = Path(resolve_model(name_or_path))
         if not (directory / "config.json").is_file():
             raise FileNotFoundError(
-                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json"
+                f"model {name_or_path!r}: not {TINY_RANDOM!r} and not a checkpoint directory with a config.json"
             )
         cfg_dict = json.loads((directory / "config.json").read_text())
         model_type = cfg_dict.get("model_type", "")
-        if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision"):
+        if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision") and "vision_config" not in cfg_dict:
             raise ValueError(
                 f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
-                "(expected qwen2_5_vl or qwen2_5_vl_vision)"
+                "(expected qwen2_5_vl or qwen2_5_vl_vision) and its config has no vision_config"
             )
         cfg = VisionConfig.from_hf_dict(cfg_dict)
         model = Qwen2_5VisionTower(cfg)

@@ -1,4 +1,5 @@
-"""LLM model definitions and their loader (the embedded `tiny` default, or a transformers checkpoint)."""
+"""LLM model definitions and their loader: a `mimo_v2_flash` checkpoint directory (the shipped `tiny` is one),
+or `tiny-random`, seeded random weights of `TINY_LLM_CONFIG` (tests that need a model without files)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 
 from ..paged_attention import ContiguousKV
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
@@ -21,8 +24,8 @@ __all__ = [
     "transformers_twin",
 ]
 
-# The embedded default: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2,
-# hidden 256 (= the tiny vision tower's output), a byte-level vocabulary (256 bytes + specials).
+# `tiny-random`: 8 layers (full attention at 0 and 5, the MiMo rule), window 128, 8 experts top-2, hidden 256
+# (= the tiny vision tower's output), a byte-level vocabulary (256 bytes + specials), seeded random weights.
 TINY_LLM_CONFIG = MiMoV2FlashConfig(
     vocab_size=320,
     hidden_size=256,
@@ -99,29 +102,13 @@ def _to_packed_layout(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 
 def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.float32) -> MiMoV2FlashForCausalLM:
-    if name_or_path == "tiny":
+    """`tiny-random`, or a checkpoint directory (`tiny` is the shipped one). Weights stored in another dtype (the
+    shipped bf16) are cast to `dtype`; the router stays fp32. MTP layers load when the config declares them."""
+    if name_or_path == TINY_RANDOM:
         model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
         init_random_weights(model, TINY_SEED)
     else:
-        d = Path(name_or_path)
-        if not (d / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model {name_or_path!r}: not 'tiny' and not a checkpoint directory with a config.json"
-            )
-        cfg_dict = json.loads((d / "config.json").read_text())
-        if cfg_dict.get("model_type") != "mimo_v2_flash":
-            raise ValueError(f"model {name_or_path!r}: model_type {cfg_dict.get('model_type')!r} is not mimo_v2_flash")
-        model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig.from_hf_dict(cfg_dict))
-        from safetensors.torch import load_file
-
-        state = {}
-        for f in sorted(d.glob("*.safetensors")):
-            state.update(load_file(str(f)))
-        state = _to_packed_layout({k: v for k, v in state.items() if not k.startswith("model.mtp.")})
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
-        if missing:
-            raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+        model = _load_checkpoint(name_or_path)
     # The router stays in fp32 (as transformers keeps it), whatever the model dtype.
     model.to(device=device, dtype=dtype)
     for layer in model.model.layers:
@@ -130,16 +117,52 @@ def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.
     return model.eval()
 
 
+def _load_checkpoint(name_or_path: str) -> MiMoV2FlashForCausalLM:
+    d = Path(resolve_model(name_or_path))
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model {name_or_path!r}: not {TINY_RANDOM!r} and not a checkpoint directory with a config.json"
+        )
+    cfg_dict = json.loads((d / "config.json").read_text())
+    if cfg_dict.get("model_type") != "mimo_v2_flash":
+        raise ValueError(f"model {name_or_path!r}: model_type {cfg_dict.get('model_type')!r} is not mimo_v2_flash")
+    model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig.from_hf_dict(cfg_dict))
+    from safetensors.torch import load_file
+
+    state = {}
+    for f in sorted(d.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    keep_mtp = model.config.num_nextn_predict_layers > 0
+    state = _to_packed_layout(
+        {
+            k: v.float() if v.is_floating_point() else v
+            for k, v in state.items()
+            if (keep_mtp or not k.startswith("model.mtp.")) and not k.startswith(_OTHER_TOWERS)
+        }
+    )
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
+    if missing:
+        raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
+    return model
+
+
+# Weights of a multimodal checkpoint that the encoder's towers read, not the LLM.
+_OTHER_TOWERS = ("visual.", "model.visual.", "audio_tower.", "model.audio_tower.")
+
+
 def transformers_twin(model: MiMoV2FlashForCausalLM):
     """The same weights in transformers' own `MiMoV2FlashForCausalLM` (baselines and parity checks)."""
     from transformers import MiMoV2FlashConfig as HFConfig
     from transformers import MiMoV2FlashForCausalLM as HFModel
 
-    cfg = {k: v for k, v in model.config.to_hf_dict().items() if k != "model_type" and v is not None}
+    skip = ("model_type", "num_nextn_predict_layers")
+    cfg = {k: v for k, v in model.config.to_hf_dict().items() if k not in skip and v is not None}
     p = next(model.parameters())
     hf = HFModel(HFConfig(**cfg)).to(dtype=p.dtype, device=p.device).eval()
-    state = {**hf.state_dict(), **model.state_dict()}
-    missing = set(hf.state_dict()) - set(model.state_dict())
+    ours = {k: v for k, v in model.state_dict().items() if not k.startswith("model.mtp.")}  # transformers has none
+    state = {**hf.state_dict(), **ours}
+    missing = set(hf.state_dict()) - set(ours)
     if [k for k in missing if not k.endswith("e_score_correction_bias")]:
         raise ValueError(f"transformers expects weights the model lacks: {sorted(missing)[:5]}")
     hf.load_state_dict(state)

@@ -61,6 +61,9 @@ class MiMoV2FlashConfig:
     swa_num_key_value_heads: int | None = None
     bos_token_id: int | None = 1
     eos_token_id: int | list[int] | None = None
+    # Multi-token-prediction layers stored under `model.mtp.layers.{i}.*` (the key MiMo-7B and DeepSeek-V3 use;
+    # transformers ignores it). 0 = the checkpoint's MTP weights, if any, are not loaded.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -261,6 +264,10 @@ class MiMoV2FlashForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        if cfg.num_nextn_predict_layers:
+            from .mimo_v2_flash_mtp import MiMoV2FlashMTP
+
+            self.model.mtp = MiMoV2FlashMTP(cfg)  # state-dict keys model.mtp.layers.{i}.*, as in MiMo's release
 
     @torch.inference_mode()
     def forward(
@@ -282,6 +289,16 @@ class MiMoV2FlashForCausalLM(nn.Module):
         over all tokens (one GEMM each); attention runs over the paged KV pools for all sequences at once
         (`paged`: a `PagedBatch` describing the step). Returns each segment's logits ("all" tokens or the "last"
         one)."""
+        x, bounds = self.hidden_states(segments, paged)
+        results = []
+        for j, mode in enumerate(logits_for):
+            a, b = bounds[j], bounds[j + 1]
+            results.append(self.lm_head(x[a:b] if mode == "all" else x[b - 1 : b]).float())
+        return results
+
+    def hidden_states(self, segments: list[SeqInput], paged) -> tuple[torch.Tensor, list[int]]:
+        """The final hidden states (after the last norm: what the LM head and the first MTP layer read) of all the
+        segments' tokens [T, hidden], and the segments' bounds in that order."""
         m = self.model
         xs = [m.embed_tokens(seg.input_ids) if seg.inputs_embeds is None else seg.inputs_embeds for seg in segments]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
@@ -297,8 +314,4 @@ class MiMoV2FlashForCausalLM(nn.Module):
             o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None, attn.sinks)
             x = x + attn.o_proj(o.reshape(o.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        results = []
-        for j, mode in enumerate(logits_for):
-            a, b = bounds[j], bounds[j + 1]
-            results.append(self.lm_head(m.norm(x[a:b] if mode == "all" else x[b - 1 : b])).float())
-        return results
+        return m.norm(x), bounds

@@ -10,7 +10,8 @@ tokenizer's special tokens (`bos_token`, `eos_token`, ...). A template that rais
 
 The template comes from `--chat-template FILE` when given, else the checkpoint's `chat_template.jinja`
 or the `chat_template` field of its `tokenizer_config.json` (a string, or a list of named templates:
-"default" is used), else `TINY_TEMPLATE`. The `tiny` model's template, documented in docs/api.md:
+"default" is used), else `TINY_TEMPLATE`. The shipped `tiny` model is a checkpoint with its own template (MiMo's
+conventions, docs/model.md); `TINY_TEMPLATE` is `tiny-random`'s and that of a checkpoint without one (docs/api.md):
 
     <|system|>\\nYou are helpful.\\n<|user|>\\nHi\\n<|assistant|>\\n
 
@@ -30,6 +31,8 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 
 TINY_TEMPLATE = (
     "{% for message in messages %}"
@@ -116,19 +119,21 @@ class ChatTemplate:
 
 
 def load_chat_template(model: str, override: str = "") -> ChatTemplate:
-    """`override` (a file) > the checkpoint's template > TINY_TEMPLATE; special tokens from tokenizer_config.json."""
+    """`override` (a file) > the checkpoint's template > TINY_TEMPLATE; special tokens from tokenizer_config.json.
+    `tiny` is the shipped checkpoint directory; `tiny-random` has no files (bytes, TINY_TEMPLATE)."""
     cfg = {}
-    path = os.path.join(model, "tokenizer_config.json") if model != "tiny" else ""
+    d = resolve_model(model) if model != TINY_RANDOM else ""
+    path = os.path.join(d, "tokenizer_config.json") if d else ""
     if path and os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
             cfg = json.load(f)
     special = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(cfg.get(k))) is not None}
-    if model == "tiny":
+    if not d:
         special = {"bos_token": "", "eos_token": ""}  # the byte tokenizer's specials have no text
     if override:
         with open(override, encoding="utf-8") as f:
             return ChatTemplate(f.read(), special, origin=override)
-    jinja_file = os.path.join(model, "chat_template.jinja") if model != "tiny" else ""
+    jinja_file = os.path.join(d, "chat_template.jinja") if d else ""
     if jinja_file and os.path.isfile(jinja_file):
         with open(jinja_file, encoding="utf-8") as f:
             return ChatTemplate(f.read(), special, origin=jinja_file)
@@ -138,4 +143,4 @@ def load_chat_template(model: str, override: str = "") -> ChatTemplate:
         tpl = named.get("default") or next(iter(named.values()), None)
     if isinstance(tpl, str) and tpl:
         return ChatTemplate(tpl, special, origin=path)
-    return ChatTemplate(TINY_TEMPLATE, special, origin="tiny")
+    return ChatTemplate(TINY_TEMPLATE, special, origin=TINY_RANDOM if not d else "default")

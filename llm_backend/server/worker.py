@@ -31,7 +31,9 @@ async def serve_llm(
     model: str = "tiny",
 ) -> int:
     config = config or ServerConfig.from_engine(engine)
-    name = config.served_model_name or (model if model == "tiny" else os.path.basename(os.path.normpath(model)))
+    name = config.served_model_name or (
+        model if model in ("tiny", "tiny-random") else os.path.basename(os.path.normpath(model))
+    )
     template = load_chat_template(model, config.chat_template)
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)

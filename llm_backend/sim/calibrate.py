@@ -61,7 +61,7 @@ def timed_run(waves, live=LIVE, threads: int = 1) -> dict:
     from ..engine import LLM, SamplingParams
 
     torch.set_num_threads(threads)
-    llm = LLM("tiny", **live)
+    llm = LLM("tiny-random", **live)  # the `tiny` shape (TINY_LLM_CONFIG) the profile is fitted on
     steps: list[tuple[list[tuple[int, int, bool]], float]] = []
     inner = llm.runner.execute
 
@@ -165,7 +165,7 @@ def validate(profile, seed: int = 3, waves: int = 6, threads: int = 1) -> dict:
         "sim_busy_s": round(worker.runner.busy_s, 4),
         "config": {
             **LIVE,
-            "model": "tiny",
+            "model": "tiny-random",
             "workload_seed": seed,
             "waves": waves,
             "torch_threads": threads,

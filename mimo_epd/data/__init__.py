@@ -3,6 +3,7 @@
 | name | what | licence |
 |---|---|---|
 | `MOONCAKE_TRACE` | the conversation trace published with Mooncake (FAST'25), xz-compressed JSONL | Apache-2.0 |
+| `TINY_MODEL` | the default model `tiny`: a checkpoint directory trained by `mimo-epd train-tiny` (docs/model.md) | Apache-2.0 (the project's); trained on the Python documentation, PSF-2.0 |
 
 `open_text(path)` opens a trace as text whether it is plain, `.xz` or `.gz`, so a user's own trace in any of the
 three forms works wherever the shipped one does.
@@ -17,6 +18,7 @@ from typing import IO
 
 DATA_DIR = Path(__file__).resolve().parent
 MOONCAKE_TRACE = str(DATA_DIR / "traces" / "mooncake_conversation.jsonl.xz")
+TINY_MODEL = str(DATA_DIR / "models" / "tiny")
 
 
 def open_text(path: str | Path) -> IO[str]:

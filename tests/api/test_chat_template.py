@@ -90,8 +90,8 @@ def test_sandboxed():
         ChatTemplate(evil).render(MESSAGES)
 
 
-def test_tiny_template_documented_shape():
-    text = load_chat_template("tiny").render(
+def test_tiny_random_template_documented_shape():
+    text = load_chat_template("tiny-random").render(
         [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Hi"}]
     )
     assert text == "<|system|>\nYou are helpful.\n<|user|>\nHi\n<|assistant|>\n"

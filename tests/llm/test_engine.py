@@ -94,10 +94,10 @@ def test_no_pseudo_hits_under_heavy_eviction(page):
 
 
 def test_sampling_params_logprobs_and_text():
-    llm = LLM("tiny", chunk_size=32)
+    llm = LLM("tiny-random", chunk_size=32)
     p = SamplingParams(max_tokens=5, temperature=0.8, top_p=0.9, top_k=20, seed=7, logprobs=True, prompt_logprobs=True)
     a = llm.generate(["hi there"], p)[0]
-    b = LLM("tiny").generate(["hi there"], p)[0]
+    b = LLM("tiny-random").generate(["hi there"], p)[0]
     assert a.output_token_ids == b.output_token_ids  # seeded
     assert len(a.logprobs) == 5 and all(lp <= 0 for lp in a.logprobs)
     assert len(a.prompt_logprobs) == len(a.prompt_token_ids) and a.prompt_logprobs[0] is None
@@ -141,7 +141,8 @@ def test_checkpoint_tokenizer_json_is_used(tmp_path):
     tok.save(str(tmp_path / "tokenizer.json"))
     t = load_tokenizer(str(tmp_path))
     assert isinstance(t, HFTokenizer) and t.encode("hello world") == [5, 7] and t.decode([5, 7]) == "hello world"
-    assert isinstance(load_tokenizer("tiny"), ByteTokenizer)
+    assert isinstance(load_tokenizer("tiny-random"), ByteTokenizer)
+    assert isinstance(load_tokenizer("tiny"), HFTokenizer)  # the shipped checkpoint's tokenizer.json
 
 
 @pytest.mark.parametrize("window,kv_heads,page,chunk", [(4, 1, 1, 5), (8, 2, 4, 20)])

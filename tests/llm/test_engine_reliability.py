@@ -115,7 +115,7 @@ def test_non_finite_logits_fail_that_request_only(monkeypatch):
 
 
 def test_eos_stops_unless_ignore_eos():
-    llm = LLM("tiny")
+    llm = LLM("tiny-random")
     first = llm.generate(["abc"], SamplingParams(max_tokens=8))[0]
     eos = llm.tokenizer.eos_token_id
     # Make EOS the greedy choice by asking to stop at whatever the first token is, via stop_token_ids,

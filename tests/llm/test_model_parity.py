@@ -102,8 +102,8 @@ def test_greedy_decoding_five_windows_past_the_prompt(pair):
     assert got == ref.tolist()
 
 
-def test_tiny_default_loads_into_transformers():
-    ours = load_llm("tiny")
+def test_tiny_random_loads_into_transformers():
+    ours = load_llm("tiny-random")
     cfg = HFConfig(**{k: v for k, v in ours.config.to_hf_dict().items() if k != "model_type"})
     hf = HFModel(cfg).eval()
     missing, unexpected = hf.load_state_dict(ours.state_dict(), strict=False)
