@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from mimo_epd.common.flags import flag
 
 _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits"
+_SPEC = "LLM speculative decoding"
 
 
 @dataclass
@@ -93,6 +94,21 @@ class LLMConfig:
     fcfs: bool = flag(False, "first come first served instead of fewest uncached tokens first", _SCHED)
     wait_penalty: float = flag(2048.0, "uncached tokens forgiven per second of waiting, so nothing starves", _SCHED)
     length_buckets: str = flag("65536,262144", "prompt-length bucket bounds; buckets take turns at admission", _SCHED)
+    # --- speculative decoding (docs/llm.md) -----------------------------------------------------
+    speculative_steps: int = flag(
+        0,
+        "MTP speculative decoding: draft tokens verified per decode step, at most the model's MTP layers (0 = off)",
+        _SPEC,
+    )
+    speculative_layers: str = flag(
+        "chain",
+        "chain (draft step k uses MTP layer k) or first (MTP layer 1 reused for every step, as vLLM runs MiMo)",
+        _SPEC,
+        choices=("chain", "first"),
+    )
+    prefill_mtp: bool = flag(
+        True, "run the MTP layers over prompt chunks too, so the first decode step drafts from the whole prompt", _SPEC
+    )
     # --- limits --------------------------------------------------------------------------------
     max_waiting: int = flag(
         1024,
@@ -133,6 +149,8 @@ class LLMConfig:
             raise ValueError("--host-kv-bytes and --swa-checkpoint-interval must be >= 0, --kv-store-ttl-s positive")
         if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--kv-store must be a redis:// URL, got {self.kv_store!r}")
+        if self.speculative_steps < 0:
+            raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
         if self.http_port < -1:

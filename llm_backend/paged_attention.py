@@ -41,15 +41,33 @@ class KVPools:
         self.sliding = [k == "sliding_attention" for k in cfg.layer_types]
         self.window = cfg.window
 
+    def add_sliding_layers(self, cfg, swa_slots: int) -> list[int]:
+        """Appends `cfg`'s layers (all sliding: the MTP layers) as more sliding layers over the same SWA slots, so
+        a token's slot holds their KV too and it lives, moves between tiers and is freed with the rest; returns
+        their layer ids here."""
+        ids = []
+        like = next(iter(self.k.values()))
+        for i, kind in enumerate(cfg.layer_types):
+            if kind != "sliding_attention":
+                raise ValueError("only sliding layers can share the SWA slots")
+            j = len(self.sliding)
+            shape = (swa_slots, cfg.kv_heads(i))
+            self.k[j] = torch.zeros(*shape, cfg.head_dim, dtype=like.dtype, device=like.device)
+            self.v[j] = torch.zeros(*shape, cfg.v_head_dim, dtype=like.dtype, device=like.device)
+            self.sliding.append(True)
+            ids.append(j)
+        return ids
+
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
 
 class SeqSlots(NamedTuple):
     """One sequence of a step: its full-pool and SWA-pool slots for tokens [0, start + n) (SWA entries outside the
-    window may be None) and the step's new tokens [start, start + n)."""
+    window may be None) and the step's new tokens [start, start + n). `full` is None in a batch that attends
+    sliding layers only (the MTP layers)."""
 
-    full: list[int]
+    full: list[int] | None
     swa: list[int | None]
     start: int
     n: int
@@ -95,7 +113,8 @@ class PagedBatch:
         t = 0
         for full, swa, start, n in seqs:
             end = start + n
-            new_full.extend(full[start:end])
+            if full is not None:
+                new_full.extend(full[start:end])
             new_swa.extend(swa[start:end])
             kind = "decode" if n == 1 else "extend"
             rows[kind].extend(range(t, t + n))
@@ -105,7 +124,8 @@ class PagedBatch:
             window = swa[lo:end]
             if any(s is None for s in window):
                 raise RuntimeError(f"a KV slot the window needs was released (tokens {lo}..{end})")
-            tables[False][kind].append(full[:end])
+            if full is not None:
+                tables[False][kind].append(full[:end])
             tables[True][kind].append(window)
             offsets.append(t)
             t += n
@@ -122,7 +142,7 @@ class PagedBatch:
         )
         for sliding in (False, True):
             for kind in ("decode", "extend"):
-                if not rows[kind]:
+                if not rows[kind] or not tables[sliding][kind]:
                     continue
                 table, lens = _table(tables[sliding][kind], device)
                 self.groups[sliding].append(

@@ -79,7 +79,7 @@ class LLM:
             )
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
-        self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
+        self.runner = self._runner(cfg)
         self.pools = self.runner.pools
         self.cache = self._cache(cfg, mcfg)
         try:
@@ -101,6 +101,7 @@ class LLM:
             wait_penalty=cfg.wait_penalty,
             length_buckets=cfg.buckets(),
             max_prefill_tokens=cfg.max_prefill_tokens,
+            draft_tokens=self.runner.draft_tokens,
         )
         self.max_model_len = self.scheduler.max_seq_len
         self._eos = self._eos_ids()
@@ -109,6 +110,21 @@ class LLM:
         self._wake = threading.Condition(self._lock)
         self.loop_error: BaseException | None = None
         self.step_errors = 0
+
+    def _runner(self, cfg: LLMConfig) -> ModelRunner:
+        """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies."""
+        if not cfg.speculative_steps:
+            return ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
+        from .speculative import SpeculativeRunner
+
+        return SpeculativeRunner(
+            self.model,
+            self.full_pool.size,
+            cfg.swa_cache_tokens,
+            cfg.speculative_steps,
+            cfg.speculative_layers,
+            cfg.prefill_mtp,
+        )
 
     def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:
         """The SWA-aware radix cache, or with a KV tier on (`--host-kv-bytes`, `--kv-store`) the tiered one: the
@@ -200,6 +216,7 @@ class LLM:
             "preemptions": s.preemptions,
             "step_errors": self.step_errors,
             **(self.tiers.tier_metrics() if self.tiers is not None else {}),
+            **self.runner.metrics(),
         }
 
     # ----------------------------------------------------------------------------------- public

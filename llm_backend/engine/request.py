@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -112,6 +112,7 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+    spec: Any = None  # speculative decoding's per-request state (engine.speculative.MTPState)
     drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
     accepted_tokens: int = 0  # and of those, the ones the target accepted
 

@@ -32,9 +32,20 @@ class ModelRunner:
         # layer while the forward runs; None without KV tiers.
         self.kv_loads: Any = None
 
+    def draft_tokens(self, r) -> int:
+        """Draft positions a decoding request verifies this step: none without speculative decoding."""
+        return 0
+
+    def metrics(self) -> dict:
+        return {}
+
+    def _segment_tokens(self, seg: Segment) -> list[int]:
+        """The token ids a segment computes."""
+        return seg.request.tokens[seg.start : seg.start + seg.n]
+
     def _inputs(self, seg: Segment) -> SeqInput:
         r, start, n = seg.request, seg.start, seg.n
-        new = r.tokens[start : start + n]
+        new = self._segment_tokens(seg)
         ids = torch.tensor(new, device=self.device)
         embeds = None
         if r.media and any(p in r.media for p in range(start, start + n)):

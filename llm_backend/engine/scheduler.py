@@ -187,8 +187,8 @@ class Scheduler:
                     budget -= seg.n
             else:
                 drafts = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
-                if budget is not None:
-                    drafts = max(0, min(drafts, budget))
+                if budget is not None and drafts > budget:
+                    drafts = 0  # all of a request's drafts or none (its draft chain writes every MTP layer once)
                 seg = self._segment(r, drafts=drafts)
                 if seg is not None and budget is not None:
                     budget -= seg.drafts

@@ -72,7 +72,16 @@ class TrainConfig:
     def validate(self) -> None:
         if not self.out:
             raise ValueError("--out is required: the checkpoint directory to write")
-        for name in ("steps", "batch", "seq_len", "vocab_size", "checkpoint_every", "eval_rows", "log_every", "mtp_stride"):
+        for name in (
+            "steps",
+            "batch",
+            "seq_len",
+            "vocab_size",
+            "checkpoint_every",
+            "eval_rows",
+            "log_every",
+            "mtp_stride",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.mtp_layers <= 8:
@@ -123,7 +132,11 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             elif name.endswith("sinks"):
                 p.zero_()
             else:
-                std = 0.02 / math.sqrt(depth) if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight")) else 0.02
+                std = (
+                    0.02 / math.sqrt(depth)
+                    if name.endswith(("o_proj.weight", "down_proj", "down_proj.weight"))
+                    else 0.02
+                )
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):

@@ -1,0 +1,366 @@
+"""MTP speculative decoding: draft with the model's multi-token-prediction layers, verify in the target's own
+step, accept losslessly.
+
+The MTP layers (models/mimo_v2_flash_mtp.py) form a chain: layer l (0-based) at a token slot s reads the hidden
+state H_l(s - 1) (the main model's final hidden state for l = 0, layer l-1's output for l > 0) and the embedding of
+the token at s, and its output predicts the token at s + 1. Its KV for slot s is stored in the request's SWA slot
+of position s, in pool layers of their own appended after the main layers (`KVPools.add_sliding_layers`). So MTP
+KV lives and dies with the sliding layers' KV: it is cached in the radix tree, released out of the window, moved
+to the host or the store, and rolled back with it, and an entry at s depends only on tokens 0..s (a cached prefix
+is a valid prefix for the MTP layers too). Layer l has no entry before slot `origin + l + 1`: origin 0 with prefill
+MTP (the MTP layers run over every prompt chunk, so the first decode step already drafts from a full context), or
+the prompt's last position without it (they see only what is generated).
+
+One engine step of a speculating request whose last token t_L (at slot L) is not computed yet:
+1. draft (`_draft`, before the main forward): chain mode runs layer l over slots [L, L + l]; the entry at L is a
+   normal one, the others read the drafts d_1..d_l; the last entry's output gives d_{l+1}. `first` mode (one MTP
+   layer reused for every step, the way vLLM runs MiMo) runs layer 0 at L, L + 1, ... each reading its own
+   previous output. Drafts are argmax (greedy requests) or sampled from the MTP distribution with the request's
+   temperature, top-k, top-p and generator (kept as q for verification).
+2. verify: the segment's tokens [t_L, d_1..d_K] go through the target in the same batched forward as everyone
+   else's prefill chunks and decode tokens. Greedy: the longest prefix where the target's argmax equals the
+   draft, plus the target's token at the first difference (or after the last draft). Sampled: draft d at row i is
+   accepted with probability min(1, p(d) / q(d)), p the target's distribution under the same settings; on a
+   rejection the token comes from norm(max(p - q, 0)) and the run ends; all accepted adds a token from p at the
+   last row (Leviathan et al. 2023; Chen et al. 2023). Either way the output has exactly the distribution of
+   non-speculative decoding, and logprobs are the target's.
+3. catch up (`_catch_up`, after the forward): every layer's entries for the positions this step made final
+   (a prefill chunk, a plain decode token, or the accepted drafts) are recomputed from the target's hidden states,
+   overwriting what drafting wrote there. The scheduler then rolls the rejected positions back (RequestKV.truncate).
+
+Each request keeps `MTPState`: the next slot to fill and, per layer, the hidden input for it. A segment that does
+not start there (a prefix-cache hit, a recomputation after preemption) has no H_l(start - 1) — no cache keeps hidden
+states — and uses H_l(start) in its place for that one entry: an approximation that can only change how many
+drafts are accepted, never the output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..paged_attention import PagedBatch, SeqSlots
+from .request import Request
+from .runner import ModelRunner
+from .sampler import Sampled, SamplingError, check_finite, describe, distribution
+from .scheduler import Segment, SegmentResult
+
+DRAFT_LAYERS = ("chain", "first")
+
+
+@dataclass
+class MTPState:
+    """A request's MTP progress: every kept layer has its entries for slots [.., next_slot) (from its origin on),
+    and `inputs[l]` is H_l(next_slot - 1), the hidden input of layer l's entry at next_slot (None: unknown)."""
+
+    origin: int
+    next_slot: int
+    inputs: list[torch.Tensor | None]
+    drafts: list[int] = field(default_factory=list)
+    q: list[torch.Tensor] = field(default_factory=list)  # draft distributions (sampled requests)
+    at_draft: list[torch.Tensor | None] = field(default_factory=list)  # H_l(L) from drafting, l >= 1
+
+    def first_slot(self, layer: int) -> int:
+        """Layer `layer`'s first entry: its input H_layer reads the layer below at the slot before."""
+        return self.origin + layer + 1
+
+    @property
+    def ready(self) -> bool:
+        """Whether drafting can start at next_slot (the main hidden state before it is known)."""
+        return bool(self.inputs) and self.inputs[0] is not None
+
+
+@dataclass
+class SpecStats:
+    steps: int
+    verifies: int = 0
+    drafted: list[int] = field(default_factory=list)  # per draft position
+    accepted: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.drafted = [0] * self.steps
+        self.accepted = [0] * self.steps
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.verifies += 1
+        for j in range(drafted):
+            self.drafted[j] += 1
+            self.accepted[j] += j < accepted
+
+    def as_dict(self) -> dict:
+        acc = sum(self.accepted)
+        return {
+            "verify_steps": self.verifies,
+            "drafted_tokens": sum(self.drafted),
+            "accepted_tokens": acc,
+            "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted, self.drafted)],
+            # tokens per verify step: the accepted drafts and the target's own token
+            "mean_accept_length": round((acc + self.verifies) / self.verifies, 4) if self.verifies else 0.0,
+        }
+
+
+class _LayerOffset:
+    """The MTP module attends its layer l; its KV is pool layer `base + l`."""
+
+    def __init__(self, batch: PagedBatch, base: int):
+        self.batch, self.base = batch, base
+
+    def attend(self, layer: int, *args):
+        return self.batch.attend(self.base + layer, *args)
+
+
+@dataclass
+class _Run:
+    """One request's entries in one MTP layer pass: consecutive slots from `first`, their tokens and hidden
+    inputs; `out` gets the layer's outputs."""
+
+    request: Request
+    first: int
+    tokens: list[int]
+    hidden: list[torch.Tensor]
+    out: torch.Tensor | None = None
+
+
+class SpeculativeRunner(ModelRunner):
+    def __init__(
+        self, model, full_slots: int, swa_slots: int, steps: int, layers: str = "chain", prefill_mtp: bool = True
+    ):
+        mtp = getattr(model.model, "mtp", None)
+        if mtp is None:
+            raise ValueError("--speculative-steps needs a model with MTP layers (model.mtp.layers.* in its checkpoint)")
+        n = len(mtp.layers)
+        if not 1 <= steps <= n:
+            raise ValueError(f"--speculative-steps {steps}: the model has {n} MTP layers (use 1..{n}, 0 = off)")
+        if layers not in DRAFT_LAYERS:
+            raise ValueError(f"--speculative-layers must be one of {', '.join(DRAFT_LAYERS)}, got {layers!r}")
+        super().__init__(model, full_slots, swa_slots)
+        self.mtp, self.steps, self.layers, self.prefill_mtp = mtp, steps, layers, prefill_mtp
+        self.depth = steps if layers == "chain" else 1  # MTP layers whose KV is kept
+        self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
+        self.stats = SpecStats(steps)
+
+    def metrics(self) -> dict:
+        return {f"spec_{k}": v for k, v in self.stats.as_dict().items()}
+
+    def draft_tokens(self, r: Request) -> int:
+        """The scheduler's question for a decoding request: how many draft positions to verify this step."""
+        st = r.spec
+        return self.steps if st is not None and st.ready and st.next_slot == len(r.tokens) - 1 else 0
+
+    # ----------------------------------------------------------------------------------- one step
+    def execute(self, segments: list[Segment]) -> list[SegmentResult]:
+        kvs = [s.request.kv for s in segments]
+        assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
+        with torch.inference_mode():
+            return self._execute(segments, kvs)
+
+    def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:
+        verifying = [s for s in segments if s.drafts]
+        if verifying:
+            self._draft(verifying)
+        load = self.kv_loads.start_load() if self.kv_loads is not None else None
+        try:
+            paged = PagedBatch(
+                self.pools,
+                [SeqSlots(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
+                wait=load.wait if load is not None else None,
+            )
+            hidden, bounds = self.model.hidden_states([self._inputs(s) for s in segments], paged)
+        finally:
+            if load is not None:
+                load.finish()
+        results = []
+        for j, s in enumerate(segments):
+            h = hidden[bounds[j] : bounds[j + 1]]
+            rows = h if (s.drafts or s.all_logits) else h[-1:]
+            logits = self.model.lm_head(rows).float()
+            results.append(self._verify(s, logits) if s.drafts else self._result(s, logits))
+        self._catch_up(segments, [hidden[bounds[j] : bounds[j + 1]] for j in range(len(segments))], results)
+        return results
+
+    def _segment_tokens(self, seg: Segment) -> list[int]:
+        own = super()._segment_tokens(seg)
+        return own + seg.request.spec.drafts if seg.drafts else own
+
+    # ----------------------------------------------------------------------------------- MTP passes
+    def _state(self, r: Request, start: int) -> MTPState:
+        """The request's MTP state for a segment starting at `start` (a fresh one when it does not continue)."""
+        st = r.spec
+        if st is None or st.next_slot != start:
+            origin = 0 if self.prefill_mtp else max(0, len(r.prompt) - 1)
+            st = MTPState(origin, start, [None] * self.depth)
+            r.spec = st
+        return st
+
+    def _run_layer(self, layer: int, runs: list[_Run]) -> None:
+        """MTP layer `layer` over every run (one batched forward); sets each run's outputs."""
+        runs = [u for u in runs if u.tokens]
+        if not runs:
+            return
+        ids = torch.tensor([t for u in runs for t in u.tokens], device=self.device)
+        emb = self.model.model.embed_tokens(ids)
+        hidden = torch.stack([h for u in runs for h in u.hidden]).to(emb.dtype)
+        seqs, positions = [], []
+        for u in runs:
+            o = u.request.spec.first_slot(layer)  # the layer's sequence starts there
+            seqs.append(SeqSlots(None, u.request.kv.swa[o:], u.first - o, len(u.tokens)))
+            positions.extend(range(u.first - o, u.first - o + len(u.tokens)))
+        paged = PagedBatch(self.pools, seqs)
+        out = self.mtp.step(
+            layer, emb, hidden, torch.tensor(positions, device=self.device), _LayerOffset(paged, self.base)
+        )
+        k = 0
+        for u in runs:
+            u.out = out[k : k + len(u.tokens)]
+            k += len(u.tokens)
+
+    def _pick(self, r: Request, hidden: torch.Tensor, slot: int) -> tuple[int, torch.Tensor | None]:
+        """The draft token for `slot` from an MTP output: argmax (greedy) or sampled with the request's settings
+        (its distribution q kept for verification)."""
+        logits = self.model.lm_head(hidden[None]).float()[0]
+        check_finite(logits)
+        if r.params.greedy:
+            return int(torch.argmax(logits)), None
+        q = distribution(logits, r.params)
+        return int(torch.multinomial(q, 1, generator=r.generator)), q
+
+    def _draft(self, segments: list[Segment]) -> None:
+        """Step 1 of the module docstring: `seg.drafts` tokens per verifying request (`state.drafts`)."""
+        for s in segments:
+            st = s.request.spec
+            st.drafts, st.q, st.at_draft = [], [], [None] * self.depth
+        prev: dict[int, _Run] = {}  # request id -> its run in the previous draft step
+        for j in range(self.steps):
+            layer = j if self.layers == "chain" else 0
+            runs = []
+            for s in segments:
+                if j >= s.drafts:
+                    continue
+                r, st, L = s.request, s.request.spec, s.start
+                if self.layers == "chain":  # layer j at slots [L, L + j]
+                    first = max(L, st.first_slot(layer))
+                    hid = [self._h_draft(st, layer, L, prev.get(r.id), sl) for sl in range(first, L + j + 1)]
+                else:  # layer 0 at L + j, reading its own previous output
+                    first = L + j
+                    hid = [st.inputs[0] if j == 0 else prev[r.id].out[-1]]
+                toks = [r.tokens[sl] if sl == L else st.drafts[sl - L - 1] for sl in range(first, L + j + 1)]
+                runs.append(_Run(r, first, toks, hid))
+            self._run_layer(layer, runs)
+            for u in runs:
+                st = u.request.spec
+                token, q = self._pick(u.request, u.out[-1], u.first + len(u.tokens))
+                st.drafts.append(token)
+                if q is not None:
+                    st.q.append(q)
+                if self.layers == "chain" and layer + 1 < self.depth and u.first == u.request.spec.next_slot:
+                    st.at_draft[layer + 1] = u.out[0]  # O_layer(L) = H_{layer+1}(L), the next catch-up's input
+                prev[u.request.id] = u
+
+    def _h_draft(self, st: MTPState, layer: int, L: int, below: _Run | None, slot: int) -> torch.Tensor:
+        """H_layer(slot - 1) while drafting: the state's input at L, else the layer below's output this step."""
+        if slot == L and st.inputs[layer] is not None:
+            return st.inputs[layer]
+        if layer == 0:
+            raise RuntimeError("drafting needs the main model's hidden state before the last token")
+        assert below is not None and below.out is not None
+        at = slot - 1 if slot > L else slot  # (the same slot's: the approximation of the module docstring)
+        return below.out[at - below.first]
+
+    # ----------------------------------------------------------------------------------- verification
+    def _verify(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
+        """Step 2: the accepted drafts and the target's next token (greedy or rejection sampling)."""
+        r = seg.request
+        st, p = r.spec, r.params
+        accepted: list[Sampled] = []
+        try:
+            for i in range(logits.shape[0]):
+                row = logits[i]
+                check_finite(row)
+                draft = st.drafts[i] if i < seg.drafts else None
+                if p.greedy:
+                    tok = int(torch.argmax(row))
+                    if draft is not None and tok == draft:
+                        accepted.append(describe(row, tok, p))
+                        continue
+                    bonus = describe(row, tok, p)
+                    break
+                target = distribution(row, p)
+                if draft is not None:
+                    q = st.q[i]
+                    ratio = float(target[draft]) / max(float(q[draft]), 1e-30)
+                    if float(torch.rand((), generator=r.generator)) < ratio:
+                        accepted.append(describe(row, draft, p))
+                        continue
+                    resid = (target - q).clamp_min(0)
+                    total = float(resid.sum())
+                    target = resid / total if total > 0 else target
+                bonus = describe(row, int(torch.multinomial(target, 1, generator=r.generator)), p)
+                break
+        except SamplingError as e:
+            return SegmentResult(None, [], str(e))
+        self.stats.add(seg.drafts, len(accepted))
+        return SegmentResult(bonus, [], accepted=tuple(accepted))
+
+    # ----------------------------------------------------------------------------------- catch up
+    def _catch_up(self, segments: list[Segment], hidden: list[torch.Tensor], results: list[SegmentResult]) -> None:
+        """Step 3: every kept layer's entries for the slots this step made final, from the target's hidden states;
+        then each state moves to the slot after them."""
+        plans = []
+        for s, h, res in zip(segments, hidden, results):
+            if res.error:
+                s.request.spec = None
+                continue
+            r = s.request
+            own = s.n - s.drafts
+            if s.drafts:  # [L] + the accepted drafts; the entries at L were written while drafting
+                st = r.spec
+                final = [r.tokens[s.start]] + [a.token for a in res.accepted]
+                start = s.start + 1
+            else:
+                st = self._state(r, s.start)
+                final = r.tokens[s.start : s.start + own]
+                start = s.start
+            plans.append((s, st, h, final, start))
+        outs: dict[int, dict[int, _Run]] = {}  # layer -> request id -> run
+        for layer in range(self.depth):
+            runs = []
+            for s, st, h, final, start in plans:
+                first = max(start, st.first_slot(layer))
+                end = s.start + len(final)  # slots [first, end) get entries
+                if first >= end:
+                    continue
+                r = s.request
+                hid = [self._h_catch(st, layer, s, h, outs, sl, start) for sl in range(first, end)]
+                runs.append(_Run(r, first, final[first - s.start :], hid))
+            self._run_layer(layer, runs)
+            outs[layer] = {u.request.id: u for u in runs}
+        for s, st, h, final, _ in plans:
+            last = s.start + len(final) - 1  # the last final slot
+            inputs: list[torch.Tensor | None] = [h[last - s.start]]
+            for layer in range(1, self.depth):
+                u = outs[layer - 1].get(s.request.id)
+                if u is not None and u.first <= last:
+                    inputs.append(u.out[last - u.first])
+                elif s.drafts and last == s.start:
+                    inputs.append(st.at_draft[layer])
+                else:
+                    inputs.append(None)
+            st.inputs, st.next_slot, st.drafts, st.q = inputs, last + 1, [], []
+
+    def _h_catch(self, st: MTPState, layer: int, s: Segment, h: torch.Tensor, outs, slot: int, start: int):
+        """H_layer(slot - 1) while catching up."""
+        prev = slot - 1
+        if layer == 0:
+            if prev >= s.start:
+                return h[prev - s.start]
+            return st.inputs[0] if st.inputs[0] is not None else h[slot - s.start]  # the approximation
+        below = outs[layer - 1].get(s.request.id)
+        if below is not None and below.first <= prev:
+            return below.out[prev - below.first]
+        if s.drafts and prev == s.start and st.at_draft[layer] is not None:
+            return st.at_draft[layer]
+        if st.inputs[layer] is not None and prev == st.next_slot - 1:
+            return st.inputs[layer]
+        assert below is not None and below.out is not None
+        return below.out[slot - below.first]  # the approximation: the same slot's

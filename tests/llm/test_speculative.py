@@ -1,0 +1,280 @@
+"""MTP speculative decoding (llm_backend/engine/speculative.py): outputs identical to plain decoding whatever the
+drafts are (random MTP layers accept almost nothing; oracle drafts accept everything; half-right drafts accept a
+prefix), stops inside an accepted run cut exactly there, the sampled distribution is unchanged (a chi-square test),
+and both KV pools stay exact: the accounting invariant after every step, pools back to idle, no drafted position
+in the tree — with a regression test for each speculation + SWA bug peers shipped."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from llm_backend.engine.llm import LLM
+from llm_backend.engine.request import SamplingParams
+from llm_backend.engine.speculative import SpeculativeRunner
+from llm_backend.models import TINY_LLM_CONFIG, MiMoV2FlashForCausalLM, init_random_weights
+
+CFG = replace(TINY_LLM_CONFIG, num_hidden_layers=4, layer_types=[], mlp_layer_types=[], num_nextn_predict_layers=3)
+CFG.__post_init__()
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = MiMoV2FlashForCausalLM(CFG)
+    init_random_weights(m, 0)
+    return m.eval()
+
+
+def prompts(n=4, seed=0, lo=5, hi=200):
+    rng = random.Random(seed)
+    return [[rng.randrange(250) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def engine(model, **kw):
+    opts = dict(kv_cache_tokens=2048, swa_cache_tokens=1024, page_size=4, chunk_size=64, release_interval=4)
+    opts.update(kw)
+    return LLM(model, **opts)
+
+
+def outputs(llm, ps, sp=GREEDY):
+    return [o.output_token_ids for o in llm.generate(prompt_token_ids=ps, sampling_params=sp)]
+
+
+def idle(llm) -> None:
+    """Nothing runs: every slot is free or held by the tree; evicting the tree frees every slot."""
+    acc = llm.cache.accounting()
+    assert acc.full.protected == 0 and acc.swa.protected == 0
+    assert llm.full_pool.available() + acc.full.evictable == llm.full_pool.size
+    assert llm.swa_pool.available() + acc.swa.evictable == llm.swa_pool.size
+    llm.cache.evict_full(10**9)
+    llm.cache.evict_swa(10**9)
+    assert llm.full_pool.available() == llm.full_pool.size and llm.swa_pool.available() == llm.swa_pool.size
+
+
+class Oracle:
+    """Drafts from a known continuation (`right`: which draft positions 0..K-1 are given the true token)."""
+
+    def __init__(self, truth: dict[tuple, list[int]], right=(0, 1, 2)):
+        self.truth, self.right = truth, right
+
+    def install(self, runner: SpeculativeRunner) -> None:
+        def pick(r, hidden, slot):
+            out = self.truth[tuple(r.prompt)]
+            i = slot - len(r.prompt)  # output index of the drafted token
+            pos = slot - (len(r.tokens) - 1) - 1  # its draft position
+            ok = pos in self.right and i < len(out)
+            return (out[i] if ok else (out[i] + 1) % 250 if i < len(out) else 0), None
+
+        runner._pick = pick
+
+
+@pytest.mark.parametrize("layers,prefill_mtp", [("chain", True), ("chain", False), ("first", True)])
+def test_greedy_outputs_identical_with_random_mtp_layers(model, layers, prefill_mtp):
+    ps = prompts()
+    want = outputs(engine(model), ps)
+    llm = engine(model, speculative_steps=3, speculative_layers=layers, prefill_mtp=prefill_mtp)
+    assert outputs(llm, ps) == want
+    s = llm.stats()
+    assert s["spec_verify_steps"] > 0 and s["spec_drafted_tokens"] == 3 * s["spec_verify_steps"]
+    idle(llm)
+
+
+def test_oracle_drafts_are_all_accepted_and_outputs_identical(model):
+    ps = prompts(seed=1)
+    want = outputs(engine(model), ps)
+    llm = engine(model, speculative_steps=3)
+    Oracle({tuple(p): o for p, o in zip(ps, want)}).install(llm.runner)
+    assert outputs(llm, ps) == want
+    s = llm.stats()
+    assert s["spec_acceptance_by_position"] == [1.0, 1.0, 1.0]
+    # every verify step yields 4 tokens: 24 tokens = the first (from prefill) + 23 in ceil(23 / 4) = 6 steps
+    assert s["spec_verify_steps"] == 6 * len(ps)
+    idle(llm)
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3])
+def test_a_wrong_draft_ends_the_accepted_run(model, steps):
+    ps = prompts(seed=2)
+    want = outputs(engine(model), ps)
+    llm = engine(model, speculative_steps=steps)
+    Oracle({tuple(p): o for p, o in zip(ps, want)}, right=(0,)).install(llm.runner)  # only the first is right
+    assert outputs(llm, ps) == want
+    acc = llm.stats()["spec_acceptance_by_position"]
+    assert acc[0] == 1.0 and all(a == 0.0 for a in acc[1:])
+    idle(llm)
+
+
+def test_stop_token_and_max_tokens_inside_an_accepted_run(model):
+    ps = prompts(n=3, seed=3)
+    free = outputs(engine(model), ps)
+    stop = free[0][9]  # a token the first request emits at position 9 (inside a 4-token run)
+    for sp in (
+        SamplingParams(max_tokens=24, ignore_eos=True, stop_token_ids=(stop,)),
+        SamplingParams(max_tokens=11, ignore_eos=True),
+    ):
+        want = outputs(engine(model), ps, sp)
+        llm = engine(model, speculative_steps=3)
+        Oracle({tuple(p): o for p, o in zip(ps, free)}).install(llm.runner)
+        res = llm.generate(prompt_token_ids=ps, sampling_params=sp)
+        assert [o.output_token_ids for o in res] == want
+        assert [o.usage.completion_tokens for o in res] == [len(w) for w in want]
+        idle(llm)
+
+
+def test_accounting_after_every_step_under_eviction_and_preemption(model):
+    """Small pools: the tree evicts, younger requests are preempted; after every step, for both pools, free +
+    evictable + protected + what running requests own == total (SGLang #40681: available + evictable > total;
+    #34823: out-of-window frees in mixed units; #27789: a page leak with page_size > 1)."""
+    ps = prompts(n=8, seed=4, lo=60, hi=240)
+    want = outputs(engine(model, kv_cache_tokens=1200, swa_cache_tokens=520, max_running=4), ps)
+    llm = engine(model, kv_cache_tokens=1200, swa_cache_tokens=520, max_running=4, speculative_steps=3)
+    Oracle({tuple(p): o for p, o in zip(ps, want)}, right=(0, 1)).install(llm.runner)
+    reqs = [llm.add_request(p, GREEDY) for p in ps]
+    while llm.has_work():
+        llm.step()
+        acc = llm.cache.accounting()
+        running = [r for r in llm.scheduler.running if r.kv is not None]
+        own_full = sum(r.kv.own_full_slots() for r in running)
+        own_swa = sum(r.kv.own_swa_live() for r in running)
+        assert llm.full_pool.available() + acc.full.evictable + acc.full.protected + own_full == llm.full_pool.size
+        assert llm.swa_pool.available() + acc.swa.evictable + acc.swa.protected + own_swa == llm.swa_pool.size
+        for r in running:  # no draft placeholder survives a step
+            assert -1 not in r.kv.tokens and r.kv.tokens == r.tokens[: len(r.kv.tokens)]
+    assert [r.output for r in reqs] == want
+    assert llm.preemptions > 0 or llm.cache.stats.full_evicted > 0  # the pools were under pressure
+    idle(llm)
+
+
+def test_no_drafted_token_reaches_the_tree(model):
+    """Every path in the tree is a prompt + output prefix of some request (drafts were rolled back first)."""
+    ps = prompts(n=4, seed=5)
+    llm = engine(model, speculative_steps=3)  # random MTP layers: nearly every draft is rejected
+    res = llm.generate(prompt_token_ids=ps, sampling_params=GREEDY)
+    seqs = [p + o.output_token_ids for p, o in zip(ps, res)]
+
+    def walk(node, prefix):
+        for child in node.children.values():
+            path = prefix + child.key
+            assert any(s[: len(path)] == path for s in seqs), "a cached path no request produced"
+            walk(child, path)
+
+    walk(llm.cache.root, [])
+    assert llm.cache.token_count() > 0
+
+
+def test_draft_slots_never_preempt_or_fail_a_request(model):
+    """SGLang #28219 (draft KV not reserved for hybrid SWA): with an SWA pool that holds barely the running
+    windows, drafts are skipped when they do not fit; nothing fails and nothing is preempted that plain decoding
+    would not preempt."""
+    ps = prompts(n=4, seed=6, lo=100, hi=140)
+    opts = dict(swa_cache_tokens=4 * (128 + 8) + 64 + 4 + 1, max_running=4)
+    base = engine(model, **opts)
+    want = outputs(base, ps)
+    llm = engine(model, speculative_steps=3, **opts)
+    assert outputs(llm, ps) == want
+    assert llm.preemptions <= base.preemptions
+    idle(llm)
+
+
+def test_prefix_hits_are_the_same_with_speculation(model):
+    """vLLM #42784 (0% prefix hit rate with SWA + Eagle): a second turn hits the first turn's prefix as much as
+    without speculation, and decodes the same."""
+    p1 = prompts(n=1, seed=7, lo=150, hi=151)[0]
+    hits = {}
+    for steps in (0, 3):
+        llm = engine(model, speculative_steps=steps)
+        first = outputs(llm, [p1])[0]
+        before = llm.stats()["prefix_hit_tokens"]
+        second = outputs(llm, [p1 + first + [5, 6, 7]])[0]
+        hits[steps] = (llm.stats()["prefix_hit_tokens"] - before, first, second)
+    assert hits[3] == hits[0] and hits[0][0] > 100
+
+
+def test_the_model_needs_mtp_layers_and_steps_are_bounded(model):
+    plain = MiMoV2FlashForCausalLM(replace(CFG, num_nextn_predict_layers=0))
+    with pytest.raises(ValueError, match="MTP layers"):
+        engine(plain, speculative_steps=1)
+    with pytest.raises(ValueError, match="has 3 MTP layers"):
+        engine(model, speculative_steps=4)
+
+
+def chi_square_p(table: list[list[int]]) -> float:
+    """p-value of Pearson's chi-square test of homogeneity of two rows of counts (bins seen in neither dropped)."""
+    cols = [j for j in range(len(table[0])) if table[0][j] + table[1][j] > 0]
+    obs = torch.tensor([[row[j] for j in cols] for row in table], dtype=torch.float64)
+    expected = obs.sum(1, keepdim=True) * obs.sum(0, keepdim=True) / obs.sum()
+    stat = float(((obs - expected) ** 2 / expected).sum())
+    df = len(cols) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2)))
+
+
+def test_chi_square_p_tells_equal_from_different_distributions():
+    assert chi_square_p([[500, 300, 200], [510, 290, 200]]) > 0.5
+    assert chi_square_p([[500, 300, 200], [300, 500, 200]]) < 1e-6
+
+
+def test_sampled_distribution_is_unchanged(model):
+    """Temperature 1 with top-k 6: the first three tokens of a fixed prompt, 2000 seeded samples (by default) with and
+    without speculation (random MTP drafts: acceptance and residual sampling both happen): a chi-square test
+    per position over the token counts."""
+    small = replace(
+        CFG,
+        vocab_size=24,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_attention_heads=2,
+        head_dim=16,
+        v_head_dim=8,
+        num_hidden_layers=2,
+        layer_types=[],
+        mlp_layer_types=[],
+        num_nextn_predict_layers=3,
+    )
+    small.__post_init__()
+    m = MiMoV2FlashForCausalLM(small)
+    init_random_weights(m, 3, std=0.5)
+    m.eval()
+    prompt = [1, 5, 9, 2, 7]
+    n = int(os.environ.get("MIMO_EPD_SPEC_SAMPLES", "2000"))
+    counts = {}
+    for steps in (0, 3):
+        llm = engine(
+            m, speculative_steps=steps, max_running=n, max_waiting=n, kv_cache_tokens=40000, swa_cache_tokens=40000
+        )
+        reqs = [
+            llm.add_request(prompt, SamplingParams(max_tokens=3, temperature=1.0, top_k=6, seed=s)) for s in range(n)
+        ]
+        while llm.has_work():
+            llm.step()
+        counts[steps] = [[r.output[i] for r in reqs] for i in range(3)]
+        if steps:
+            assert llm.stats()["spec_accepted_tokens"] > 0  # some drafts were accepted, some rejected
+    for i in range(3):
+        table = [[counts[s][i].count(t) for t in range(small.vocab_size)] for s in (0, 3)]
+        assert chi_square_p(table) > 1e-3, (i, table)
+
+
+def test_speculation_is_deterministic_per_seed(model):
+    sp = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=11)
+    ps = prompts(n=2, seed=8)
+    a = outputs(engine(model, speculative_steps=3), ps, sp)
+    b = outputs(engine(model, speculative_steps=3), ps, sp)
+    assert a == b
+
+
+def test_logprobs_are_the_targets(model):
+    ps = prompts(n=2, seed=9)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=True)
+    want = engine(model).generate(prompt_token_ids=ps, sampling_params=sp)
+    llm = engine(model, speculative_steps=3)
+    Oracle({tuple(p): o.output_token_ids for p, o in zip(ps, want)}).install(llm.runner)
+    got = llm.generate(prompt_token_ids=ps, sampling_params=sp)
+    for a, b in zip(got, want):
+        assert a.output_token_ids == b.output_token_ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
