@@ -109,6 +109,11 @@ class LLMConfig:
     prefill_mtp: bool = flag(
         True, "run the MTP layers over prompt chunks too, so the first decode step drafts from the whole prompt", _SPEC
     )
+    speculative_auto: bool = flag(
+        True,
+        "turn drafting off for a request or a step when the measured step costs and acceptance say it does not pay",
+        _SPEC,
+    )
     # --- limits --------------------------------------------------------------------------------
     max_waiting: int = flag(
         1024,

@@ -124,6 +124,7 @@ class LLM:
             cfg.speculative_steps,
             cfg.speculative_layers,
             cfg.prefill_mtp,
+            cfg.speculative_auto,
         )
 
     def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:

@@ -36,6 +36,7 @@ drafts are accepted, never the output.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ from .request import Request
 from .runner import ModelRunner
 from .sampler import Sampled, SamplingError, check_finite, describe, distribution
 from .scheduler import Segment, SegmentResult
+from .spec_control import SpecController
 
 DRAFT_LAYERS = ("chain", "first")
 
@@ -60,6 +62,7 @@ class MTPState:
     drafts: list[int] = field(default_factory=list)
     q: list[torch.Tensor] = field(default_factory=list)  # draft distributions (sampled requests)
     at_draft: list[torch.Tensor | None] = field(default_factory=list)  # H_l(L) from drafting, l >= 1
+    accept_ema: float | None = None  # accepted drafts per verify, averaged (spec_control.py)
 
     def first_slot(self, layer: int) -> int:
         """Layer `layer`'s first entry: its input H_layer reads the layer below at the slot before."""
@@ -124,7 +127,14 @@ class _Run:
 
 class SpeculativeRunner(ModelRunner):
     def __init__(
-        self, model, full_slots: int, swa_slots: int, steps: int, layers: str = "chain", prefill_mtp: bool = True
+        self,
+        model,
+        full_slots: int,
+        swa_slots: int,
+        steps: int,
+        layers: str = "chain",
+        prefill_mtp: bool = True,
+        auto: bool = True,
     ):
         mtp = getattr(model.model, "mtp", None)
         if mtp is None:
@@ -139,21 +149,29 @@ class SpeculativeRunner(ModelRunner):
         self.depth = steps if layers == "chain" else 1  # MTP layers whose KV is kept
         self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
         self.stats = SpecStats(steps)
+        self.control = SpecController(steps, auto=auto)
 
     def metrics(self) -> dict:
-        return {f"spec_{k}": v for k, v in self.stats.as_dict().items()}
+        return {**{f"spec_{k}": v for k, v in self.stats.as_dict().items()}, "spec_control": self.control.as_dict()}
 
     def draft_tokens(self, r: Request) -> int:
-        """The scheduler's question for a decoding request: how many draft positions to verify this step."""
+        """The scheduler's question for a decoding request: how many draft positions to verify this step (K, or
+        0 when its MTP state is not at its last token or the measured costs say drafting does not pay)."""
         st = r.spec
-        return self.steps if st is not None and st.ready and st.next_slot == len(r.tokens) - 1 else 0
+        ready = st is not None and st.ready and st.next_slot == len(r.tokens) - 1
+        return self.steps if ready and self.control.wants(st) else 0
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
+        t0 = time.perf_counter()
         with torch.inference_mode():
-            return self._execute(segments, kvs)
+            results = self._execute(segments, kvs)
+        decoding = sum(1 for s in segments if s.n - s.drafts == 1 and s.samples)
+        verified = any(s.drafts for s in segments)
+        self.control.observe(time.perf_counter() - t0, sum(s.n for s in segments), verified, decoding)
+        return results
 
     def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:
         verifying = [s for s in segments if s.drafts]
@@ -300,6 +318,7 @@ class SpeculativeRunner(ModelRunner):
         except SamplingError as e:
             return SegmentResult(None, [], str(e))
         self.stats.add(seg.drafts, len(accepted))
+        self.control.accepted(st, len(accepted))
         return SegmentResult(bonus, [], accepted=tuple(accepted))
 
     # ----------------------------------------------------------------------------------- catch up

@@ -113,6 +113,8 @@ class Final:
     ttft_s: float
     e2e_s: float
     matched_stop: str | int | None = None
+    accepted_prediction_tokens: int = 0  # speculative decoding: draft tokens the target accepted
+    rejected_prediction_tokens: int = 0  # and rejected
 
 
 @dataclass
@@ -405,6 +407,8 @@ class Generation:
             max(ttft, 0.0),
             e2e,
             self.matched,
+            r.accepted_tokens,
+            r.drafted_tokens - r.accepted_tokens,
         )
         if m is not None:
             m.on_finish(final)

@@ -55,6 +55,8 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                             ttft_ms=ev.ttft_s * 1e3,
                             finish_reason=ev.finish_reason,
                             media_tokens=ev.media_tokens,
+                            accepted_prediction_tokens=ev.accepted_prediction_tokens,
+                            rejected_prediction_tokens=ev.rejected_prediction_tokens,
                         )
                     )
                     break

@@ -44,6 +44,33 @@ class _EngineGauges:
             yield CounterMetricFamily(
                 "llm_preemptions", "requests preempted (KV freed, recomputed later)", value=float(s["preemptions"])
             )
+        yield from _speculation(s)
+
+
+def _speculation(s: dict):
+    """Speculative decoding (engine/speculative.py): verify steps, drafts, acceptance by draft position."""
+    if "spec_verify_steps" not in s:
+        return
+    yield CounterMetricFamily(
+        "llm_spec_verify_steps", "decode steps that verified drafts", value=float(s["spec_verify_steps"])
+    )
+    yield CounterMetricFamily(
+        "llm_spec_draft_tokens", "draft tokens verified by the target", value=float(s["spec_drafted_tokens"])
+    )
+    yield CounterMetricFamily(
+        "llm_spec_accepted_tokens", "draft tokens the target accepted", value=float(s["spec_accepted_tokens"])
+    )
+    yield GaugeMetricFamily(
+        "llm_spec_mean_accept_length",
+        "tokens per verify step (accepted drafts + the target's own token), since start",
+        value=float(s["spec_mean_accept_length"]),
+    )
+    g = GaugeMetricFamily(
+        "llm_spec_acceptance_rate", "accepted / drafted at each draft position, since start", labels=["position"]
+    )
+    for i, a in enumerate(s["spec_acceptance_by_position"]):
+        g.add_metric([str(i + 1)], float(a))
+    yield g
 
 
 class LLMMetrics:

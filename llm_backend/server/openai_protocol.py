@@ -329,6 +329,10 @@ def usage(final: Final) -> dict:
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": final.cached_tokens},
+        "completion_tokens_details": {
+            "accepted_prediction_tokens": final.accepted_prediction_tokens,
+            "rejected_prediction_tokens": final.rejected_prediction_tokens,
+        },
     }
 
 

@@ -36,7 +36,9 @@ def prompts(n=4, seed=0, lo=5, hi=200):
 
 
 def engine(model, **kw):
-    opts = dict(kv_cache_tokens=2048, swa_cache_tokens=1024, page_size=4, chunk_size=64, release_interval=4)
+    opts = dict(
+        kv_cache_tokens=2048, swa_cache_tokens=1024, page_size=4, chunk_size=64, release_interval=4, speculative_auto=False
+    )
     opts.update(kw)
     return LLM(model, **opts)
 
@@ -278,3 +280,49 @@ def test_logprobs_are_the_targets(model):
     for a, b in zip(got, want):
         assert a.output_token_ids == b.output_token_ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
+
+
+def _fed(controller, a, b, c, accept, steps=60):
+    """Observations of a machine whose step time is a + b * tokens + c * [verify]."""
+    from llm_backend.engine.speculative import MTPState
+
+    st = MTPState(0, 0, [None])
+    for i in range(steps):
+        verified = i % 2 == 0
+        B = 8
+        tokens = B * (1 + controller.steps * verified) + (64 if i % 5 == 0 else 0)
+        controller.observe(a + b * tokens + c * verified, tokens, verified, B)
+        if verified:
+            for _ in range(B):
+                controller.accepted(st, accept)
+    return st
+
+
+@pytest.mark.parametrize(
+    "costs,accept,drafts",
+    [
+        ((0.010, 0.00002, 0.001), 2.5, True),  # a GPU-like machine: tokens nearly free, drafts accepted
+        ((0.002, 0.004, 0.003), 2.5, False),  # a CPU-like machine: every verify token costs a decode step
+        ((0.010, 0.00002, 0.001), 0.0, False),  # nothing is ever accepted
+    ],
+)
+def test_the_controller_drafts_only_when_the_measured_costs_pay(costs, accept, drafts):
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=10**9)
+    st = _fed(ctl, *costs, accept)
+    a, b, c = ctl.costs()
+    assert abs(b - costs[1]) < 1e-4 and abs(c - costs[2]) < 1e-3  # the fit recovers the machine's costs
+    assert ctl.wants(st) is drafts
+
+
+def test_the_controller_probes_the_other_choice():
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=4)
+    st = _fed(ctl, 0.002, 0.004, 0.003, 0.0)
+    choices = []
+    for _ in range(8):
+        choices.append(ctl.wants(st))
+        ctl.observe(0.05, 8, False, 8)
+    assert True in choices and False in choices  # off, but every 4th step measures drafting again

@@ -1,0 +1,96 @@
+"""When speculation pays: a measured rule that turns drafting off for a request or a whole step.
+
+Speculating costs K more tokens through the target for each drafting request and the MTP chain (K sequential
+single-layer passes, a roughly fixed cost per step); it saves E target steps per request,
+E = the expected accepted drafts. Whether that pays depends on the machine: on a GPU a verify of K + 1 tokens costs
+about what one token does, on a CPU every token costs. So the rule measures instead of guessing:
+
+- step cost: every step's wall time is fitted online (exponentially weighted least squares) to
+  t = a + b * target_tokens + c * [some request verified] (the MTP catch-up runs over the target's tokens and
+  is folded into b);
+- acceptance: each request's accepted drafts per verify (an exponential average), and the engine-wide one for
+  requests that have none yet;
+- per step, with B decoding requests last step and the fitted costs: a token of plain decoding costs
+  t0 / B, t0 = a + b * (other tokens + B); a request is worth drafting when E_r * t0 / B >= K * b (its
+  extra verify tokens), and the step drafts when the requests worth it together save more than c, the chain's
+  fixed cost. Until the fit has seen both kinds of steps it drafts; every `probe_every` steps it does the
+  opposite of what it decided, so both kinds keep being measured and a bad phase never switches it off for good.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FEATURES = 3  # 1, target tokens, any verify
+
+
+class SpecController:
+    def __init__(self, steps: int, decay: float = 0.98, probe_every: int = 32, min_steps: int = 8, auto: bool = True):
+        self.steps, self.decay, self.probe_every, self.min_steps, self.auto = steps, decay, probe_every, min_steps, auto
+        self.xtx = torch.zeros(FEATURES, FEATURES, dtype=torch.float64)
+        self.xty = torch.zeros(FEATURES, dtype=torch.float64)
+        self.seen = [0, 0]  # steps observed without / with a verify
+        self.global_accept = float(steps)  # optimistic until measured
+        self.step = 0
+        self._decided_at = -1
+        self._draft_step = True
+        self._last_batch = (1, 0)  # (decoding requests, other target tokens) of the last step
+        self.decisions = {"on": 0, "off": 0, "probes": 0}
+
+    # ----------------------------------------------------------------------------------- measurements
+    def observe(self, seconds: float, target_tokens: int, verified: bool, decoding: int) -> None:
+        x = torch.tensor([1.0, target_tokens, float(verified)], dtype=torch.float64)
+        self.xtx = self.decay * self.xtx + torch.outer(x, x)
+        self.xty = self.decay * self.xty + x * seconds
+        self.seen[int(verified)] += 1
+        self._last_batch = (max(1, decoding), max(0, target_tokens - decoding * (1 + self.steps * verified)))
+        self.step += 1
+
+    def accepted(self, r_state, accepted: int) -> None:
+        """A verify of one request accepted `accepted` drafts."""
+        r_state.accept_ema = accepted if r_state.accept_ema is None else 0.8 * r_state.accept_ema + 0.2 * accepted
+        self.global_accept = 0.95 * self.global_accept + 0.05 * accepted
+
+    def costs(self) -> tuple[float, float, float]:
+        """(a, b, c) of the step-time fit (ridge-regularised, never negative)."""
+        beta = torch.linalg.solve(self.xtx + 1e-9 * torch.eye(FEATURES, dtype=torch.float64), self.xty)
+        a, b, c = (max(0.0, float(v)) for v in beta)
+        return a, b, c
+
+    # ----------------------------------------------------------------------------------- decisions
+    def _decide(self) -> bool:
+        if not self.auto or min(self.seen) < self.min_steps:
+            return True
+        a, b, c = self.costs()
+        B, other = self._last_batch
+        per_token = (a + b * (other + B)) / B
+        worth = self.global_accept * per_token - self.steps * b
+        on = B * worth > c
+        if self.step % self.probe_every == 0:
+            self.decisions["probes"] += 1
+            return not on
+        return on
+
+    def wants(self, r_state) -> bool:
+        """Whether this request drafts in the coming step."""
+        if self._decided_at != self.step:
+            self._decided_at = self.step
+            self._draft_step = self._decide()
+            self.decisions["on" if self._draft_step else "off"] += 1
+        if not self._draft_step:
+            return False
+        if not self.auto or r_state.accept_ema is None or min(self.seen) < self.min_steps:
+            return True
+        a, b, c = self.costs()
+        B, other = self._last_batch
+        per_token = (a + b * (other + B)) / B
+        return r_state.accept_ema * per_token >= self.steps * b or self.step % self.probe_every == 0
+
+    def as_dict(self) -> dict:
+        a, b, c = self.costs() if min(self.seen) else (0.0, 0.0, 0.0)
+        return {
+            "fit_ms": {"per_step": round(a * 1e3, 3), "per_token": round(b * 1e3, 4), "chain": round(c * 1e3, 3)},
+            "steps_seen": {"plain": self.seen[0], "verify": self.seen[1]},
+            "decisions": dict(self.decisions),
+            "accept_ema": round(self.global_accept, 3),
+        }
