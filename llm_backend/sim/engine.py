@@ -65,7 +65,8 @@ class Finished:
 
 
 class SimWorker:
-    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None):
+    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None):
+        """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py)."""
         c, U = config, config.unit
         self.name, self.config, self.unit = name, config, U
         window = -(-cost.shape.window // U)
@@ -77,6 +78,7 @@ class SimWorker:
             -(-c.swa_checkpoint_interval // U), window, self.full_pool.page_size
         )
         self.now = 0.0
+        self.runner = runner or SimRunner(cost, U)
         self.scheduler = Scheduler(
             self.cache,
             self.full_pool,
@@ -90,8 +92,8 @@ class SimWorker:
             length_buckets=tuple(b // U for b in c.length_buckets),
             clock=lambda: self.now,
             max_prefill_tokens=c.max_prefill_tokens // U,
+            draft_tokens=self.runner.draft_tokens,
         )
-        self.runner = SimRunner(cost, U)
         self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
         self.loads = LoadTotals()
         self.finished: list[Finished] = []

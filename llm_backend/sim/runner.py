@@ -43,6 +43,10 @@ class SimRunner:
         self.steps = 0
         self.busy_s = 0.0
 
+    def draft_tokens(self, r) -> int:
+        """Draft positions a decoding request verifies this step (speculation: sim/speculation.py)."""
+        return 0
+
     def register(self, request_id: int, spec: SimRequest) -> None:
         self.states[request_id] = _State(spec)
 

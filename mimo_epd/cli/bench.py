@@ -27,6 +27,11 @@ BENCHMARKS = (
         "simulated fleet with KV tiers: TTFT with host/store loads at PCIe/network bandwidth vs recompute",
     ),
     ("routing-live", "routing_live", "live LLM workers: every routing policy and SGLang's gateway on multi-turn chat"),
+    (
+        "spec",
+        "spec",
+        "MTP speculative decoding: off vs K = 1-3, without prefill MTP, one MTP layer reused (--sim: h200)",
+    ),
 )
 
 

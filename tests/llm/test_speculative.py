@@ -37,7 +37,12 @@ def prompts(n=4, seed=0, lo=5, hi=200):
 
 def engine(model, **kw):
     opts = dict(
-        kv_cache_tokens=2048, swa_cache_tokens=1024, page_size=4, chunk_size=64, release_interval=4, speculative_auto=False
+        kv_cache_tokens=2048,
+        swa_cache_tokens=1024,
+        page_size=4,
+        chunk_size=64,
+        release_interval=4,
+        speculative_auto=False,
     )
     opts.update(kw)
     return LLM(model, **opts)

@@ -1,0 +1,223 @@
+"""`mimo-epd bench spec`: MTP speculative decoding on the trained default model, every mode side by side.
+
+Modes (one engine each, the same requests, the same greedy settings):
+- `off`: plain decoding (the reference);
+- `k1`, `k2`, `k3`: K draft tokens a step, draft step k with MTP layer k, prefill MTP on, drafting always on
+  (`--speculative-auto` off: the raw effect of K);
+- `k3_no_prefill_mtp`: K = 3 with the MTP layers seeing only generated tokens;
+- `k3_first_layer`: K = 3 with MTP layer 1 reused for every draft step (the way vLLM runs MiMo: the peer);
+- `k3_auto`: K = 3 with the measured on/off rule (engine/spec_control.py), what serving uses.
+
+Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once, 16 running), outputs of at
+most 128 and at most 256 tokens (the report's 0-128 and 128-256 buckets; greedy, stopping at EOS like a user's
+request). Prompts are chat turns rendered with the model's own template.
+
+Reported per mode and workload: output tokens/s (output tokens over wall time), ITL P50/P90 (the gap between
+consecutive tokens as a streaming client sees them: an accepted run arrives at once), TPOT (per request,
+(last token - first token) / (tokens - 1)), mean accept length (tokens per verify step) and acceptance by draft
+position, and whether every output equals `off` token for token. `--sim` prices the same modes for the Flash shape
+on the h200 cost model instead (llm_backend/sim/speculation.py), with the acceptance profile measured here or
+the model card's figure.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+PROMPTS = [
+    "How do I read a file line by line in Python?",
+    "What does the with statement do?",
+    "Explain list comprehensions with an example.",
+    "What is the difference between a list and a tuple?",
+    "How do I handle exceptions in Python?",
+    "What is a generator function?",
+    "How can I format a string with variables?",
+    "What does the __init__ method do in a class?",
+    "How do I sort a dictionary by its values?",
+    "What is the purpose of the pathlib module?",
+    "How do I run a function in a separate thread?",
+    "Explain what a decorator is.",
+    "How do I parse command line arguments?",
+    "What is the difference between == and is?",
+    "How do I write a unit test with unittest?",
+    "What does the yield keyword do?",
+]
+
+MODES = {
+    "off": dict(speculative_steps=0),
+    "k1": dict(speculative_steps=1, speculative_auto=False),
+    "k2": dict(speculative_steps=2, speculative_auto=False),
+    "k3": dict(speculative_steps=3, speculative_auto=False),
+    "k3_no_prefill_mtp": dict(speculative_steps=3, speculative_auto=False, prefill_mtp=False),
+    "k3_first_layer": dict(speculative_steps=3, speculative_auto=False, speculative_layers="first"),
+    "k3_auto": dict(speculative_steps=3, speculative_auto=True),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[bench spec] {msg}", file=sys.stderr, flush=True)
+
+
+def prompt_ids(model: str, n: int) -> list[list[int]]:
+    from llm_backend.server.chat_template import load_chat_template
+    from llm_backend.tokenizer import load_tokenizer
+
+    tok, template = load_tokenizer(model), load_chat_template(model)
+    out = []
+    for i in range(n):
+        text = template.render([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True)
+        out.append(tok.encode(text, add_bos=False))
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
+
+
+def run_mode(model, opts: dict, prompts: list[list[int]], max_tokens: int, batch: int, threads: int) -> dict:
+    import torch
+
+    from llm_backend import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, max_running=batch, kv_cache_tokens=32768, swa_cache_tokens=8192, **opts)
+    sp = SamplingParams(max_tokens=max_tokens)
+    # warm-up: one short request (allocations, the first kernels)
+    llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(max_tokens=4))
+    stamps: dict[int, list[float]] = {}
+
+    def on_token(r, _tok, _lp):
+        stamps.setdefault(r.id, []).append(time.perf_counter())
+
+    start = time.perf_counter()
+    reqs = []
+    pending = list(prompts)
+    while pending or llm.has_work():
+        while pending and len(llm.scheduler.running) + len(llm.scheduler.waiting) < batch:
+            reqs.append(llm.add_request(pending.pop(0), sp, on_token=on_token))
+        llm.step()
+    wall = time.perf_counter() - start
+    itl, tpot, ttft = [], [], []
+    for r in reqs:
+        ts = stamps.get(r.id, [])
+        itl += [b - a for a, b in zip(ts, ts[1:])]
+        if len(ts) > 1:
+            tpot.append((ts[-1] - ts[0]) / (len(ts) - 1))
+        if r.first_token_at:
+            ttft.append(r.first_token_at - r.arrival)
+    n_out = sum(len(r.output) for r in reqs)
+    s = llm.stats()
+    out = {
+        "output_tokens": n_out,
+        "mean_output_tokens": round(n_out / len(reqs), 1),
+        "seconds": round(wall, 3),
+        "tokens_per_s": round(n_out / wall, 2),
+        "itl_ms": {"p50": round(_pct(itl, 0.5) * 1e3, 2), "p90": round(_pct(itl, 0.9) * 1e3, 2)},
+        "ttft_ms": {"p50": round(_pct(ttft, 0.5) * 1e3, 2), "p90": round(_pct(ttft, 0.9) * 1e3, 2)},
+        "tpot_ms": {"p50": round(_pct(tpot, 0.5) * 1e3, 2), "mean": round(statistics.fmean(tpot) * 1e3, 2)}
+        if tpot
+        else {},
+    }
+    if opts.get("speculative_steps"):
+        out.update(
+            mean_accept_length=s["spec_mean_accept_length"],
+            acceptance_by_position=s["spec_acceptance_by_position"],
+            verify_steps=s["spec_verify_steps"],
+        )
+        if opts.get("speculative_auto"):
+            out["control"] = s["spec_control"]
+    out["_outputs"] = [list(r.output) for r in reqs]
+    return out
+
+
+def main(args) -> dict:
+    if args.sim:
+        from llm_backend.sim.speculation import simulate_modes
+
+        return simulate_modes(args)
+    from llm_backend.models import load_llm
+
+    model = load_llm(args.model)
+    if getattr(model.model, "mtp", None) is None:
+        raise SystemExit(f"model {args.model!r} has no MTP layers: speculative decoding cannot run")
+    quick = args.quick
+    workloads = [(b, m) for b in (1, 16) for m in (128, 256)]
+    if quick:
+        workloads = [(1, 24), (4, 24)]
+    modes = list(MODES) if not args.modes else args.modes.split(",")
+    results: dict[str, dict] = {}
+    identical = True
+    for batch, max_tokens in workloads:
+        n = args.requests_b1 if batch == 1 else args.requests_batch
+        if quick:
+            n = 2 if batch == 1 else 4
+        prompts = prompt_ids(args.model, n)
+        key = f"b{batch}_{'0_128' if max_tokens <= 128 else '128_256'}" if not quick else f"b{batch}_quick"
+        results[key] = {}
+        for mode in modes:
+            log(f"{key} {mode}")
+            results[key][mode] = run_mode(model, MODES[mode], prompts, max_tokens, batch, args.threads)
+        ref = results[key]["off"]["_outputs"] if "off" in results[key] else None
+        for mode, r in results[key].items():
+            outs = r.pop("_outputs")
+            r["outputs_equal_off"] = ref is not None and outs == ref
+            identical &= r["outputs_equal_off"]
+    ratios = _ratios(results)
+    k3 = [r["k3"]["mean_accept_length"] for r in results.values() if "k3" in r]
+    return {
+        "bench": "spec",
+        "config": {
+            "model": args.model,
+            "threads": args.threads,
+            "workloads": {k: {"requests": len(prompts)} for k in results},
+            "greedy": True,
+            "itl": "time between consecutive tokens as a client sees them (an accepted run arrives at once)",
+        },
+        "modes": results,
+        "greedy_identical": identical,
+        "accept_length_k3": round(statistics.fmean(k3), 4) if k3 else None,
+        "ratios": ratios,
+    }
+
+
+def _ratios(results: dict) -> dict:
+    def tps(key: str, mode: str):
+        r = results.get(key, {}).get(mode)
+        return r["tokens_per_s"] if r else None
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    out = {}
+    for key in results:
+        tag = key  # b1_0_128, ...
+        out[f"speedup_k3_{tag}"] = ratio(tps(key, "k3"), tps(key, "off"))
+        out[f"speedup_k3_auto_{tag}"] = ratio(tps(key, "k3_auto"), tps(key, "off"))
+        out[f"prefill_mtp_vs_without_{tag}"] = ratio(tps(key, "k3"), tps(key, "k3_no_prefill_mtp"))
+        out[f"all_layers_vs_one_reused_{tag}"] = ratio(tps(key, "k3"), tps(key, "k3_first_layer"))
+    if "b1_0_128" in results:
+        out["prefill_mtp_vs_without_0_128"] = out["prefill_mtp_vs_without_b1_0_128"]
+        out["all_layers_vs_one_reused"] = out["all_layers_vs_one_reused_b1_0_128"]
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="a model with MTP layers (default: tiny, the shipped one)")
+    p.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)} (default: all)")
+    p.add_argument("--requests-b1", type=int, default=8, help="requests of the batch-1 workloads (default: 8)")
+    p.add_argument("--requests-batch", type=int, default=32, help="requests of the batch-16 workloads (default: 32)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    p.add_argument("--sim", action="store_true", help="price the modes on the simulator's cost model instead")
+    p.add_argument("--shape", default="flash", choices=("flash", "pro"), help="--sim: model shape (default: flash)")
+    p.add_argument(
+        "--accept-profile",
+        default="",
+        help="--sim: JSON of acceptance by draft position per mode (a `bench spec` output); default: the model "
+        "card's accept length 3.08 for 3 MTP layers",
+    )
