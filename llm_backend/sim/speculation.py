@@ -204,7 +204,7 @@ def simulate_modes(args) -> dict:
     measured = {}
     if args.accept_profile:
         d = json.load(open(args.accept_profile))
-        for key, modes in d.get("modes", {}).items():
+        for _key, modes in d.get("modes", {}).items():
             for m, r in modes.items():
                 if "acceptance_by_position" in r:
                     measured.setdefault(m, []).append(r["acceptance_by_position"])

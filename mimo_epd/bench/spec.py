@@ -163,7 +163,7 @@ def main(args) -> dict:
             log(f"{key} {mode}")
             results[key][mode] = run_mode(model, MODES[mode], prompts, max_tokens, batch, args.threads)
         ref = results[key]["off"]["_outputs"] if "off" in results[key] else None
-        for mode, r in results[key].items():
+        for r in results[key].values():
             outs = r.pop("_outputs")
             r["outputs_equal_off"] = ref is not None and outs == ref
             identical &= r["outputs_equal_off"]
