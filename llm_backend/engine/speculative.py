@@ -216,8 +216,7 @@ class SpeculativeRunner(ModelRunner):
         runs = [u for u in runs if u.tokens]
         if not runs:
             return
-        ids = torch.tensor([t for u in runs for t in u.tokens], device=self.device)
-        emb = self.model.model.embed_tokens(ids)
+        emb = self._embeddings(runs)
         hidden = torch.stack([h for u in runs for h in u.hidden]).to(emb.dtype)
         seqs, positions = [], []
         for u in runs:
@@ -232,6 +231,22 @@ class SpeculativeRunner(ModelRunner):
         for u in runs:
             u.out = out[k : k + len(u.tokens)]
             k += len(u.tokens)
+
+    def _embeddings(self, runs: list[_Run]) -> torch.Tensor:
+        """The token embeddings of every run's slots, media rows at their prompt positions (as the target's)."""
+        vocab = self.model.config.vocab_size
+        ids = torch.tensor([t for u in runs for t in u.tokens], device=self.device)
+        emb = self.model.model.embed_tokens(ids.clamp(max=vocab - 1))
+        k = 0
+        for u in runs:
+            media = u.request.media
+            if media:
+                for j in range(len(u.tokens)):
+                    row = media.get(u.first + j)
+                    if row is not None:
+                        emb[k + j] = row.to(emb.dtype)
+            k += len(u.tokens)
+        return emb
 
     def _pick(self, r: Request, hidden: torch.Tensor, slot: int) -> tuple[int, torch.Tensor | None]:
         """The draft token for `slot` from an MTP output: argmax (greedy) or sampled with the request's settings

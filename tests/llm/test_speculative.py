@@ -331,3 +331,25 @@ def test_the_controller_probes_the_other_choice():
         choices.append(ctl.wants(st))
         ctl.observe(0.05, 8, False, 8)
     assert True in choices and False in choices  # off, but every 4th step measures drafting again
+
+
+def test_greedy_identical_with_media_rows_and_a_second_turn(model):
+    """Image embeddings at placeholder positions (ids >= vocab), then a second turn that hits the first's prefix:
+    the MTP layers read the media rows like the target does, outputs equal plain decoding."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    media = {3 + j: torch.randn(model.config.hidden_size, generator=g) * 0.05 for j in range(6)}
+    p1 = [5, 6, 7] + [vocab + 100 + j for j in range(6)] + [8, 9, 10, 11]
+    got = {}
+    for steps in (0, 3):
+        llm = engine(model, speculative_steps=steps)
+        r1 = llm.add_request(p1, GREEDY, media=dict(media))
+        while llm.has_work():
+            llm.step()
+        p2 = p1 + r1.output + [12, 13]
+        r2 = llm.add_request(p2, GREEDY, media=dict(media))
+        while llm.has_work():
+            llm.step()
+        got[steps] = (r1.output, r2.output, r2.cached_tokens)
+        idle(llm)
+    assert got[3] == got[0] and got[0][2] > 0

@@ -224,7 +224,7 @@ class _AsMatch:
 
 OPS = st.lists(
     st.tuples(
-        st.sampled_from(["start", "compute", "decode", "finish", "abort", "evict_swa", "evict_full"]),
+        st.sampled_from(["start", "compute", "decode", "draft", "finish", "abort", "evict_swa", "evict_full"]),
         st.integers(0, 10**6),
     ),
     min_size=5,
@@ -262,6 +262,12 @@ def test_property_accounting_invariant_and_no_pseudo_hits(ops, page, checkpoint)
                 for i in range(rng.randrange(1, 10)):
                     h.compute(r, [i % 6])
                     r.step()
+            elif op == "draft" and h.running:  # speculative decoding: drafts computed, then some rolled back
+                r = h.running[x % len(h.running)]
+                before = len(r.tokens)
+                h.compute(r, toks(4, seed=x, vocab=6))
+                r.truncate(before + rng.randrange(0, 5))
+                r.release_out_of_window()
             elif op in ("finish", "abort") and h.running:
                 h.finish(h.running[x % len(h.running)], cache_result=(op == "finish"))
             elif op == "evict_swa":
