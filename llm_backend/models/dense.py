@@ -109,4 +109,3 @@ def mtp_hidden(model: MiMoV2FlashForCausalLM, layer: int, embeds: torch.Tensor, 
 
 def logits(model: MiMoV2FlashForCausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return F.linear(hidden, model.lm_head.weight)
-

@@ -165,15 +165,18 @@ def conversation(kind: str, page: Page, section: Section, rng: random.Random, re
         return _turn(render, msgs, text)
     if kind == "think":
         reasoning = (
-            f"The user asks about {t}. The page \"{page.title}\" of the Python documentation covers it in the "
-            f"section \"{section.heading or page.title}\". I will answer from that section."
+            f'The user asks about {t}. The page "{page.title}" of the Python documentation covers it in the '
+            f'section "{section.heading or page.title}". I will answer from that section.'
         )
         msgs = [system, {"role": "user", "content": question}]
         return render(msgs, add_generation_prompt=True, enable_thinking=True) + (
             f"{reasoning}\n</think>\n\n{text}{IM_END}\n"
         )
     if kind == "json":
-        msgs = [system, {"role": "user", "content": f'{question} Reply with a JSON object with the keys "topic" and "summary".'}]
+        msgs = [
+            system,
+            {"role": "user", "content": f'{question} Reply with a JSON object with the keys "topic" and "summary".'},
+        ]
         return _turn(render, msgs, json.dumps({"topic": t, "summary": first_sentence(text)}, ensure_ascii=False))
     # tool
     example = interactive_example(section)

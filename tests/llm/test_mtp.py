@@ -60,7 +60,11 @@ def test_the_mtp_layers_have_the_release_names():
 
 def test_batch_attention_equals_a_loop_over_queries():
     g = torch.Generator().manual_seed(1)
-    q, k, v = torch.randn(2, 11, 4, 6, generator=g), torch.randn(2, 11, 2, 6, generator=g), torch.randn(2, 11, 2, 5, generator=g)
+    q, k, v = (
+        torch.randn(2, 11, 4, 6, generator=g),
+        torch.randn(2, 11, 2, 6, generator=g),
+        torch.randn(2, 11, 2, 5, generator=g),
+    )
     sinks = torch.randn(4, generator=g)
     out = causal_attention(q, k, v, 0.3, 4, sinks)
     for b in range(2):
@@ -99,7 +103,10 @@ def test_training_forward_equals_the_paged_path_for_the_main_model_and_every_mtp
             with torch.inference_mode():
                 if k == 0:
                     outs = [mtp.step(k, emb[:half], prev[:half], pos[:half], mkv.step(0, half))]
-                    outs += [mtp.step(k, emb[t : t + 1], prev[t : t + 1], pos[t : t + 1], mkv.step(t, 1)) for t in range(half, n)]
+                    outs += [
+                        mtp.step(k, emb[t : t + 1], prev[t : t + 1], pos[t : t + 1], mkv.step(t, 1))
+                        for t in range(half, n)
+                    ]
                     out = torch.cat(outs)
                 else:
                     kvk = ContiguousKV(mtp.kv_config())
