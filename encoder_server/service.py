@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.common.grpc_server import GrpcServer, wait_for_signal
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
@@ -118,35 +118,28 @@ async def serve_encoder(
 ) -> int:
     pipeline = EncodePipeline(config)
     await pipeline.start()
-    server, drain = new_server(config.max_message_mb)
-    encoder_pb2_grpc.add_EncoderServicer_to_server(EncoderService(pipeline), server)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
-    if port == 0:
+    srv = GrpcServer(config.host, config.port, config.max_message_mb)
+    srv.add(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderService(pipeline), SERVICE_NAME)
+    try:
+        await srv.start()
+    except BaseException:
         await pipeline.stop()
-        raise OSError(f"cannot listen on {config.host}:{config.port}")
-    await server.start()
-    await set_serving(health, [SERVICE_NAME])
-    host = f"[{config.host}]" if ":" in config.host else config.host
+        raise
     log.info(
-        "encoder serving model %s on %s:%d (device %s, preprocessing %s)",
+        "encoder serving model %s on %s (device %s, preprocessing %s)",
         pipeline.model_id,
-        host,
-        port,
+        srv.address,
         config.device,
         pipeline.preprocess_config,
     )
     if announce:
-        print(f"ready {host}:{port}", flush=True)
+        srv.announce()
     if ready is not None:
-        ready.port = port  # type: ignore[attr-defined]
+        ready.port = srv.port  # type: ignore[attr-defined]
         ready.set()
-
-    stop = stop or asyncio.Event()
-    stop_on_signals(stop)
-    await stop.wait()
+    await wait_for_signal(stop)
     log.info("shutting down: refusing new requests, %gs grace for in-flight ones", config.grace_period_s)
-    await drain.stop(server, health, config.grace_period_s)
+    await srv.stop(config.grace_period_s)
     await pipeline.stop()
     log.info("stopped")
     return 0

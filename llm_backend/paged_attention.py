@@ -16,6 +16,7 @@ extend kernel: Triton on CUDA, the vectorised torch references on the CPU (`kern
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,16 @@ class KVPools:
         return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
 
 
+class SeqSlots(NamedTuple):
+    """One sequence of a step: its full-pool and SWA-pool slots for tokens [0, start + n) (SWA entries outside the
+    window may be None) and the step's new tokens [start, start + n)."""
+
+    full: list[int]
+    swa: list[int | None]
+    start: int
+    n: int
+
+
 @dataclass
 class _Group:
     """Sequences of one kind (decode or extend) for one layer type."""
@@ -63,13 +74,12 @@ def _table(rows: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class PagedBatch:
-    """One step: `seqs` = [(full_slots, swa_slots, start, n)] per sequence, in token order; the slot lists
-    cover tokens [0, start + n) (SWA entries outside the window may be None)."""
+    """One step: one `SeqSlots` per sequence, in token order."""
 
     def __init__(
         self,
         pools: KVPools,
-        seqs: list[tuple[list[int], list[int | None], int, int]],
+        seqs: list[SeqSlots],
         use_triton: bool | None = None,
         wait=None,
     ):
@@ -198,6 +208,6 @@ class _LazyPagedBatch:
             end = self.start + self.n
             pools = self.kv._ensure(end, k)
             slots = list(range(end))
-            self._batch = PagedBatch(pools, [(slots, list(slots), self.start, self.n)])
+            self._batch = PagedBatch(pools, [SeqSlots(slots, list(slots), self.start, self.n)])
             self.kv.length = end
         return self._batch.attend(layer, q, k, v, scale, sliding_window, sinks)

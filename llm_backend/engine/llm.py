@@ -18,6 +18,7 @@ import torch
 
 from ..config import LLMConfig
 from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
+from ..kv.tiers import TieredRadixCache
 from ..models import load_llm
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
@@ -78,14 +79,16 @@ class LLM:
             )
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
-        self.cache = SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
+        self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
+        self.pools = self.runner.pools
+        self.cache = self._cache(cfg, mcfg)
         try:
             self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:
             raise ValueError(f"--swa-checkpoint-interval: {e}") from None
-        self.runner = ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
-        self.pools = self.runner.pools
-        self.tiers: Any = self._tiers(cfg, mcfg) if cfg.host_kv_bytes or cfg.kv_store else None
+        # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
+        self.tiers: Any = self.cache if isinstance(self.cache, TieredRadixCache) else None
+        self.runner.kv_loads = self.tiers
         self.scheduler = Scheduler(
             self.cache,
             self.full_pool,
@@ -107,10 +110,13 @@ class LLM:
         self.loop_error: BaseException | None = None
         self.step_errors = 0
 
-    def _tiers(self, cfg: LLMConfig, mcfg):
-        """The host tier (its bytes split between full and SWA KV in the device pools' proportion) and the shared
-        store, wired to the cache and the runner (llm_backend.kv.tiers)."""
-        from ..kv.tiers import KVTiers, RedisKVStore
+    def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:
+        """The SWA-aware radix cache, or with a KV tier on (`--host-kv-bytes`, `--kv-store`) the tiered one: the
+        host tier's bytes split between full and SWA KV in the device pools' proportion, and the shared store
+        (llm_backend.kv.tiers)."""
+        if not (cfg.host_kv_bytes or cfg.kv_store):
+            return SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
+        from ..kv.tiers import RedisKVStore
         from ..kv.tiers.host import token_bytes
 
         full_b, swa_b = token_bytes(self.pools)
@@ -129,19 +135,21 @@ class LLM:
                 timeout_s=cfg.kv_store_timeout_s,
                 retry_s=cfg.kv_store_retry_s,
             )
-        tiers = KVTiers(
-            self.cache,
-            host_full,
-            host_swa,
+        cache = TieredRadixCache(
+            self.full_pool,
+            self.swa_pool,
+            mcfg.window,
+            cfg.page_size,
+            host_full_tokens=host_full,
+            host_swa_tokens=host_swa,
             policy=cfg.host_kv_policy,
             write_through=cfg.host_kv_write == "through",
             swa_backfill=cfg.swa_backfill,
             store=store,
             store_write=cfg.kv_store_write,
         )
-        tiers.attach(self.pools)
-        self.runner.tiers = tiers
-        return tiers
+        cache.attach(self.pools)
+        return cache
 
     @classmethod
     def from_config(cls, config: LLMConfig) -> "LLM":
@@ -191,7 +199,7 @@ class LLM:
             "generated_tokens": s.generated_tokens,
             "preemptions": s.preemptions,
             "step_errors": self.step_errors,
-            **(self.tiers.metrics() if self.tiers is not None else {}),
+            **(self.tiers.tier_metrics() if self.tiers is not None else {}),
         }
 
     # ----------------------------------------------------------------------------------- public

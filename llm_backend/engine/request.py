@@ -112,6 +112,8 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+    drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
+    accepted_tokens: int = 0  # and of those, the ones the target accepted
 
     @property
     def tokens(self) -> list[int]:

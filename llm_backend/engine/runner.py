@@ -12,7 +12,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..paged_attention import KVPools, PagedBatch
+from ..models.mimo_v2_flash import SeqInput
+from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .sampler import SamplingError, sample
 from .scheduler import Segment, SegmentResult
 
@@ -27,10 +28,12 @@ class ModelRunner:
         p = next(model.parameters())
         self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
         self.device = p.device
-        self.tiers: Any = None  # kv.tiers.KVTiers: KV queued from the host / shared store is loaded layer by layer
+        # What queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache), loaded layer by
+        # layer while the forward runs; None without KV tiers.
+        self.kv_loads: Any = None
 
-    def _inputs(self, seg: Segment):
-        r, start, n = seg
+    def _inputs(self, seg: Segment) -> SeqInput:
+        r, start, n = seg.request, seg.start, seg.n
         new = r.tokens[start : start + n]
         ids = torch.tensor(new, device=self.device)
         embeds = None
@@ -41,16 +44,16 @@ class ModelRunner:
                 row = r.media.get(start + j)
                 if row is not None:
                     embeds[j] = row.to(embeds.dtype)
-        return ids, torch.arange(start, start + n, device=self.device), None, embeds
+        return SeqInput(ids, torch.arange(start, start + n, device=self.device), embeds)
 
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
-        load = self.tiers.start_load() if self.tiers is not None else None
+        load = self.kv_loads.start_load() if self.kv_loads is not None else None
         try:
             paged = PagedBatch(
                 self.pools,
-                [(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
+                [SeqSlots(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
                 wait=load.wait if load is not None else None,
             )
             logits = self.model.forward_batch(

@@ -14,13 +14,20 @@ Read top to bottom, one step is:
    makes progress by construction, it never spins;
 4. after the runner: checkpoint prompt chunks into the tree (shareable at once), release SWA slots that left
    the window, append sampled tokens, finish requests at a stop token, EOS, max_tokens or the pool's capacity.
+
+Speculative decoding plugs in through `draft_tokens(request)`: a decode segment then also reserves slots for that
+many draft positions after the last token (`Segment.drafts`; the runner fills them and verifies them in the same
+forward). Drafts never take slots that would preempt anyone (without room the segment decodes one token), and
+they count against the step's prefill budget. After the runner, the tokens the target accepted are appended one
+by one (a stop token, EOS or max_tokens inside the run ends it exactly there) and the KV of the rejected draft
+positions is rolled back (`RequestKV.truncate`), so drafts never reach the tree, the KV events or the tiers.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
 from .request import PromptTooLong, Request
@@ -30,19 +37,23 @@ log = logging.getLogger(__name__)
 
 # Waiting requests whose uncached-token memo is refreshed per step (the oldest memos first).
 REFRESH_PER_STEP = 64
+# The token id a draft position holds in the request's KV until the runner verified it.
+DRAFT_PLACEHOLDER = -1
 
 
 class Segment(NamedTuple):
-    """One request's share of a step: tokens [start, start + n) are computed."""
+    """One request's share of a step: tokens [start, start + n) are computed; the last `drafts` of them are
+    draft positions after the request's last token (speculative decoding), filled in by the runner."""
 
     request: Request
     start: int
     n: int
+    drafts: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether the segment reaches the end of the sequence, so a token is sampled from its last position."""
-        return self.start + self.n == len(self.request.tokens)
+        return self.start + self.n - self.drafts == len(self.request.tokens)
 
     @property
     def all_logits(self) -> bool:
@@ -54,6 +65,7 @@ class SegmentResult(NamedTuple):
     sampled: Sampled | None  # None when the segment ends inside the prompt
     prompt_logprobs: list[float]  # logprob of each next prompt token in the segment (prompt_logprobs only)
     error: str = ""  # this request failed (e.g. non-finite logits); the others go on
+    accepted: tuple[Sampled, ...] = ()  # draft tokens the target accepted, before `sampled` (speculative decoding)
 
 
 class Scheduler:
@@ -72,6 +84,7 @@ class Scheduler:
         length_buckets: tuple[int, ...],
         clock=time.monotonic,
         max_prefill_tokens: int = 0,
+        draft_tokens: Callable[[Request], int] | None = None,
     ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
@@ -83,6 +96,9 @@ class Scheduler:
         # first, so a step never carries several long chunks at once and short requests' decodes are not held
         # behind multi-second steps (the simulator found the uncapped policy thrashing on long-context mixes).
         self.max_prefill_tokens = max_prefill_tokens
+        # Draft positions a decoding request verifies this step (speculative decoding), 0 = plain decoding.
+        self.draft_tokens = draft_tokens or (lambda r: 0)
+        self.drafted_tokens = self.accepted_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the oldest first
         self.admitted: list[int] = []  # request ids in admission order (observability, tests)
@@ -170,16 +186,30 @@ class Scheduler:
                 if seg is not None:
                     budget -= seg.n
             else:
-                seg = self._segment(r)
+                drafts = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
+                if budget is not None:
+                    drafts = max(0, min(drafts, budget))
+                seg = self._segment(r, drafts=drafts)
+                if seg is not None and budget is not None:
+                    budget -= seg.drafts
             if seg is not None:
                 segments.append(seg)
         return segments
 
-    def _segment(self, r: Request, limit: int | None = None) -> Segment | None:
+    def _segment(self, r: Request, limit: int | None = None, drafts: int = 0) -> Segment | None:
         """Reserves slots for r's next chunk or token (at most `limit` tokens), preempting younger requests if
-        needed."""
+        needed; `drafts` more positions after its last token only if they fit without preempting anyone."""
         kv = r.kv
         assert kv is not None, "a running request has its KV"
+        if drafts:
+            start = len(kv.tokens)
+            n = len(r.tokens) - start + drafts
+            if self.cache.make_room(n + self.full_pool.page_size, n):
+                try:
+                    kv.extend(r.tokens[start:] + [DRAFT_PLACEHOLDER] * drafts)
+                    return Segment(r, start, n, drafts)
+                except PoolExhausted:
+                    pass
         while True:
             start = len(kv.tokens)
             n = min(limit or self.chunk_size, len(r.tokens) - start)
@@ -232,12 +262,31 @@ class Scheduler:
             else:
                 kv.release_out_of_window()
             if res.sampled is not None:
-                self._append(r, res.sampled)
-                kv.step()  # every `release_interval` decode steps
+                self._take_tokens(r, seg, res)
             self.peak_swa_per_request = max(self.peak_swa_per_request, kv.own_swa_live())
             if r.finish_reason == "" and r.aborted == "" and self._stopped(r):
                 self.running.remove(r)
                 self.finish(r, self._stopped(r))
+
+    def _take_tokens(self, r: Request, seg: Segment, res: SegmentResult) -> None:
+        """Appends the segment's accepted drafts and its sampled token, up to the first that ends the request; the
+        KV of rejected draft positions (and of accepted ones past a stop) is rolled back."""
+        kv = r.kv
+        assert kv is not None and res.sampled is not None
+        if seg.drafts:
+            computed = seg.start + seg.n - seg.drafts  # the request's own tokens, before the draft positions
+            kv.truncate(computed + len(res.accepted), [s.token for s in res.accepted])
+            self.drafted_tokens += seg.drafts
+            self.accepted_tokens += len(res.accepted)
+            r.drafted_tokens += seg.drafts
+            r.accepted_tokens += len(res.accepted)
+        for s in (*res.accepted, res.sampled):
+            self._append(r, s)
+            kv.step()  # every `release_interval` decode steps
+            if r.aborted or self._stopped(r):
+                break
+        if len(kv.tokens) > len(r.tokens) - 1:  # stopped inside the accepted run
+            kv.truncate(len(r.tokens) - 1)
 
     def _append(self, r: Request, s: Sampled) -> None:
         r.output.append(s.token)
@@ -346,7 +395,7 @@ class Scheduler:
                 for q in self.running
                 if q.kv is not None and len(q.kv.tokens) < len(q.prompt)
             )
-            self._headroom = self.full_pool.available() + self.cache.accounting()["full"]["evictable"] - pending
+            self._headroom = self.full_pool.available() + self.cache.accounting().full.evictable - pending
         return self._headroom
 
     def _release(self, r: Request) -> None:

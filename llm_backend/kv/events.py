@@ -30,9 +30,12 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import xxhash
+
+from .swa_radix_cache import window_safe_end
 
 ABSENT, STORED, USABLE = 0, 1, 2
 DEFAULT_BLOCK = 16
@@ -58,11 +61,6 @@ def block_hashes(tokens, block: int, known: list[int] | None = None) -> list[int
     return out
 
 
-def _window_safe_end(swa: list, end: int, window: int) -> bool:
-    """Whether a match may end at token `end` of a path whose SWA slots are `swa` (the radix cache's hit rule)."""
-    return all(s is not None for s in swa[max(0, end - window) : end])
-
-
 class KVEventPublisher:
     def __init__(self, cache, block_size: int, max_log: int = 200_000):
         if block_size < 1 or block_size % cache.page_size:
@@ -75,7 +73,7 @@ class KVEventPublisher:
         self._max_log = max_log
         self._lock = threading.Lock()
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-        self.load_fn = None  # () -> dict(queued_tokens, running_tokens, waiting, running)
+        self.load_fn: Callable[[], dict] | None = None  # () -> dict(queued_tokens, running_tokens, waiting, running)
         cache.on_event = self._on_cache_event
 
     # ----------------------------------------------------------------------------------- engine thread
@@ -102,7 +100,7 @@ class KVEventPublisher:
             hashes = block_hashes(tokens[: ends[-1]], B)
             for e in ends:
                 h = hashes[e // B - 1]
-                state = (USABLE if _window_safe_end(swa, e, self.window) else STORED) if kind == "stored" else ABSENT
+                state = (USABLE if window_safe_end(swa, e, self.window) else STORED) if kind == "stored" else ABSENT
                 changes.append((h, state))
         elif kind == "swa":
             # The node's own blocks, and those of descendants whose window reaches back into it, may have changed.
@@ -118,7 +116,7 @@ class KVEventPublisher:
         for e in range((start // B + 1) * B, end + 1, B):
             h = hashes[e // B - 1]
             if h in self.blocks:
-                state = USABLE if _window_safe_end(swa, e, self.window) else STORED
+                state = USABLE if window_safe_end(swa, e, self.window) else STORED
                 if state != self.blocks[h]:
                     changes.append((h, state))
         if end >= limit:

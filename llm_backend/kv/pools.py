@@ -34,6 +34,11 @@ class SlotPool:
         """Free slots (whole free pages)."""
         return len(self._free) * self.page_size
 
+    @property
+    def free_pages_count(self) -> int:
+        """Free pages."""
+        return len(self._free)
+
     def alloc_pages(self, n: int) -> list[int]:
         if n > len(self._free):
             raise PoolExhausted(f"{self.name} pool: {n} pages wanted, {len(self._free)} free of {self.pages}")

@@ -69,6 +69,21 @@ class RequestKV:
         self.swa.extend(swa)
         return full, swa
 
+    def truncate(self, keep: int, tail: list[int] | None = None) -> None:
+        """Rolls the request back to its first `keep` tokens (speculative decoding: draft positions the target
+        rejected): their SWA slots and the full pages wholly past `keep` are freed; a page `keep` ends inside stays
+        (its remaining slots are written again by the next tokens). `tail` replaces the ids of the last tokens
+        kept (the accepted drafts, stored as placeholders when their slots were taken). Only own tokens can be
+        rolled back: nothing of the tree is touched."""
+        if not self.owned_from <= keep <= len(self.tokens):
+            raise ValueError(f"cannot roll back to {keep} tokens: own tokens are [{self.owned_from}, {len(self.tokens)})")
+        self.cache.swa_pool.free([s for s in self.swa[keep:] if s is not None])
+        pages = -(-(keep - self.owned_from) // self.page)
+        self.cache.full_pool.free_pages(self.own_pages[pages:])
+        del self.own_pages[pages:], self.tokens[keep:], self.full[keep:], self.swa[keep:]
+        if tail:
+            self.tokens[keep - len(tail) : keep] = tail
+
     def release_out_of_window(self, end: int | None = None) -> int:
         """Frees the SWA slots of own tokens no future query can see: older than the last W before `end`
         (default: all tokens)."""

@@ -21,6 +21,13 @@ Eviction: the two pools are evicted separately, least recently used first. Evict
 node (its full KV stays); evicting full KV removes a leaf. A tombstone that is (or becomes) a leaf is
 removed, since no window-safe match can end in it (an insert never creates one). Locked KV is never evicted.
 
+Extension points: a subclass (the KV tiers below the device pools, kv/tiers/cache.py) changes what "present"
+means and what eviction does by overriding a few methods, never by hooks in this class's code paths:
+`_swa_present` (which tokens' SWA KV counts for the hit rule), `_holds_window` (a node that must stay even as a
+tombstone leaf), `_after_split`, `_after_leaf_added`, `_before_leaf_removed`, `_before_tombstone`, and the pair
+`_full_evictable` / `_evict_full_node` that `evict_full` runs its one LRU loop over. `match_prefix` itself may be
+overridden (a tiered match loads KV from below); `peek_prefix_length` never needs to be.
+
 LRU order: a lookup or an insert stamps every node of the path it used with one stamp, and a split gives the
 head its node's stamp, so a child is never older than its parent; among equal stamps the parent goes first
 (ties are broken by a pre-order walk of the tree). So SWA eviction tombstones an ancestor (keeping its full
@@ -31,18 +38,42 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from .pools import SlotPool
+
+
+def window_safe_length(present: Sequence[Any], m: int, window: int, page: int = 1) -> int:
+    """The hit rule, written once: the longest n <= m (a multiple of `page`) such that every token of
+    [max(0, n - window), n) is present (`present[p] is not None`; a prefix shorter than the window needs all its
+    tokens). `present` holds SWA slots, or True / None for a tier's view."""
+    best, last_none = 0, -1
+    for p in range(m):
+        if present[p] is None:
+            last_none = p
+        n = p + 1
+        if last_none < max(0, n - window):
+            best = n
+    return best - best % page
+
+
+def window_safe_end(present: Sequence[Any], end: int, window: int) -> bool:
+    """Whether a match may end at token `end` (the hit rule for one end point)."""
+    return all(s is not None for s in present[max(0, end - window) : end])
 
 
 class Node:
     __slots__ = ("key", "full", "swa", "children", "parent", "full_locks", "swa_need", "last_access", "id", "host")
     _ids = itertools.count()
 
-    def __init__(self, key: list[int], full: list[int], swa: list[int | None], parent: "Node | None"):
-        self.key, self.full, self.swa = key, full, swa
-        self.children: dict[int, Node] = {}
+    def __init__(self, key: list[int], full: list[int] | None, swa: list[int | None], parent: "Node | None"):
+        self.key, self.swa = key, swa
+        # Full-pool slots of the node's tokens while its KV is on the device; None when only a lower tier holds it
+        # (the tiered cache's host-only nodes). The plain cache never makes such nodes.
+        self.full: list[int] | None = full
+        self.children: dict[tuple, Node] = {}
         self.parent = parent
         self.full_locks = 0
         # SWA locks on this node, keyed by how many window tokens the lock still needed when it reached this
@@ -50,8 +81,8 @@ class Node:
         self.swa_need: dict[int, int] = {}
         self.last_access = 0
         self.id = next(Node._ids)
-        # Host-tier copy (kv.tiers.HostCopy) or None; with tiers on, `full` is None once the device copy is evicted.
-        self.host = None
+        # The tiered cache's host copy (kv.tiers.host.HostCopy), or None: always None in the plain cache.
+        self.host: Any = None
 
     @property
     def swa_locks(self) -> int:
@@ -73,6 +104,20 @@ class Match:
     swa: list[int | None]  # SWA slots of tokens [0, length) (live over the last W)
     node: Node  # the tree node whose span ends at `length` (lock handle)
     raw_length: int = 0  # tokens that matched before the window-safe cut
+
+
+@dataclass
+class HeldSlots:
+    """Slots of one pool the tree holds: evictable now, or protected by a running request's lock."""
+
+    evictable: int = 0
+    protected: int = 0
+
+
+@dataclass
+class CacheAccounting:
+    full: HeldSlots
+    swa: HeldSlots
 
 
 @dataclass
@@ -107,9 +152,6 @@ class SWARadixCache:
         # Optional observer `on_event(kind, node)` (llm_backend.kv.events): "stored" after a leaf is added,
         # "removed" before a leaf is dropped, "swa" after a node's SWA slots were released or repaired.
         self.on_event = None
-        # KV tiers below the device (kv.tiers.KVTiers, sets itself here), or None: the methods below then behave
-        # exactly as without tiers.
-        self.tiers = None
         self._checkpoint = 0
 
     @property
@@ -134,6 +176,7 @@ class SWARadixCache:
     def _split(self, node: Node, at: int) -> Node:
         """Splits `node` so that its first `at` tokens become a new parent; returns that parent."""
         parent = node.parent
+        assert parent is not None, "the root is never split"
         head = Node(node.key[:at], node.full[:at] if node.full is not None else None, node.swa[:at], parent)
         head.full_locks, head.last_access = node.full_locks, node.last_access  # every path through node passes head
         # An SWA lock that needed r tokens at `node` now gets len(tail) of them from the tail and reaches the head
@@ -146,8 +189,7 @@ class SWARadixCache:
         node.key, node.full, node.swa = node.key[at:], node.full[at:] if node.full is not None else None, node.swa[at:]
         node.parent = head
         head.children[self._edge(node.key)] = node
-        if self.tiers is not None:
-            self.tiers.split(head, node, at)
+        self._after_split(head, node, at)
         return head
 
     def _edge(self, key) -> tuple:
@@ -185,15 +227,50 @@ class SWARadixCache:
             i += k
         return path, i
 
-    def _window_safe(self, swa: list[int | None], m: int) -> int:
-        best, last_none = 0, -1
-        for p in range(m):
-            if swa[p] is None:
-                last_none = p
-            n = p + 1
-            if last_none < max(0, n - self.window):
-                best = n
-        return best - best % self.page_size
+    def _window_safe(self, present: Sequence[Any], m: int) -> int:
+        return window_safe_length(present, m, self.window, self.page_size)
+
+    def chain(self, node: Node) -> list[Node]:
+        """The nodes from the root (excluded) down to `node`."""
+        out = []
+        while node is not None and node is not self.root:
+            out.append(node)
+            node = node.parent  # type: ignore[assignment]
+        out.reverse()
+        return out
+
+    def nodes(self):
+        """Every node but the root, parents before their descendants."""
+        return self._nodes()
+
+    # ----------------------------------------------------------------------------------- extension points
+    def _swa_present(self, node: Node) -> list[Any]:
+        """Per token of `node`: not None when its SWA KV counts for the hit rule (here: a live device slot)."""
+        return node.swa
+
+    def _holds_window(self, node: Node) -> bool:
+        """Whether a tombstone leaf must stay because some other copy of a match-end window keeps it useful."""
+        return False
+
+    def _after_split(self, head: Node, tail: Node, at: int) -> None:
+        """`_split` moved `tail`'s first `at` tokens into the new parent `head`."""
+
+    def _after_leaf_added(self, leaf: Node) -> None:
+        """`insert` added `leaf` (after the "stored" event)."""
+
+    def _before_leaf_removed(self, node: Node) -> None:
+        """`node` is about to leave the tree (after the "removed" event)."""
+
+    def _before_tombstone(self, node: Node) -> None:
+        """SWA eviction is about to free all of `node`'s SWA slots."""
+
+    def _full_evictable(self, node: Node) -> bool:
+        """Whether full eviction may take `node` now: an unlocked leaf."""
+        return not node.children and node.full_locks == 0
+
+    def _evict_full_node(self, node: Node) -> int:
+        """Full eviction of one candidate; returns the device full slots freed."""
+        return self._remove_leaf(node)
 
     def _node_ending_at(self, path: list[Node], n: int) -> Node:
         """The node whose span ends exactly at token n of `path` (splitting if n falls inside one)."""
@@ -209,16 +286,14 @@ class SWARadixCache:
 
     # ----------------------------------------------------------------------------------- lookups
     def match_prefix(self, tokens: list[int]) -> Match:
-        if self.tiers is not None:
-            return self.tiers.match(tokens)  # may load host / store KV into fresh device slots
         self.stats.lookups += 1
         path, m = self._walk(list(tokens))
-        full = [s for node in path for s in node.full]
+        full = [s for node in path for s in node.full]  # type: ignore[union-attr]
         swa = [s for node in path for s in node.swa]
         n = self._window_safe(swa, m)
         node = self._node_ending_at(path, n) if n else self.root
         stamp = next(self._clock)
-        walker = node
+        walker: Node | None = node
         while walker is not None and walker is not self.root:
             walker.last_access = stamp
             walker = walker.parent
@@ -229,27 +304,25 @@ class SWARadixCache:
     def peek_prefix_length(self, tokens: list[int]) -> int:
         """The window-safe length `match_prefix(tokens)` would return, read-only: no split, no LRU refresh, no
         statistics (a scheduler scores waiting requests with it without reordering eviction)."""
-        if self.tiers is not None:
-            return self.tiers.peek(tokens)
-        swa: list[int | None] = []
+        present: list[Any] = []
         i = 0
         for child, k in self._match(list(tokens)):
-            swa.extend(child.swa[:k])
+            present.extend(self._swa_present(child)[:k])
             i += k
-        return self._window_safe(swa, i)
+        return self._window_safe(present, i)
 
     # ----------------------------------------------------------------------------------- locks
-    def _swa_nodes(self, node: Node):
+    def _swa_nodes(self, node: Node | None):
         """(node, window tokens still needed on reaching it) for the nodes covering the last `window` tokens
         ending at `node`."""
         need = self.window
-        while node is not self.root and need > 0:
+        while node is not None and node is not self.root and need > 0:
             yield node, need
             need -= len(node.key)
             node = node.parent
 
     def lock(self, node: Node) -> None:
-        n = node
+        n: Node | None = node
         while n is not None:
             n.full_locks += 1
             n = n.parent
@@ -257,7 +330,7 @@ class SWARadixCache:
             s.swa_need[need] = s.swa_need.get(need, 0) + 1
 
     def unlock(self, node: Node) -> None:
-        n = node
+        n: Node | None = node
         while n is not None:
             if n.full_locks <= 0:
                 raise RuntimeError("radix cache: full lock underflow")
@@ -322,8 +395,7 @@ class SWARadixCache:
                 leaf.last_access = stamp
                 if self.on_event is not None:
                     self.on_event("stored", leaf)
-                if self.tiers is not None:
-                    self.tiers.on_insert(leaf)
+                self._after_leaf_added(leaf)
         if self.on_event is not None:
             for node in repaired:
                 self.on_event("swa", node)
@@ -335,7 +407,7 @@ class SWARadixCache:
         if i != len(tokens):
             raise KeyError("tokens are not all in the tree")
         node = path[-1] if path else self.root
-        return node, [s for n in path for s in n.full], [s for n in path for s in n.swa]
+        return node, [s for n in path for s in n.full or ()], [s for n in path for s in n.swa]
 
     # ----------------------------------------------------------------------------------- eviction
     def _nodes(self):
@@ -361,28 +433,30 @@ class SWARadixCache:
     def _remove_leaf(self, node: Node) -> int:
         if self.on_event is not None:
             self.on_event("removed", node)
-        if self.tiers is not None:
-            self.tiers.on_remove(node)  # to the shared store; its host copy is freed
-        if node.full is None:  # host-only
-            del node.parent.children[self._edge(node.key)]
+        self._before_leaf_removed(node)
+        parent = node.parent
+        assert parent is not None, "the root is never removed"
+        del parent.children[self._edge(node.key)]
+        if node.full is None:  # no device copy (a tier's node): nothing to free here
             return 0
         self.full_pool.free(node.full)
         self.swa_pool.free([s for s in node.swa if s is not None])
-        del node.parent.children[self._edge(node.key)]
         return len(node.full)
 
     def _prune_tombstone_leaves(self, start: Node) -> int:
         """Removes `start` and then its ancestors while each is an unlocked tombstone leaf; returns the full
         slots freed (the caller counts them in `stats.full_evicted`, once)."""
-        n, freed = start, 0
+        n: Node | None = start
+        freed = 0
         while (
-            n is not self.root
+            n is not None
+            and n is not self.root
             and not n.children
             and n.tombstone
             and n.full_locks == 0
             and n.swa_locks == 0
-            and (n.host is None or not n.host.swa)
-        ):  # a host SWA window still makes it a match end
+            and not self._holds_window(n)
+        ):
             parent = n.parent
             freed += self._remove_leaf(n)
             n = parent
@@ -461,8 +535,7 @@ class SWARadixCache:
         heap = self._lru_heap(lambda n: n.swa_locks == 0 and n.live_swa)[0] if freed < num else []
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
-            if self.tiers is not None:
-                self.tiers.backfill(node)  # SWA back-fill: the node-end window goes to the host first
+            self._before_tombstone(node)
             live = [s for s in node.swa if s is not None]
             self.swa_pool.free(live)
             node.swa = [None] * len(node.swa)
@@ -483,24 +556,27 @@ class SWARadixCache:
         return self.full_pool.available() >= full and self.swa_pool.available() >= swa
 
     def evict_full(self, num: int) -> int:
-        """Frees at least `num` full slots if it can (LRU over unlocked leaves; parents follow)."""
-        if self.tiers is not None:
-            return self.tiers.evict_full(num)  # write-back to the host keeps nodes in the tree
-        heap, rank = self._lru_heap(lambda n: not n.children and n.full_locks == 0)
+        """Frees at least `num` full slots if it can: LRU over the `_full_evictable` nodes (unlocked leaves here);
+        a parent that becomes one joins the queue, or goes at once if it is a useless tombstone leaf."""
+        heap, rank = self._lru_heap(self._full_evictable)
         freed = 0
         while heap and freed < num:
             _, _, node = heapq.heappop(heap)
             if (
-                node.children
-                or node.full_locks
+                not self._full_evictable(node)
                 or node.parent is None
                 or node.parent.children.get(self._edge(node.key)) is not node
             ):
                 continue
             parent = node.parent
-            freed += self._remove_leaf(node)
-            if parent is not self.root and not parent.children and parent.full_locks == 0:
-                if parent.tombstone and parent.swa_locks == 0:  # a tombstone leaf is useless: goes now
+            freed += self._evict_full_node(node)
+            if parent is not self.root and self._full_evictable(parent):
+                if (
+                    not parent.children
+                    and parent.tombstone
+                    and parent.swa_locks == 0
+                    and not self._holds_window(parent)
+                ):  # a tombstone leaf is useless: goes now
                     freed += self._prune_tombstone_leaves(parent)
                 else:
                     heapq.heappush(heap, (parent.last_access, rank[parent.id], parent))
@@ -508,13 +584,20 @@ class SWARadixCache:
         return freed
 
     # ----------------------------------------------------------------------------------- accounting
-    def accounting(self) -> dict[str, dict[str, int]]:
+    def accounting(self) -> "CacheAccounting":
         """Slots the tree holds, split into evictable and protected (locked), per pool."""
-        out = {"full": {"evictable": 0, "protected": 0}, "swa": {"evictable": 0, "protected": 0}}
+        full, swa = HeldSlots(), HeldSlots()
         for n in self._nodes():
-            out["full"]["protected" if n.full_locks else "evictable"] += len(n.full) if n.full is not None else 0
-            out["swa"]["protected" if n.swa_locks else "evictable"] += n.live_swa
-        return out
+            held = len(n.full) if n.full is not None else 0
+            if n.full_locks:
+                full.protected += held
+            else:
+                full.evictable += held
+            if n.swa_locks:
+                swa.protected += n.live_swa
+            else:
+                swa.evictable += n.live_swa
+        return CacheAccounting(full, swa)
 
     def token_count(self) -> int:
         return sum(len(n.key) for n in self._nodes())

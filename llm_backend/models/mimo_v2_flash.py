@@ -18,6 +18,7 @@ their torch twin on the CPU (kernels/moe.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -104,6 +105,15 @@ class MiMoV2FlashConfig:
 
     def to_hf_dict(self) -> dict:
         return {"model_type": "mimo_v2_flash", **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+
+class SeqInput(NamedTuple):
+    """One sequence's new tokens in a batched forward: their ids (or None when `inputs_embeds` gives every row),
+    their positions [T], and embeddings [T, hidden] that replace the ids' (media rows spliced in), or None."""
+
+    input_ids: torch.Tensor | None
+    positions: torch.Tensor
+    inputs_embeds: torch.Tensor | None = None
 
 
 class DenseMLP(nn.Module):
@@ -271,14 +281,14 @@ class MiMoV2FlashForCausalLM(nn.Module):
         """One sequence's new tokens [T] at consecutive `positions` [T], over its own `ContiguousKV`
         (llm_backend.paged_attention; references and tests); returns logits [T, vocab] ("all") or [1, vocab]."""
         start, n = int(positions[0]), int(positions.shape[0])
-        return self.forward_batch([(input_ids, positions, None, inputs_embeds)], [logits_for], kv.step(start, n))[0]
+        return self.forward_batch([SeqInput(input_ids, positions, inputs_embeds)], [logits_for], kv.step(start, n))[0]
 
     @torch.inference_mode()
-    def forward_batch(self, segments: list, logits_for: list[str], paged) -> list[torch.Tensor]:
-        """Several sequences' new tokens in one pass: segments = [(input_ids, positions, _, inputs_embeds)].
-        Projections, MLPs and experts run once over all tokens (one GEMM each); attention runs over the paged
-        KV pools for all sequences at once (`paged`: a `PagedBatch` describing the step).
-        Returns each segment's logits ("all" tokens or the "last" one)."""
+    def forward_batch(self, segments: list[SeqInput], logits_for: list[str], paged) -> list[torch.Tensor]:
+        """Several sequences' new tokens in one pass, one `SeqInput` each. Projections, MLPs and experts run once
+        over all tokens (one GEMM each); attention runs over the paged KV pools for all sequences at once
+        (`paged`: a `PagedBatch` describing the step). Returns each segment's logits ("all" tokens or the "last"
+        one)."""
         x, bounds = self.hidden_states(segments, paged)
         results = []
         for j, mode in enumerate(logits_for):
@@ -286,13 +296,13 @@ class MiMoV2FlashForCausalLM(nn.Module):
             results.append(self.lm_head(x[a:b] if mode == "all" else x[b - 1 : b]).float())
         return results
 
-    def hidden_states(self, segments: list, paged) -> tuple[torch.Tensor, list[int]]:
+    def hidden_states(self, segments: list[SeqInput], paged) -> tuple[torch.Tensor, list[int]]:
         """The final hidden states (after the last norm: what the LM head and the first MTP layer read) of all the
         segments' tokens [T, hidden], and the segments' bounds in that order."""
         m = self.model
-        xs = [m.embed_tokens(ids) if emb is None else emb for ids, _, _, emb in segments]
+        xs = [m.embed_tokens(seg.input_ids) if seg.inputs_embeds is None else seg.inputs_embeds for seg in segments]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
-        positions = torch.cat([seg[1] for seg in segments]) if len(segments) > 1 else segments[0][1]
+        positions = torch.cat([seg.positions for seg in segments]) if len(segments) > 1 else segments[0].positions
         bounds = [0]
         for seg_x in xs:
             bounds.append(bounds[-1] + seg_x.shape[0])

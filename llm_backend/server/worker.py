@@ -9,7 +9,7 @@ import logging
 import os
 import threading
 
-from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
+from mimo_epd.common.grpc_server import GrpcServer, shown_host, wait_for_signal
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .chat_template import load_chat_template
@@ -44,15 +44,12 @@ async def serve_llm(
     core.engine_alive = thread.is_alive
     metrics.watch(core.stats)
     thread.start()
-    server, drain = new_server(256)
-    generator_pb2_grpc.add_GeneratorServicer_to_server(GeneratorService(core), server)
+    srv = GrpcServer(host, port, 256)
+    srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
-    attach_kv_events(engine, server, model=name)
-    health = add_health_and_reflection(server, [SERVICE_NAME])
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+    attach_kv_events(engine, srv.server, model=name)
+    await srv.start()
     runner = None
     if config.http_port >= 0:
         from .http import LLMHTTPServer, start_http
@@ -60,21 +57,17 @@ async def serve_llm(
         runner, http_port = await start_http(
             LLMHTTPServer(core, template, metrics, config.media_timeout_s, model), host, config.http_port
         )
-        shown = f"[{host}]" if ":" in host else host
+        shown = shown_host(host)
         log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
         print(f"http {shown}:{http_port}", flush=True)
-    await server.start()
-    await set_serving(health, [SERVICE_NAME])
-    print(f"ready {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
-    await stop.wait()
+    srv.announce()
+    await wait_for_signal()
     if runner is not None:
         from .http import stop_http
 
-        await asyncio.gather(drain.stop(server, health, grace_s), stop_http(runner))
+        await asyncio.gather(srv.stop(grace_s), stop_http(runner))
     else:
-        await drain.stop(server, health, grace_s)
+        await srv.stop(grace_s)
     stop_engine.set()
     thread.join(5)
     return 0

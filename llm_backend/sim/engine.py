@@ -10,7 +10,7 @@ Sizes are given in real tokens and divided by `unit` (runner.py explains units):
 (rounded up), length buckets and the wait penalty (tokens per second). With unit 1 the worker is the live
 engine's scheduling exactly (`mimo-epd sim validate` checks the cached tokens per request).
 
-With `host_full_tokens` / `host_swa_tokens` or a shared `store`, the worker runs the engine's own `KVTiers`
+With `host_full_tokens` / `host_swa_tokens` or a shared `store`, the worker runs the engine's own `TieredRadixCache`
 below its pools (bookkeeping mode) and each step's loads are priced by `links` (tiers.py).
 """
 
@@ -71,7 +71,7 @@ class SimWorker:
         window = -(-cost.shape.window // U)
         self.full_pool = SlotPool("full", c.full_tokens // U, max(1, c.page_size // U))
         self.swa_pool = SlotPool("swa", c.swa_tokens // U)
-        self.cache = SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
+        self.cache = self._cache(cost, window, store)
         # as the engine fits its default: a page multiple above the window (in units)
         self.cache.swa_checkpoint_interval = fit_checkpoint_interval(
             -(-c.swa_checkpoint_interval // U), window, self.full_pool.page_size
@@ -92,21 +92,8 @@ class SimWorker:
             max_prefill_tokens=c.max_prefill_tokens // U,
         )
         self.runner = SimRunner(cost, U)
-        self.tiers = None
+        self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
         self.loads = LoadTotals()
-        if c.host_full_tokens > 0 or store is not None:
-            from ..kv.tiers import KVTiers
-
-            sh = cost.shape
-            self.tiers = KVTiers(
-                self.cache,
-                c.host_full_tokens // U,
-                c.host_swa_tokens // U,
-                store=store,
-                store_write="insert",
-                swa_backfill=c.swa_backfill,
-                token_bytes=(sh.kv_bytes_full * U, sh.kv_bytes_swa * U),  # the tiers count a unit as a token
-            )
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []
         self.queue_samples: list[tuple[float, int, int]] = []  # (time, waiting, running) at each step start
@@ -114,6 +101,27 @@ class SimWorker:
         self._step: tuple | None = None
         self._bytes_seen = (0, 0)
         self.busy_until: float | None = None
+
+    def _cache(self, cost: CostModel, window: int, store) -> SWARadixCache:
+        """The engine's radix cache, or its tiered one below a host tier / a shared store (bookkeeping mode)."""
+        c, U = self.config, self.unit
+        if not (c.host_full_tokens > 0 or store is not None):
+            return SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
+        from ..kv.tiers import TieredRadixCache  # torch: only for tiered workers
+
+        sh = cost.shape
+        return TieredRadixCache(
+            self.full_pool,
+            self.swa_pool,
+            window,
+            self.full_pool.page_size,
+            host_full_tokens=c.host_full_tokens // U,
+            host_swa_tokens=c.host_swa_tokens // U,
+            store=store,
+            store_write="insert",
+            swa_backfill=c.swa_backfill,
+            token_bytes=(sh.kv_bytes_full * U, sh.kv_bytes_swa * U),  # the tiers count a unit as a token
+        )
 
     # ----------------------------------------------------------------------------------- requests
     def submit(self, spec: SimRequest, now: float) -> Request | None:
@@ -171,10 +179,10 @@ class SimWorker:
         return self.busy_until
 
     def _price_loads(self, compute_s: float) -> float:
-        """This step's admissions queued host / store copies (KVTiers.match): their bytes, priced by the links."""
+        """This step's admissions queued host / store copies (the tiered match): their bytes, priced by the links."""
         t = self.tiers
-        self.tiers.start_load()  # bookkeeping mode: takes the queued copies (nothing to copy)
-        host, store = t.stats.bytes_h2d, t.stats.bytes_s2d
+        t.start_load()  # bookkeeping mode: takes the queued copies (nothing to copy)
+        host, store = t.tier_stats.bytes_h2d, t.tier_stats.bytes_s2d
         dh, ds = host - self._bytes_seen[0], store - self._bytes_seen[1]
         self._bytes_seen = (host, store)
         if not dh and not ds:
@@ -222,7 +230,7 @@ class SimWorker:
         }
 
     def _tier_stats(self) -> dict:
-        t, U = self.tiers.stats, self.unit
+        t, U = self.tiers.tier_stats, self.unit
         return {
             "hit_tokens_by_tier": {"device": t.hit_device * U, "host": t.hit_host * U, "store": t.hit_store * U},
             "tier_loads": self.loads.as_dict(),

@@ -1,7 +1,7 @@
 """Pricing the KV tiers' loads in simulated steps (TTFT with loads at PCIe / network bandwidth vs
 recompute).
 
-A simulated worker may run the real `KVTiers` (llm_backend.kv.tiers) below its device pools in bookkeeping mode:
+A simulated worker may run the real `TieredRadixCache` (llm_backend.kv.tiers) below its device pools in bookkeeping mode:
 slots, pages and bytes move, no tensor does. A hit that ends in the host tier or the shared store queues its KV
 for the next forward, exactly as in the engine; here the bytes of that step's loads are priced:
 

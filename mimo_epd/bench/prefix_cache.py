@@ -104,7 +104,10 @@ class Replay:
         self.name = name
         self.full_pool = SlotPool("full", full_units, page_units)
         self.swa_pool = SlotPool("swa", swa_units)
-        self.cache = SWARadixCache(self.full_pool, self.swa_pool, window_units, page_units)
+        if tiers is None:
+            self.cache = SWARadixCache(self.full_pool, self.swa_pool, window_units, page_units)
+        else:
+            self.cache = make_tiered_cache(self.full_pool, self.swa_pool, window_units, page_units, **tiers)
         self.cache.swa_checkpoint_interval = checkpoint_units
         self.chunk = chunk_units
         # Evicting a little more than needed at a time (a low watermark) amortises the LRU scan over many
@@ -114,9 +117,7 @@ class Replay:
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.skipped = 0
-        self.tiers = None
-        if tiers is not None:
-            self.tiers = make_tiers(self.cache, **tiers)
+        self.tiers = self.cache if tiers is not None else None  # the tiered cache, or None
 
     def peek(self, units: list[int]) -> int:
         return self.cache.peek_prefix_length(units)
@@ -156,8 +157,11 @@ class Replay:
         }
 
 
-def make_tiers(
-    cache,
+def make_tiered_cache(
+    full_pool: SlotPool,
+    swa_pool: SlotPool,
+    window: int,
+    page: int,
     host_full: int,
     host_swa: int,
     unit_bytes: tuple[int, int],
@@ -169,12 +173,15 @@ def make_tiers(
     policy: str = "lru",
     write: str = "back",
 ):
-    from llm_backend.kv.tiers import KVTiers
+    from llm_backend.kv.tiers import TieredRadixCache
 
-    tiers = KVTiers(
-        cache,
-        host_full,
-        host_swa,
+    cache = TieredRadixCache(
+        full_pool,
+        swa_pool,
+        window,
+        page,
+        host_full_tokens=host_full,
+        host_swa_tokens=host_swa,
         swa_backfill=swa_backfill,
         store=store,
         store_write=store_write,
@@ -192,8 +199,8 @@ def make_tiers(
             v={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
             sliding={0: False, 1: True},
         )
-        tiers.attach(pools)
-    return tiers
+        cache.attach(pools)
+    return cache
 
 
 TIER_KEYS = (
@@ -230,13 +237,13 @@ def combine(name: str, replays: list[Replay], unit: int, store=None) -> dict:
     }
     tiers = [r.tiers for r in replays if r.tiers is not None]
     if tiers:
-        t = {k: sum(getattr(x.stats, k) for x in tiers) for k in TIER_KEYS}
+        t = {k: sum(getattr(x.tier_stats, k) for x in tiers) for k in TIER_KEYS}
         for k in ("hit_device", "hit_host", "hit_store", "swa_d2h", "swa_h2d", "swa_s2d"):
             t[k] *= unit  # units -> tokens (a page is one unit: page counts are pages of --page-size tokens)
         out["tiers"] = t
         out["host_units"] = {
-            "full": tiers[0].full.size if tiers[0].full else 0,
-            "swa": tiers[0].swa.size if tiers[0].swa else 0,
+            "full": tiers[0].host_full.size if tiers[0].host_full else 0,
+            "swa": tiers[0].host_swa.size if tiers[0].host_swa else 0,
         }
     if store is not None:
         store.flush()

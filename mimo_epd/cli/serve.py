@@ -36,6 +36,7 @@ NODE_PREFIXES = (
     ("member_ttl", "routing"),
     ("poll_wait", "routing"),
     ("discovery", "routing"),
+    ("worker_down", "routing"),
     ("llm", "LLM worker"),
     ("http", "HTTP (OpenAI API)"),
     ("health_interval", "routing"),

@@ -1,5 +1,7 @@
-"""What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection, and a
-graceful shutdown that never cuts a response short."""
+"""What every mimo-epd gRPC server shares: message-size limits, standard health checking and reflection, a bind
+that names the address and the reason when it fails, the `ready HOST:PORT` line, and a graceful shutdown that
+never cuts a response short. `GrpcServer` is the one sequence every server runs (encoder, LLM worker, the
+node's router, `mimo-epd router`)."""
 
 from __future__ import annotations
 
@@ -130,3 +132,97 @@ def stop_on_signals(stop: asyncio.Event) -> None:
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def shown_host(host: str) -> str:
+    """`host` as written before `:PORT`: an IPv6 literal in brackets (`[::1]:50051`)."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def check_bindable(host: str, port: int, flag: str = "--host/--port") -> None:
+    """Raises OSError `cannot listen on HOST:PORT (FLAG): REASON` when the address cannot be bound. gRPC itself
+    says only "Failed to bind to address" (and logs a C-core line), so the operating system is asked first with
+    a plain socket that binds as gRPC does (SO_REUSEADDR); port 0 always binds."""
+    import socket
+
+    address = f"{shown_host(host)}:{port}"
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot listen on {address} ({flag}): {e.strerror}") from None
+    family, kind, proto, _, sockaddr = infos[0]
+    try:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(sockaddr)
+    except OSError as e:
+        raise OSError(f"cannot listen on {address} ({flag}): {e.strerror or e}") from None
+
+
+class GrpcServer:
+    """The one way a mimo-epd process serves gRPC (the encoder, the LLM worker, the node's router and
+    `mimo-epd router`): our message limits and `Drain`, the services, standard health and reflection, a bind
+    whose failure names the address and the reason, the `ready HOST:PORT` line, and the graceful drain.
+
+        srv = GrpcServer(host, port, max_message_mb)
+        srv.add(add_EncoderServicer_to_server, servicer, "mimo_epd.v1.Encoder")
+        await srv.start()                 # bound, started, health SERVING; srv.port is the bound port
+        srv.announce()                    # prints `ready HOST:PORT` (IPv6 hosts in brackets)
+        await wait_for_signal()           # SIGTERM / SIGINT
+        await srv.stop(grace_s)           # NOT_SERVING, refuse new RPCs, finish those in flight, stop
+    """
+
+    def __init__(self, host: str, port: int, max_message_mb: int) -> None:
+        self.host, self.requested_port = host, port
+        self.server, self.drain = new_server(max_message_mb)
+        self.services: list[str] = []
+        self.health: health_aio.HealthServicer | None = None
+        self.port = 0
+
+    def add(self, add_to_server, servicer, service: str = "") -> None:
+        """Registers `servicer` with its generated `add_*Servicer_to_server`; `service` (its full name) is
+        listed in health and reflection."""
+        add_to_server(servicer, self.server)
+        if service:
+            self.services.append(service)
+
+    @property
+    def address(self) -> str:
+        return f"{shown_host(self.host)}:{self.port}"
+
+    async def start(self, serving: bool = True) -> int:
+        """Binds (an OSError naming the address and the reason if it cannot), starts, sets health; returns the
+        bound port."""
+        self.health = add_health_and_reflection(self.server, self.services)
+        if self.requested_port:
+            check_bindable(self.host, self.requested_port)
+        try:
+            self.port = self.server.add_insecure_port(f"{shown_host(self.host)}:{self.requested_port}")
+        except RuntimeError:
+            self.port = 0
+        if self.port == 0:
+            raise OSError(f"cannot listen on {shown_host(self.host)}:{self.requested_port} (--host/--port)")
+        await self.server.start()
+        await self.set_serving(serving)
+        return self.port
+
+    async def set_serving(self, serving: bool = True) -> None:
+        assert self.health is not None, "start() first"
+        await set_serving(self.health, self.services, serving)
+
+    def announce(self) -> None:
+        """The ready line on stdout, what `serve` and the tests wait for."""
+        print(f"ready {self.address}", flush=True)
+
+    async def stop(self, grace_s: float) -> None:
+        if self.health is None:  # never started
+            await self.server.stop(0)
+            return
+        await self.drain.stop(self.server, self.health, grace_s)
+
+
+async def wait_for_signal(stop: asyncio.Event | None = None) -> None:
+    """Returns on SIGTERM / SIGINT (or once `stop` is set by someone else)."""
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)
+    await stop.wait()

@@ -173,23 +173,9 @@ class EncoderSet:
 
     def sync(self, endpoints: set[str]) -> None:
         r = self.router
-        for e in sorted(endpoints - set(r._channels)):
-            ch = grpc.aio.insecure_channel(e, options=channel_options(r.config.max_message_mb))
-            from grpc_health.v1 import health_pb2_grpc
-
-            from mimo_epd.v1 import encoder_pb2_grpc
-
-            r._channels[e] = ch
-            r._stubs[e] = encoder_pb2_grpc.EncoderStub(ch)
-            r._health[e] = health_pb2_grpc.HealthStub(ch)
-            r.ring.add(e)
-            r.alive.add(e)
+        for e in sorted(endpoints - r.endpoints):
+            r.add_endpoint(e)
             log.info("encoder %s joined the ring (registered)", e)
-        for e in sorted(set(r._channels) - endpoints):
-            r.ring.remove(e)
-            r.alive.discard(e)
-            ch = r._channels.pop(e)
-            r._stubs.pop(e, None)
-            r._health.pop(e, None)
-            asyncio.get_running_loop().create_task(ch.close())
+        for e in sorted(r.endpoints - endpoints):
+            r.remove_endpoint(e)
             log.info("encoder %s left the ring (its registration expired)", e)

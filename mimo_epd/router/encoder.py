@@ -52,19 +52,49 @@ class RouterConfig:
 
 
 class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
+    """`endpoints` may be empty: a router over a shared registry starts with none and follows it
+    (router/discovery.py `EncoderSet` calls `add_endpoint` / `remove_endpoint`)."""
+
     def __init__(self, endpoints: list[str], config: RouterConfig):
-        if not endpoints:
-            raise ValueError("the router needs at least one encoder endpoint")
         self.config = config
-        self.ring = HashRing(endpoints, vnodes=config.vnodes)
-        self.alive: set[str] = set(endpoints)
-        opts = channel_options(config.max_message_mb)  # quick reconnects to a restarted encoder
-        self._channels = {e: grpc.aio.insecure_channel(e, options=opts) for e in endpoints}
-        self._stubs = {e: encoder_pb2_grpc.EncoderStub(c) for e, c in self._channels.items()}
-        self._health = {e: health_pb2_grpc.HealthStub(c) for e, c in self._channels.items()}
+        self.ring = HashRing((), vnodes=config.vnodes)
+        self.alive: set[str] = set()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, encoder_pb2_grpc.EncoderStub] = {}
+        self._health: dict[str, health_pb2_grpc.HealthStub] = {}
         self._task: asyncio.Task | None = None
         self._shutting_down = False
         self.on_change = None  # optional callback(alive: set[str])
+        for e in endpoints:
+            self.add_endpoint(e)
+
+    # ------------------------------------------------------------------ members
+    @property
+    def endpoints(self) -> set[str]:
+        """Every encoder on the ring, live or not."""
+        return set(self._channels)
+
+    def add_endpoint(self, endpoint: str) -> None:
+        """Puts an encoder on the ring (live until a health check says otherwise)."""
+        if endpoint in self._channels:
+            return
+        ch = grpc.aio.insecure_channel(endpoint, options=channel_options(self.config.max_message_mb))
+        self._channels[endpoint] = ch  # quick reconnects to a restarted encoder (channel_options)
+        self._stubs[endpoint] = encoder_pb2_grpc.EncoderStub(ch)
+        self._health[endpoint] = health_pb2_grpc.HealthStub(ch)
+        self.ring.add(endpoint)
+        self.alive.add(endpoint)
+
+    def remove_endpoint(self, endpoint: str) -> None:
+        """Takes an encoder off the ring and closes its channel."""
+        ch = self._channels.pop(endpoint, None)
+        if ch is None:
+            return
+        self._stubs.pop(endpoint, None)
+        self._health.pop(endpoint, None)
+        self.ring.remove(endpoint)
+        self.alive.discard(endpoint)
+        asyncio.get_running_loop().create_task(ch.close())
 
     # ------------------------------------------------------------------ health
     async def check_all(self) -> None:

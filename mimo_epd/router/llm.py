@@ -34,135 +34,23 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import grpc
 
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .channels import channel_options
+from .config import LLMRouterConfig
 from .discovery import EncoderSet, WorkerFeed, member_id
 from .index import block_hashes, predict_tokens
 from .metrics import RouterMetrics
-from .policies import POLICIES, Candidate, PolicyConfig, RequestView, make_policy
+from .policies import Candidate, RequestView, make_policy
 from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
 
 log = logging.getLogger(__name__)
 
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
-
-
-@dataclass
-class LLMRouterConfig:
-    policy: str = "affinity"
-    router_state: str = "memory"
-    workers: str = ""  # comma-separated GRPC[/HTTP] addresses; empty = discover them in the state
-    model: str = "tiny"  # the workers' model: the router tokenizes with its tokenizer
-    match_weight: float = 2.0
-    load_weight: float = 1.0
-    balance_abs: int = 64
-    balance_rel: float = 1.5
-    cache_threshold: float = 0.3
-    prefill_weight: float = 1.0
-    member_ttl_s: float = 3.0
-    poll_wait_ms: int = 500
-    discovery_interval_s: float = 0.5
-    down_s: float = 5.0  # a worker that failed a call is skipped this long, or until its feed answers again
-
-    def policy_config(self) -> PolicyConfig:
-        return PolicyConfig(
-            match_weight=self.match_weight,
-            load_weight=self.load_weight,
-            balance_abs=self.balance_abs,
-            balance_rel=self.balance_rel,
-            cache_threshold=self.cache_threshold,
-            prefill_weight=self.prefill_weight,
-        )
-
-    def validate(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"--llm-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.member_ttl_s <= 0 or self.poll_wait_ms <= 0 or self.discovery_interval_s <= 0:
-            raise ValueError("--member-ttl-s, --poll-wait-ms and --discovery-interval-s must be positive")
-
-
-def add_policy_arguments(p, prefix: str = "") -> None:
-    """The routing flags (shared by `mimo-epd router` and `mimo-epd serve`)."""
-    d = LLMRouterConfig()
-    a = p.add_argument
-    a(
-        "--llm-policy",
-        dest="policy",
-        default=d.policy,
-        choices=list(POLICIES),
-        help=f"LLM routing policy (default: {d.policy})",
-    )
-    a(
-        "--router-state",
-        default=d.router_state,
-        help="'memory' (this router only) or redis://HOST:PORT/DB shared by every router (default: memory)",
-    )
-    a(
-        "--affinity-match-weight",
-        dest="match_weight",
-        type=float,
-        default=d.match_weight,
-        help=f"affinity: weight of the prefix match fraction (default: {d.match_weight})",
-    )
-    a(
-        "--affinity-load-weight",
-        dest="load_weight",
-        type=float,
-        default=d.load_weight,
-        help=f"affinity: weight of the normalized load (default: {d.load_weight})",
-    )
-    a(
-        "--cache-aware-balance-abs",
-        dest="balance_abs",
-        type=int,
-        default=d.balance_abs,
-        help=f"cache_aware: load gap in tokens that counts as imbalance (default: {d.balance_abs})",
-    )
-    a(
-        "--cache-aware-balance-rel",
-        dest="balance_rel",
-        type=float,
-        default=d.balance_rel,
-        help=f"cache_aware: load ratio that counts as imbalance (default: {d.balance_rel})",
-    )
-    a(
-        "--cache-aware-threshold",
-        dest="cache_threshold",
-        type=float,
-        default=d.cache_threshold,
-        help=f"cache_aware: match fraction above which the cache decides (default: {d.cache_threshold})",
-    )
-    a(
-        "--kv-cost-prefill-weight",
-        dest="prefill_weight",
-        type=float,
-        default=d.prefill_weight,
-        help=f"kv_cost: weight of prefill blocks against decode blocks (default: {d.prefill_weight})",
-    )
-    a(
-        "--member-ttl-s",
-        type=float,
-        default=d.member_ttl_s,
-        help=f"a worker's or encoder's registration and index entries expire this long after its last heartbeat "
-        f"(default: {d.member_ttl_s})",
-    )
-    a(
-        "--poll-wait-ms",
-        type=int,
-        default=d.poll_wait_ms,
-        help=f"long-poll wait of the KV-event feeds (default: {d.poll_wait_ms})",
-    )
-    a(
-        "--discovery-interval-s",
-        type=float,
-        default=d.discovery_interval_s,
-        help=f"seconds between reads of the registry (default: {d.discovery_interval_s})",
-    )
 
 
 @dataclass
@@ -201,7 +89,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         config.validate()
         self.config = config
         self.state = state if state is not None else open_state(config.router_state)
-        self.policy = make_policy(config.policy, config.policy_config())
+        self.policy = make_policy(config.policy, config.weights)
         if tokenizer is None:
             from llm_backend.tokenizer import load_tokenizer
 
@@ -301,7 +189,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if self.encoders is not None:
             enc = {f["address"] for f in members.values() if f.get("kind") == "encoder" and f.get("address")}
             if enc:
-                self.encoders.sync(enc | set(self.encoders.router._channels) if keep else enc)
+                self.encoders.sync(enc | self.encoders.router.endpoints if keep else enc)
 
     async def _discovery_loop(self) -> None:
         while True:
@@ -577,126 +465,3 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             grpc.StatusCode.UNAVAILABLE,
             f"no live LLM worker could take the request (tried {', '.join(tried) or 'none'})",
         )
-
-
-def config_from_args(args) -> LLMRouterConfig:
-    return LLMRouterConfig(**{f.name: getattr(args, f.name) for f in fields(LLMRouterConfig) if hasattr(args, f.name)})
-
-
-# ---------------------------------------------------------------------------------------------- `mimo-epd router`
-def add_arguments(p) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port, 0 = any (default: 50051)")
-    p.add_argument(
-        "--workers",
-        default="",
-        help="LLM workers GRPC[/HTTP],... this router watches itself (default: discover them in --router-state)",
-    )
-    p.add_argument("--model", default="tiny", help="the workers' model, for the tokenizer (default: tiny)")
-    p.add_argument("--grace-period-s", type=float, default=10.0, help="drain time on SIGTERM (default: 10)")
-    p.add_argument("--log-level", default="info", help="debug, info, warning or error (default: info)")
-    p.add_argument(
-        "--http-port",
-        type=int,
-        default=-1,
-        help="serve the workers' HTTP API (OpenAI, /generate) through this router's policy on this port, "
-        "0 = any free port (printed as `http HOST:PORT` before `ready`), -1 = off (default: -1)",
-    )
-    p.add_argument(
-        "--chat-template",
-        default="",
-        help="the workers' --chat-template file, when they have one: the HTTP front renders chats "
-        "with it to tokenize them like the workers (default: the model's)",
-    )
-    p.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="serve the router's Prometheus metrics on this port's /metrics, 0 = off (default: 0)",
-    )
-    add_policy_arguments(p)
-
-
-async def serve_router(
-    config: LLMRouterConfig,
-    host: str,
-    port: int,
-    grace_s: float = 10.0,
-    metrics_port: int = 0,
-    http_port: int = -1,
-    chat_template: str = "",
-) -> int:
-    from mimo_epd.common.grpc_server import add_health_and_reflection, new_server, set_serving, stop_on_signals
-    from mimo_epd.router.encoder import EncoderRouter, RouterConfig
-    from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2
-
-    state = open_state(config.router_state)
-    encoders = None
-    if not isinstance(state, MemoryState):
-        # The Encode API over every registered encoder: the ring starts empty and follows the registry.
-        encoders = EncoderRouter.__new__(EncoderRouter)
-        EncoderRouter.__init__(encoders, ["placeholder:0"], RouterConfig())
-        encoders.ring.remove("placeholder:0")
-        encoders.alive.clear()
-        for d in (encoders._channels, encoders._stubs, encoders._health):
-            d.pop("placeholder:0")
-    router = LLMRouter(config, state, encoders=encoders)
-    server, drain = new_server(256)
-    generator_pb2_grpc.add_GeneratorServicer_to_server(router, server)
-    names = [generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name]
-    if encoders is not None:
-        encoder_pb2_grpc.add_EncoderServicer_to_server(encoders, server)
-        names.append(encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name)
-    health = add_health_and_reflection(server, names)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
-    if metrics_port:
-        await router.metrics.start(host, metrics_port)
-    await router.start()
-    if encoders is not None:
-        encoders.start()
-    front = None
-    shown = f"[{host}]" if ":" in host else host
-    if http_port >= 0:
-        from llm_backend.server.chat_template import load_chat_template
-
-        from .http_front import HTTPFront
-
-        front = HTTPFront(router=router, template=load_chat_template(config.model, chat_template))
-        print(f"http {shown}:{await front.start(host, http_port)}", flush=True)
-    await server.start()
-    await set_serving(health, names)
-    log.info("LLM router (%s, state %s) on %s:%d", config.policy, config.router_state, host, bound)
-    print(f"ready {host}:{bound}", flush=True)
-    stop = asyncio.Event()
-    stop_on_signals(stop)
-    await stop.wait()
-    await drain.stop(server, health, grace_s)
-    if front is not None:
-        await front.close()
-    await router.close()
-    await router.metrics.close()
-    if encoders is not None:
-        await encoders.close()
-    return 0
-
-
-def main(args) -> int:
-    import uvloop
-
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper(), logging.INFO),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    try:
-        config = config_from_args(args)
-        config.validate()
-        return uvloop.run(
-            serve_router(
-                config, args.host, args.port, args.grace_period_s, args.metrics_port, args.http_port, args.chat_template
-            )
-        )
-    except (OSError, ValueError) as e:
-        logging.getLogger("mimo_epd").error("cannot start the router: %s", e)
-        return 1

@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from mimo_epd.common.flags import flag
+
 
 @dataclass(frozen=True)
 class RequestView:
@@ -49,13 +51,25 @@ class Candidate:
 
 @dataclass
 class PolicyConfig:
-    match_weight: float = 2.0
-    load_weight: float = 1.0
-    balance_abs: int = 64
-    balance_rel: float = 1.5
-    cache_threshold: float = 0.3
-    tree_blocks: int = 1 << 16  # cache_aware: blocks remembered per worker (oldest forgotten first)
-    prefill_weight: float = 1.0
+    """The policies' knobs; each is a flag of `serve` and `router` (embedded in LLMRouterConfig)."""
+
+    match_weight: float = flag(2.0, "affinity: weight of the prefix match fraction", name="affinity_match_weight")
+    load_weight: float = flag(1.0, "affinity: weight of the normalized load", name="affinity_load_weight")
+    balance_abs: int = flag(
+        64, "cache_aware: load gap in tokens that counts as imbalance", name="cache_aware_balance_abs"
+    )
+    balance_rel: float = flag(1.5, "cache_aware: load ratio that counts as imbalance", name="cache_aware_balance_rel")
+    cache_threshold: float = flag(
+        0.3, "cache_aware: match fraction above which the cache decides", name="cache_aware_threshold"
+    )
+    tree_blocks: int = flag(
+        1 << 16,
+        "cache_aware: blocks remembered per worker in its approximate tree (oldest forgotten first)",
+        name="cache_aware_tree_blocks",
+    )
+    prefill_weight: float = flag(
+        1.0, "kv_cost: weight of prefill blocks against decode blocks", name="kv_cost_prefill_weight"
+    )
 
 
 class Policy:

@@ -52,7 +52,7 @@ def test_huge_max_tokens_ends_at_the_pool_capacity_without_spinning():
         steps += 1
         assert steps < 500, "the engine spins"
     assert r.finish_reason == "length" and len(r.tokens) == llm.max_model_len
-    assert llm.full_pool.available() + llm.cache.accounting()["full"]["evictable"] == llm.full_pool.size
+    assert llm.full_pool.available() + llm.cache.accounting().full.evictable == llm.full_pool.size
 
 
 def test_long_requests_competing_for_a_small_pool_all_finish():
@@ -91,7 +91,7 @@ def test_a_failing_forward_fails_only_that_step_and_the_engine_goes_on(monkeypat
     assert bad.finish_reason == "error" and "boom" in bad.error and bad.error_code == "internal"
     good = llm.generate(prompt_token_ids=[[4, 5, 6]], sampling_params=SamplingParams(max_tokens=3))[0]
     assert good.finish_reason == "length" and len(good.output_token_ids) == 3
-    assert llm.full_pool.available() + llm.cache.accounting()["full"]["evictable"] == llm.full_pool.size
+    assert llm.full_pool.available() + llm.cache.accounting().full.evictable == llm.full_pool.size
 
 
 def test_non_finite_logits_fail_that_request_only(monkeypatch):
@@ -170,4 +170,4 @@ def test_nothing_running_never_refuses_a_request_the_trees_evictable_swa_makes_r
         prompt = [(i * 7 + j) % 61 for j in range(40 + i)]
         (out,) = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)
         assert out.finish_reason == "length", (i, out.finish_reason)
-        assert llm.cache.accounting()["swa"]["evictable"] > 0  # the tree keeps SWA for the next request to evict
+        assert llm.cache.accounting().swa.evictable > 0  # the tree keeps SWA for the next request to evict

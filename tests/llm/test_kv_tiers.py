@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from llm_backend import LLM, SamplingParams
 from llm_backend.kv import RequestKV, SlotPool, SWARadixCache
-from llm_backend.kv.tiers import KVTiers, MemoryKVStore
+from llm_backend.kv.tiers import MemoryKVStore, TieredRadixCache
 from tests.llm.test_engine import small_model
 from tests.router.conftest import redis_server  # noqa: F401 - the real redis-server fixture
 
@@ -70,14 +70,14 @@ def test_host_tier_outputs_equal_no_cache_under_heavy_eviction(model, cold, opts
     assert st_["kv_load_loads"] > 0  # loaded layer by layer in the forward
     base = run(model, workload())[1].stats()["prefix_hit_tokens"]
     assert st_["prefix_hit_tokens"] > base  # the tier adds hits
-    acc = llm.tiers.accounting()
+    acc = llm.tiers.host_accounting()
     for k in ("host_full_pages", "host_swa"):
-        assert acc[k]["held"] + acc[k]["free"] == acc[k]["total"]
+        assert getattr(acc, k).held + getattr(acc, k).free == getattr(acc, k).total
 
 
 def test_tiers_off_is_the_plain_cache(model):
     llm = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16)
-    assert llm.tiers is None and llm.cache.tiers is None and llm.runner.tiers is None
+    assert llm.tiers is None and type(llm.cache) is SWARadixCache and llm.runner.kv_loads is None
     assert not any(k.startswith("kv_tier") for k in llm.stats())
 
 
@@ -236,18 +236,21 @@ def test_property_accounting_across_tiers(ops, page, backfill, store_write, chec
     """Slot accounting of the device pools and the host tier after every operation, and the device-resident nodes
     a top of the tree, under every combination of the tiers' switches and host sizes (small hosts evict)."""
     full_pool, swa_pool = SlotPool("full", 240, page), SlotPool("swa", 100)
-    cache = SWARadixCache(full_pool, swa_pool, W, page)
-    cache.swa_checkpoint_interval = checkpoint
     store = MemoryKVStore(10**9) if store_write else None
-    tiers = KVTiers(
-        cache,
-        *host,
+    cache = tiers = TieredRadixCache(
+        full_pool,
+        swa_pool,
+        W,
+        page,
+        host_full_tokens=host[0],
+        host_swa_tokens=host[1],
         swa_backfill=backfill,
         write_through=write_through,
         store=store,
         store_write=store_write or "evict",
         token_bytes=(10, 10),
     )
+    cache.swa_checkpoint_interval = checkpoint
     prefixes = [[random.Random(s).randrange(6) for _ in range(40)] for s in range(3)]
     running: list[tuple[RequestKV, list[int]]] = []
     for op, x in ops:
@@ -277,11 +280,12 @@ def test_property_accounting_across_tiers(ops, page, backfill, store_write, chec
         acc = cache.accounting()
         infl_full = sum(r.own_full_slots() for r, _ in running)
         infl_swa = sum(r.own_swa_live() for r, _ in running)
-        assert full_pool.available() + acc["full"]["evictable"] + acc["full"]["protected"] + infl_full == full_pool.size
-        assert swa_pool.available() + acc["swa"]["evictable"] + acc["swa"]["protected"] + infl_swa == swa_pool.size
-        hacc = tiers.accounting()
+        assert full_pool.available() + acc.full.evictable + acc.full.protected + infl_full == full_pool.size
+        assert swa_pool.available() + acc.swa.evictable + acc.swa.protected + infl_swa == swa_pool.size
+        hacc = tiers.host_accounting()
         for k in ("host_full_pages", "host_swa"):
-            assert hacc[k]["held"] + hacc[k]["free"] == hacc[k]["total"], (k, hacc)
+            use = getattr(hacc, k)
+            assert use.held + use.free == use.total, (k, hacc)
         # the device-resident nodes are a top of the tree; host-only nodes have a full host copy
         for n in cache._nodes():
             if n.full is None:
@@ -296,10 +300,19 @@ def test_property_accounting_across_tiers(ops, page, backfill, store_write, chec
 
 def _tree_with_checkpoint(checkpoint: int, store=None, host: bool = True):
     """A 32-token prompt cached through one prompt chunk (all SWA live in the tree), window 8, pages of 4."""
-    cache = SWARadixCache(SlotPool("full", 200, 4), SlotPool("swa", 100), W, 4)
+    cache = TieredRadixCache(
+        SlotPool("full", 200, 4),
+        SlotPool("swa", 100),
+        W,
+        4,
+        host_full_tokens=160 if host else 0,
+        host_swa_tokens=60,
+        store=store,
+        store_write="insert",
+        token_bytes=(10, 10),
+    )
     cache.swa_checkpoint_interval = checkpoint
-    tiers = KVTiers(cache, 160 if host else 0, 60, store=store, store_write="insert", token_bytes=(10, 10))
-    return cache, tiers
+    return cache, cache
 
 
 PROMPT = [random.Random(7).randrange(50) for _ in range(32)]
@@ -325,7 +338,7 @@ def test_host_write_back_keeps_the_checkpoint_window(checkpoint, resumes_at):
     assert node.full is None
     assert set(node.host.swa) == set(range(24, 32)) | (set(range(8, 16)) if checkpoint else set())
     m = RequestKV(cache, NEXT)
-    assert m.cached_tokens == resumes_at and tiers.stats.hit_host == resumes_at
+    assert m.cached_tokens == resumes_at and tiers.tier_stats.hit_host == resumes_at
     m.finish(cache_result=False)
 
 
@@ -339,7 +352,7 @@ def test_store_page_at_a_checkpoint_carries_its_window(checkpoint, resumes_at):
     store.flush()
     reader, tiers = _tree_with_checkpoint(checkpoint, store, host=False)
     m = RequestKV(reader, NEXT)
-    assert m.cached_tokens == resumes_at and tiers.stats.hit_store == resumes_at
+    assert m.cached_tokens == resumes_at and tiers.tier_stats.hit_store == resumes_at
     m.finish(cache_result=False)
 
 
@@ -398,11 +411,13 @@ def _host_pressure_workload(seed: int) -> None:
     host eviction runs often, with many nodes of equal LRU stamps."""
     rng = random.Random(seed)
     page = rng.choice([1, 2, 4])
-    cache = SWARadixCache(SlotPool("full", 240, page), SlotPool("swa", 100), W, page)
-    KVTiers(
-        cache,
-        rng.choice([24, 40, 80]),
-        rng.choice([16, 30]),
+    cache = TieredRadixCache(
+        SlotPool("full", 240, page),
+        SlotPool("swa", 100),
+        W,
+        page,
+        host_full_tokens=rng.choice([24, 40, 80]),
+        host_swa_tokens=rng.choice([16, 30]),
         write_through=rng.random() < 0.5,
         swa_backfill=rng.random() < 0.5,
         token_bytes=(10, 10),

@@ -57,8 +57,9 @@ class Harness:
         inflight_full = sum(r.own_full_slots() for r in self.running)
         inflight_swa = sum(r.own_swa_live() for r in self.running)
         for name, pool, inflight in (("full", self.full_pool, inflight_full), ("swa", self.swa_pool, inflight_swa)):
-            total = pool.available() + acc[name]["evictable"] + acc[name]["protected"] + inflight
-            assert total == pool.size, (name, pool.available(), acc[name], inflight)
+            held = getattr(acc, name)
+            total = pool.available() + held.evictable + held.protected + inflight
+            assert total == pool.size, (name, pool.available(), held, inflight)
 
 
 def toks(n, seed=0, vocab=50):
@@ -311,7 +312,7 @@ def test_swa_eviction_trims_to_node_ends_first_even_under_a_lock():
     r = h.start(a)
     h.compute(r, a)
     r.checkpoint()  # the chunk goes into the tree with all 40 SWA slots live; r locks it
-    assert h.cache.accounting()["swa"]["protected"] == 40
+    assert h.cache.accounting().swa.protected == 40
     freed = h.cache.evict_swa(1)
     assert freed == 40 - W  # trimmed to its last W, though locked; nothing tombstoned
     h.check_accounting()

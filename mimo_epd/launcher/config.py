@@ -1,0 +1,113 @@
+"""The node's own flags (`mimo-epd serve`): `NodeConfig`, plus the LLM workers' flags passed through as
+`--llm-*` (generated from LLMConfig) and the routing flags (LLMRouterConfig), so every default is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mimo_epd.common import flags
+from mimo_epd.common.flags import flag
+
+if TYPE_CHECKING:
+    from mimo_epd.router.config import LLMRouterConfig
+
+
+def _llm_default(name: str):
+    """The worker's own default for a node flag that sets an LLM-worker setting (declared once, in LLMConfig)."""
+    from llm_backend.config import LLMConfig
+
+    return LLMConfig.__dataclass_fields__[name].default
+
+
+@dataclass
+class NodeConfig:
+    """The node's own flags (`serve`); the encoders' come from EncoderServerConfig, the LLM workers' from
+    LLMConfig (passed through as --llm-*), the routing ones from LLMRouterConfig."""
+
+    encoders: int = flag(1, "encoder processes on this node, sharing one shm cache")
+    health_interval_s: float = flag(1.0, "seconds between the router's health checks of each encoder")
+    vnodes: int = flag(160, "virtual nodes per encoder on the hash ring")
+    restart_encoders: bool = flag(True, "restart an encoder process that exits unexpectedly")
+    restart_llm_workers: bool = flag(True, "restart an LLM worker process that exits unexpectedly")
+    encoder_start_timeout_s: float = flag(180.0, "seconds to wait for an encoder's (or an LLM worker's) ready line")
+    llm: bool = flag(True, "start LLM workers and serve Generate (and the HTTP API) through the router")
+    llm_model: str = flag(_llm_default("model"), "the LLM workers' model")
+    llm_kv_cache_tokens: int = flag(_llm_default("kv_cache_tokens"), "each LLM worker's full-attention KV pool, tokens")
+    llm_swa_cache_tokens: int = flag(
+        _llm_default("swa_cache_tokens"), "each LLM worker's sliding-window KV pool, tokens"
+    )
+    http_port: int = flag(8000, "the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off")
+    llm_workers: int = flag(
+        1,
+        "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
+        "unless --llm-torch-threads is set",
+    )
+    join: str = flag(
+        "",
+        "redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with heartbeats) for the "
+        "routers that share it; no router of its own (empty = off)",
+    )
+    node_host: str = flag(
+        "127.0.0.1",
+        "address the node's encoders and workers listen on and register under; use a routable one when routers "
+        "run on other machines",
+    )
+    # Set by from_args, not flags of their own:
+    routing: LLMRouterConfig = field(default=None, metadata={"flag": False})  # type: ignore[assignment]
+    chat_template: str = field(default="", metadata={"flag": False})  # --llm-chat-template: the router renders too
+    llm_args: list = field(default_factory=list, metadata={"flag": False})  # the --llm-* flags for each worker
+
+    @staticmethod
+    def add_arguments(parser) -> None:
+        flags.add_arguments(parser, NodeConfig)
+        from mimo_epd.router.config import add_routing_arguments
+
+        add_routing_arguments(parser)
+        add_llm_passthrough(parser)
+
+    @classmethod
+    def from_args(cls, args) -> "NodeConfig":
+        cfg = flags.from_args(cls, args)
+        if cfg.encoders < 1:
+            raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
+        if cfg.llm_workers < 1:
+            raise ValueError(f"--llm-workers must be at least 1, got {cfg.llm_workers}")
+        if cfg.join and not cfg.join.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"--join needs a redis:// URL, got {cfg.join!r}")
+        from mimo_epd.router.config import routing_config
+
+        # the router tokenizes like the workers (their model) and renders chats with their template
+        cfg.routing = routing_config(args, model=cfg.llm_model)
+        cfg.chat_template = getattr(args, "llm_chat_template", "")
+        cfg.llm_args = llm_passthrough_args(args)
+        return cfg
+
+
+# Worker flags `serve` sets itself, or already has under its own name.
+_LLM_OWN = {
+    "host",
+    "port",
+    "encoder",
+    "http_port",
+    "log_level",
+    "grace_period_s",
+    "model",
+    "kv_cache_tokens",
+    "swa_cache_tokens",
+}
+
+
+def add_llm_passthrough(parser) -> None:
+    """Every other `mimo-epd llm` flag as `--llm-<flag>`, generated from LLMConfig (one flag source)."""
+    from llm_backend.config import LLMConfig
+
+    flags.add_arguments(parser, LLMConfig, prefix="llm_", skip=_LLM_OWN)
+
+
+def llm_passthrough_args(args) -> list[str]:
+    """The `--<flag>` arguments for each worker from the `--llm-<flag>` values that differ from the defaults."""
+    from llm_backend.config import LLMConfig
+
+    return flags.to_argv(flags.from_args(LLMConfig, args, prefix="llm_"), skip=_LLM_OWN)

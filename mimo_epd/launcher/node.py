@@ -1,0 +1,297 @@
+"""`mimo-epd serve`: the product on one node, in three steps: start, front, shutdown.
+
+- **start**: the node's shared-memory embedding cache (created before any encoder, so they all attach to it);
+  `--metrics-port` first, so a port in use fails before any process starts; `--encoders` encoder processes;
+  the encoder router (mimo_epd/router/encoder.py) and, with `--llm`, the LLM router (mimo_epd/router/llm.py)
+  on one gRPC server at `--host:--port` (Encode and Generate); then `--llm-workers` LLM workers, which send
+  their media back through that server.
+- **front**: the OpenAI-compatible HTTP API on `--http-port` (mimo_epd/router/http_front.py), through the LLM
+  router's policy; then `ready HOST:PORT` on stdout.
+- **shutdown** (SIGTERM / SIGINT): the gRPC server and the HTTP front stop accepting and drain within
+  `--grace-period-s`; then the routers stop watching (a child stopped on purpose is not a failure), every child
+  gets SIGTERM and drains too, and the shared-memory segment is removed if this launcher created it.
+
+While it runs, one `Supervisor` restarts an encoder (`--restart-encoders`) or an LLM worker
+(`--restart-llm-workers`) that exits unexpectedly, on the same port; meanwhile the encoder router's health
+checks route its items to the next live encoder, and the LLM router retries on the next worker.
+
+`serve --join redis://...` (`join_node`) runs only the children, registered in the shared state for the
+routers that share it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+
+from encoder_server.config import EncoderServerConfig
+from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
+from mimo_epd.router.encoder import EncoderRouter, RouterConfig
+from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
+
+from .children import ChildProcess, Supervisor
+from .config import NodeConfig
+from .segments import remove_stale_segments, segment_name
+
+log = logging.getLogger("mimo_epd.launcher")
+
+ENCODER_SERVICE = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
+GENERATOR_SERVICE = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
+
+
+def open_node_cache(enc: EncoderServerConfig):
+    """Creates (or attaches to) the node's shm embedding cache before the encoders do."""
+    from shm_cache import ShmCache
+
+    for name in remove_stale_segments():
+        log.info("removed /dev/shm/%s, the cache of a node that died without removing it", name)
+    shm_name = enc.shm_cache_name or segment_name(os.getpid())
+    shm = ShmCache.open(shm_name, enc.shm_cache_bytes)
+    log.info(
+        "node cache: /dev/shm/%s, %d MiB (%s)", shm_name, shm.data_size >> 20, "created" if shm.created else "attached"
+    )
+    return shm
+
+
+def make_encoders(enc: EncoderServerConfig, node: NodeConfig, shm_name: str) -> list[ChildProcess]:
+    """The encoder processes (not started): every encoder flag passed through, the node's cache by name. With
+    --metrics-port P, encoder i serves its own metrics on P+1+i (P is the node's one endpoint)."""
+    from mimo_epd.common.flags import to_argv
+
+    args = to_argv(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]
+    return [
+        ChildProcess(
+            i,
+            args + (["--metrics-port", str(enc.metrics_port + 1 + i)] if enc.metrics_port else []),
+            node.encoder_start_timeout_s,
+            host=node.node_host,
+        )
+        for i in range(node.encoders)
+    ]
+
+
+def restart_policy(node: NodeConfig):
+    return lambda child: node.restart_llm_workers if child.subcommand == "llm" else node.restart_encoders
+
+
+class Node:
+    """One node's processes and servers; `run()` is `serve` without `--join`."""
+
+    def __init__(self, enc: EncoderServerConfig, node: NodeConfig, shm, encoders: list[ChildProcess]):
+        self.enc, self.cfg, self.shm = enc, node, shm
+        self.encoders = encoders
+        self.llm_workers: list[ChildProcess] = []
+        self.supervisor = Supervisor(restart_policy(node))
+        self.metrics = None  # NodeMetrics (--metrics-port)
+        self.metric_targets: dict[str, int] = {}  # the LLM router's own metrics (a loopback port), merged too
+        self.encoder_router: EncoderRouter | None = None
+        self.llm_router = None  # LLMRouter (--llm)
+        self.grpc: GrpcServer | None = None
+        self.front = None  # HTTPFront (--http-port)
+        self.heartbeats: list = []
+        # with a shared state the LLM router routes over every node, and registers this node's encoders
+        self.shared = node.llm and node.routing.router_state not in ("", "memory")
+
+    async def run(self) -> int:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        try:
+            await self.start()
+            await self.start_front()
+            log.info(
+                "router serving on %s over %d encoders %s",
+                self.grpc.address,
+                len(self.encoders),
+                [e.endpoint for e in self.encoders],
+            )
+            self.grpc.announce()
+            self.supervisor.watch([*self.encoders, *self.llm_workers])
+            await stop.wait()
+            await self.drain()
+            return 0
+        finally:
+            await self.shutdown()
+
+    # ------------------------------------------------------------------------------------------------ start
+    async def start(self) -> None:
+        enc, node = self.enc, self.cfg
+        if enc.metrics_port:  # first, so that a port in use fails before any encoder starts
+            from mimo_epd.node_metrics import NodeMetrics
+
+            self.metrics = NodeMetrics(self._metric_ports)
+            await self.metrics.start(enc.host, enc.metrics_port)
+        await asyncio.gather(*(e.start() for e in self.encoders))
+        self.encoder_router = EncoderRouter(
+            [e.endpoint for e in self.encoders],
+            RouterConfig(
+                max_items_per_request=enc.max_items_per_request,
+                health_interval_s=node.health_interval_s,
+                vnodes=node.vnodes,
+                max_message_mb=enc.max_message_mb,
+            ),
+        )
+        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        self.grpc.add(encoder_pb2_grpc.add_EncoderServicer_to_server, self.encoder_router, ENCODER_SERVICE)
+        if node.llm:  # the LLM router over this node's workers (and, with a shared state, every node's)
+            from mimo_epd.router.llm import LLMRouter
+
+            self.llm_router = LLMRouter(node.routing, encoders=self.encoder_router if self.shared else None)
+            self.grpc.add(generator_pb2_grpc.add_GeneratorServicer_to_server, self.llm_router, GENERATOR_SERVICE)
+        loop = asyncio.get_running_loop()
+        grpc = self.grpc
+        self.encoder_router.on_change = lambda alive: loop.create_task(grpc.set_serving(bool(alive)))
+        self.encoder_router.start()
+        await grpc.start(serving=bool(self.encoder_router.alive))
+        if self.llm_router is not None:
+            await self.start_llm(f"127.0.0.1:{grpc.port}")  # the LLM workers send media through this server
+
+    async def start_llm(self, encoder_address: str) -> None:
+        self.llm_workers = await start_llm_workers(self.cfg, encoder_address)
+        for w in self.llm_workers:
+            self.llm_router.add_worker(w.endpoint, w.http_endpoint)
+        await self.llm_router.start()
+        if self.metrics is not None:
+            self.metric_targets["router"] = await self.llm_router.metrics.start("127.0.0.1", 0)
+        if self.shared:
+            self.heartbeats = register_encoders(self.llm_router.state, self.encoders, self.cfg)
+
+    def _metric_ports(self) -> dict[str, int]:
+        """{process label: its metrics port} for every scrape of the node's endpoint."""
+        base = self.enc.metrics_port
+        return {**{f"encoder-{e.index}": base + 1 + e.index for e in self.encoders}, **self.metric_targets}
+
+    # ------------------------------------------------------------------------------------------------ front
+    async def start_front(self) -> None:
+        """The workers' HTTP API on the node's address: generation through the routing policy (tokenized like
+        the workers), the rest to the least loaded worker."""
+        if self.llm_router is None or self.cfg.http_port < 0:
+            return
+        from llm_backend.server.chat_template import load_chat_template
+        from mimo_epd.router.http_front import HTTPFront
+
+        template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
+        self.front = HTTPFront(router=self.llm_router, template=template)
+        http_port = await self.front.start(self.enc.host, self.cfg.http_port)
+        print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
+
+    # --------------------------------------------------------------------------------------------- shutdown
+    async def drain(self) -> None:
+        """Stops accepting and lets the requests in flight finish within the grace period."""
+        log.info(
+            "shutting down: router first (%gs grace), then %d encoders", self.enc.grace_period_s, len(self.encoders)
+        )
+        await self.grpc.stop(self.enc.grace_period_s)
+
+    async def shutdown(self) -> None:
+        """Whatever started, stopped, in order: the routers stop watching, the children stop, the cache goes."""
+        self.supervisor.stop()
+        if self.encoder_router is not None:
+            self.encoder_router.begin_shutdown()  # the encoders stop on purpose now: not "unhealthy"
+        if self.front is not None:
+            await self.front.close()
+        await asyncio.gather(*(h.stop() for h in self.heartbeats), return_exceptions=True)
+        if self.llm_router is not None:  # its feeds first: the workers stop on purpose now
+            await self.llm_router.close()
+            await self.llm_router.metrics.close()
+        grace = self.enc.grace_period_s
+        await asyncio.gather(*(c.stop(grace) for c in [*self.encoders, *self.llm_workers]), return_exceptions=True)
+        if self.metrics is not None:
+            await self.metrics.close()
+        if self.encoder_router is not None:
+            await self.encoder_router.close()
+        if self.shm.created:
+            self.shm.unlink()
+        self.shm.close()
+
+
+async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
+    shm = open_node_cache(enc)
+    encoders = make_encoders(enc, node, shm.name)
+    if node.join:
+        return await join_node(enc, node, encoders, shm)
+    return await Node(enc, node, shm, encoders).run()
+
+
+# ---------------------------------------------------------------------------------------------- LLM-worker fleet
+async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[ChildProcess]:
+    """`--llm-workers` worker processes (each its own engine), with every `--llm-*` flag passed through. On the CPU,
+    each gets cores // N torch threads unless `--llm-torch-threads` says otherwise: N engines each using every
+    core would fight over them."""
+    args = [
+        "--model",
+        node.llm_model,
+        "--encoder",
+        encoder_address,
+        "--kv-cache-tokens",
+        str(node.llm_kv_cache_tokens),
+        "--swa-cache-tokens",
+        str(node.llm_swa_cache_tokens),
+        *node.llm_args,
+    ]
+    if "--torch-threads" not in args and node.llm_workers > 1:
+        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
+    workers = [
+        ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+        for i in range(node.llm_workers)
+    ]
+    for w in workers:
+        w.http_port = 0 if node.http_port >= 0 or node.join else None
+    await asyncio.gather(*(w.start() for w in workers))
+    return workers
+
+
+def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:
+    """Heartbeats that keep this node's live encoders in the shared registry (every router's hash ring)."""
+    from mimo_epd.router.discovery import Heartbeat, member_id, node_name
+
+    return [
+        Heartbeat(
+            state,
+            member_id("encoder", e.endpoint),
+            {"kind": "encoder", "address": e.endpoint, "node": node_name()},
+            node.routing.member_ttl_s,
+            alive=lambda e=e: e.running,
+        ).start()
+        for e in encoders
+    ]
+
+
+async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[ChildProcess], shm) -> int:
+    """`serve --join redis://...`: this node's encoders and LLM workers, registered in the shared state with
+    heartbeats (the workers' KV events relayed into it), and no router of its own."""
+    from mimo_epd.router.discovery import WorkerFeed, node_name
+    from mimo_epd.router.state import open_state
+
+    state = open_state(node.join)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    supervisor = Supervisor(restart_policy(node))
+    llms: list[ChildProcess] = []
+    feeds, heartbeats = [], []
+    try:
+        await asyncio.gather(*(e.start() for e in encoders))
+        if node.llm:
+            llms = await start_llm_workers(node, encoders[0].endpoint)
+            info = lambda w: {"node": node_name(), "http_address": w.http_endpoint}  # noqa: E731
+            ttl, wait = node.routing.member_ttl_s, node.routing.poll_wait_ms
+            feeds = [WorkerFeed(state, w.endpoint, info(w), ttl, wait).start() for w in llms]
+        heartbeats = register_encoders(state, encoders, node)
+        log.info("node %s joined %s: %d encoders, %d LLM workers", node_name(), node.join, len(encoders), len(llms))
+        print(f"ready joined {node.join}", flush=True)
+        supervisor.watch([*encoders, *llms])
+        await stop.wait()
+        return 0
+    finally:
+        supervisor.stop()
+        await asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
+        for f in feeds:  # leave the registry now rather than one TTL later
+            try:
+                await state.unregister(f.id)
+            except Exception:  # noqa: BLE001 - the state may be down; the entries then expire
+                pass
+        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]), return_exceptions=True)
+        await state.close()
+        if shm.created:
+            shm.unlink()
+        shm.close()
