@@ -55,7 +55,9 @@ MESSAGES = [{"role": "system", "content": "You are a terse assistant."}, {"role"
 def test_chat_equals_offline_engine_and_stream_equals_whole(client, offline):
     from llm_backend import SamplingParams
 
-    r = client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny-random", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True}
+    )
     text = r.choices[0].message.content
     prompt = offline.tokenizer.encode(load_chat_template("tiny-random").render(MESSAGES, add_generation_prompt=True))
     want = offline.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=10, ignore_eos=True))[
@@ -115,7 +117,9 @@ def test_image_by_data_url_and_by_http_url(client, images, media):
 
     inline = ask(data_url(images["a.jpg"]))
     text_only = client.chat.completions.create(
-        model="tiny-random", max_tokens=1, messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}]}]
+        model="tiny-random",
+        max_tokens=1,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}]}],
     )
     # 200x300 -> 196x308 -> grid 14x22 -> 77 LLM tokens, placed after BOS
     assert inline.usage.prompt_tokens == text_only.usage.prompt_tokens + 77
@@ -182,7 +186,11 @@ def test_completions_text_and_token_ids(client, offline):
     assert by_ids.choices[0].text == want.text
     streamed = list(
         client.completions.create(
-            model="tiny-random", prompt="The quick brown fox", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+            model="tiny-random",
+            prompt="The quick brown fox",
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
     )
     assert "".join(c.choices[0].text for c in streamed) == want.text
@@ -197,7 +205,9 @@ def test_models(client, worker):
 
 def test_multibyte_output_streams_exactly_as_returned_whole(client, worker):
     prompt = "héllo wörld 日本語 🙂"
-    kw = dict(model="tiny-random", prompt=prompt, max_tokens=120, temperature=1.0, seed=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny-random", prompt=prompt, max_tokens=120, temperature=1.0, seed=0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**kw).choices[0].text
     streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
     assert "".join(streamed) == whole
@@ -218,7 +228,12 @@ def test_multibyte_output_streams_exactly_as_returned_whole(client, worker):
 
 def test_stop_strings_span_tokens_and_are_excluded(client):
     kw = dict(
-        model="tiny-random", prompt="Once upon a time", max_tokens=60, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+        model="tiny-random",
+        prompt="Once upon a time",
+        max_tokens=60,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     full = client.completions.create(**kw).choices[0].text
     start = next(i for i in range(2, len(full) - 3) if "\ufffd" not in full[i : i + 3])
@@ -247,7 +262,12 @@ def test_stop_token_ids(client, offline):
 
 def test_chat_logprobs_and_top_logprobs(client):
     r = client.chat.completions.create(
-        model="tiny-random", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+        model="tiny-random",
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
@@ -257,7 +277,12 @@ def test_chat_logprobs_and_top_logprobs(client):
         assert entry.bytes is not None
     streamed = list(
         client.chat.completions.create(
-            model="tiny-random", messages=MESSAGES, max_tokens=4, logprobs=True, stream=True, extra_body={"ignore_eos": True}
+            model="tiny-random",
+            messages=MESSAGES,
+            max_tokens=4,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
     )
     lps = [e.logprob for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -301,7 +326,9 @@ def test_sglang_style_worker_endpoints(worker):
 
 def test_metrics(client, worker):
     before = scrape(worker.http_address)
-    client.chat.completions.create(model="tiny-random", messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True})
+    client.chat.completions.create(
+        model="tiny-random", messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     after = scrape(worker.http_address)
     assert after["llm_time_to_first_token_seconds_count"] == before["llm_time_to_first_token_seconds_count"] + 1
     assert after["llm_inter_token_latency_seconds_count"] == before["llm_inter_token_latency_seconds_count"] + 4
