@@ -52,6 +52,8 @@ class TrainConfig:
     experts: int = flag(8, "routed experts per MoE layer")
     experts_per_token: int = flag(2, "experts each token uses")
     mtp_layers: int = flag(MTP_DEPTH, "MTP layers (MiMo-V2-Flash has 3)")
+    mix: str = flag("qa=0.45,think=0.15,tool=0.2,json=0.1,hello=0.1", "the conversation kinds and their shares")
+    init_from: str = flag("", "start from the weights of this checkpoint directory (an earlier stage), not random ones")
     seq_len: int = flag(384, "tokens per training row")
     batch: int = flag(6, "rows per step")
     steps: int = flag(350, "optimizer steps")
@@ -89,6 +91,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.mtp_layers <= 8:
             raise ValueError("--mtp-layers must be in [0, 8]")
+        from .samples import parse_mix
+
+        parse_mix(self.mix)
 
     def identity(self) -> dict:
         """The flags that decide the result (a resumed run must have the same ones)."""
@@ -176,9 +181,9 @@ class Data:
         return self.template.render(messages, **kw)
 
     def _rows(self, pages, epoch: int) -> torch.Tensor:
-        from .samples import build_samples
+        from .samples import build_samples, parse_mix
 
-        texts = build_samples(pages, self._render, self.tc.seed, epoch)
+        texts = build_samples(pages, self._render, self.tc.seed, epoch, parse_mix(self.tc.mix))
         ids = [i for enc in self.tokenizer.encode_batch(texts) for i in enc.ids]
         stream = torch.tensor(ids, dtype=torch.long)
         n, width = self.tc.seq_len, self.tc.seq_len + 1 + self.tc.mtp_layers
@@ -296,11 +301,25 @@ class _Run:
         self.data = Data(tc)
         self.model = MiMoV2FlashForCausalLM(model_config(tc, self.data.tokenizer.get_vocab_size()))
         init_weights(self.model, tc.seed)
+        if tc.init_from:
+            self._init_from(tc.init_from)
         self.opt = make_optimizer(self.model, tc)
         os.makedirs(tc.state_dir, exist_ok=True)
         self.state_path = os.path.join(tc.state_dir, "state.pt")
         self.step, self.tokens, self.elapsed = 0, 0, 0.0
         self.depth = self.model.config.num_nextn_predict_layers
+
+    def _init_from(self, directory: str) -> None:
+        """The weights of an earlier stage's checkpoint; its tokenizer must be the one this corpus gives."""
+        from llm_backend.models import load_llm
+
+        tok_file = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tok_file) or open(tok_file).read() != self.data.tokenizer.to_str(pretty=True):
+            raise ValueError(f"--init-from {directory}: its tokenizer is not the one this corpus and --vocab-size give")
+        state = load_llm(directory).state_dict()
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"--init-from {directory}: other shape ({(missing + unexpected)[:3]})")
 
     def resume(self) -> None:
         if not os.path.isfile(self.state_path):

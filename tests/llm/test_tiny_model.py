@@ -123,7 +123,9 @@ def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine():
         ids = llm.tokenizer.encode(load_chat_template("tiny").render(messages))
         ours = llm.generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=24, ignore_eos=True))[0]
         with torch.no_grad():
-            ref = hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=None)
+            # BOS is also the pad token: without a mask, generate would mask the BOS position out.
+            x = torch.tensor([ids])
+            ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, eos_token_id=None)
         assert ours.output_token_ids == ref[0, len(ids) :].tolist()
 
 

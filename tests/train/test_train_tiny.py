@@ -112,6 +112,11 @@ def test_a_short_run_lowers_the_heldout_loss_and_writes_a_loadable_checkpoint(ht
     assert model.config.num_nextn_predict_layers == 3 and len(model.model.mtp.layers) == 3
     cfg = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert cfg["model_type"] == "mimo_v2_flash" and cfg["vision_config"]["out_hidden_size"] == 64
+    # A second stage starts from this checkpoint (other samples and mix); another vocabulary is refused.
+    stage2 = train(_config(html, tmp_path / "ck2", init_from=str(tmp_path / "ck"), steps=3, seed=1, mix="qa=1,hello=1"))
+    assert stage2["heldout_loss"] < before["heldout_loss"] - 1.0
+    with pytest.raises(ValueError, match="tokenizer"):
+        train(_config(html, tmp_path / "ck3", init_from=str(tmp_path / "ck"), vocab_size=300))
 
 
 def test_the_same_flags_give_the_same_checkpoint_and_a_resumed_run_equals_an_uninterrupted_one(html, tmp_path):
@@ -130,5 +135,7 @@ def test_bad_flags_name_the_flag(tmp_path):
         TrainConfig().validate()
     with pytest.raises(ValueError, match="--batch"):
         TrainConfig(out="x", batch=0).validate()
+    with pytest.raises(ValueError, match="--mix: unknown kind 'poem'"):
+        TrainConfig(out="x", mix="qa=1,poem=2").validate()
     with pytest.raises(FileNotFoundError, match="python3.11-doc"):
         Data(TrainConfig(out="x", corpus_root=str(tmp_path / "none")))
