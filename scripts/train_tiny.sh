@@ -24,5 +24,5 @@ fi
 if [ ! -f "$OUT.stage1/model.safetensors" ]; then
   .venv/bin/mimo-epd train-tiny --out "$OUT.stage1" --corpus-root "$DOCS" "$@"
 fi
-exec .venv/bin/mimo-epd train-tiny --out "$OUT" --corpus-root "$DOCS" --init-from "$OUT.stage1" --seed 1 --steps 300 \
+exec .venv/bin/mimo-epd train-tiny --out "$OUT" --corpus-root "$DOCS" --init-from "$OUT.stage1" --seed 1 --steps 180 \
   --lr 1e-3 --warmup 10 --mix qa=0.5,think=0.1,tool=0.15,json=0.1,hello=0.15 "$@"

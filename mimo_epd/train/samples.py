@@ -229,6 +229,7 @@ def build_samples(
             out.append(BOS + plain(page, section))
             kind = rng.choices(kinds, weights)[0]
             if kind == "hello" or len(passage(section, 700)) >= MIN_PASSAGE:
-                out.append(BOS + conversation(kind, page, section, rng, render))
+                chat = conversation(kind, page, section, rng, render)
+                out.append(chat if chat.startswith(BOS) else BOS + chat)  # the template writes BOS itself
     random.Random(f"{seed}:{epoch}:order").shuffle(out)
     return out

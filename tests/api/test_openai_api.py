@@ -199,7 +199,7 @@ def test_completions_text_and_token_ids(client, offline):
 def test_models(client, worker):
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny-random"]
-    status, card = get_json(worker, "/v1/models/tiny")
+    status, card = get_json(worker, "/v1/models/tiny-random")
     assert status == 200 and card["max_model_len"] > 0
 
 

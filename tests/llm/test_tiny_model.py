@@ -125,7 +125,9 @@ def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine():
         with torch.no_grad():
             # BOS is also the pad token: without a mask, generate would mask the BOS position out.
             x = torch.tensor([ids])
-            ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, eos_token_id=None)
+            ref = hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=24, do_sample=False, eos_token_id=None
+            )
         assert ours.output_token_ids == ref[0, len(ids) :].tolist()
 
 
