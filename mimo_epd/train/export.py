@@ -52,7 +52,7 @@ def _vision(hidden: int):
         return cfg, load_file(str(Path(tmp) / "model.safetensors"))
 
 
-def write_checkpoint(model, tokenizer, out: str, tc) -> Path:
+def write_checkpoint(model, tokenizer, out: str) -> Path:
     from safetensors.torch import load_file, save_file
 
     from llm_backend.models import transformers_twin

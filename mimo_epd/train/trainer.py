@@ -403,7 +403,7 @@ def train(tc: TrainConfig) -> dict:
     model = run.model.eval()
     round_to_bf16(model)
     figures = evaluate(model, run.data.heldout, run.depth, tc.batch)
-    write_checkpoint(model, run.data.tokenizer, tc.out, tc)
+    write_checkpoint(model, run.data.tokenizer, tc.out)
     result = {
         **figures,
         "tokens_trained": run.tokens,
