@@ -76,7 +76,9 @@ class RequestKV:
         kept (the accepted drafts, stored as placeholders when their slots were taken). Only own tokens can be
         rolled back: nothing of the tree is touched."""
         if not self.owned_from <= keep <= len(self.tokens):
-            raise ValueError(f"cannot roll back to {keep} tokens: own tokens are [{self.owned_from}, {len(self.tokens)})")
+            raise ValueError(
+                f"cannot roll back to {keep} tokens: own tokens are [{self.owned_from}, {len(self.tokens)})"
+            )
         self.cache.swa_pool.free([s for s in self.swa[keep:] if s is not None])
         pages = -(-(keep - self.owned_from) // self.page)
         self.cache.full_pool.free_pages(self.own_pages[pages:])
