@@ -154,7 +154,7 @@ def main(args) -> dict:
     return {
         "bench": "engine",
         "config": {
-            "model": "tiny (8 layers: 2 full + 6 sliding window 128, 8 experts top-2, hidden 256)",
+            "model": "tiny (the shipped trained model: 8 layers, 2 full + 6 sliding window 128, 8 experts top-2, hidden 256, vocabulary 4096)",
             "device": "cpu",
             "torch_threads": torch.get_num_threads(),
             "transformers": transformers.__version__,

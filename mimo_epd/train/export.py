@@ -38,18 +38,21 @@ def round_to_bf16(model: torch.nn.Module) -> None:
             p.copy_(p.to(torch.bfloat16).float())
 
 
-def _vision():
+def _vision(hidden: int):
+    """The tiny vision tower's config and weights, its output width the LLM's hidden size."""
+    from dataclasses import replace
+
     from encoder_server.models import TINY_VISION_CONFIG, random_model, save_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(random_model(TINY_VISION_CONFIG), tmp)
+        save_checkpoint(random_model(replace(TINY_VISION_CONFIG, out_hidden_size=hidden)), tmp)
         from safetensors.torch import load_file
 
         cfg = json.loads((Path(tmp) / "config.json").read_text())
         return cfg, load_file(str(Path(tmp) / "model.safetensors"))
 
 
-def write_checkpoint(model, tokenizer, out: str, tc) -> Path:
+def write_checkpoint(model, tokenizer, out: str) -> Path:
     from safetensors.torch import load_file, save_file
 
     from llm_backend.models import transformers_twin
@@ -72,13 +75,12 @@ def write_checkpoint(model, tokenizer, out: str, tc) -> Path:
             state[k] = v.float().contiguous()
         if k.startswith("model.mtp.") and not k.endswith("inv_freq"):
             state[k.replace(".self_attn.sinks", ".self_attn.attention_sink_bias")] = v.to(torch.bfloat16).contiguous()
-    vision_cfg, vision_state = _vision()
-    if vision_cfg["out_hidden_size"] != hidden:
-        raise ValueError(f"the tiny vision tower's output width {vision_cfg['out_hidden_size']} != hidden {hidden}")
+    vision_cfg, vision_state = _vision(hidden)
     state.update({f"visual.{k}": v.float().contiguous() for k, v in vision_state.items()})
     for f in d.glob("*.safetensors"):
         f.unlink()
     save_file(dict(sorted(state.items())), str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "model.safetensors").chmod(0o644)
     cfg["num_nextn_predict_layers"] = model.config.num_nextn_predict_layers
     cfg["vision_config"] = vision_cfg
     cfg.pop("transformers_version", None)

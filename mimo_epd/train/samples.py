@@ -201,8 +201,27 @@ def plain(page: Page, section: Section) -> str:
     return head + section.text()
 
 
-def build_samples(pages: list[Page], render: Render, seed: int, epoch: int) -> list[str]:
-    kinds, weights = list(KINDS), list(KINDS.values())
+def parse_mix(text: str) -> dict[str, float]:
+    """`qa=0.45,think=0.15,...` -> {kind: share}; every kind must be one of `KINDS`."""
+    mix = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, share = part.partition("=")
+        if name not in KINDS:
+            raise ValueError(f"--mix: unknown kind {name!r} (choose from {', '.join(KINDS)})")
+        try:
+            mix[name] = float(share)
+        except ValueError:
+            raise ValueError(f"--mix: {part!r} is not kind=share") from None
+    if not mix or min(mix.values()) < 0 or sum(mix.values()) <= 0:
+        raise ValueError("--mix needs at least one kind with a positive share")
+    return mix
+
+
+def build_samples(
+    pages: list[Page], render: Render, seed: int, epoch: int, mix: dict[str, float] | None = None
+) -> list[str]:
+    mix = mix or KINDS
+    kinds, weights = list(mix), list(mix.values())
     out = []
     for page in pages:
         for i, section in enumerate(page.sections):
@@ -210,6 +229,7 @@ def build_samples(pages: list[Page], render: Render, seed: int, epoch: int) -> l
             out.append(BOS + plain(page, section))
             kind = rng.choices(kinds, weights)[0]
             if kind == "hello" or len(passage(section, 700)) >= MIN_PASSAGE:
-                out.append(BOS + conversation(kind, page, section, rng, render))
+                chat = conversation(kind, page, section, rng, render)
+                out.append(chat if chat.startswith(BOS) else BOS + chat)  # the template writes BOS itself
     random.Random(f"{seed}:{epoch}:order").shuffle(out)
     return out

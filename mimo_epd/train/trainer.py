@@ -21,7 +21,6 @@ Progress (step, losses, learning rate, tokens/s) goes to stderr.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
@@ -33,9 +32,8 @@ import torch.nn.functional as F
 
 from mimo_epd.common.flags import flag
 
-log = logging.getLogger(__name__)
 MTP_DEPTH = 3
-_NOT_IDENTITY = {"out", "work_dir", "checkpoint_every", "log_every", "threads"}
+_NOT_IDENTITY = {"out", "work_dir", "checkpoint_every", "log_every", "threads", "stop_after"}
 
 
 @dataclass
@@ -54,20 +52,27 @@ class TrainConfig:
     experts: int = flag(8, "routed experts per MoE layer")
     experts_per_token: int = flag(2, "experts each token uses")
     mtp_layers: int = flag(MTP_DEPTH, "MTP layers (MiMo-V2-Flash has 3)")
+    mix: str = flag("qa=0.45,think=0.15,tool=0.2,json=0.1,hello=0.1", "the conversation kinds and their shares")
+    init_from: str = flag("", "start from the weights of this checkpoint directory (an earlier stage), not random ones")
     seq_len: int = flag(384, "tokens per training row")
     batch: int = flag(6, "rows per step")
-    steps: int = flag(650, "optimizer steps")
+    steps: int = flag(350, "optimizer steps")
     lr: float = flag(2e-3, "peak learning rate")
-    warmup: int = flag(50, "linear warm-up steps")
+    warmup: int = flag(30, "linear warm-up steps")
     min_lr_ratio: float = flag(0.1, "the cosine decay's floor, as a fraction of --lr")
     weight_decay: float = flag(0.1, "AdamW weight decay of matrices")
     mtp_weight: float = flag(0.3, "weight of each MTP layer's loss next to the main loss")
     mtp_stride: int = flag(2, "the MTP losses are taken at every N-th position (all positions are evaluated)")
     bias_update: float = flag(1e-3, "step of the router's load-balancing correction bias")
-    checkpoint_every: int = flag(50, "steps between resumable checkpoints")
+    checkpoint_every: int = flag(25, "steps between resumable checkpoints")
     eval_rows: int = flag(64, "held-out rows measured at the end")
     log_every: int = flag(10, "steps between progress lines on stderr")
-    threads: int = flag(0, "torch CPU threads (0 = all cores)")
+    threads: int = flag(
+        1, "torch CPU threads (0 = all cores; one thread is faster on a busy shared machine, no barrier waits)"
+    )
+    stop_after: int = flag(
+        0, "save the resumable state and stop after N steps (0 = run to --steps); a later run resumes"
+    )
 
     def validate(self) -> None:
         if not self.out:
@@ -86,6 +91,9 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
         if not 0 <= self.mtp_layers <= 8:
             raise ValueError("--mtp-layers must be in [0, 8]")
+        from .samples import parse_mix
+
+        parse_mix(self.mix)
 
     def identity(self) -> dict:
         """The flags that decide the result (a resumed run must have the same ones)."""
@@ -173,9 +181,9 @@ class Data:
         return self.template.render(messages, **kw)
 
     def _rows(self, pages, epoch: int) -> torch.Tensor:
-        from .samples import build_samples
+        from .samples import build_samples, parse_mix
 
-        texts = build_samples(pages, self._render, self.tc.seed, epoch)
+        texts = build_samples(pages, self._render, self.tc.seed, epoch, parse_mix(self.tc.mix))
         ids = [i for enc in self.tokenizer.encode_batch(texts) for i in enc.ids]
         stream = torch.tensor(ids, dtype=torch.long)
         n, width = self.tc.seq_len, self.tc.seq_len + 1 + self.tc.mtp_layers
@@ -282,94 +290,127 @@ def make_optimizer(model, tc: TrainConfig) -> torch.optim.Optimizer:
 # ------------------------------------------------------------------------------------------------------- run
 
 
-def _save_state(path: str, state: dict) -> None:
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)
+class _Run:
+    """One training run's state: the model, the optimizer, the data, and where it is."""
+
+    def __init__(self, tc: TrainConfig):
+        from llm_backend.models import MiMoV2FlashForCausalLM
+
+        self.tc = tc
+        torch.manual_seed(tc.seed)
+        self.data = Data(tc)
+        self.model = MiMoV2FlashForCausalLM(model_config(tc, self.data.tokenizer.get_vocab_size()))
+        init_weights(self.model, tc.seed)
+        if tc.init_from:
+            self._init_from(tc.init_from)
+        self.opt = make_optimizer(self.model, tc)
+        os.makedirs(tc.state_dir, exist_ok=True)
+        self.state_path = os.path.join(tc.state_dir, "state.pt")
+        self.step, self.tokens, self.elapsed = 0, 0, 0.0
+        self.depth = self.model.config.num_nextn_predict_layers
+
+    def _init_from(self, directory: str) -> None:
+        """The weights of an earlier stage's checkpoint; its tokenizer must be the one this corpus gives."""
+        from llm_backend.models import load_llm
+
+        tok_file = os.path.join(directory, "tokenizer.json")
+        if not os.path.isfile(tok_file) or open(tok_file).read() != self.data.tokenizer.to_str(pretty=True):
+            raise ValueError(f"--init-from {directory}: its tokenizer is not the one this corpus and --vocab-size give")
+        state = load_llm(directory).state_dict()
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"--init-from {directory}: other shape ({(missing + unexpected)[:3]})")
+
+    def resume(self) -> None:
+        if not os.path.isfile(self.state_path):
+            return
+        state = torch.load(self.state_path, weights_only=False)
+        if state["config"] != self.tc.identity():
+            raise ValueError(f"{self.state_path} was written by a run with other flags; use another --work-dir")
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.tokens, self.elapsed = state["step"], state["tokens"], state["seconds"]
+        torch.set_rng_state(state["rng"])
+        print(f"resumed at step {self.step} from {self.state_path}", file=sys.stderr, flush=True)
+
+    def train_step(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        tc, model = self.tc, self.model
+        rows = self.data.batch(self.step)
+        for group in self.opt.param_groups:
+            group["lr"] = learning_rate(tc, self.step)
+        main, mtp, _, _, expert_ids = losses(model, rows, self.depth, tc.mtp_stride)
+        loss = main + tc.mtp_weight * sum(mtp, torch.zeros(()))
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        self.opt.step()
+        balance_router(model, expert_ids, tc.bias_update)
+        self.step += 1
+        self.tokens += rows.shape[0] * tc.seq_len
+        return main, mtp
+
+    def save(self, seconds: float) -> None:
+        state = {
+            "config": self.tc.identity(),
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "step": self.step,
+            "tokens": self.tokens,
+            "seconds": seconds,
+            "rng": torch.get_rng_state(),
+        }
+        tmp = self.state_path + ".tmp"
+        torch.save(state, tmp)
+        os.replace(tmp, self.state_path)
+
+
+def _progress(tc: TrainConfig, step: int, main, mtp, tokens_per_s: float) -> None:
+    print(
+        f"step {step}/{tc.steps} loss {main.item():.4f} mtp "
+        + " ".join(f"{x.item():.3f}" for x in mtp)
+        + f" lr {learning_rate(tc, step - 1):.2e} tokens/s {tokens_per_s:.0f}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def train(tc: TrainConfig) -> dict:
     """Runs (or resumes) the training and writes the checkpoint directory; returns the final figures."""
-    from llm_backend.models import MiMoV2FlashForCausalLM
-
     from .export import round_to_bf16, write_checkpoint
 
     tc.validate()
     t0 = time.monotonic()
     if tc.threads:
         torch.set_num_threads(tc.threads)
-    torch.manual_seed(tc.seed)
-    data = Data(tc)
-    model = MiMoV2FlashForCausalLM(model_config(tc, data.tokenizer.get_vocab_size()))
-    init_weights(model, tc.seed)
-    opt = make_optimizer(model, tc)
-    os.makedirs(tc.state_dir, exist_ok=True)
-    state_path = os.path.join(tc.state_dir, "state.pt")
-    step, tokens, elapsed = 0, 0, 0.0
-    if os.path.isfile(state_path):
-        state = torch.load(state_path, weights_only=False)
-        if state["config"] != tc.identity():
-            raise ValueError(f"{state_path} was written by a run with other flags; use another --work-dir")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        step, tokens, elapsed = state["step"], state["tokens"], state["seconds"]
-        torch.set_rng_state(state["rng"])
-        print(f"resumed at step {step} from {state_path}", file=sys.stderr, flush=True)
-    model.train()
-    depth = model.config.num_nextn_predict_layers
-    data.batch(step)  # builds the first epoch's rows before the clock of the first progress line starts
-    window_t, window_tok = time.monotonic(), 0
-    run_start = time.monotonic() - elapsed
-    while step < tc.steps:
-        rows = data.batch(step)
-        for group in opt.param_groups:
-            group["lr"] = learning_rate(tc, step)
-        main, mtp, _, _, expert_ids = losses(model, rows, depth, tc.mtp_stride)
-        loss = main + tc.mtp_weight * sum(mtp, torch.zeros(()))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        balance_router(model, expert_ids, tc.bias_update)
-        step += 1
-        n_tok = rows.shape[0] * tc.seq_len
-        tokens += n_tok
-        window_tok += n_tok
-        if step % tc.log_every == 0 or step == tc.steps:
+    run = _Run(tc)
+    run.resume()
+    run.model.train()
+    run.data.batch(run.step)  # builds the first epoch's rows before the clock of the first progress line starts
+    window_t, window_tok = time.monotonic(), run.tokens
+    run_start = time.monotonic() - run.elapsed
+    while run.step < tc.steps:
+        main, mtp = run.train_step()
+        if run.step % tc.log_every == 0 or run.step == tc.steps:
             now = time.monotonic()
-            print(
-                f"step {step}/{tc.steps} loss {main.item():.4f} mtp "
-                + " ".join(f"{x.item():.3f}" for x in mtp)
-                + f" lr {learning_rate(tc, step - 1):.2e} tokens/s {window_tok / max(now - window_t, 1e-9):.0f}",
-                file=sys.stderr,
-                flush=True,
-            )
-            window_t, window_tok = now, 0
-        if step % tc.checkpoint_every == 0 and step < tc.steps:
-            _save_state(
-                state_path,
-                {
-                    "config": tc.identity(),
-                    "model": model.state_dict(),
-                    "optimizer": opt.state_dict(),
-                    "step": step,
-                    "tokens": tokens,
-                    "seconds": time.monotonic() - run_start,
-                    "rng": torch.get_rng_state(),
-                },
-            )
+            _progress(tc, run.step, main, mtp, (run.tokens - window_tok) / max(now - window_t, 1e-9))
+            window_t, window_tok = now, run.tokens
+        if (run.step % tc.checkpoint_every == 0 or run.step == tc.stop_after) and run.step < tc.steps:
+            run.save(time.monotonic() - run_start)
+            if run.step == tc.stop_after:
+                print(f"stopped at step {run.step}; the state is in {run.state_path}", file=sys.stderr, flush=True)
+                return {"stopped_at_step": run.step, "state": run.state_path}
     train_seconds = time.monotonic() - run_start
-    model.eval()
+    model = run.model.eval()
     round_to_bf16(model)
-    figures = evaluate(model, data.heldout, depth, tc.batch)
-    write_checkpoint(model, data.tokenizer, tc.out, tc)
+    figures = evaluate(model, run.data.heldout, run.depth, tc.batch)
+    write_checkpoint(model, run.data.tokenizer, tc.out)
     result = {
         **figures,
-        "tokens_trained": tokens,
+        "tokens_trained": run.tokens,
         "steps": tc.steps,
         "train_seconds": round(train_seconds, 1),
-        "seconds": round(time.monotonic() - t0 + elapsed, 1),
-        "tokens_per_s": round(tokens / max(train_seconds, 1e-9), 1),
+        "seconds": round(time.monotonic() - t0 + run.elapsed, 1),
+        "tokens_per_s": round(run.tokens / max(train_seconds, 1e-9), 1),
         "params": sum(p.numel() for p in model.parameters()),
     }
     with open(os.path.join(tc.out, "training.json"), "w") as f:

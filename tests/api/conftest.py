@@ -80,6 +80,8 @@ def api_encoder():
 def worker(api_encoder):
     s = start_server(
         [
+            "--model",
+            "tiny-random",  # the byte tokenizer: the tests below reason about bytes
             "--encoder",
             api_encoder.address,
             "--http-port",

@@ -39,7 +39,7 @@ def assert_error(status, body, want_status, param=None, contains=""):
 
 
 def user(content):
-    return {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
+    return {"model": "tiny-random", "max_tokens": 2, "messages": [{"role": "user", "content": content}]}
 
 
 @pytest.mark.parametrize("raw", [b"{not json", b"\xff\xfe", b""])
@@ -150,7 +150,7 @@ async def long_stream(session, worker, prompt="x" * 40, max_tokens=3000):
     r = await session.post(
         f"http://{worker.http_address}/v1/chat/completions",
         json={
-            "model": "tiny",
+            "model": "tiny-random",
             "stream": True,
             "max_tokens": max_tokens,
             "ignore_eos": True,

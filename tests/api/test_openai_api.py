@@ -27,7 +27,7 @@ def client(worker):
 def offline():
     from llm_backend import LLM
 
-    return LLM("tiny")
+    return LLM("tiny-random")
 
 
 def data_url(jpeg: bytes) -> str:
@@ -55,20 +55,22 @@ MESSAGES = [{"role": "system", "content": "You are a terse assistant."}, {"role"
 def test_chat_equals_offline_engine_and_stream_equals_whole(client, offline):
     from llm_backend import SamplingParams
 
-    r = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny-random", messages=MESSAGES, max_tokens=10, extra_body={"ignore_eos": True}
+    )
     text = r.choices[0].message.content
-    prompt = offline.tokenizer.encode(load_chat_template("tiny").render(MESSAGES, add_generation_prompt=True))
+    prompt = offline.tokenizer.encode(load_chat_template("tiny-random").render(MESSAGES, add_generation_prompt=True))
     want = offline.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(max_tokens=10, ignore_eos=True))[
         0
     ]
     assert text == want.text
     assert r.choices[0].finish_reason == "length" and r.choices[0].message.role == "assistant"
     assert r.usage.prompt_tokens == len(prompt) and r.usage.completion_tokens == 10
-    assert r.usage.total_tokens == len(prompt) + 10 and r.object == "chat.completion" and r.model == "tiny"
+    assert r.usage.total_tokens == len(prompt) + 10 and r.object == "chat.completion" and r.model == "tiny-random"
 
     chunks = list(
         client.chat.completions.create(
-            model="tiny",
+            model="tiny-random",
             messages=MESSAGES,
             max_tokens=10,
             stream=True,
@@ -86,10 +88,10 @@ def test_chat_equals_offline_engine_and_stream_equals_whole(client, offline):
 def test_usage_reports_cached_tokens_of_a_shared_prefix(client):
     system = {"role": "system", "content": "You answer questions about the shared document. " * 8}
     first = client.chat.completions.create(
-        model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "First question?"}]
+        model="tiny-random", max_tokens=2, messages=[system, {"role": "user", "content": "First question?"}]
     )
     second = client.chat.completions.create(
-        model="tiny", max_tokens=2, messages=[system, {"role": "user", "content": "A different question?"}]
+        model="tiny-random", max_tokens=2, messages=[system, {"role": "user", "content": "A different question?"}]
     )
     shared = len("<|system|>\n" + system["content"] + "\n<|user|>\n") + 1  # + BOS
     assert first.usage.prompt_tokens_details.cached_tokens < shared
@@ -99,7 +101,7 @@ def test_usage_reports_cached_tokens_of_a_shared_prefix(client):
 def test_image_by_data_url_and_by_http_url(client, images, media):
     def ask(url, **kw):
         return client.chat.completions.create(
-            model="tiny",
+            model="tiny-random",
             max_tokens=3,
             messages=[
                 {
@@ -115,7 +117,9 @@ def test_image_by_data_url_and_by_http_url(client, images, media):
 
     inline = ask(data_url(images["a.jpg"]))
     text_only = client.chat.completions.create(
-        model="tiny", max_tokens=1, messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}]}]
+        model="tiny-random",
+        max_tokens=1,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Describe:"}]}],
     )
     # 200x300 -> 196x308 -> grid 14x22 -> 77 LLM tokens, placed after BOS
     assert inline.usage.prompt_tokens == text_only.usage.prompt_tokens + 77
@@ -126,7 +130,7 @@ def test_image_by_data_url_and_by_http_url(client, images, media):
     assert other.usage.prompt_tokens_details.cached_tokens <= 1  # a different image never shares it
     streamed = list(
         client.chat.completions.create(
-            model="tiny",
+            model="tiny-random",
             max_tokens=3,
             stream=True,
             messages=[
@@ -150,7 +154,7 @@ def test_video_by_data_url(client, tmp_path):
     make_test_video(str(path), 1.0, width=128, height=96, fps=8, noise=0)
     url = "data:video/mp4;base64," + base64.b64encode(path.read_bytes()).decode()
     r = client.chat.completions.create(
-        model="tiny",
+        model="tiny-random",
         max_tokens=2,
         messages=[
             {
@@ -163,7 +167,7 @@ def test_video_by_data_url(client, tmp_path):
         ],
     )
     text_only = client.chat.completions.create(
-        model="tiny", max_tokens=1, messages=[{"role": "user", "content": "What happens?"}]
+        model="tiny-random", max_tokens=1, messages=[{"role": "user", "content": "What happens?"}]
     )
     assert r.usage.prompt_tokens > text_only.usage.prompt_tokens  # the video's embedding rows
 
@@ -172,17 +176,21 @@ def test_completions_text_and_token_ids(client, offline):
     from llm_backend import SamplingParams
 
     r = client.completions.create(
-        model="tiny", prompt="The quick brown fox", max_tokens=12, extra_body={"ignore_eos": True}
+        model="tiny-random", prompt="The quick brown fox", max_tokens=12, extra_body={"ignore_eos": True}
     )
     want = offline.generate(["The quick brown fox"], SamplingParams(max_tokens=12, ignore_eos=True))[0]
     assert r.choices[0].text == want.text and r.object == "text_completion"
     assert r.usage.prompt_tokens == len("The quick brown fox") + 1 and r.usage.completion_tokens == 12
     ids = offline.tokenizer.encode("The quick brown fox")
-    by_ids = client.completions.create(model="tiny", prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
+    by_ids = client.completions.create(model="tiny-random", prompt=ids, max_tokens=12, extra_body={"ignore_eos": True})
     assert by_ids.choices[0].text == want.text
     streamed = list(
         client.completions.create(
-            model="tiny", prompt="The quick brown fox", max_tokens=12, stream=True, extra_body={"ignore_eos": True}
+            model="tiny-random",
+            prompt="The quick brown fox",
+            max_tokens=12,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
     )
     assert "".join(c.choices[0].text for c in streamed) == want.text
@@ -190,14 +198,16 @@ def test_completions_text_and_token_ids(client, offline):
 
 def test_models(client, worker):
     models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
-    status, card = get_json(worker, "/v1/models/tiny")
+    assert [m.id for m in models.data] == ["tiny-random"]
+    status, card = get_json(worker, "/v1/models/tiny-random")
     assert status == 200 and card["max_model_len"] > 0
 
 
 def test_multibyte_output_streams_exactly_as_returned_whole(client, worker):
     prompt = "héllo wörld 日本語 🙂"
-    kw = dict(model="tiny", prompt=prompt, max_tokens=120, temperature=1.0, seed=0, extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny-random", prompt=prompt, max_tokens=120, temperature=1.0, seed=0, extra_body={"ignore_eos": True}
+    )
     whole = client.completions.create(**kw).choices[0].text
     streamed = [c.choices[0].text for c in client.completions.create(stream=True, **kw)]
     assert "".join(streamed) == whole
@@ -218,7 +228,12 @@ def test_multibyte_output_streams_exactly_as_returned_whole(client, worker):
 
 def test_stop_strings_span_tokens_and_are_excluded(client):
     kw = dict(
-        model="tiny", prompt="Once upon a time", max_tokens=60, temperature=1.0, seed=3, extra_body={"ignore_eos": True}
+        model="tiny-random",
+        prompt="Once upon a time",
+        max_tokens=60,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ignore_eos": True},
     )
     full = client.completions.create(**kw).choices[0].text
     start = next(i for i in range(2, len(full) - 3) if "\ufffd" not in full[i : i + 3])
@@ -238,7 +253,7 @@ def test_stop_token_ids(client, offline):
     out = offline.generate(["abc"], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_token_ids
     stop_id = out[3]
     r = client.completions.create(
-        model="tiny", prompt="abc", max_tokens=8, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}
+        model="tiny-random", prompt="abc", max_tokens=8, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]}
     )
     k = out.index(stop_id)
     assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == k + 1
@@ -247,7 +262,12 @@ def test_stop_token_ids(client, offline):
 
 def test_chat_logprobs_and_top_logprobs(client):
     r = client.chat.completions.create(
-        model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+        model="tiny-random",
+        messages=MESSAGES,
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"ignore_eos": True},
     )
     content = r.choices[0].logprobs.content
     assert len(content) == 4
@@ -257,7 +277,12 @@ def test_chat_logprobs_and_top_logprobs(client):
         assert entry.bytes is not None
     streamed = list(
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, max_tokens=4, logprobs=True, stream=True, extra_body={"ignore_eos": True}
+            model="tiny-random",
+            messages=MESSAGES,
+            max_tokens=4,
+            logprobs=True,
+            stream=True,
+            extra_body={"ignore_eos": True},
         )
     )
     lps = [e.logprob for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -267,7 +292,7 @@ def test_chat_logprobs_and_top_logprobs(client):
 def test_sglang_style_worker_endpoints(worker):
     for path in ("/get_model_info", "/model_info"):
         status, info = get_json(worker, path)
-        assert status == 200 and info["model_path"] == "tiny" and info["is_generation"] is True
+        assert status == 200 and info["model_path"] == "tiny-random" and info["is_generation"] is True
     for path in ("/get_server_info", "/server_info"):
         status, info = get_json(worker, path)
         assert status == 200 and info["dp_size"] == 1 and info["context_length"] > 0
@@ -301,7 +326,9 @@ def test_sglang_style_worker_endpoints(worker):
 
 def test_metrics(client, worker):
     before = scrape(worker.http_address)
-    client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True})
+    client.chat.completions.create(
+        model="tiny-random", messages=MESSAGES, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     after = scrape(worker.http_address)
     assert after["llm_time_to_first_token_seconds_count"] == before["llm_time_to_first_token_seconds_count"] + 1
     assert after["llm_inter_token_latency_seconds_count"] == before["llm_inter_token_latency_seconds_count"] + 4

@@ -27,7 +27,18 @@ def encoder():
 @pytest.fixture(scope="module")
 def worker(encoder):
     s = start_server(
-        ["--encoder", encoder.address, "--kv-cache-tokens", "6000", "--swa-cache-tokens", "1500"], subcommand="llm"
+        # tiny-random: the byte tokenizer, the prompt lengths below count bytes
+        [
+            "--model",
+            "tiny-random",
+            "--encoder",
+            encoder.address,
+            "--kv-cache-tokens",
+            "6000",
+            "--swa-cache-tokens",
+            "1500",
+        ],
+        subcommand="llm",
     )
     yield s
     assert s.stop() == 0
@@ -49,7 +60,7 @@ def test_streaming_equals_offline_engine(worker):
         prompt="The quick brown fox", sampling=generator_pb2.SamplingOptions(max_tokens=12)
     )
     tokens, final = stream(worker.address, req)
-    want = LLM("tiny").generate(["The quick brown fox"], SamplingParams(max_tokens=12))[0].output_token_ids
+    want = LLM("tiny-random").generate(["The quick brown fox"], SamplingParams(max_tokens=12))[0].output_token_ids
     assert tokens == want
     assert final.completion_tokens == 12 and final.prompt_tokens == len("The quick brown fox") + 1
     assert final.ttft_ms > 0 and final.finish_reason == "length"

@@ -8,6 +8,7 @@ import torch
 
 from llm_backend.models import ContiguousKV, MiMoV2FlashConfig, MiMoV2FlashForCausalLM, init_random_weights
 from llm_backend.models.dense import causal_attention, main_hidden, mtp_hidden
+from llm_backend.models.mimo_v2_flash import SeqInput
 
 CFG = MiMoV2FlashConfig(
     vocab_size=97,
@@ -91,7 +92,7 @@ def test_training_forward_equals_the_paged_path_for_the_main_model_and_every_mtp
         kv = ContiguousKV(CFG)
         pos = torch.arange(n)
         with torch.inference_mode():
-            paged, _ = model.hidden_states([(ids[b], pos, None, None)], kv.step(0, n))
+            paged, _ = model.hidden_states([SeqInput(ids[b], pos, None)], kv.step(0, n))
         torch.testing.assert_close(paged, hidden[b], atol=1e-5, rtol=1e-5)
         mtp = model.model.mtp
         mkv = ContiguousKV(mtp.kv_config())

@@ -17,6 +17,8 @@ from tests.router.test_llm_router import assert_hits, generate, session_prompt
 pytestmark = pytest.mark.integration
 
 NODE = [
+    "--llm-model",
+    "tiny-random",  # bytes: assert_hits' thresholds count bytes (the router tokenizes likewise, below)
     "--encoders",
     "1",
     "--llm-workers",
@@ -64,7 +66,7 @@ def test_two_nodes_one_redis_one_router(redis_server):
             members(r, "llm"),
             members(r, "encoder"),
         )
-        router = start_server(["--router-state", url, "--member-ttl-s", "2"], "router")
+        router = start_server(["--model", "tiny-random", "--router-state", url, "--member-ttl-s", "2"], "router")
         assert wait_for(
             lambda: (
                 any("joined" in x for x in router.stderr_lines)

@@ -12,6 +12,7 @@ import aiohttp
 import openai
 import pytest
 
+from llm_backend.tokenizer import load_tokenizer
 from mimo_epd.testing.servers import scrape
 from tests.conftest import start_server
 from tests.router.conftest import free_port
@@ -125,7 +126,9 @@ def test_streams_keep_their_shape_and_report_cached_tokens(node):
     if node.policy == "affinity":  # the third identical prompt is a hit on the worker that served the first
         assert with_usage[-1].usage.prompt_tokens_details.cached_tokens == whole.usage.prompt_tokens - 1
     text = c.completions.create(model="tiny", prompt="a completion routed like the chats", max_tokens=4)
-    assert text.usage.prompt_tokens == len("a completion routed like the chats".encode()) + 1  # BOS + bytes
+    assert text.usage.prompt_tokens == len(
+        load_tokenizer("tiny").encode("a completion routed like the chats")
+    )  # BOS + text
 
 
 async def test_generate_is_routed_and_bad_bodies_get_the_workers_400(node):

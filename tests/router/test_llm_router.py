@@ -17,7 +17,19 @@ from tests.conftest import start_server
 
 pytestmark = pytest.mark.integration
 
-WORKER_ARGS = ["--http-port", "-1", "--kv-cache-tokens", "8192", "--swa-cache-tokens", "2048", "--torch-threads", "1"]
+# tiny-random (bytes: the cached-token thresholds below count bytes), in the workers and the routers' tokenizer
+WORKER_ARGS = [
+    "--model",
+    "tiny-random",
+    "--http-port",
+    "-1",
+    "--kv-cache-tokens",
+    "8192",
+    "--swa-cache-tokens",
+    "2048",
+    "--torch-threads",
+    "1",
+]
 
 
 def generate(address: str, prompt: str, max_tokens: int = 2, timeout: float = 60) -> tuple[dict, int]:
@@ -50,7 +62,7 @@ def workers():
 
 
 def router(*args) -> object:
-    return start_server(["--log-level", "info", "--member-ttl-s", "2", *args], "router")
+    return start_server(["--model", "tiny-random", "--log-level", "info", "--member-ttl-s", "2", *args], "router")
 
 
 def run_sessions(addresses, sessions, turns: int = 3) -> list[dict]:
