@@ -214,3 +214,28 @@ def test_engine_bench_quick():
     assert out["best_transformers"] in engines and engines[out["best_transformers"]]["ran"]
     assert "tokens_per_s_vs_best_transformers" in out["ratios"]
     assert out["greedy_agreement"] >= 0.5  # same weights, greedy: the engines produce the same tokens
+
+
+def test_spec_bench_quick():
+    """The trained model's MTP layers: every mode runs, greedy outputs equal plain decoding, accept lengths are
+    those of K drafts (1 to K + 1 tokens a verify step)."""
+    out = run_bench("spec", "--modes", "off,k1,k3,k3_first_layer,k3_no_prefill_mtp")
+    no_grades(out)
+    assert out["greedy_identical"] is True
+    for key, modes in out["modes"].items():
+        assert set(modes) == {"off", "k1", "k3", "k3_first_layer", "k3_no_prefill_mtp"}, key
+        assert all(m["output_tokens"] > 0 and m["outputs_equal_off"] for m in modes.values())
+        assert 1 <= modes["k1"]["mean_accept_length"] <= 2 and 1 <= modes["k3"]["mean_accept_length"] <= 4
+        assert len(modes["k3"]["acceptance_by_position"]) == 3
+    assert any(k.startswith("speedup_k3_") for k in out["ratios"])
+
+
+def test_spec_bench_sim_quick():
+    out = run_bench("spec", "--sim")
+    no_grades(out)
+    assert out["sim"] is True and "model card" in out["config"]["acceptance"]
+    for modes in out["modes"].values():
+        assert {"off", "k1", "k2", "k3", "k3_no_prefill_mtp"} <= set(modes)
+        assert modes["k1"]["mean_accept_length"] < modes["k3"]["mean_accept_length"] <= 4
+    r = out["ratios"]
+    assert r["speedup_k3_b1_0_128"] > 0 and r["speedup_k3_b16_128_256"] > 0
