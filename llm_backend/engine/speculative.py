@@ -122,7 +122,7 @@ class _Run:
     first: int
     tokens: list[int]
     hidden: list[torch.Tensor]
-    out: torch.Tensor | None = None
+    out: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # set by the layer pass
 
 
 class SpeculativeRunner(ModelRunner):
@@ -218,10 +218,13 @@ class SpeculativeRunner(ModelRunner):
             return
         emb = self._embeddings(runs)
         hidden = torch.stack([h for u in runs for h in u.hidden]).to(emb.dtype)
-        seqs, positions = [], []
+        seqs: list[SeqSlots] = []
+        positions: list[int] = []
         for u in runs:
-            o = u.request.spec.first_slot(layer)  # the layer's sequence starts there
-            seqs.append(SeqSlots(None, u.request.kv.swa[o:], u.first - o, len(u.tokens)))
+            st, kv = u.request.spec, u.request.kv
+            assert st is not None and kv is not None
+            o = st.first_slot(layer)  # the layer's sequence starts there
+            seqs.append(SeqSlots(None, kv.swa[o:], u.first - o, len(u.tokens)))
             positions.extend(range(u.first - o, u.first - o + len(u.tokens)))
         paged = PagedBatch(self.pools, seqs)
         out = self.mtp.step(
@@ -292,11 +295,12 @@ class SpeculativeRunner(ModelRunner):
 
     def _h_draft(self, st: MTPState, layer: int, L: int, below: _Run | None, slot: int) -> torch.Tensor:
         """H_layer(slot - 1) while drafting: the state's input at L, else the layer below's output this step."""
-        if slot == L and st.inputs[layer] is not None:
-            return st.inputs[layer]
+        given = st.inputs[layer]
+        if slot == L and given is not None:
+            return given
         if layer == 0:
             raise RuntimeError("drafting needs the main model's hidden state before the last token")
-        assert below is not None and below.out is not None
+        assert below is not None and below.out.numel()
         at = slot - 1 if slot > L else slot  # (the same slot's: the approximation of the module docstring)
         return below.out[at - below.first]
 
@@ -396,5 +400,5 @@ class SpeculativeRunner(ModelRunner):
             return st.at_draft[layer]
         if st.inputs[layer] is not None and prev == st.next_slot - 1:
             return st.inputs[layer]
-        assert below is not None and below.out is not None
+        assert below is not None and below.out.numel()
         return below.out[slot - below.first]  # the approximation: the same slot's
