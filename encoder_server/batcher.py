@@ -13,6 +13,11 @@ Policy:
 
 The tower packs variable-size items with block-diagonal attention, so batching never changes an
 item's embedding (tests check that a batched item equals the item encoded alone).
+
+Media kinds share the batcher and its token budget: an item's class says which forward it takes (`kind`,
+a key of the batcher's `forwards`) and how a group of its kind runs (`run_group`: collate, forward,
+split). A batch may hold images and audio windows; each kind's group runs as one forward, in the order of
+the kinds' first items. An item's `num_patches` is what it costs the budget (audio: transformer positions).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import grpc
 import torch
@@ -39,9 +44,26 @@ class BatchItem:
     job: Any  # opaque to the batcher: must have `.wanted` and `.fail(ItemError)`
     enqueued_at: float = field(default_factory=time.perf_counter)
 
+    kind: ClassVar[str] = "image"
+
     @property
     def num_patches(self) -> int:
         return int(self.pixel_values.shape[0])
+
+    def complete(self, batcher: "Batcher", embedding: torch.Tensor, queue_ms: float, encode_ms: float) -> None:
+        """Hands the item's embedding on (images: to the batcher's `on_done`)."""
+        if batcher.on_done is not None:
+            batcher.on_done(self, embedding, queue_ms, encode_ms)
+
+    @staticmethod
+    def run_group(forward: Callable, items: list["BatchItem"], merge_unit: int) -> list[torch.Tensor]:
+        """One packed vision forward over `items`; each item's rows, as its own CPU copy."""
+        pv = torch.cat([b.pixel_values for b in items]) if len(items) > 1 else items[0].pixel_values
+        grid = torch.tensor([b.grid_thw for b in items], dtype=torch.long)
+        out = forward(pv, grid)
+        sizes = (grid.prod(-1) // merge_unit).tolist()
+        # Each item gets its own CPU copy: a cached embedding must not pin the whole batch's tensor.
+        return [t.to("cpu").clone() for t in out.split(sizes)]
 
 
 @dataclass
@@ -63,8 +85,10 @@ class Batcher:
         merge_unit: int = 4,
         max_batch_items: int | None = None,
         on_batch: Callable[[int, int, float], None] | None = None,
+        forwards: dict[str, Callable] | None = None,
     ):
         self.forward = forward
+        self.forwards = {"image": forward, **(forwards or {})}  # by item kind
         self.on_done = on_done
         self.max_batch_tokens = max_batch_tokens
         self.max_wait_s = max_wait_ms / 1e3
@@ -115,33 +139,31 @@ class Batcher:
             batch = await self.collect()
             if not batch:
                 continue
-            pixel_values = torch.cat([b.pixel_values for b in batch]) if len(batch) > 1 else batch[0].pixel_values
-            grid = torch.tensor([b.grid_thw for b in batch], dtype=torch.long)
+            patches = sum(b.num_patches for b in batch)
             start = time.perf_counter()
             try:
-                out = await loop.run_in_executor(self._executor, self._run_forward, pixel_values, grid)
+                out = await loop.run_in_executor(self._executor, self._run_batch, batch)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - fail the batch's items, keep serving
-                log.exception("vision forward failed for a batch of %d items", len(batch))
+                log.exception("forward failed for a batch of %d items", len(batch))
                 code = (
                     grpc.StatusCode.RESOURCE_EXHAUSTED
                     if isinstance(e, torch.OutOfMemoryError)
                     else grpc.StatusCode.INTERNAL
                 )
                 for b in batch:
-                    b.job.fail(ItemError(code, f"vision forward failed: {type(e).__name__}: {e}"))
+                    b.job.fail(ItemError(code, f"{b.kind} forward failed: {type(e).__name__}: {e}"))
                 continue
             end = time.perf_counter()
             self.stats.batches += 1
             self.stats.items += len(batch)
-            self.stats.patches += int(pixel_values.shape[0])
+            self.stats.patches += patches
             if self.on_batch is not None:
-                self.on_batch(len(batch), int(pixel_values.shape[0]), end - start)
+                self.on_batch(len(batch), patches, end - start)
             encode_ms = (end - start) * 1e3
             for b, emb in zip(batch, out):
-                if self.on_done is not None:
-                    self.on_done(b, emb, (start - b.enqueued_at) * 1e3, encode_ms)
+                b.complete(self, emb, (start - b.enqueued_at) * 1e3, encode_ms)
 
     def call_on_forward_thread(self, fn: Callable, *args) -> concurrent.futures.Future:
         """Runs `fn(*args)` on the forward thread, after the forwards already queued there. Thread-safe.
@@ -150,11 +172,17 @@ class Batcher:
         here instead of running the model on a thread of their own."""
         return self._executor.submit(fn, *args)
 
-    def _run_forward(self, pixel_values: torch.Tensor, grid: torch.Tensor) -> list[torch.Tensor]:
-        out = self.forward(pixel_values, grid)
-        sizes = (grid.prod(-1) // self.merge_unit).tolist()
-        # Each item gets its own CPU copy: a cached embedding must not pin the whole batch's tensor.
-        return [t.to("cpu").clone() for t in out.split(sizes)]
+    def _run_batch(self, batch: list) -> list[torch.Tensor]:
+        """Runs each kind's group of the batch as one forward; the outputs in the batch's order."""
+        groups: dict[type, list[int]] = {}
+        for i, b in enumerate(batch):
+            groups.setdefault(type(b), []).append(i)
+        out: list[torch.Tensor | None] = [None] * len(batch)
+        for cls, idx in groups.items():
+            items = [batch[i] for i in idx]
+            for i, t in zip(idx, cls.run_group(self.forwards[cls.kind], items, self.merge_unit)):
+                out[i] = t
+        return out  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         if self._next_get is not None:

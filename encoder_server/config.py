@@ -53,6 +53,24 @@ class EncoderServerConfig:
     video_decode_workers: int = _f(2, "parallel decoders per video")
     video_decode_mode: str = _f("process", "video decoders as processes or threads")
     max_concurrent_videos: int = _f(1, "videos encoded at once (each uses --video-decode-workers decoders)")
+    # --- audio ---------------------------------------------------------------------------------
+    audio_model: str = _f(
+        "",
+        "the audio tower: empty = from --model (tiny and tiny-random: the tiny Qwen2-Audio tower; a checkpoint: "
+        "its audio_config, if any), a checkpoint directory, or 'none' (audio items refused)",
+    )
+    max_audio_bytes: int = _f(1 << 30, "bytes of one audio item")
+    max_audio_seconds: float = _f(4 * 3600.0, "duration of one audio item")
+    audio_min_sample_rate: int = _f(1000, "lowest sample rate accepted, in Hz")
+    audio_max_sample_rate: int = _f(384_000, "highest sample rate accepted, in Hz")
+    audio_max_channels: int = _f(32, "most channels accepted")
+    audio_chunk_seconds: float = _f(300.0, "long audio is decoded in ranges of this many seconds (a multiple of 30)")
+    audio_parallel_above_s: float = _f(120.0, "audio longer than this is decoded in parallel ranges")
+    audio_decode_lookahead: int = _f(4, "ranges of one audio item decoding at once")
+    audio_features_in: str = _f(
+        "auto", "where log-mel features are computed: decoder (the decode processes), device, or auto (device on CUDA)"
+    )
+    max_concurrent_audios: int = _f(8, "audio items decoding and encoding at once")
     # --- fetching ------------------------------------------------------------------------------
     fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
     fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
@@ -137,6 +155,12 @@ class EncoderServerConfig:
             "max_batch_tokens",
             "preprocess_threads",
             "max_message_mb",
+            "max_audio_bytes",
+            "max_audio_seconds",
+            "audio_min_sample_rate",
+            "audio_max_channels",
+            "audio_decode_lookahead",
+            "max_concurrent_audios",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -159,6 +183,14 @@ class EncoderServerConfig:
             raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
         if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:
             raise ValueError("need --video-fps > 0 and 1 <= --video-min-frames <= --video-max-frames")
+        if self.audio_features_in not in ("auto", "decoder", "device"):
+            raise ValueError(f"--audio-features-in must be auto, decoder or device, got {self.audio_features_in!r}")
+        if self.audio_max_sample_rate < self.audio_min_sample_rate:
+            raise ValueError("need --audio-min-sample-rate <= --audio-max-sample-rate")
+        if self.audio_chunk_seconds <= 0 or self.audio_chunk_seconds % 30:
+            raise ValueError(
+                f"--audio-chunk-seconds must be a positive multiple of 30, got {self.audio_chunk_seconds:g}"
+            )
         check_decoder_name(self.decoder)  # the decoders package's registry is the one list of names
         if self.resize_in not in ("auto", "device", "decoder"):
             raise ValueError(f"--resize-in must be auto, device or decoder, got {self.resize_in!r}")

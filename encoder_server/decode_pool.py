@@ -284,6 +284,24 @@ class DecodePool:
         # The arena's descriptor stays open with the mapping: a worker still starting may need its /proc path,
         # and both go when this process exits.
 
+    async def run(self, fn, *args):
+        """Runs a picklable `fn(*args)` in a decode process (in a thread with `--decode-workers 0` or a
+        device decoder): how other media kinds (audio) decode in the same processes as images. A job whose
+        process died runs once more, on fresh processes."""
+        loop = asyncio.get_running_loop()
+        if self._executor is None or self.on_device:
+            return await asyncio.to_thread(fn, *args)
+        for attempt in (1, 2):
+            executor, generation = self._executor, self._generation
+            if executor is None:
+                raise concurrent.futures.process.BrokenProcessPool("the decode pool is stopped")
+            try:
+                return await loop.run_in_executor(executor, fn, *args)
+            except concurrent.futures.process.BrokenProcessPool:
+                await self._replace_executor(generation)
+                if attempt == 2:
+                    raise
+
     async def decode(self, data: bytes) -> Decoded:
         if self.on_device:
             return await asyncio.get_running_loop().run_in_executor(self._executor, decode_on_device, data, self.opts)

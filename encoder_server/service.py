@@ -26,7 +26,12 @@ from .pipeline import EncodePipeline, ItemRequest, ItemResult
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"].full_name
-_MODALITIES = {encoder_pb2.MODALITY_UNSPECIFIED: "image", encoder_pb2.IMAGE: "image", encoder_pb2.VIDEO: "video"}
+_MODALITIES = {
+    encoder_pb2.MODALITY_UNSPECIFIED: "image",
+    encoder_pb2.IMAGE: "image",
+    encoder_pb2.VIDEO: "video",
+    encoder_pb2.AUDIO: "audio",
+}
 
 
 def fill_tensor(out: encoder_pb2.Tensor, t: torch.Tensor) -> None:
@@ -77,6 +82,9 @@ def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
         out.timestamps_s.extend(r.meta.get("timestamps_s", []))
         if "video" in r.meta:
             out.video.CopyFrom(encoder_pb2.VideoInfo(**r.meta["video"]))
+        if "audio" in r.meta:
+            out.audio.CopyFrom(encoder_pb2.AudioInfo(**r.meta["audio"]))
+            out.window_tokens.extend(r.meta.get("window_tokens", []))
 
 
 class EncoderService(encoder_pb2_grpc.EncoderServicer):

@@ -156,6 +156,7 @@ class Qwen2AudioTower(nn.Module):
     def device(self) -> torch.device:
         return self.conv1.weight.device
 
+    @torch.inference_mode()
     def forward(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
         """`features [B, n_mels, window_frames]`, `frames [B]` -> packed `[sum(tokens), out_hidden_size]`."""
         cfg = self.config

@@ -1,4 +1,4 @@
-"""`EncodePipeline`: wires admission, the stages, the batcher and the video path together.
+"""`EncodePipeline`: wires admission, the stages, the batcher and the video and audio paths together.
 
 Stages are joined by bounded asyncio queues, so a slow stage pushes back on the one before it and
 memory stays bounded; `--max-pending` refuses new work at once instead of queueing without end.
@@ -17,6 +17,9 @@ from dataclasses import replace
 import grpc
 import torch
 
+from ..audio.decode import AudioLimits
+from ..audio.encode import AudioPlan
+from ..audio.features import AudioFeatureConfig, LogMel
 from ..batcher import Batcher, BatchItem
 from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
@@ -24,9 +27,11 @@ from ..embedding_cache import CachedEmbedding, EmbeddingLRU, ShmEmbeddingStore
 from ..errors import ItemError, from_client_input, invalid
 from ..fetch import FairFetchScheduler, Fetcher, FetchLimits, UrlPolicy, parse_networks, url_host
 from ..metrics import EncoderMetrics
-from ..models import LoadedVisionModel, load_vision_model
+from ..models import LoadedVisionModel, load_vision_model, resolve_dtype
+from ..models.audio_loader import LoadedAudioModel, load_audio_model
 from ..preprocess import PreprocessConfig, preprocess_images
 from .admission import Admission, InflightTable
+from .audio_path import AudioPath
 from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
 from .stages import Stages
 from .tuner import ThreadTuner
@@ -41,6 +46,8 @@ class EncodePipeline:
         self.model = model or load_vision_model(config.model, config.device, config.dtype, return_info=True)
         self.preprocess_config = self._preprocess_config()
         self.model_id = self.model.model_id
+        self.audio_model = self._load_audio_model()
+        self.audio_features = AudioFeatureConfig()
         if config.shm_cache_name:
             self.cache = ShmEmbeddingStore(config.shm_cache_name, config.shm_cache_bytes)
         else:
@@ -70,6 +77,7 @@ class EncodePipeline:
             merge_unit=self.model.module.config.spatial_merge_size**2,
             max_batch_items=None if config.batching else 1,
             on_batch=self._on_batch,
+            forwards={"audio": self._audio_forward},
         )
         resize_in = config.resize_in
         if resize_in == "auto":
@@ -109,6 +117,16 @@ class EncodePipeline:
             tower_dtype=self.model.module.dtype,
             hidden=self.model.module.config.out_hidden_size,
             merge_unit=self.model.module.config.spatial_merge_size**2,
+            audio_model_id=self.audio_model.model_id if self.audio_model else "",
+            audio_fingerprint=self.audio_features.fingerprint(),
+        )
+        self.audio = AudioPath(
+            self._audio_plan(),
+            self.decode_pool,
+            self.batcher,
+            self.cache,
+            config.max_concurrent_audios,
+            self._features_on(),
         )
         self.video = VideoPath(
             config,
@@ -117,6 +135,32 @@ class EncodePipeline:
             self.cache,
         )
         self._tasks: list[asyncio.Task] = []
+
+    def _load_audio_model(self) -> LoadedAudioModel | None:
+        c = self.config
+        name = c.audio_model or c.model
+        if name == "none":
+            return None
+        return load_audio_model(name, c.device, resolve_dtype(c.dtype))
+
+    def _audio_plan(self) -> AudioPlan:
+        c = self.config
+        plan = AudioPlan(
+            self.audio_features,
+            AudioLimits(c.max_audio_seconds, c.audio_min_sample_rate, c.audio_max_sample_rate, c.audio_max_channels),
+            chunk_s=c.audio_chunk_seconds,
+            parallel_above_s=c.audio_parallel_above_s,
+            lookahead=c.audio_decode_lookahead,
+        )
+        plan.validate()
+        return plan
+
+    def _features_on(self) -> LogMel | None:
+        """Where features are computed: None = in the decode processes (a CPU server's default)."""
+        where = self.config.audio_features_in
+        if where == "auto":
+            where = "device" if torch.device(self.config.device).type == "cuda" else "decoder"
+        return LogMel(self.audio_features, self.config.device) if where == "device" else None
 
     def _preprocess_config(self) -> PreprocessConfig:
         c = self.config
@@ -183,6 +227,7 @@ class EncodePipeline:
 
     async def stop(self) -> None:
         self.video.cancel()
+        self.audio.cancel()
         await self.fetches.close()
         for t in self._tasks:
             t.cancel()
@@ -292,6 +337,8 @@ class EncodePipeline:
             await self.batcher.submit(item)
         elif nxt is Next.VIDEO:
             self.video.start(job)
+        elif nxt is Next.AUDIO:
+            self.audio.start(job)
         elif nxt not in (Next.ANSWERED, Next.ATTACHED):  # pragma: no cover - a new Next without a route
             raise AssertionError(f"no route for {nxt}")
 
@@ -316,6 +363,11 @@ class EncodePipeline:
         if want and want != torch.get_num_threads():
             torch.set_num_threads(want)  # OpenMP's thread count is per calling thread: set it here
         return self.model.module(pixel_values, grid_thw)
+
+    def _audio_forward(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
+        if self.audio_model is None:  # pragma: no cover - audio items are refused on arrival without a tower
+            raise RuntimeError("no audio tower")
+        return self.audio_model.module(features, frames)
 
     def _on_batch(self, items: int, patches: int, seconds: float) -> None:
         self.metrics.busy.labels("encode").inc(seconds)

@@ -25,6 +25,7 @@ class Next(enum.Enum):
     PREPROCESS = "preprocess"  # pixels decoded: resize / normalize / patchify
     BATCH = "batch"  # patches ready (`job.batch_item`): to the batcher and the vision forward
     VIDEO = "video"  # a video's bytes in hand: to the video path (parallel decode streamed into the tower)
+    AUDIO = "audio"  # an audio item's bytes in hand: to the audio path (decode processes, windows batched)
     ANSWERED = "answered"  # answered from the cache: nothing left to do
     ATTACHED = "attached"  # an identical item is in flight: answered when that one is
 
@@ -47,7 +48,7 @@ class ItemResult:
     grid_thw: tuple[int, int, int]
     cache_hit: bool
     timings_ms: dict[str, float]
-    meta: dict | None = None  # videos: timestamps_s and the sampled video's description
+    meta: dict | None = None  # videos: timestamps_s and the sampled video's description; audio: its description
 
     @property
     def num_tokens(self) -> int:
@@ -94,6 +95,7 @@ class Job:
     batch_item: object = None  # the BatchItem, once preprocessed
     followers: list["Job"] = field(default_factory=list)
     sampling: object = None  # VideoSampling for video items
+    key_extra: str = ""  # what the item's options add to its content key (its MediaKind's `prepare`)
     reply: ReplyBudget | None = None  # its request's reply size budget
     charged: int = 0  # bytes charged to `reply` for this item
 

@@ -1,8 +1,9 @@
-"""The stages an image item passes through. Each takes a `Job`, does one step, and returns where the job
+"""The stages an item passes through (what differs by modality is its `MediaKind`, `kinds.py`). Each takes a `Job`, does one step, and returns where the job
 goes next (`Next`); a failure raises `ItemError` (the worker fails the job with it).
 
     check ──FETCH──▶ acquire ──DECODE──▶ decode ──PREPROCESS──▶ preprocess ──BATCH──▶ batcher
       │                 ├──VIDEO──▶ video path
+      │                 ├──AUDIO──▶ audio path (decode processes, windows into the batcher)
       └──ANSWERED       ├──ANSWERED (cache hit)
                         └──ATTACHED (an identical item is in flight)
 """
@@ -29,6 +30,7 @@ from ..preprocess import ImageSizeError, PreprocessConfig, preprocess_images, ta
 from ..video.sampling import VideoSampling
 from .admission import InflightTable
 from .jobs import Job, Next
+from .kinds import kind_of
 
 
 @dataclass
@@ -45,15 +47,17 @@ class Stages:
     tower_dtype: torch.dtype
     hidden: int  # embedding width (the tower's out_hidden_size)
     merge_unit: int  # patches per embedding row (spatial_merge_size ** 2)
+    audio_model_id: str = ""  # empty: no audio tower
+    audio_fingerprint: str = ""  # the audio feature settings
     _fallbacks_seen: int = 0
 
     def __post_init__(self):
-        self._fingerprint = self.preprocess_config.fingerprint()
+        self.fingerprint = self.preprocess_config.fingerprint()
 
     # ------------------------------------------------------------------ keys and the cache
     def key(self, digest: str, job: Job) -> str:
-        extra = f"video:{job.sampling.fingerprint()}" if job.sampling is not None else ""
-        return content_key(digest, self.model_id, self._fingerprint, extra)
+        model_id, fingerprint = kind_of(job.request.modality).key_parts(self)
+        return content_key(digest, model_id, fingerprint, job.key_extra)
 
     def lookup(self, job: Job) -> bool:
         """Answers `job` from the cache when its key is there."""
@@ -77,13 +81,7 @@ class Stages:
     def check(self, job: Job) -> Next:
         """Validates an item on arrival and answers it from the cache when the client's content_hash allows."""
         req = job.request
-        if req.modality == "video":
-            try:
-                job.sampling = self.video_sampling(req)
-            except ValueError as e:
-                raise invalid(str(e)) from None
-        elif req.modality != "image":
-            raise ItemError(grpc.StatusCode.UNIMPLEMENTED, f"modality {req.modality} is not supported by this server")
+        job.key_extra = kind_of(req.modality).prepare(self, job)
         if req.content_hash:
             try:
                 digest = normalize_digest(req.content_hash)
@@ -115,8 +113,8 @@ class Stages:
         """Gets the item's bytes (fetch, read or inline), keys them, and answers from the cache or an
         identical item in flight when it can."""
         t0 = time.perf_counter()
-        video = job.request.modality == "video"
-        job.data = await self.fetcher.fetch(job.request.source, self.config.max_video_bytes if video else None)
+        kind = kind_of(job.request.modality)
+        job.data = await self.fetcher.fetch(job.request.source, kind.max_bytes(self.config))
         digest = bytes_digest(job.data)
         self.account(job, "fetch", t0)
         if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
@@ -126,7 +124,7 @@ class Stages:
             return Next.ANSWERED
         if not self.inflight.lead_or_follow(job):
             return Next.ATTACHED
-        return Next.VIDEO if video else Next.DECODE
+        return kind.route
 
     async def decode(self, job: Job) -> Next:
         t0 = time.perf_counter()

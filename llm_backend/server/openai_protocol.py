@@ -3,8 +3,8 @@ and the response / stream-chunk / error shapes.
 
 Parsing never raises anything but `ServeError` (400, `param` = the offending field). Accepted, as in the
 OpenAI API: chat `messages` with roles system / developer (as system) / user / assistant and content as a
-string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too) and `video_url`
-parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
+string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too), `video_url`,
+`audio_url` and `input_audio` (`{"data": base64, "format": "wav" | "mp3" | ...}`) parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
 list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` = 1, `stream` with
 `stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`. Features
 this server does not implement (penalties, logit_bias, tools, JSON mode, n > 1, echo, suffix) get a 400
@@ -13,6 +13,8 @@ that says so rather than being silently ignored.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -166,14 +168,53 @@ def _stops(stop, param: str, req: GenRequest) -> None:
             raise _bad(f"{param}[{i}]", f"expected a string or a token id, got {_type_name(s)}")
 
 
-def _media_url(url, param: str, video: bool) -> encoder_pb2.MediaItem:
+def _media_url(url, param: str, modality: int = encoder_pb2.IMAGE) -> encoder_pb2.MediaItem:
     if not isinstance(url, str) or not url:
         raise _bad(param, "expected a URL string")
     scheme = url.split(":", 1)[0].lower()
     if scheme not in ("http", "https", "data"):
         raise _bad(param, f"only http(s):// and data: URLs are accepted, got {scheme!r}")
-    kw = {"modality": encoder_pb2.VIDEO if video else encoder_pb2.IMAGE}
-    return encoder_pb2.MediaItem(url=url, **kw)
+    return encoder_pb2.MediaItem(url=url, modality=modality)
+
+
+# The `format` values OpenAI's `input_audio` takes, and the other containers the encoder decodes.
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm", "pcm16")
+
+
+def _url_part(modality: int):
+    def parse(part: dict, kind: str, pp: str) -> encoder_pb2.MediaItem:
+        ref = part.get(kind)
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        return _media_url(url, f"{pp}.{kind}.url", modality)
+
+    return parse
+
+
+def _input_audio(part: dict, kind: str, pp: str) -> encoder_pb2.MediaItem:
+    ref = part.get("input_audio")
+    if not isinstance(ref, dict):
+        raise _bad(f"{pp}.input_audio", f"expected an object with data and format, got {_type_name(ref)}")
+    fmt, data = ref.get("format"), ref.get("data")
+    if fmt not in AUDIO_FORMATS:
+        raise _bad(f"{pp}.input_audio.format", f"unsupported audio format {fmt!r} (one of {', '.join(AUDIO_FORMATS)})")
+    if fmt == "pcm16":
+        raise _bad(f"{pp}.input_audio.format", "raw pcm16 has no header to read its rate from: send wav")
+    if not isinstance(data, str) or not data:
+        raise _bad(f"{pp}.input_audio.data", "expected base64-encoded audio bytes")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise _bad(f"{pp}.input_audio.data", "is not valid base64") from None
+    return encoder_pb2.MediaItem(data=raw, modality=encoder_pb2.AUDIO)
+
+
+# Content parts that carry media: how each is read, and the part the chat template sees in its place.
+MEDIA_PARTS = {
+    "image_url": (_url_part(encoder_pb2.IMAGE), "image"),
+    "video_url": (_url_part(encoder_pb2.VIDEO), "video"),
+    "audio_url": (_url_part(encoder_pb2.AUDIO), "audio"),
+    "input_audio": (_input_audio, "audio"),
+}
 
 
 # ---------------------------------------------------------------------------------------- requests
@@ -214,13 +255,12 @@ def parse_chat(body) -> GenRequest:
                 if not isinstance(part.get("text"), str):
                     raise _bad(f"{pp}.text", "expected a string")
                 parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image_url", "video_url"):
-                ref = part.get(kind)
-                url = ref.get("url") if isinstance(ref, dict) else ref
-                req.media.append(_media_url(url, f"{pp}.{kind}.url", video=kind == "video_url"))
-                parts.append({"type": "image" if kind == "image_url" else "video"})
+            elif kind in MEDIA_PARTS:
+                parse, template_type = MEDIA_PARTS[kind]
+                req.media.append(parse(part, kind, pp))
+                parts.append({"type": template_type})
             else:
-                raise _bad(f"{pp}.type", f"unsupported content part {kind!r} (text, image_url, video_url)")
+                raise _bad(f"{pp}.type", f"unsupported content part {kind!r} (text, {', '.join(MEDIA_PARTS)})")
         req.messages.append({"role": ROLES[role], "content": parts})
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -314,7 +354,7 @@ def parse_generate(body) -> GenRequest:
         s["logprobs"] = True
     images = body.get("image_data")
     for j, url in enumerate([images] if isinstance(images, str) else images or []):
-        req.media.append(_media_url(url, f"image_data[{j}]", video=False))
+        req.media.append(_media_url(url, f"image_data[{j}]"))
     return req
 
 

@@ -17,7 +17,19 @@ from .registry import Commands, HelpFormatter, complete, walk
 __all__ = ["build_parser", "main", "complete", "walk", "COMMAND_MODULES"]
 
 # In --help order.
-COMMAND_MODULES = ("serve", "clients", "llm", "router", "video", "loadtest", "bench", "sim", "train", "version")
+COMMAND_MODULES = (
+    "serve",
+    "clients",
+    "llm",
+    "router",
+    "video",
+    "audio",
+    "loadtest",
+    "bench",
+    "sim",
+    "train",
+    "version",
+)
 
 DESCRIPTION = """\
 mimo-epd serves MiMo-V2.5-family multimodal models with the Encoder / Prefill / Decode split:

@@ -10,6 +10,7 @@ from importlib import import_module
 BENCHMARKS = (
     ("cache-routing", "cache_routing", "cache hit rates: round-robin vs consistent hashing, private vs shared cache"),
     ("video", "video", "a long video: naive vs parallel vs the decode floor, and worker scaling"),
+    ("audio", "audio", "a long audio file: ours vs the transformers path (outputs checked equal); clips under load"),
     (
         "encoder",
         "encoder",

@@ -12,9 +12,11 @@ class Modality(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     MODALITY_UNSPECIFIED: _ClassVar[Modality]
     IMAGE: _ClassVar[Modality]
     VIDEO: _ClassVar[Modality]
+    AUDIO: _ClassVar[Modality]
 MODALITY_UNSPECIFIED: Modality
 IMAGE: Modality
 VIDEO: Modality
+AUDIO: Modality
 
 class MediaItem(_message.Message):
     __slots__ = ("url", "data", "path", "modality", "content_hash", "video")
@@ -58,6 +60,20 @@ class VideoInfo(_message.Message):
     height: int
     def __init__(self, duration_s: _Optional[float] = ..., fps: _Optional[float] = ..., frames_total: _Optional[int] = ..., frames_sampled: _Optional[int] = ..., width: _Optional[int] = ..., height: _Optional[int] = ...) -> None: ...
 
+class AudioInfo(_message.Message):
+    __slots__ = ("duration_s", "sample_rate", "channels", "codec", "decoded_s")
+    DURATION_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_RATE_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    DECODED_S_FIELD_NUMBER: _ClassVar[int]
+    duration_s: float
+    sample_rate: int
+    channels: int
+    codec: str
+    decoded_s: float
+    def __init__(self, duration_s: _Optional[float] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., codec: _Optional[str] = ..., decoded_s: _Optional[float] = ...) -> None: ...
+
 class EncodeRequest(_message.Message):
     __slots__ = ("items", "request_id")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
@@ -91,7 +107,7 @@ class StageTimings(_message.Message):
     def __init__(self, fetch_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
-    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video")
+    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video", "audio", "window_tokens")
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +116,8 @@ class ItemEmbedding(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMPS_S_FIELD_NUMBER: _ClassVar[int]
     VIDEO_FIELD_NUMBER: _ClassVar[int]
+    AUDIO_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     content_key: str
     embedding: Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -108,7 +126,9 @@ class ItemEmbedding(_message.Message):
     timings: StageTimings
     timestamps_s: _containers.RepeatedScalarFieldContainer[float]
     video: VideoInfo
-    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ...) -> None: ...
+    audio: AudioInfo
+    window_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ..., audio: _Optional[_Union[AudioInfo, _Mapping]] = ..., window_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("items", "model")

@@ -49,5 +49,7 @@ def test_stubs_import_and_describe_the_contract():
         "timings",
         "timestamps_s",
         "video",
+        "audio",
+        "window_tokens",
     }
     assert hasattr(encoder_pb2_grpc, "EncoderStub")

@@ -101,6 +101,10 @@ def test_stages_return_where_the_job_goes():
             vid = Job(3, ItemRequest(MediaSource("data", b"not a video at all"), "video"), loop.create_future())
             p.stages.check(vid)
             assert await p.stages.acquire(vid) is Next.VIDEO
+            aud = Job(4, ItemRequest(MediaSource("data", b"not audio either"), "audio"), loop.create_future())
+            assert p.stages.check(aud) is Next.FETCH
+            assert await p.stages.acquire(aud) is Next.AUDIO
+            assert aud.key not in (vid.key, job.key)  # the kind's model and settings are in the key
         finally:
             await p.stop()
 

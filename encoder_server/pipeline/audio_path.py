@@ -1,0 +1,103 @@
+"""The audio side path: an audio item's ranges are decoded (and featurised) in the decode processes, and
+its 30-s windows go through the cross-request batcher, sharing its token budget with images; the audio
+tower runs on the batcher's forward thread like every tower call. A short item is one range; a long one is
+decoded in parallel ranges, streamed window by window (`audio.encode.encode_audio`). Large items are
+handed to the decoders as a file in /dev/shm (each range's decoder opens and seeks it), small ones as bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import tempfile
+
+import grpc
+import torch
+
+from ..audio.decode import AudioError
+from ..audio.encode import AudioPlan, AudioWindowItem, encode_audio
+from ..audio.features import LogMel
+from ..embedding_cache import CachedEmbedding
+from ..errors import ItemError, invalid
+from .jobs import Job
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 8 << 20  # items up to this size travel to the decoders as bytes, larger ones as a file
+
+
+class AudioPath:
+    def __init__(self, plan: AudioPlan, decode_pool, batcher, cache, max_concurrent: int, features_on: LogMel | None):
+        self.plan = plan
+        self.decode_pool = decode_pool
+        self.batcher = batcher
+        self.cache = cache
+        self.features_on = features_on
+        self._sem = asyncio.Semaphore(max_concurrent)
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, job: Job) -> None:
+        task = asyncio.get_running_loop().create_task(self._run(job))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def cancel(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+
+    async def _windows(self, job: Job, feats: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
+        loop = asyncio.get_running_loop()
+        items = [AudioWindowItem(feats[i], frames[i], job, loop.create_future()) for i in range(len(frames))]
+        for it in items:
+            await self.batcher.submit(it)
+        return list(await asyncio.gather(*(it.future for it in items)))
+
+    async def _encode(self, job: Job, src):
+        return await encode_audio(
+            src, self.plan, self.decode_pool.run, lambda f, n: self._windows(job, f, n), self.features_on
+        )
+
+    async def _run(self, job: Job) -> None:
+        async with self._sem:
+            if not job.wanted:
+                return
+            data, job.data = job.data, None
+            try:
+                if len(data) <= INLINE_BYTES:
+                    result = await self._encode(job, data)
+                else:
+                    tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+                    with tempfile.NamedTemporaryFile(dir=tmpdir, prefix="mimo-epd-audio-", suffix=".bin") as f:
+                        f.write(data)
+                        f.flush()
+                        del data
+                        result = await self._encode(job, f.name)
+            except AudioError as e:
+                job.fail(invalid(f"audio: {e}"))
+                return
+            except ItemError as e:  # a failed forward of a window
+                job.fail(e)
+                return
+            except (asyncio.CancelledError, concurrent.futures.CancelledError):
+                if job.wanted:  # the server is stopping (not an abandoned item)
+                    job.fail(ItemError(grpc.StatusCode.UNAVAILABLE, "server is shutting down"))
+                return
+            except concurrent.futures.process.BrokenProcessPool:
+                job.fail(ItemError(grpc.StatusCode.UNAVAILABLE, "a decoder process died; retry"))
+                return
+            except Exception as e:  # noqa: BLE001 - a bug, not bad input
+                log.exception("audio item %d failed", job.index)
+                job.fail(ItemError(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"))
+                return
+            sec = result.seconds
+            job.timings_ms.update(decode=sec["wait_decode"] * 1e3, encode=sec["encode"] * 1e3)
+            meta = {
+                "audio": {**result.info.summary(), "decoded_s": result.decoded_s},
+                "window_tokens": result.window_tokens,
+            }
+            entry = CachedEmbedding(result.embedding, (1, int(result.embedding.shape[0]), 1), meta)
+            if self.cache is not None:
+                self.cache.put(job.key, entry)
+            job.succeed(entry, cache_hit=False)
