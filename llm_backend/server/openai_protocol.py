@@ -17,7 +17,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from mimo_epd.common.prompt_rules import MAX_TOP_LOGPROBS, RuleError, media_url, normalize_messages, type_name
+from mimo_epd.common.http_edge import ERROR_TYPES, error_body  # noqa: F401 (the API's error shape)
+from mimo_epd.common.prompt_rules import (
+    MAX_TOP_LOGPROBS,
+    RuleError,
+    is_token_ids,
+    media_url,
+    normalize_messages,
+    type_name,
+)
 from mimo_epd.v1 import encoder_pb2
 
 from .core import Final, ServeError
@@ -195,7 +203,7 @@ def parse_completion(body) -> GenRequest:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif is_token_ids(prompt):
         req.token_ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
         raise _bad("prompt", f"one prompt per request, got {len(prompt)}")
@@ -228,8 +236,8 @@ def parse_generate(body) -> GenRequest:
     elif ids is not None:
         if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
             ids = ids[0]
-        if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise _bad("input_ids", "expected a non-empty array of token ids (one prompt per request)")
+        if not is_token_ids(ids):
+            raise _bad("input_ids", "expected a non-empty array of token ids in [0, 2^63) (one prompt per request)")
         req.token_ids = ids
     elif text is None:
         raise _bad("text", "give 'text' or 'input_ids'")
@@ -262,6 +270,8 @@ def parse_generate(body) -> GenRequest:
     if _bool(body, "return_logprob"):
         s["logprobs"] = True
     images = body.get("image_data")
+    if images is not None and not isinstance(images, (str, list)):
+        raise _bad("image_data", f"expected a URL string or an array of them, got {type_name(images)}")
     for j, url in enumerate([images] if isinstance(images, str) else images or []):
         req.media.append(_media_url(url, f"image_data[{j}]", video=False))
     return req
@@ -402,21 +412,3 @@ def generate_meta(rid: str, final: Final | None, completion_tokens: int, prompt_
             media_tokens=final.media_tokens,
         )
     return meta
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
-    }

@@ -13,6 +13,7 @@ decides those ids lives here, once:
 - `media_url`: the URL schemes a media item may use (http, https, data).
 - `encode_text`: text to ids with the engine tokenizer; with special tokens (BOS) for a raw prompt, without
   for text a chat template rendered with its own (as transformers tokenizes `apply_chat_template` output).
+- `is_token_ids`: what a prompt of token ids is (a non-empty array of integers in [0, 2^63)).
 - `MAX_TOP_LOGPROBS`: the most alternatives per position a request may ask for.
 
 Invariant: every rule raises `RuleError` (a `ValueError` naming the offending field in `param`) and nothing
@@ -27,6 +28,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 MEDIA_SCHEMES = ("http", "https", "data")
 MAX_TOP_LOGPROBS = 20
+MAX_TOKEN_ID = (1 << 63) - 1  # a client's token id fits an int64 (the worker then checks it against the vocabulary)
 
 
 class RuleError(ValueError):
@@ -115,6 +117,15 @@ def normalize_messages(messages) -> tuple[list[dict], list[MediaRef]]:
         parts = [_part(part, f"{p}.content[{j}]", media) for j, part in enumerate(content)]
         out.append({"role": ROLES[role], "content": parts})
     return out, media
+
+
+def is_token_ids(p) -> bool:
+    """Whether `p` is a prompt of token ids: a non-empty array of integers in [0, 2^63)."""
+    return (
+        isinstance(p, list)
+        and bool(p)
+        and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in p)
+    )
 
 
 def encode_text(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
