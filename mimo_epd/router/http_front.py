@@ -32,6 +32,8 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from mimo_epd.common.prompt_rules import RuleError, encode_text, normalize_messages
+
 log = logging.getLogger(__name__)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp sets itself on each side.
@@ -57,7 +59,6 @@ _SKIP_RESPONSE = {
 }
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -78,34 +79,12 @@ class Unroutable(ValueError):
 
 
 def chat_messages(messages) -> tuple[list[dict], bool]:
-    """The messages as the worker's template sees them (llm_backend/server/openai_protocol.parse_chat), and
-    whether any carries media."""
-    if not isinstance(messages, list) or not messages:
-        raise Unroutable("messages")
-    out, media = [], False
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise Unroutable("message")
-        content = m.get("content")
-        if content is None and m["role"] == "assistant":
-            content = ""
-        if isinstance(content, str):
-            out.append({"role": _ROLES[m["role"]], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise Unroutable("content")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image_url", "video_url"):
-                media = True
-                parts.append({"type": "image" if kind == "image_url" else "video"})
-            else:
-                raise Unroutable("content part")
-        out.append({"role": _ROLES[m["role"]], "content": parts})
-    return out, media
+    """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
+    try:
+        out, media = normalize_messages(messages)
+    except RuleError as e:
+        raise Unroutable(str(e)) from None
+    return out, bool(media)
 
 
 class Tokenizer:
@@ -115,10 +94,7 @@ class Tokenizer:
         self.tokenizer, self.template = tokenizer, template
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        inner = getattr(self.tokenizer, "tok", None)  # as GenerationCore.encode_text
-        if special or inner is None:
-            return list(self.tokenizer.encode(text))
-        return list(inner.encode(text, add_special_tokens=False).ids)
+        return encode_text(self.tokenizer, text, special)
 
     def prompt(self, kind: str, body) -> tuple[list[int], bool]:
         """(token ids, has media); raises Unroutable."""
