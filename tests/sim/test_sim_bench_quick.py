@@ -50,8 +50,14 @@ def test_bench_routing_quick(tmp_path, monkeypatch):
     d = _run(["bench", "routing", "--quick", "--out-dir", str(tmp_path)])
     r = d["ratios"]
     assert (r["workers"], r["load"]) == (8, 0.8)
-    for k in ("affinity_hit_vs_round_robin", "affinity_hit_vs_best_peer", "affinity_ttft_p90_vs_best_peer"):
-        assert r[k] > 0
+    for k in (
+        "affinity_cached_vs_round_robin",
+        "affinity_cached_vs_sglang_gateway",
+        "affinity_cached_vs_best_peer",
+        "affinity_ttft_p90_vs_best_peer",
+    ):
+        assert r[k] > 0 and r[f"{k}_ci_lo"] <= r[f"{k}_ci_hi"]
+    assert r["by_point"]["8/0.8"]["affinity_cached_vs_round_robin"] == r["affinity_cached_vs_round_robin"]
     assert {p["policy"] for p in d["points"]} == {"affinity", "round_robin", "least_load", "cache_aware", "kv_cost"}
     assert (tmp_path / "bench_routing.png").stat().st_size > 1000
     _no_grades(d)
