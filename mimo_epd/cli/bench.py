@@ -41,7 +41,9 @@ def _module(name: str):
 
 def _runner(name: str):
     def run(args) -> int:
-        print(json.dumps(_module(name).main(args)))  # one JSON object on stdout
+        out = _module(name).main(args)
+        out.setdefault("machine", import_module("mimo_epd.bench.machine").machine_facts())  # every bench says where
+        print(json.dumps(out))  # one JSON object on stdout
         return 0
 
     return run
