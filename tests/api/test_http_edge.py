@@ -17,22 +17,10 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from mimo_epd.common.http_edge import EdgeError, check_json, parse_json
 from mimo_epd.common.http_server import EdgeConfig, edge_app
-from tests.conftest import start_server
 
 pytestmark = pytest.mark.integration
 
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def front(worker):
-    """`mimo-epd router` with its HTTP front over the API tests' worker (the same tokenizer: tiny-random)."""
-    s = start_server(
-        ["--workers", f"{worker.address}/{worker.http_address}", "--http-port", "0", "--model", "tiny-random"], "router"
-    )
-    assert s.http_address
-    yield s
-    assert s.stop() == 0
 
 
 @pytest.fixture(scope="module", params=["worker", "router"])
@@ -192,3 +180,40 @@ def test_cors_off_by_default_and_preflight_when_asked():
     assert "POST" in pre_h["Access-Control-Allow-Methods"]
     assert get_h["Access-Control-Allow-Origin"] == "https://a.example"
     assert "Access-Control-Allow-Origin" not in other_h
+
+
+def test_slowloris_and_idle_connections_are_closed_and_clients_capped():
+    """A client that trickles its headers is cut at --header-timeout-s, an idle keep-alive at
+    --keepalive-timeout-s, and a client past --max-connections-per-client gets a JSON 429 at once."""
+    from mimo_epd.common.http_server import start_site
+
+    async def ok(request):
+        return web.json_response({})
+
+    async def go():
+        edge = EdgeConfig(header_timeout_s=0.5, keepalive_timeout_s=0.5, max_connections_per_client=5)
+        app = edge_app(edge, [])
+        app.router.add_get("/x", ok)
+        runner, port = await start_site(app, "127.0.0.1", 0, edge)
+        try:
+            slow = []
+            for _ in range(3):  # slowloris: a partial request line, never finished
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"GET /x HTTP/1.1\r\nHost: a\r\n")
+                slow.append((r, w))
+            r, w = await asyncio.open_connection("127.0.0.1", port)  # a keep-alive that goes idle
+            w.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
+            first = await asyncio.wait_for(r.readuntil(b"{}"), 5)
+            slow.append((r, w))
+            extra = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # 6th and 7th
+            refused = [await asyncio.wait_for(er.read(), 5) for er, _ in extra[1:]]
+            await asyncio.sleep(1.5)
+            closed = [await asyncio.wait_for(sr.read(), 5) == b"" or sr.at_eof() for sr, _ in slow]
+            return first, refused, closed
+        finally:
+            await runner.cleanup()
+
+    first, refused, closed = asyncio.run(go())
+    assert b"200 OK" in first and b"Server: mimo-epd" in first
+    assert refused[0].startswith(b"HTTP/1.1 429") and b"too_many_connections" in refused[0], refused
+    assert all(closed), closed
