@@ -71,6 +71,7 @@ class BatchStats:
     batches: int = 0
     items: int = 0
     patches: int = 0
+    busy_s: float = 0.0  # forward seconds, summed over forwards
 
 
 class Batcher:
@@ -159,6 +160,7 @@ class Batcher:
             self.stats.batches += 1
             self.stats.items += len(batch)
             self.stats.patches += patches
+            self.stats.busy_s += end - start
             if self.on_batch is not None:
                 self.on_batch(len(batch), patches, end - start)
             encode_ms = (end - start) * 1e3
