@@ -9,6 +9,8 @@ as `STATUS_CODE: details`, which `mimo-epd loadtest` groups by status.
 Configuration by environment (set by `mimo-epd loadtest encoder`):
     MIMO_EPD_MEDIA_URLS   comma-separated image URLs (each gets ?u=<token>); empty = bytes only
     MIMO_EPD_IMAGES_DIR   directory of JPEG files sent as bytes
+    MIMO_EPD_AUDIO_DIR    directory of audio clips (.wav) sent as AUDIO items (unique bytes: a token appended)
+    MIMO_EPD_AUDIO_FRACTION  share of requests that carry an audio clip instead of an image (default 0)
 The server address is Locust's --host (host:port, no scheme).
 """
 
@@ -31,6 +33,8 @@ from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc  # noqa: E402
 
 URLS = [u for u in os.environ.get("MIMO_EPD_MEDIA_URLS", "").split(",") if u]
 IMAGES = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_IMAGES_DIR", "/nonexistent")).glob("*.jpg"))]
+AUDIO = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_AUDIO_DIR", "/nonexistent")).glob("*.wav"))]
+AUDIO_FRACTION = float(os.environ.get("MIMO_EPD_AUDIO_FRACTION", "0") or 0)
 _TOKEN = re.compile(r"u=[0-9a-f]{32}")
 
 
@@ -74,7 +78,11 @@ class EncoderUser(User):
 
     @task
     def encode(self) -> None:
-        if URLS and (not IMAGES or random.random() < 0.5):
+        if AUDIO and random.random() < AUDIO_FRACTION:
+            # Bytes after a WAV's declared data chunk are ignored by decoders: unique bytes, the same audio.
+            data = random.choice(AUDIO) + b"mimo-epd:" + uuid.uuid4().hex.encode()
+            self._call("Encode audio", encoder_pb2.MediaItem(data=data, modality=encoder_pb2.AUDIO))
+        elif URLS and (not IMAGES or random.random() < 0.5):
             self._call("Encode url", encoder_pb2.MediaItem(url=f"{random.choice(URLS)}?u={uuid.uuid4().hex}"))
         elif IMAGES:
             data = random.choice(IMAGES) + b"mimo-epd:" + uuid.uuid4().hex.encode()

@@ -134,6 +134,13 @@ def run(args) -> int:
     img_dir.mkdir(exist_ok=True)
     for name, data in images.items():
         (img_dir / name).write_bytes(data)
+    audio_dir = out_dir / "audio"
+    if args.audio_fraction > 0:
+        from mimo_epd.testing.audio_gen import make_test_audio
+
+        audio_dir.mkdir(exist_ok=True)
+        for i in range(4):
+            make_test_audio(str(audio_dir / f"clip-{i}.wav"), 2.0 + 2 * i, seed=100 + i)
     server = None
     proc = None
     with MediaServer(images) if args.urls else nullcontext() as media:
@@ -147,7 +154,13 @@ def run(args) -> int:
             rc = check_server(address, images, media)
             if rc:
                 return rc
-            env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
+            env = {
+                **os.environ,
+                "MIMO_EPD_MEDIA_URLS": ",".join(urls),
+                "MIMO_EPD_IMAGES_DIR": str(img_dir),
+                "MIMO_EPD_AUDIO_DIR": str(audio_dir),
+                "MIMO_EPD_AUDIO_FRACTION": str(args.audio_fraction),
+            }
             cmd = locust_command(
                 LOCUSTFILE,
                 users=args.users,
@@ -179,6 +192,7 @@ def run(args) -> int:
         "spawn_rate": args.spawn_rate,
         "run_time": args.run_time,
         "items": "bytes+urls" if args.urls else "bytes",
+        "audio_fraction": args.audio_fraction,
         "csv": str(stats_csv),
         **_aggregated(stats_csv),
         "failures_by_status": by_status,
@@ -203,6 +217,12 @@ def add_arguments(p) -> None:
         action="store_true",
         help="also send items as URLs on a media server started here on 127.0.0.1 (the server needs "
         f"{_ALLOW_HINT}); default: every item is sent as bytes",
+    )
+    p.add_argument(
+        "--audio-fraction",
+        type=float,
+        default=0.0,
+        help="share of requests carrying a 2-8 s audio clip (AUDIO item) instead of an image (default: 0)",
     )
     p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")
