@@ -242,3 +242,13 @@ def test_spec_bench_sim_quick():
         assert modes["k1"]["mean_accept_length"] < modes["k3"]["mean_accept_length"] <= 4
     r = out["ratios"]
     assert r["speedup_k3_b1_0_128"] > 0 and r["speedup_k3_b16_128_256"] > 0
+
+
+def test_audio_quick():
+    out = run_bench("audio")
+    no_grades(out)
+    assert out["bounded"] and out["outputs_match"] and out["hour"]["rel_l2"] < 1e-4
+    assert set(out["ratios"]) == {"hour_vs_transformers", "clips_qps_vs_peer"}
+    for side in ("ours", "transformers"):
+        assert out["hour"][side]["seconds"] > 0 and out["hour"][side]["peak_rss_mb"] > 0
+    assert out["clips"]["ours"]["failures"] == 0 and out["clips"]["peer"]["failures"] == 0
