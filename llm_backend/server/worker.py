@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, wait_for_signal
 from mimo_epd.v1 import generator_pb2_grpc
@@ -62,12 +63,15 @@ async def serve_llm(
         print(f"http {shown}:{http_port}", flush=True)
     srv.announce()
     await wait_for_signal()
+    t0 = time.monotonic()
     if runner is not None:
         from .http import stop_http
 
         await asyncio.gather(srv.stop(grace_s), stop_http(runner))
     else:
         await srv.stop(grace_s)
+    t1 = time.monotonic()
     stop_engine.set()
     thread.join(5)
+    log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
     return 0

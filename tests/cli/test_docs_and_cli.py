@@ -65,7 +65,7 @@ def test_serve_help_is_grouped():
     titles = re.findall(r"^(\S[^\n]*):$", r.stdout, re.M)
     for title in ("node", "routing", "LLM worker", "encoder: limits", "video", "cache"):
         assert title in titles, titles
-    assert r.stdout.startswith("usage: mimo-epd serve [FLAGS]")
+    assert r.stdout.startswith("usage: mimo-epd serve [MODEL] [FLAGS]")
 
 
 def test_top_level_help_is_for_users():
