@@ -15,7 +15,7 @@ import time
 import grpc
 import torch
 
-from mimo_epd.common.grpc_server import GrpcServer, wait_for_signal
+from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals, wait_for_signal
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
@@ -132,6 +132,8 @@ async def serve_encoder(
         config.device,
         pipeline.preprocess_config,
     )
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
     if announce:
         srv.announce()
     if ready is not None:

@@ -42,6 +42,17 @@ class LLMConfig:
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
+    tokenizer: str = flag(
+        "",
+        "tokenizer.json file, or a directory holding one (empty = the checkpoint's; 'bytes' = one token per byte)",
+        _SERVE,
+    )
+    max_model_len: int = flag(
+        0,
+        "longest sequence (prompt + output) a request may reach (0 = the model's max_position_embeddings, at most "
+        "--kv-cache-tokens)",
+        _SERVE,
+    )
     chat_template: str = flag(
         "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
     )

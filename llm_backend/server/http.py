@@ -143,7 +143,7 @@ class LLMHTTPServer:
         return web.json_response(
             {
                 "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
+                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
                 "served_model_name": self.core.model_name,
                 "is_generation": True,
                 "preferred_sampling_params": None,
@@ -159,7 +159,7 @@ class LLMHTTPServer:
             {
                 "model_path": self.model_path,
                 "served_model_name": self.core.model_name,
-                "tokenizer_path": self.model_path,
+                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
                 "dp_size": 1,
                 "tp_size": 1,
                 "context_length": self.core.max_model_len,

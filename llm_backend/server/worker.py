@@ -8,8 +8,9 @@ import asyncio
 import logging
 import os
 import threading
+import time
 
-from mimo_epd.common.grpc_server import GrpcServer, shown_host, wait_for_signal
+from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .chat_template import load_chat_template
@@ -60,14 +61,19 @@ async def serve_llm(
         shown = shown_host(host)
         log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
         print(f"http {shown}:{http_port}", flush=True)
+    stop = asyncio.Event()
+    stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
     srv.announce()
-    await wait_for_signal()
+    await stop.wait()
+    t0 = time.monotonic()
     if runner is not None:
         from .http import stop_http
 
         await asyncio.gather(srv.stop(grace_s), stop_http(runner))
     else:
         await srv.stop(grace_s)
+    t1 = time.monotonic()
     stop_engine.set()
     thread.join(5)
+    log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
     return 0

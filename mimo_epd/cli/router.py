@@ -47,7 +47,9 @@ def _setup(p) -> None:
 
 async def serve_router(proc: RouterProcessConfig, config) -> int:
     """Serves until SIGTERM / SIGINT, then drains; returns the exit status."""
-    from mimo_epd.common.grpc_server import GrpcServer, wait_for_signal
+    import asyncio
+
+    from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.router.llm import LLMRouter
     from mimo_epd.router.state import MemoryState, open_state
@@ -84,8 +86,10 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
         logging.getLogger("mimo_epd.router").info(
             "LLM router (%s, state %s) on %s", config.policy, config.router_state, srv.address
         )
+        stop = asyncio.Event()
+        stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
         srv.announce()
-        await wait_for_signal()
+        await stop.wait()
         await srv.stop(proc.grace_period_s)
         return 0
     finally:

@@ -44,6 +44,7 @@ class ChildProcess:
         self.host = host
         self.port = 0
         self.http_port: int | None = None  # set: pass --http-port (0 first, then the same port on restarts)
+        self.metrics_port = 0  # an encoder's /metrics port (in the node's merged metrics)
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -67,8 +68,11 @@ class ChildProcess:
         cmd += self.args
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
-        # worker_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL; two arenas
-        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=worker_env())
+        # worker_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL; two arenas.
+        # Its own session: a Ctrl-C in the terminal reaches the launcher only, which drains the node in order.
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, env=worker_env(), start_new_session=True
+        )
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._read_ready_line()

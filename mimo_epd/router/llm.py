@@ -93,7 +93,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if tokenizer is None:
             from llm_backend.tokenizer import load_tokenizer
 
-            tokenizer = load_tokenizer(config.model)
+            tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.tokenizer = tokenizer
         self.workers: dict[str, WorkerView] = {}
         self.feeds: dict[str, WorkerFeed] = {}
