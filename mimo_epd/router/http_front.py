@@ -247,7 +247,7 @@ class HTTPFront:
                 headers=self._headers(request),
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
         return await self._relay(request, up, target, None)
@@ -350,7 +350,7 @@ class HTTPFront:
         url = f"http://{choice.http_address}{request.path_qs}"
         try:
             up = await self._session.post(url, data=raw, headers=headers, allow_redirects=False)
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             router.mark_down(choice, f"HTTP {type(e).__name__}")
             return None, type(e).__name__
         if up.status in RETRY_STATUS:
