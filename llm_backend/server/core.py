@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -147,6 +148,7 @@ class GenerationCore:
         if encoder_address:
             ch = grpc.aio.insecure_channel(
                 encoder_address,
+                interceptors=client_interceptors(),  # the internal key, when the node's gRPC port wants one
                 options=[
                     ("grpc.max_receive_message_length", max_message_mb << 20),
                     ("grpc.max_send_message_length", max_message_mb << 20),

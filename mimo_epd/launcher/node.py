@@ -22,11 +22,13 @@ routers that share it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 
 from encoder_server.config import EncoderServerConfig
 from mimo_epd.common import flags
+from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.router.encoder import EncoderRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
@@ -132,7 +134,9 @@ class Node:
                 max_message_mb=enc.max_message_mb,
             ),
         )
-        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        # keys on the gRPC port too; TLS only on the HTTP front (the workers send media through this port)
+        plain = dataclasses.replace(node.auth, tls_cert="", tls_key="")
+        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb, auth=plain)
         self.grpc.add(encoder_pb2_grpc.add_EncoderServicer_to_server, self.encoder_router, ENCODER_SERVICE)
         if node.llm:  # the LLM router over this node's workers (and, with a shared state, every node's)
             from mimo_epd.router.llm import LLMRouter
@@ -172,7 +176,7 @@ class Node:
         from mimo_epd.router.http_front import HTTPFront
 
         template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
-        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge)
+        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge, auth=self.cfg.auth)
         http_port = await self.front.start(self.enc.host, self.cfg.http_port)
         print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
 
@@ -207,6 +211,7 @@ class Node:
 
 
 async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
+    use_internal_key(node.auth.internal_api_key)  # what this node sends its workers, and they accept
     shm = open_node_cache(enc)
     encoders = make_encoders(enc, node, shm.name)
     if node.join:

@@ -35,6 +35,7 @@ from typing import Callable
 import aiohttp
 from aiohttp import web
 
+from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
@@ -194,6 +195,7 @@ class HTTPFront:
         router=None,
         template=None,
         edge: EdgeConfig | None = None,
+        auth: AuthConfig | None = None,
     ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
         Without one, `upstream()` is the one worker's current `host:port` (None while it is not up)."""
@@ -202,11 +204,12 @@ class HTTPFront:
         self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
         self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [])
+        app = edge_app(self.edge, [], keys=self.auth.keys)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -217,7 +220,7 @@ class HTTPFront:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner, bound = await start_site(self.app(), host, port, self.edge)
+        self._runner, bound = await start_site(self.app(), host, port, self.edge, ssl_context(self.auth))
         return bound
 
     async def close(self) -> None:
@@ -229,7 +232,13 @@ class HTTPFront:
 
     @staticmethod
     def _headers(request: web.Request) -> dict:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+        out = {
+            k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST and k.lower() != "authorization"
+        }
+        key = upstream_authorization(request.headers.get("Authorization"))  # the internal key, when set
+        if key:
+            out["Authorization"] = key
+        return out
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         kind = ROUTED.get(request.path) if request.method == "POST" else None

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .channels import channel_options
@@ -425,7 +426,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:  # quick reconnects: a restarted worker is routed to within ~1 s of serving again
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options(256))
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=channel_options(256), interceptors=client_interceptors()
+            )
         return ch
 
     def _stub(self, address: str):
