@@ -14,6 +14,8 @@ import os
 import platform
 from importlib import metadata
 
+from mimo_epd.common.proc_stat import usable_cores
+
 SIMD_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
@@ -48,14 +50,6 @@ def _cpuinfo() -> dict:
             return parse_cpuinfo(f.read())
     except OSError:
         return {"cpu_model": platform.processor() or None, "cpu_family": None, "cpu_model_number": None, "simd": {}}
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask; a container's cpuset), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def _dist_version(name: str) -> str | None:

@@ -23,7 +23,9 @@ from pathlib import Path
 from llm_backend.sim.load import scale_to_load
 from llm_backend.sim.metrics import _pct
 from mimo_epd.bench.stats import p, paired_ratio, total, with_ci
-from mimo_epd.router.policies import POLICIES
+from mimo_epd.common.flags import add_arguments as add_flag_arguments
+from mimo_epd.common.flags import from_args
+from mimo_epd.router.policies import POLICIES, PolicyConfig
 from mimo_epd.sim.fleet import Fleet
 from mimo_epd.sim.plot import ttft_vs_load
 from mimo_epd.sim.setup import add_model_flags, add_trace_flags, build, describe
@@ -95,6 +97,7 @@ def _ratios(points: dict, per_req: dict, W: int, L: float, n_boot: int) -> dict:
 
 def _simulate_all(args, workers, loads, policies, seeds):
     cost, cfg = build(args)
+    pcfg = from_args(PolicyConfig, args)
     bases = [mooncake_requests(args.trace, args.requests, cfg.unit, args.offset, args.sessions, s) for s in seeds]
     runs: dict = {}
     seconds: dict = {}
@@ -107,7 +110,7 @@ def _simulate_all(args, workers, loads, policies, seeds):
                 rates.setdefault((W, load), []).append(scaled["rate_per_s"])
                 for pol in policies:
                     t0 = time.perf_counter()
-                    fleet = Fleet(cost, cfg, W, pol)
+                    fleet = Fleet(cost, cfg, W, pol, pcfg)
                     res = fleet.run(reqs)
                     per = {f.index: (f.first_token - f.arrival, f.cached_tokens) for f in fleet.finished}
                     runs.setdefault((W, load, pol), []).append((res, per))
@@ -151,6 +154,7 @@ def main(args) -> dict:
             "policies": policies,
             "bootstrap": {"replicates": args.bootstrap, "level": 0.95, "over": "requests, paired, stratified by seed"},
             **describe(cost, cfg),
+            "policy_config": vars(from_args(PolicyConfig, args)),
             "load_definition": "arrival rate x mean uncached service time (cost model) / workers",
         },
         "ratios": ratios,
@@ -186,3 +190,4 @@ def add_arguments(q) -> None:
         help="a seconds-long version (CI): the first 40 sampled requests, 8 workers, 80%% load",
     )
     add_model_flags(q)
+    add_flag_arguments(q, PolicyConfig, default_group="routing policies (as `serve` and `router`)")
