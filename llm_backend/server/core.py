@@ -308,7 +308,8 @@ class GenerationCore:
         raise AssertionError("unreachable: events() always ends with a Final")
 
     def abort(self, r, reason: str = "abort") -> None:
-        """ "abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
+        """ "abort" frees the KV the request owns alone (prefilled prompt chunks stay in the prefix cache); "stop" (a
+        stop string matched) finishes it normally, KV cached."""
         self.engine.abort(r, reason=reason)
 
 
