@@ -49,6 +49,8 @@ def _setup(p) -> None:
 
 async def serve_router(proc: RouterProcessConfig, config) -> int:
     """Serves until SIGTERM / SIGINT, then drains; returns the exit status."""
+    import asyncio
+
     from mimo_epd.common.auth import use_internal_key
     from mimo_epd.common.grpc_server import GrpcServer, wait_for_signal
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
@@ -75,6 +77,8 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
         if encoders is not None:
             encoders.start()
         await srv.start()
+        loop = asyncio.get_running_loop()
+        llm_router.on_loop_death = lambda name: loop.create_task(srv.set_serving(False))  # a dead loop: NOT_SERVING
         if proc.http_port >= 0:
             from llm_backend.server.chat_template import load_chat_template
             from mimo_epd.common.grpc_server import shown_host

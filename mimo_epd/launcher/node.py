@@ -148,6 +148,8 @@ class Node:
         self.encoder_router.on_change = lambda alive: loop.create_task(grpc.set_serving(bool(alive)))
         self.encoder_router.start()
         await grpc.start(serving=bool(self.encoder_router.alive))
+        if self.llm_router is not None:  # a dead registry loop is never silent: the node stops serving
+            self.llm_router.on_loop_death = lambda name: loop.create_task(grpc.set_serving(False))
         if self.llm_router is not None:
             await self.start_llm(f"127.0.0.1:{grpc.port}")  # the LLM workers send media through this server
 

@@ -119,6 +119,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         }
         self._tasks: list[asyncio.Task] = []
         self.discovery_errors = 0  # registry reads that failed other than by an unreachable state
+        self._closing = False
+        self.on_loop_death = None  # callback(loop name): set by the process (health NOT_SERVING)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
         self._recent: dict[str, OrderedDict[int, float]] = {}  # worker -> block hash -> remembered until
@@ -150,12 +152,15 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         """Starts the feeds and the registry reads; waits (up to `wait_s`) until some worker is live."""
         for f in self.feeds.values():
             f.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._discovery_loop(), name="discovery"))
+        task = asyncio.get_running_loop().create_task(self._discovery_loop(), name="discovery")
+        task.add_done_callback(self._loop_ended)
+        self._tasks.append(task)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and len(self.live()) < max(1, len(self.feeds)):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        self._closing = True
         for t in [*self._tasks, *self._rechecks.values()]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._rechecks.values(), return_exceptions=True)
@@ -223,6 +228,16 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         else:
             sizes = {}
         self.metrics.index_blocks = {self.workers[w].address: int(n) for w, n in sizes.items() if w in self.workers}
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A background loop that ends before close() is an error, never silent: logged, and `on_loop_death`
+        (the process sets its health NOT_SERVING) is called."""
+        if task.cancelled() and self._closing:
+            return
+        err = None if task.cancelled() else task.exception()
+        log.error("router: the %s loop ended (%r); this router no longer follows the registry", task.get_name(), err)
+        if self.on_loop_death is not None:
+            self.on_loop_death(task.get_name())
 
     def discovery_alive(self) -> bool:
         """Whether the registry reads still run (they end only with the router)."""

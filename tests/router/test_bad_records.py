@@ -78,3 +78,22 @@ async def _scenario(url: str) -> None:
 
 def test_garbage_in_redis_is_skipped_counted_and_discovery_lives(redis_server):
     asyncio.run(_scenario(redis_server.url))
+
+
+async def _dead_loop() -> None:
+    router = LLMRouter(LLMRouterConfig(model="tiny-random", discovery_interval_s=0.05))
+    deaths = []
+    router.on_loop_death = deaths.append
+    await router.start(wait_s=0.0)
+    try:
+        assert router.discovery_alive()
+        next(t for t in router._tasks if t.get_name() == "discovery").cancel()  # a loop ending before close()
+        await asyncio.sleep(0.05)
+        assert deaths == ["discovery"] and not router.discovery_alive()
+        assert "router_discovery_alive 0.0" in router.metrics.render().decode()
+    finally:
+        await router.close()
+
+
+def test_a_loop_that_ends_is_reported_not_silent():
+    asyncio.run(_dead_loop())
