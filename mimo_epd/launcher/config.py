@@ -75,7 +75,13 @@ class NodeConfig:
     def from_args(cls, args) -> "NodeConfig":
         cfg = flags.from_args(cls, args)
         cfg.edge.validate()
-        cfg.auth = cfg.auth.resolved().with_internal_key()
+        cfg.auth = cfg.auth.resolved()
+        if cfg.join and cfg.auth.api_key and not cfg.auth.internal_api_key:
+            raise ValueError(
+                "--join with --api-key needs --internal-api-key (or $MIMO_EPD_INTERNAL_API_KEY), the same on every "
+                "node and router of the fleet: routers elsewhere call this node's workers with it"
+            )
+        cfg.auth = cfg.auth.with_internal_key()
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.llm_workers < 1:

@@ -155,3 +155,28 @@ def test_tls_on_http_and_grpc(tmp_path):
 
     status, health = asyncio.run(go())
     assert status == 200 and health == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_serve_with_a_key_guards_the_front_and_its_workers():
+    """`serve --api-key`: the front wants the key and forwards with the node's own (random) internal key; the
+    node's gRPC Generate wants the key too."""
+    s = start_server(
+        ["--http-port", "0", "--llm-kv-cache-tokens", "6000", "--llm-swa-cache-tokens", "1500", "--api-key", PUBLIC],
+        subcommand="serve",
+        timeout=300,
+    )
+    try:
+        for path in ("/v1/models", "/v1/chat/completions"):
+            assert call(s.http_address, path, None)[0] == 401
+            status, body = call(s.http_address, path, PUBLIC)
+            assert status == 200, (path, body[:300])
+        assert call(s.http_address, "/health", None)[0] == 200
+        req = generator_pb2.GenerateRequest(prompt="hi", sampling=generator_pb2.SamplingOptions(max_tokens=1))
+        with grpc.insecure_channel(s.address) as ch:
+            stub = generator_pb2_grpc.GeneratorStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(req, timeout=30))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert list(stub.Generate(req, timeout=60, metadata=(("authorization", f"Bearer {PUBLIC}"),)))
+    finally:
+        assert s.stop() == 0
