@@ -280,8 +280,9 @@ class LLM:
         return r
 
     def abort(self, r: Request, reason: str = "abort") -> None:
-        """Stops a request at the next step. "abort" frees its KV (nothing it computed is cached); "stop" ends it
-        as a normal stop (server-side stop strings) and caches what it computed."""
+        """Stops a request at the next step. "abort" frees the KV slots it still owns alone; prompt chunks it
+        already prefilled entered the prefix cache during prefill and stay there (shared, evictable like any cached
+        prefix). "stop" ends it as a normal stop (server-side stop strings) and caches what it computed."""
         if reason not in ("abort", "stop"):
             raise ValueError(f"abort reason must be abort or stop, got {reason!r}")
         r.aborted = r.aborted or reason

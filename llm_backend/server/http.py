@@ -21,6 +21,7 @@ import grpc
 from aiohttp import web
 
 from mimo_epd.common import http_edge
+from mimo_epd.common.auth import AuthConfig, ssl_context
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 
 from . import openai_protocol as proto
@@ -72,15 +73,17 @@ class LLMHTTPServer:
         media_timeout_s: float = 60.0,
         model_path: str = "tiny",
         edge: EdgeConfig | None = None,
+        auth: AuthConfig | None = None,
     ):
         self.core, self.template, self.metrics = core, template, metrics
         self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self.media_timeout_s = media_timeout_s
         self.model_path = model_path
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [errors_middleware])
+        app = edge_app(self.edge, [errors_middleware], keys=self.auth.keys)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
@@ -351,7 +354,7 @@ class LLMHTTPServer:
 
 async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Starts the app; returns the runner and the bound port. A client that disconnects cancels its handler."""
-    return await start_site(server.app(), host, port, server.edge)
+    return await start_site(server.app(), host, port, server.edge, ssl_context(server.auth))
 
 
 async def stop_http(runner: web.AppRunner) -> None:

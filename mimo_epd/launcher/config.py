@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mimo_epd.common import flags
+from mimo_epd.common.auth import AUTH_FIELDS, AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EDGE_FIELDS, EdgeConfig
 
@@ -61,6 +62,7 @@ class NodeConfig:
     )
     http_port: int = flag(8000, "the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off")
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits, on the front and on every worker
+    auth: AuthConfig = embedded(AuthConfig)  # API keys and TLS of the node's ports; workers get the internal key
     llm_workers: int = flag(
         1,
         "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
@@ -95,6 +97,13 @@ class NodeConfig:
     def from_args(cls, args) -> "NodeConfig":
         cfg = flags.from_args(cls, args)
         cfg.edge.validate()
+        cfg.auth = cfg.auth.resolved()
+        if cfg.join and cfg.auth.api_key and not cfg.auth.internal_api_key:
+            raise ValueError(
+                "--join with --api-key needs --internal-api-key (or $MIMO_EPD_INTERNAL_API_KEY), the same on every "
+                "node and router of the fleet: routers elsewhere call this node's workers with it"
+            )
+        cfg.auth = cfg.auth.with_internal_key()
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
@@ -129,7 +138,7 @@ _LLM_OWN = {
 }
 
 
-_LLM_OWN |= EDGE_FIELDS  # the node's edge flags, given to its workers too (node.py)
+_LLM_OWN |= EDGE_FIELDS | AUTH_FIELDS  # the node's edge flags, given to its workers too (node.py); keys by env
 
 
 def add_llm_passthrough(parser) -> None:
