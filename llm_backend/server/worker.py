@@ -49,6 +49,7 @@ async def serve_llm(
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
     attach_kv_events(engine, srv.server, model=name)
+    xfer = _attach_role(engine, core, srv, host)
     await srv.start()
     runner = None
     if config.http_port >= 0:
@@ -70,4 +71,21 @@ async def serve_llm(
         await srv.stop(grace_s)
     stop_engine.set()
     thread.join(5)
+    if xfer is not None:
+        xfer.close()
     return 0
+
+
+def _attach_role(engine, core, srv: GrpcServer, host: str):
+    """The prefill and decode roles' parts (llm_backend.pd): the transfer engine, and the KVTransfer service
+    (prefill) or its client (decode); None for a `both` worker."""
+    cfg = engine.config
+    if cfg.role == "both":
+        return None
+    if cfg.role == "prefill":
+        from ..pd.prefill import attach_prefill
+
+        return attach_prefill(engine, core, srv, host, cfg.pd_protocol, cfg.pd_device)
+    from ..pd.decode import attach_decode
+
+    return attach_decode(engine, core, host, cfg)
