@@ -26,6 +26,7 @@ import logging
 import os
 
 from encoder_server.config import EncoderServerConfig
+from mimo_epd.common import flags
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.router.encoder import EncoderRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
@@ -171,7 +172,7 @@ class Node:
         from mimo_epd.router.http_front import HTTPFront
 
         template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
-        self.front = HTTPFront(router=self.llm_router, template=template)
+        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge)
         http_port = await self.front.start(self.enc.host, self.cfg.http_port)
         print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
 
@@ -228,6 +229,7 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
         "--swa-cache-tokens",
         str(node.llm_swa_cache_tokens),
         *node.llm_args,
+        *flags.to_argv(node.edge, skip={"allowed_origins"}),  # the front's limits hold on the workers too
     ]
     total = node.llm_workers + node.pd_prefill_workers + node.pd_decode_workers
     if "--torch-threads" not in args and total > 1:
