@@ -194,14 +194,16 @@ class DecodeScheduler(Scheduler):
         """Step 2 of the module docstring: the prefix match and the pages for the rest; None if they do not fit."""
         kv = RequestKV(self.cache, r.prompt[:-1] if self.enable_prefix_cache else [], self.release_interval)
         n, dp, w = len(r.prompt), kv.cached_tokens, self.cache.window
-        rule = TransferRule(n, dp, w)
-        if not self.cache.make_room(rule.full_tokens + self.full_pool.page_size, w + self.chunk_size):
+        rule = TransferRule(n, dp, w, self.full_pool.page_size)
+        if not self.cache.make_room(rule.full_tokens + self.full_pool.page_size, rule.swa_tokens + self.chunk_size):
             kv.finish(cache_result=False)
             return None
         try:
+            keep = n - rule.swa_range[0]  # SWA slots kept: the rule's window, not just the last W
             for start in range(dp, n, self.chunk_size):
-                kv.extend(r.prompt[start : min(n, start + self.chunk_size)])
-                kv.release_out_of_window()
+                end = min(n, start + self.chunk_size)
+                kv.extend(r.prompt[start:end])
+                kv.release_out_of_window(end - keep + w)
         except PoolExhausted:
             kv.finish(cache_result=False)
             return None
@@ -269,6 +271,7 @@ class PrefillClient:
             session=self.xfer.session,
             layers=layers,
             decode_prefix=room.rule.decode_prefix,
+            page_size=room.rule.page,
             full_slots=room.full_slots,
             swa_slots=room.swa_slots,
             temperature=p.temperature,

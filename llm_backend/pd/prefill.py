@@ -127,7 +127,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
         if not request.room or not request.session:
             raise ServeError.invalid("room and session are required", param="room")
         try:
-            rule = TransferRule(n, request.decode_prefix, engine.model.config.window)
+            rule = TransferRule(n, request.decode_prefix, engine.model.config.window, request.page_size or 1)
             peer = _layout(request)
             self.xfer.layout.check_peer(peer)
         except ValueError as e:

@@ -117,7 +117,7 @@ def main(args) -> dict:
     for sess in disagg:
         for ids, _, _, _, final in sess:
             measured.append(final.kv_transfer_bytes)
-            formula.append(TransferRule(len(ids), final.cached_tokens, cfg.window).bytes(full_b, swa_b))
+            formula.append(TransferRule(len(ids), final.cached_tokens, cfg.window, 1).bytes(full_b, swa_b))
             if final.ttft_ms > 0:
                 shares.append(final.kv_transfer_ms / final.ttft_ms)
     equal = [a[1] == b[1] for sa, sb in zip(colocated, disagg) for a, b in zip(sa, sb)]

@@ -131,7 +131,8 @@ class PDFleet:
         k, r, room = fin.meta["pd"]
         sh, rule = self.cost.shape, room.rule
         U = self.unit
-        real = TransferRule(fin.prompt_len, min(fin.prompt_len - 1, rule.decode_prefix * U), sh.window)
+        page = self.decode[k].config.page_size
+        real = TransferRule(fin.prompt_len, min(fin.prompt_len - 1, rule.decode_prefix * U), sh.window, page)
         nbytes = real.bytes(sh.kv_bytes_full, sh.kv_bytes_swa)
         chunk = self.prefill[p].config.chunk_size
         tail = nbytes * min(1.0, chunk / max(1, real.full_tokens))

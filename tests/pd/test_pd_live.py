@@ -69,8 +69,8 @@ def ids_request(ids, n, media=()):
 
 def rule_bytes(length: int, prefix: int) -> int:
     full_b, swa_b = PoolLayout.of(KVPools(TINY_LLM_CONFIG, 1, 1)).token_bytes()
-    w = TINY_LLM_CONFIG.window
-    return (length - prefix) * full_b + (length - max(prefix, length - w)) * swa_b
+    w = TINY_LLM_CONFIG.window  # page 1: SWA of [max(prefix, L - 1 - W), L)
+    return (length - prefix) * full_b + (length - max(prefix, length - 1 - w)) * swa_b
 
 
 def port(s) -> int:
@@ -87,6 +87,9 @@ def test_multi_turn_greedy_equals_colocated_and_turn_two_moves_only_new_tokens(f
     assert f1.kv_transfer_bytes == rule_bytes(len(turn1), 0)
     full_b, swa_b = PoolLayout.of(KVPools(TINY_LLM_CONFIG, 1, 1)).token_bytes()
     assert f1.kv_transfer_bytes < len(turn1) * (full_b + swa_b)  # less than a full-KV transfer
+    again, fa = stream(dec.address, ids_request(turn1, 10))  # a re-sent prompt: the decode side's copy matches
+    assert again == b1 and fa.cached_tokens == len(turn1) - 1
+    assert fa.kv_transfer_bytes == rule_bytes(len(turn1), len(turn1) - 1)
     turn2 = turn1 + b1 + [(11 * i) % 200 + 3 for i in range(40)]
     a2, _ = stream(both.address, ids_request(turn2, 10))
     b2, f2 = stream(dec.address, ids_request(turn2, 10))

@@ -25,7 +25,7 @@ def test_every_request_is_prefilled_remotely_and_moves_the_rules_bytes():
     shape, fleet = _fleet()
     res = fleet.run(_requests(6, 16384))
     assert res["requests"] == 6 and res["errors"] == 0 and res["transfers"] == 6 and res["local_prefills"] == 0
-    want = TransferRule(16384, 0, shape.window).bytes(shape.kv_bytes_full, shape.kv_bytes_swa)
+    want = TransferRule(16384, 0, shape.window, 128).bytes(shape.kv_bytes_full, shape.kv_bytes_swa)
     assert res["transfer_bytes_per_request"] == want < res["full_kv_bytes_per_request"]
     for w in fleet.decode:
         for f in w.finished:
