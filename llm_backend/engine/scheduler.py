@@ -114,6 +114,13 @@ class Scheduler:
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
 
+    def configure(self, cfg) -> None:
+        """Reads a subclass's own settings from the worker's LLMConfig (the prefill / decode roles); none here."""
+
+    def metrics(self) -> dict:
+        """A subclass's counters for engine.stats() (and /metrics); none here."""
+        return {}
+
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len + 1 > self.max_seq_len:

@@ -52,6 +52,7 @@ async def serve_llm(
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
     attach_kv_events(engine, srv.server, model=name)
+    xfer = _attach_role(engine, core, srv, host)
     await srv.start()
     runner = None
     if config.http_port >= 0:
@@ -79,5 +80,22 @@ async def serve_llm(
     t1 = time.monotonic()
     stop_engine.set()
     thread.join(5)
+    if xfer is not None:
+        xfer.close()
     log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
     return 0
+
+
+def _attach_role(engine, core, srv: GrpcServer, host: str):
+    """The prefill and decode roles' parts (llm_backend.pd): the transfer engine, and the KVTransfer service
+    (prefill) or its client (decode); None for a `both` worker."""
+    cfg = engine.config
+    if cfg.role == "both":
+        return None
+    if cfg.role == "prefill":
+        from ..pd.prefill import attach_prefill
+
+        return attach_prefill(engine, core, srv, host, cfg.pd_protocol, cfg.pd_device)
+    from ..pd.decode import attach_decode
+
+    return attach_decode(engine, core, host, cfg)

@@ -68,6 +68,14 @@ class NodeConfig:
         "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
         "unless --llm-torch-threads is set",
     )
+    pd_prefill_workers: int = flag(
+        0, "prefill-role LLM workers (docs/pd.md): they compute prompts and write their KV into decode workers"
+    )
+    pd_decode_workers: int = flag(
+        0,
+        "decode-role LLM workers: each asks a prefill worker for a prompt's KV, then decodes (next to --llm-workers; "
+        "--decode-workers is the encoders' image-decode processes)",
+    )
     join: str = flag(
         "",
         "redis://HOST:PORT/DB: register this node's encoders and LLM workers there (with heartbeats) for the "
@@ -108,8 +116,14 @@ class NodeConfig:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
-        if cfg.llm_workers < 1:
-            raise ValueError(f"--llm-workers must be at least 1, got {cfg.llm_workers}")
+        if cfg.llm_workers < 0 or cfg.pd_prefill_workers < 0 or cfg.pd_decode_workers < 0:
+            raise ValueError("--llm-workers, --pd-prefill-workers and --pd-decode-workers must be >= 0")
+        if cfg.llm_workers + cfg.pd_decode_workers < 1:
+            raise ValueError("a node needs at least one worker that decodes: --llm-workers or --pd-decode-workers >= 1")
+        if cfg.pd_prefill_workers and not cfg.pd_decode_workers:
+            raise ValueError(
+                "--pd-prefill-workers needs --pd-decode-workers (prefill workers only serve decode workers)"
+            )
         if cfg.join and not cfg.join.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--join needs a redis:// URL, got {cfg.join!r}")
         from mimo_epd.router.config import routing_config
@@ -135,6 +149,8 @@ _LLM_OWN = {
     "served_model_name",
     "max_model_len",
     "tokenizer",
+    "role",  # --pd-prefill-workers / --pd-decode-workers
+    "pd_prefill",
 }
 
 

@@ -269,16 +269,29 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
     ):
         if value:
             args += [name, str(value)]
-    if "--torch-threads" not in args and node.llm_workers > 1:
-        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
-    workers = [
-        ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
-        for i in range(node.llm_workers)
-    ]
-    for w in workers:
-        w.http_port = 0  # its HTTP API (behind the node's front) and its /metrics (in the node's)
+    total = node.llm_workers + node.pd_prefill_workers + node.pd_decode_workers
+    if "--torch-threads" not in args and total > 1:
+        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // total))]
+
+    def group(first: int, n: int, extra: list[str]) -> list[ChildProcess]:
+        out = [
+            ChildProcess(first + i, args + extra, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+            for i in range(n)
+        ]
+        for w in out:
+            w.http_port = 0  # its HTTP API (behind the node's front) and its /metrics (in the node's)
+        return out
+
+    # Prefill workers first: each decode worker is told their addresses (--pd-prefill), for requests that reach it
+    # without a router's choice (its own HTTP API).
+    prefill = group(node.llm_workers, node.pd_prefill_workers, ["--role", "prefill"])
+    await asyncio.gather(*(w.start() for w in prefill))
+    pd = (
+        ["--role", "decode", "--pd-prefill", ",".join(w.endpoint for w in prefill)] if prefill else ["--role", "decode"]
+    )
+    workers = group(0, node.llm_workers, []) + group(node.llm_workers + len(prefill), node.pd_decode_workers, pd)
     await asyncio.gather(*(w.start() for w in workers))
-    return workers
+    return workers + prefill
 
 
 def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:

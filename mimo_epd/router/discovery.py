@@ -130,6 +130,7 @@ class WorkerFeed:
                 **self.fields,
                 "model": reply.model,
                 "block_size": reply.block_size,
+                "role": reply.role or "both",
                 "epoch": reply.epoch,
                 "queued_tokens": load.queued_tokens,
                 "running_tokens": load.running_tokens,

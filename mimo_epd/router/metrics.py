@@ -32,6 +32,13 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.requests = Counter("router_requests", "requests sent to each LLM worker", ["worker", "front"], registry=r)
         self.retries = Counter("router_retries", "requests moved to the next worker after a failure", registry=r)
+        self.pd_paths = Counter(
+            "router_pd_prefills",
+            "decode workers' requests by where they were prefilled: remote (a prefill worker) or local (conditional "
+            "disaggregation: no prefill worker, or every prefill queue over --pd-max-prefill-queue)",
+            ["path"],
+            registry=r,
+        )
         self.failed = Counter("router_failed", "requests that no worker could serve", registry=r)
         self.error = Histogram(
             "router_prediction_error_tokens",
