@@ -20,6 +20,7 @@ import time
 import grpc
 from aiohttp import web
 
+from llm_backend.agentic.output import ChatOutput
 from mimo_epd.common import http_edge
 from mimo_epd.common.auth import AuthConfig, ssl_context
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
@@ -183,7 +184,7 @@ class LLMHTTPServer:
     async def _prepare(self, req: proto.GenRequest):
         core = self.core
         if req.kind == "chat":
-            text = self.template.render(req.messages, add_generation_prompt=True)
+            text = self.template.render(req.messages, add_generation_prompt=True, **req.agentic.render_kwargs())
             prep = await core.prepare(
                 text=text, media_items=req.media, add_special_tokens=False, timeout=self.media_timeout_s
             )
@@ -227,7 +228,10 @@ class LLMHTTPServer:
         res = await self.core.generate(prep, params, req.stop)
         lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
         if req.kind == "chat":
-            body = proto.chat_response(rid, model, res.text, res.final, lp)
+            out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+            body = proto.chat_response(
+                rid, model, out.message(), out.finish_reason(res.final.finish_reason), res.final, lp
+            )
         else:
             body = proto.completion_response(rid, model, res.text, res.final, lp)
         return web.json_response(body)
@@ -250,6 +254,7 @@ class LLMHTTPServer:
         chat = req.kind == "chat"
         resp = await self._open_sse(request)
         offset = 0
+        out = ChatOutput(req.agentic.thinking, req.agentic.tools)
         try:
             if chat:
                 await self._send(
@@ -261,10 +266,19 @@ class LLMHTTPServer:
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     if chat:
+                        for d in out.flush():
+                            await self._send(
+                                resp, proto.chat_chunk(rid, model, created, d, include_usage=req.include_usage)
+                            )
                         await self._send(
                             resp,
                             proto.chat_chunk(
-                                rid, model, created, {}, ev.finish_reason, include_usage=req.include_usage
+                                rid,
+                                model,
+                                created,
+                                {},
+                                out.finish_reason(ev.finish_reason),
+                                include_usage=req.include_usage,
                             ),
                         )
                     else:
@@ -287,12 +301,12 @@ class LLMHTTPServer:
                 if not ev.text and lp is None:
                     continue
                 if chat:
-                    await self._send(
-                        resp,
-                        proto.chat_chunk(
-                            rid, model, created, {"content": ev.text}, None, lp, include_usage=req.include_usage
-                        ),
-                    )
+                    deltas = out.push(ev.text) or ([{"content": ""}] if lp is not None else [])
+                    for k, d in enumerate(deltas):
+                        chunk = proto.chat_chunk(
+                            rid, model, created, d, None, lp if k == 0 else None, include_usage=req.include_usage
+                        )
+                        await self._send(resp, chunk)
                 else:
                     await self._send(
                         resp,

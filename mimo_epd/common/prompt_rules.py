@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 MEDIA_SCHEMES = ("http", "https", "data")
 MAX_TOP_LOGPROBS = 20

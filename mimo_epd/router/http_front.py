@@ -37,6 +37,7 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from llm_backend.agentic.tools import ToolError, template_message
 from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
@@ -99,8 +100,8 @@ class Unroutable(ValueError):
 def chat_messages(messages) -> tuple[list[dict], bool]:
     """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
     try:
-        out, media = normalize_messages(messages)
-    except RuleError as e:
+        out, media = normalize_messages(messages, build=template_message)  # as the worker renders them
+    except (RuleError, ToolError) as e:
         raise Unroutable(str(e)) from None
     return out, bool(media)
 
