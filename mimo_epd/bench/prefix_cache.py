@@ -568,6 +568,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
                 before = wk.hit_tokens
                 wk.request(units, length, unit)
                 load.add(int(pick), length - (wk.hit_tokens - before))
+                store.flush()  # the replay is one request at a time: its pages are stored before the next one
             return combine(name, workers, unit, store)
         finally:
             store.close()

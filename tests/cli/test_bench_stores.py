@@ -36,10 +36,11 @@ def test_prefix_cache_l3_on_redis_and_mooncake_side_by_side():
     for pol in ("round_robin", "affinity"):
         redis, mooncake = modes[f"l1_l2_l3_{pol}"], modes[f"l1_l2_l3_{pol}_mooncake"]
         assert mooncake["hit_tokens"] == redis["hit_tokens"], pol  # same pages, same replay
+        assert mooncake["store"]["hits"] == redis["store"]["hits"], pol
         assert mooncake["tiers"]["pages_to_store"] == redis["tiers"]["pages_to_store"] > 0
         for m in (redis, mooncake):
             s = m["store"]
-            assert s["errors"] == 0 and s["corrupt"] == 0 and s["puts"] > 0
+            assert s["errors"] == 0 and s["corrupt"] == 0 and s["dropped"] == 0 and s["puts"] > 0
             assert s["write_bytes_per_s"] > 0 and s["load_ms_per_page"]["samples"] > 0
     assert ratios["l3_mooncake_vs_redis"] == 1.0 and ratios["l3_affinity_mooncake_vs_redis"] == 1.0
 
