@@ -17,7 +17,8 @@ SET-NX rule (a page without its window is written only where the key is absent; 
 integrity check on every value read, the failure rule (any backend error marks the tier down for `retry_s`:
 meanwhile lookups are misses and writes are dropped, so requests never fail because the store did; each error is
 logged and counted) and the measured read / write seconds and per-page load latencies. A backend supplies
-`_connect` (run on the writer thread, so a store that is down at start never blocks the worker), `_read` (raw
+`_connect` (on the writer thread when it may block, `connect_in_background`: a store that is down at
+start then never blocks the worker), `_read` (raw
 values or None per key) and `_write(key, raw, replace)`. `open_store` picks the backend by URL scheme
 (`redis_store.py`, `mooncake_store.py`); `MemoryKVStore` is the in-process one of the benchmarks.
 """
