@@ -77,8 +77,8 @@ if [[ "$EXTRAS" == *dev* ]] && ! command -v redis-server >/dev/null 2>&1; then
   fi
   command -v redis-server >/dev/null 2>&1 || echo "notice: redis-server is not installed; the shared-state router tests are skipped"
 fi
-# --- Mooncake Store's shared libraries: the wheel's transfer engine links libibverbs even for TCP -------
-MOONCAKE_PKGS="libibverbs1 libnuma1 libcurl4"
+# --- Mooncake Store's other shared libraries (libibverbs1: above) ------------------------------------
+MOONCAKE_PKGS="libnuma1 libcurl4"
 if ! dpkg -s $MOONCAKE_PKGS >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing $MOONCAKE_PKGS (--kv-store mooncake://)"

@@ -62,7 +62,11 @@ def test_the_fleet_has_its_parts():
     by = {(o["kind"], o["metadata"]["name"]) for o in objs}
     for name in ("redis", "mooncake", "router"):
         assert ("Service", f"mimo-epd-{name}") in by and ("Deployment", f"mimo-epd-{name}") in by
-    assert ("Deployment", "mimo-epd-encoders") in by and ("Deployment", "mimo-epd-llm-both") in by
+    for role in ("both", "pd"):
+        assert ("Deployment", f"mimo-epd-llm-{role}") in by, role
+    pd = next(c["args"] for _, c in containers(objs) if c["name"] == "llm-pd")
+    assert "--pd-prefill-workers" in pd and "--pd-decode-workers" in pd
+    assert ("Deployment", "mimo-epd-encoders") in by
     router = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["name"] == "mimo-epd-router")
     assert router["spec"]["replicas"] >= 2
     pdb = next(o for o in objs if o["kind"] == "PodDisruptionBudget")
@@ -131,3 +135,24 @@ def test_the_renderer_prints_yaml(tmp_path):
         [sys.executable, str(ROOT / "deploy" / "render.py")], capture_output=True, text=True, timeout=60
     )
     assert out.returncode == 0 and out.stdout.count("\n---\n") + 1 == len(docs())
+
+
+def test_every_mimo_command_parses_and_validates():
+    """The rendered commands go through the real CLI parser and the configs' own checks (no process starts)."""
+    from encoder_server.config import EncoderServerConfig
+    from mimo_epd.cli import build_parser
+    from mimo_epd.cli.serve import plan_serve
+    from mimo_epd.launcher import NodeConfig
+
+    parser = build_parser()
+    seen = set()
+    for _, c in containers(docs()):
+        if c.get("command") or c["image"].startswith("redis"):
+            continue
+        argv = [a.replace("$(POD_IP)", "10.0.0.7") for a in c["args"]]
+        args = parser.parse_args(argv)  # SystemExit (exit 2) on an unknown flag or a bad value
+        if argv[0] == "serve":
+            plan_serve(args)
+            EncoderServerConfig.from_args(args), NodeConfig.from_args(args)  # ValueError naming the flag
+        seen.add(argv[0])
+    assert seen == {"router", "serve"}
