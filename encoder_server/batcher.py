@@ -49,6 +49,7 @@ class BatchStats:
     batches: int = 0
     items: int = 0
     patches: int = 0
+    busy_s: float = 0.0  # forward seconds, summed over forwards
 
 
 class Batcher:
@@ -136,6 +137,7 @@ class Batcher:
             self.stats.batches += 1
             self.stats.items += len(batch)
             self.stats.patches += int(pixel_values.shape[0])
+            self.stats.busy_s += end - start
             if self.on_batch is not None:
                 self.on_batch(len(batch), int(pixel_values.shape[0]), end - start)
             encode_ms = (end - start) * 1e3

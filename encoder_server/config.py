@@ -92,8 +92,9 @@ class EncoderServerConfig:
     )
     torch_threads: int = _f(
         0,
-        "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, "
-        "whichever of one thread or every core measures more throughput, re-checked as load changes)",
+        "intra-op threads for the vision forward (0 = auto: on a CPU with decode processes, the forward tuner "
+        "gives the forward the cores the decoders leave while it is the bottleneck, from measured stage busy "
+        "fractions, and keeps the setting that measures more throughput)",
     )
     metrics_port: int = _f(0, "serve Prometheus metrics on this port at /metrics (0 = off)")
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")

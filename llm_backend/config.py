@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimo_epd.common.flags import flag
+from mimo_epd.common.flags import embedded, flag
+from mimo_epd.common.http_server import EdgeConfig
 
 _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits"
 _SPEC = "LLM speculative decoding"
@@ -38,6 +39,7 @@ class LLMConfig:
         "", "encoder (or router) address for media items (empty = requests with media are refused)", _SERVE
     )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
+    edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
     tokenizer: str = flag(
@@ -147,6 +149,7 @@ class LLMConfig:
             ) from None
 
     def validate(self) -> None:
+        self.edge.validate()
         for name in (
             "kv_cache_tokens",
             "swa_cache_tokens",

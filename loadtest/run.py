@@ -80,6 +80,40 @@ def probe(address: str, item, timeout: float = 120.0):
             return e
 
 
+def check_server(address: str, images: dict[str, bytes], media) -> int:
+    """Probe `address` with one byte item (and one URL item when `media` serves them) before the load: 0 when both
+    succeed, else the exit code after printing why (1: the server fails, 2: it refuses the load's URLs)."""
+    import grpc
+
+    from mimo_epd.v1 import encoder_pb2
+
+    first = next(iter(images))
+    err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
+    if err is not None:
+        hint = (
+            "; is the server running? (`make serve` starts one on 127.0.0.1:50051)"
+            if err.code() == grpc.StatusCode.UNAVAILABLE
+            else ""
+        )
+        print(f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
+        return 1
+    if media is None:
+        return 0
+    err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
+    if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
+        print(
+            f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
+            f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
+            "without --urls (every item sent as bytes)",
+            file=sys.stderr,
+        )
+        return 2
+    if err is not None:
+        print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def run(args) -> int:
     """The load test; Locust's CSV files go to --csv-dir, or to a temporary directory removed at the end."""
     with results_dir(args.csv_dir, "mimo-loadtest-") as out_dir:
@@ -89,11 +123,8 @@ def run(args) -> int:
 def _run(args, out_dir: Path) -> int:
     import importlib.util
 
-    import grpc
-
     from mimo_epd.testing.media_server import MediaServer, generate_pool
     from mimo_epd.testing.servers import start_server
-    from mimo_epd.v1 import encoder_pb2
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
         print(
@@ -115,33 +146,10 @@ def _run(args, out_dir: Path) -> int:
                 print("loadtest: starting a local encoder (--server to test a running one)", file=sys.stderr)
                 server = start_server(["--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0"])
                 address = server.address
-            first = next(iter(images))
-            err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
-            if err is not None:
-                hint = (
-                    "; is the server running? (`make serve` starts one on 127.0.0.1:50051)"
-                    if err.code() == grpc.StatusCode.UNAVAILABLE
-                    else ""
-                )
-                print(
-                    f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
-                    file=sys.stderr,
-                )
-                return 1
             urls = [media.url(n) for n in images] if media else []
-            if urls:
-                err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
-                if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    print(
-                        f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
-                        f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
-                        "without --urls (every item sent as bytes)",
-                        file=sys.stderr,
-                    )
-                    return 2
-                if err is not None:
-                    print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
-                    return 1
+            rc = check_server(address, images, media)
+            if rc:
+                return rc
             env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
             cmd = locust_command(
                 LOCUSTFILE,

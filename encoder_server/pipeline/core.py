@@ -17,6 +17,8 @@ from dataclasses import replace
 import grpc
 import torch
 
+from mimo_epd.common.proc_stat import usable_cores
+
 from ..batcher import Batcher, BatchItem
 from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
@@ -29,7 +31,7 @@ from ..preprocess import PreprocessConfig, preprocess_images
 from .admission import Admission, InflightTable
 from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
 from .stages import Stages
-from .tuner import ThreadTuner
+from .tuner import ForwardPolicy, ForwardTuner
 from .video_path import TowerOnForwardThread, VideoPath
 
 log = logging.getLogger(__name__)
@@ -94,7 +96,13 @@ class EncodePipeline:
         self.metrics = EncoderMetrics()
         self.admission = Admission(config.max_pending, serial=not config.pipeline)
         self.inflight = InflightTable()
-        self.tuner = ThreadTuner(self.batcher.stats, config.torch_threads or 0)
+        stats = self.batcher.stats
+        self.tuner = ForwardTuner(
+            lambda: (stats.busy_s, stats.patches),
+            self.decode_pool.worker_pids,
+            ForwardPolicy(usable_cores()),
+            config.torch_threads or 0,
+        )
         self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
         self.stages = Stages(
             config=config,

@@ -8,12 +8,13 @@ from typing import Any, Callable
 
 import torch
 
+from mimo_epd.common.prompt_rules import MAX_TOP_LOGPROBS
+
 from ..kv import RequestKV
 
 # Below this temperature sampling is greedy (the distribution is a point mass anyway, and dividing logits by
 # 1e-300 overflows to inf / NaN).
 GREEDY_EPS = 1e-5
-MAX_TOP_LOGPROBS = 20
 
 
 class PromptTooLong(ValueError):

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
@@ -177,10 +178,7 @@ class GenerationCore:
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """The engine tokenizer's ids (BOS first where it has one); without special tokens for text that a
         chat template rendered with its own (as transformers tokenizes `apply_chat_template` output)."""
-        inner = getattr(self.tokenizer, "tok", None)  # a checkpoint's tokenizers.Tokenizer
-        if add_special_tokens or inner is None:  # the byte tokenizer's template has no BOS text: BOS always
-            return list(self.tokenizer.encode(text))
-        return list(inner.encode(text, add_special_tokens=False).ids)
+        return encode_text(self.tokenizer, text, add_special_tokens)  # the router computes them the same way
 
     def check_serving(self) -> None:
         if self.engine.loop_error is not None or not self.engine_alive():

@@ -56,7 +56,7 @@ async def serve_llm(
         from .http import LLMHTTPServer, start_http
 
         runner, http_port = await start_http(
-            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model), host, config.http_port
+            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model, config.edge), host, config.http_port
         )
         shown = shown_host(host)
         log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mimo_epd.common.flags import flag
+from mimo_epd.common.flags import embedded, flag
+from mimo_epd.common.http_server import EdgeConfig
 
 
 @dataclass
@@ -33,6 +34,7 @@ class RouterProcessConfig:
         "them like the workers (empty = the model's)",
     )
     metrics_port: int = flag(0, "serve the router's Prometheus metrics on this port's /metrics, 0 = off")
+    edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP front's limits
 
 
 def _setup(p) -> None:
@@ -76,7 +78,8 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
             from mimo_epd.common.grpc_server import shown_host
             from mimo_epd.router.http_front import HTTPFront
 
-            front = HTTPFront(router=llm_router, template=load_chat_template(config.model, proc.chat_template))
+            template = load_chat_template(config.model, proc.chat_template)
+            front = HTTPFront(router=llm_router, template=template, edge=proc.edge)
             print(f"http {shown_host(proc.host)}:{await front.start(proc.host, proc.http_port)}", flush=True)
         import logging
 
@@ -110,6 +113,7 @@ def _run(args) -> int:
 
     try:
         proc = from_args(RouterProcessConfig, args)
+        proc.edge.validate()
         config = routing_config(args)
     except ValueError as e:
         return error(str(e))

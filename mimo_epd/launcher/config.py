@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mimo_epd.common import flags
-from mimo_epd.common.flags import flag
+from mimo_epd.common.flags import embedded, flag
+from mimo_epd.common.http_server import EDGE_FIELDS, EdgeConfig
 
 if TYPE_CHECKING:
     from mimo_epd.router.config import LLMRouterConfig
@@ -59,6 +60,7 @@ class NodeConfig:
         _llm_default("swa_cache_tokens"), "each LLM worker's sliding-window KV pool, tokens"
     )
     http_port: int = flag(8000, "the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off")
+    edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits, on the front and on every worker
     llm_workers: int = flag(
         1,
         "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
@@ -92,6 +94,7 @@ class NodeConfig:
     @classmethod
     def from_args(cls, args) -> "NodeConfig":
         cfg = flags.from_args(cls, args)
+        cfg.edge.validate()
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
@@ -124,6 +127,9 @@ _LLM_OWN = {
     "max_model_len",
     "tokenizer",
 }
+
+
+_LLM_OWN |= EDGE_FIELDS  # the node's edge flags, given to its workers too (node.py)
 
 
 def add_llm_passthrough(parser) -> None:

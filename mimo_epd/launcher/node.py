@@ -27,6 +27,7 @@ import os
 import time
 
 from encoder_server.config import EncoderServerConfig
+from mimo_epd.common import flags
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.router.encoder import EncoderRouter, NoVisionRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
@@ -186,7 +187,7 @@ class Node:
         from mimo_epd.router.http_front import HTTPFront
 
         template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
-        self.front = HTTPFront(router=self.llm_router, template=template, metrics=self.metrics.body)
+        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge, metrics=self.metrics.body)
         http_port = await self.front.start(self.enc.host, self.cfg.http_port)
         print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
 
@@ -250,6 +251,7 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
         "--swa-cache-tokens",
         str(node.llm_swa_cache_tokens),
         *node.llm_args,
+        *flags.to_argv(node.edge, skip={"allowed_origins"}),  # the front's limits hold on the workers too
     ]
     for name, value in (
         ("--tokenizer", node.tokenizer),

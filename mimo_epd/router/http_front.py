@@ -6,7 +6,10 @@ gRPC Generate (mimo_epd/router/llm.py): the front tokenizes the prompt like the 
 and for chat the same chat template with the same message normalisation, tokenized without special tokens), asks
 `LLMRouter.pick(prompt_token_ids)` for the workers in order, and forwards the request unchanged to the first
 one's HTTP API. A request with media is routed by load only (its placeholder ids come from the encoder's content
-keys), as in gRPC; a body the front cannot read is routed by load too, and the worker answers with its 400.
+keys), as in gRPC. The body goes through the same edge as the worker's (mimo_epd/common/http_edge.py: size after
+decompression, strict JSON, depth, strings), so a body no worker could read is refused here with the worker's
+400 / 413 / 415; a readable body the prompt rules refuse is routed by load, and the worker answers with its 400.
+The body is forwarded decompressed (without its Content-Encoding).
 
 The response is streamed back chunk by chunk as it arrives (SSE streams stay streams). The worker's cached
 tokens are read from the response (`usage.prompt_tokens_details.cached_tokens`, or `meta_info.cached_tokens`
@@ -34,6 +37,10 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
+from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
+from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
+
 log = logging.getLogger(__name__)
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) and the ones aiohttp sets itself on each side.
@@ -47,6 +54,7 @@ _SKIP_REQUEST = {
     "proxy-connection",
     "content-length",
     "accept-encoding",
+    "content-encoding",  # the front forwards the body decompressed (http_edge.read_body)
 }
 _SKIP_RESPONSE = {
     "connection",
@@ -59,16 +67,10 @@ _SKIP_RESPONSE = {
 }
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def _error_body(status: int, message: str) -> dict:
-    kind = "service_unavailable_error" if status == 503 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 def _error(status: int, message: str) -> web.Response:
-    return web.Response(status=status, text=json.dumps(_error_body(status, message)), content_type="application/json")
+    return error_response(status, message)
 
 
 class _OpenStream:
@@ -89,34 +91,12 @@ class Unroutable(ValueError):
 
 
 def chat_messages(messages) -> tuple[list[dict], bool]:
-    """The messages as the worker's template sees them (llm_backend/server/openai_protocol.parse_chat), and
-    whether any carries media."""
-    if not isinstance(messages, list) or not messages:
-        raise Unroutable("messages")
-    out, media = [], False
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise Unroutable("message")
-        content = m.get("content")
-        if content is None and m["role"] == "assistant":
-            content = ""
-        if isinstance(content, str):
-            out.append({"role": _ROLES[m["role"]], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise Unroutable("content")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image_url", "video_url"):
-                media = True
-                parts.append({"type": "image" if kind == "image_url" else "video"})
-            else:
-                raise Unroutable("content part")
-        out.append({"role": _ROLES[m["role"]], "content": parts})
-    return out, media
+    """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
+    try:
+        out, media = normalize_messages(messages)
+    except RuleError as e:
+        raise Unroutable(str(e)) from None
+    return out, bool(media)
 
 
 class Tokenizer:
@@ -126,10 +106,7 @@ class Tokenizer:
         self.tokenizer, self.template = tokenizer, template
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        inner = getattr(self.tokenizer, "tok", None)  # as GenerationCore.encode_text
-        if special or inner is None:
-            return list(self.tokenizer.encode(text))
-        return list(inner.encode(text, add_special_tokens=False).ids)
+        return encode_text(self.tokenizer, text, special)
 
     def prompt(self, kind: str, body) -> tuple[list[int], bool]:
         """(token ids, has media); raises Unroutable."""
@@ -157,7 +134,7 @@ class Tokenizer:
     def _ids_or_text(self, p) -> list[int]:
         if isinstance(p, str):
             return self._encode(p, True)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if is_token_ids(p):
             return list(p)
         raise Unroutable("prompt")
 
@@ -228,9 +205,9 @@ class HTTPFront:
         self,
         upstream: Callable[[], str | None] | None = None,
         timeout_s: float = 3600.0,
-        max_body_mb: int = 512,
         router=None,
         template=None,
+        edge: EdgeConfig | None = None,
         metrics: Callable[[], Awaitable[bytes]] | None = None,
     ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
@@ -241,14 +218,14 @@ class HTTPFront:
         self.upstream = upstream or (router.http_upstream if router is not None else (lambda: None))
         self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
-        self.max_body = max_body_mb << 20
+        self.edge = edge or EdgeConfig()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._active = 0  # requests being handled
         self._streams: set[_OpenStream] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body)
+        app = edge_app(self.edge, [])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -259,11 +236,8 @@ class HTTPFront:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        self._runner, bound = await start_site(self.app(), host, port, self.edge)
+        return bound
 
     async def drain(self, timeout_s: float) -> int:
         """Stops accepting; lets the requests in flight finish within `timeout_s`; then ends each stream still open
@@ -319,7 +293,7 @@ class HTTPFront:
         target = self.upstream()
         if not target:
             return _error(503, "the LLM worker is not running (starting or restarting); retry shortly")
-        body = await request.read()
+        body = await read_body(request, self.edge.max_request_bytes)
         try:
             up = await self._session.request(
                 request.method,
@@ -389,7 +363,7 @@ class HTTPFront:
         """The error event and `[DONE]` after the complete events relayed so far (a half-received one is dropped)."""
         if sse is not None:
             sse.flush()
-        event = json.dumps(_error_body(503, message))
+        event = json.dumps(error_body(503, message))
         await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
 
@@ -404,13 +378,14 @@ class HTTPFront:
 
     async def _routed(self, request: web.Request, kind: str) -> web.StreamResponse:
         router = self.router
-        raw = await request.read()
+        raw = await read_body(request, self.edge.max_request_bytes)  # too large, bad encoding: the edge's 4xx
         router.stats["requests"] += 1
         body, upstream_raw, strip = None, raw, False
+        body = parse_json(raw, self.edge.max_json_depth)  # a body no worker could read: its 400 here
         try:
-            body = json.loads(raw)
             tokens, media = self.tokens.prompt(kind, body)
-        except (ValueError, UnicodeDecodeError):  # Unroutable is a ValueError
+        except Exception as e:  # Unroutable (the worker says why), or a template this body breaks: route by load
+            log.debug("routing an HTTP request by load: %s", e)
             tokens, media = [], False
         if media:  # placeholder ids come from the encoder's content keys: only BOS is predictable
             tokens = tokens[:1]
