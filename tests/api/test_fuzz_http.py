@@ -36,7 +36,9 @@ urls = st.sampled_from(
 )
 part = st.one_of(
     st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=20) | junk}),
-    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "video_url"]), "image_url": st.just({"url": urls})}),
+    st.sampled_from(["image_url", "video_url"]).flatmap(
+        lambda k: st.fixed_dictionaries({"type": st.just(k), k: st.fixed_dictionaries({"url": urls}) | urls | junk})
+    ),
     st.fixed_dictionaries({"type": junk}),
     junk,
 )
