@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo_epd.common.auth import AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EdgeConfig
 
@@ -41,8 +42,20 @@ class LLMConfig:
     )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
+    auth: AuthConfig = embedded(AuthConfig)  # API keys (HTTP and gRPC) and TLS
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
+    tokenizer: str = flag(
+        "",
+        "tokenizer.json file, or a directory holding one (empty = the checkpoint's; 'bytes' = one token per byte)",
+        _SERVE,
+    )
+    max_model_len: int = flag(
+        0,
+        "longest sequence (prompt + output) a request may reach (0 = the model's max_position_embeddings, at most "
+        "--kv-cache-tokens)",
+        _SERVE,
+    )
     chat_template: str = flag(
         "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
     )

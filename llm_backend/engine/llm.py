@@ -55,7 +55,7 @@ class LLM:
         self.model = load_llm(cfg.model, cfg.device, dtype or cfg.torch_dtype()) if isinstance(model, str) else model
         self.model_name = cfg.model if isinstance(model, str) else type(model).__name__
         mcfg = self.model.config
-        self.tokenizer = load_tokenizer(cfg.model) if isinstance(model, str) else ByteTokenizer()
+        self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer) if isinstance(model, str) else ByteTokenizer()
         if mcfg.eos_token_id is not None and not isinstance(model, str):
             self.tokenizer.eos_token_id = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else None
         if cfg.swa_cache_tokens < mcfg.window + cfg.chunk_size + cfg.release_interval + 1:
@@ -104,7 +104,7 @@ class LLM:
             draft_tokens=self.runner.draft_tokens,
         )
         self.scheduler.configure(cfg)
-        self.max_model_len = self.scheduler.max_seq_len
+        self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
         self._lock = threading.RLock()
@@ -307,8 +307,9 @@ class LLM:
         return r
 
     def abort(self, r: Request, reason: str = "abort") -> None:
-        """Stops a request at the next step. "abort" frees its KV (nothing it computed is cached); "stop" ends it
-        as a normal stop (server-side stop strings) and caches what it computed."""
+        """Stops a request at the next step. "abort" frees the KV slots it still owns alone; prompt chunks it
+        already prefilled entered the prefix cache during prefill and stay there (shared, evictable like any cached
+        prefix). "stop" ends it as a normal stop (server-side stop strings) and caches what it computed."""
         if reason not in ("abort", "stop"):
             raise ValueError(f"abort reason must be abort or stop, got {reason!r}")
         r.aborted = r.aborted or reason
@@ -403,6 +404,17 @@ class OverloadedError(RuntimeError):
 
 
 __all__ = ["LLM", "OverloadedError", "PromptTooLong"]
+
+
+def _max_model_len(cfg: LLMConfig, mcfg, pool_tokens: int) -> int:
+    """The longest sequence a request may reach: what the model was trained for (max_position_embeddings), what
+    the full pool holds, and --max-model-len when it asks for less; asking for more than the model's is an error."""
+    trained = getattr(mcfg, "max_position_embeddings", None) or pool_tokens
+    if cfg.max_model_len > trained:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {trained}")
+    if cfg.max_model_len < 0:
+        raise ValueError(f"--max-model-len must be >= 0 (0 = the model's), got {cfg.max_model_len}")
+    return min(pool_tokens, trained, cfg.max_model_len or pool_tokens)
 
 
 def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -152,6 +153,7 @@ class GenerationCore:
         if encoder_address:
             ch = grpc.aio.insecure_channel(
                 encoder_address,
+                interceptors=client_interceptors(),  # the internal key, when the node's gRPC port wants one
                 options=[
                     ("grpc.max_receive_message_length", max_message_mb << 20),
                     ("grpc.max_send_message_length", max_message_mb << 20),
@@ -313,7 +315,8 @@ class GenerationCore:
         raise AssertionError("unreachable: events() always ends with a Final")
 
     def abort(self, r, reason: str = "abort") -> None:
-        """ "abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
+        """ "abort" frees the KV the request owns alone (prefilled prompt chunks stay in the prefix cache); "stop" (a
+        stop string matched) finishes it normally, KV cached."""
         self.engine.abort(r, reason=reason)
 
 
