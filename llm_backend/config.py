@@ -153,9 +153,9 @@ class LLMConfig:
         _PD,
     )
     pd_local_prefill_tokens: int = flag(
-        32,
+        2048,
         "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
-        "(conditional disaggregation; -1 = never)",
+        "(conditional disaggregation; -1 = never; the default from bench pd, docs/pd.md)",
         _PD,
     )
     # --- limits --------------------------------------------------------------------------------

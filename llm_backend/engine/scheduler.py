@@ -121,6 +121,10 @@ class Scheduler:
         """A subclass's counters for engine.stats() (and /metrics); none here."""
         return {}
 
+    def load_views(self) -> tuple[list[Request], list[Request]]:
+        """(requests not started, requests holding KV) as the routers' load counts them."""
+        return list(self.waiting), list(self.running)
+
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len + 1 > self.max_seq_len:
