@@ -18,7 +18,10 @@ def run_bench(*args, timeout=600) -> dict:
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
     assert len(lines) == 1, r.stdout
-    return json.loads(lines[0])
+    out = json.loads(lines[0])
+    machine = out["machine"]  # every benchmark says which machine it ran on
+    assert machine["cores"] >= 1 and machine["torch"] and "simd" in machine and "libjpeg_turbo" in machine
+    return out
 
 
 def no_grades(out) -> None:
