@@ -302,6 +302,8 @@ class Scheduler:
 
     def _append(self, r: Request, s: Sampled) -> None:
         r.output.append(s.token)
+        if r.constraint is not None:
+            r.constraint.accept(s.token)  # the grammar follows every appended token
         self.generated_tokens += 1
         if r.params.logprobs:
             r.logprobs.append(s.logprob)
@@ -315,6 +317,8 @@ class Scheduler:
     def _stopped(self, r: Request) -> str:
         if r.output and r.output[-1] in r.stop_ids:
             return "stop"
+        if r.constraint is not None and r.constraint.terminated:
+            return "stop"  # the grammar ended with a stop token (one ignore_eos keeps from the stop ids)
         if len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_seq_len:
             return "length"
         return ""
