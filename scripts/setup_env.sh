@@ -16,6 +16,12 @@ $PIP install -q --upgrade pip
 TARGET="."
 [ -n "$EXTRAS" ] && TARGET=".[$EXTRAS]"
 echo "setup: installing mimo-epd $TARGET (torch comes from the local wheel cache when it has it)"
+# Mooncake's transfer engine (prefill/decode KV transfer) loads libibverbs even for TCP: installed when missing.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing libibverbs1 (Mooncake transfer engine)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null 2>&1 || \
+    echo "notice: libibverbs1 did not install; prefill/decode disaggregation cannot start its transfer engine"
+fi
 $PIP install -q -e "$TARGET"
 
 # --- pillow-simd --------------------------------------------------------------------------------

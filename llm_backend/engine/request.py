@@ -8,12 +8,13 @@ from typing import Any, Callable
 
 import torch
 
+from mimo_epd.common.prompt_rules import MAX_TOP_LOGPROBS
+
 from ..kv import RequestKV
 
 # Below this temperature sampling is greedy (the distribution is a point mass anyway, and dividing logits by
 # 1e-300 overflows to inf / NaN).
 GREEDY_EPS = 1e-5
-MAX_TOP_LOGPROBS = 20
 
 
 class PromptTooLong(ValueError):
@@ -112,6 +113,7 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+    pd: Any = None  # prefill/decode disaggregation: the decode ticket or the prefill room (llm_backend.pd)
     spec: Any = None  # speculative decoding's per-request state (engine.speculative.MTPState)
     drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
     accepted_tokens: int = 0  # and of those, the ones the target accepted

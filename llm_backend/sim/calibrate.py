@@ -8,13 +8,23 @@ when other processes share the machine's cores (this one has two, shared by ever
 `validate` replays one live workload through a `SimWorker` with the same pools, chunk and page (unit 1, the live
 outputs as the trace's tokens) and compares per-request cached tokens (must be equal) and step times (the
 profile's predictions against the measured ones on that held-out workload).
+
+A fitted profile describes the machine it was fitted on (a CPU of another model or clock, or another torch
+build, shifts every coefficient), so `validate` can also calibrate where it runs (`calibrate_here`): it fits a
+profile on this machine's timed steps of the training workload and reports the step-time error of both
+profiles on the held-out live run, the committed one (`committed_profile`) and this machine's
+(`this_machine`), plus whether the committed profile's recorded CPU is this one (`same_machine`: True, False,
+or None when the profile does not say). `step_time_error` is then this machine's, the figure a simulation run
+here should be judged by.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -104,30 +114,71 @@ def _errors(cost: CostModel, steps) -> dict:
     }
 
 
-def calibrate(seed: int = 1, holdout_seed: int = 2, waves: int = 6, warmup_steps: int = 5, threads: int = 1) -> tuple:
-    """(profile, report): fit on the workload of `seed`, error on the held-out workload of `holdout_seed`."""
+def cpu_model() -> str:
+    """This machine's CPU model name (Linux: /proc/cpuinfo), else what `platform` says."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _fit(seed: int, waves: int, warmup_steps: int, threads: int):
+    """(profile, training steps): a warm-up run, then the fit on the workload of `seed`."""
     shape = get_shape("tiny")
     timed_run(workload(99, waves=1, per_wave=4), threads=threads)  # warm-up: allocator, kernels, caches
     train = timed_run(workload(seed, waves), threads=threads)["steps"][warmup_steps:]
-    test = timed_run(workload(holdout_seed, waves), threads=threads)["steps"]
     prof = fit_linear("cpu-measured", [step_features(shape, s) for s, _ in train], [t for _, t in train])
-    cost = CostModel(shape, prof)
-    report = {"train": _errors(cost, train), "holdout": _errors(cost, test)}
     prof.fitted_on = {
         "shape": "tiny",
         "machine": platform.machine(),
         "processor": platform.processor() or "",
+        "cpu": cpu_model(),
+        "cpus": os.cpu_count(),
         "torch_threads": threads,
         "train_steps": len(train),
-        "holdout": report["holdout"],
         "created": time.strftime("%Y-%m-%d"),
     }
+    return prof, train
+
+
+def calibrate(seed: int = 1, holdout_seed: int = 2, waves: int = 6, warmup_steps: int = 5, threads: int = 1) -> tuple:
+    """(profile, report): fit on the workload of `seed`, error on the held-out workload of `holdout_seed`."""
+    prof, train = _fit(seed, waves, warmup_steps, threads)
+    test = timed_run(workload(holdout_seed, waves), threads=threads)["steps"]
+    cost = CostModel(get_shape("tiny"), prof)
+    report = {"train": _errors(cost, train), "holdout": _errors(cost, test)}
+    prof.fitted_on["holdout"] = report["holdout"]
     return prof, report
 
 
-def validate(profile, seed: int = 3, waves: int = 6, threads: int = 1) -> dict:
+def _same_machine(profile) -> bool | None:
+    cpu = getattr(profile, "fitted_on", {}).get("cpu")
+    return None if not cpu else cpu == cpu_model()
+
+
+def _both_ways(profile, here, train, train_seed: int, live_steps) -> dict:
+    """Both profiles' step-time errors on the live run's steps (`here`: fitted on this machine's `train`)."""
+    shape = get_shape("tiny")
+    committed = _errors(CostModel(shape, profile), live_steps)
+    own = _errors(CostModel(shape, here), live_steps)
+    return {
+        "committed_profile": {"name": profile.name, "fitted_on": getattr(profile, "fitted_on", {}), **committed},
+        "this_machine": {"cpu": cpu_model(), "train_seed": train_seed, "train_steps": len(train), **own},
+        "same_machine": _same_machine(profile),
+        "measured_vs_committed_prediction": round(committed["measured_s"] / max(1e-9, committed["predicted_s"]), 4),
+        "profile": here.to_json(),
+    }
+
+
+def validate(
+    profile, seed: int = 3, waves: int = 6, threads: int = 1, calibrate_here: bool = False, train_seed: int = 1
+) -> dict:
     """Live engine vs simulated worker on one workload (see the module docstring)."""
     shape = get_shape("tiny")
+    fitted = _fit(train_seed, waves, 5, threads) if calibrate_here else None  # first: it warms the process up
     live = timed_run(workload(seed, waves), threads=threads)
     cost = CostModel(shape, profile)
     cfg = WorkerConfig(
@@ -153,9 +204,12 @@ def validate(profile, seed: int = 3, waves: int = 6, threads: int = 1) -> dict:
     live_cached = [r["cached_tokens"] for r in live["requests"]]
     mismatches = [i for i, c in enumerate(live_cached) if sim_cached.get(i) != c]
     errs = _errors(cost, live["steps"])
+    both = _both_ways(profile, *fitted, train_seed, live["steps"]) if fitted else None
     return {
         "cached_tokens_equal": not mismatches and len(sim_cached) == len(live_cached),
-        "step_time_error": errs["per_step_median_error"],
+        "step_time_error": (both["this_machine"] if both else errs)["per_step_median_error"],
+        "step_time_error_committed_profile": errs["per_step_median_error"],
+        **({"calibration": both} if both else {"same_machine": _same_machine(profile)}),
         "requests": len(live_cached),
         "cached_tokens": {"live": sum(live_cached), "sim": sum(sim_cached.values())},
         "mismatched_requests": mismatches[:20],

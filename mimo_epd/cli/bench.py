@@ -19,14 +19,20 @@ BENCHMARKS = (
     ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
     ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers (continuous and static batching)"),
     ("shm-index", "shm_index", "shm cache lookups (hit, miss) at 1K / 100K / 1M entries: the hash index vs a key scan"),
-    ("scheduler", "scheduler", "simulated wait-queue policies on the long-context mix: TTFT vs FCFS at 70-90% load"),
-    ("routing", "routing", "simulated fleet on the Mooncake trace: every routing policy, 2/4/8 workers, 60-90% load"),
+    ("scheduler", "scheduler", "simulated wait-queue policies, long-context mix: TTFT vs FCFS, intervals, 60-90%"),
+    ("routing", "routing", "simulated fleet on the Mooncake trace: every routing policy, 8/32 workers, 60-90% load"),
     (
         "tier-ttft",
         "tier_ttft",
         "simulated fleet with KV tiers: TTFT with host/store loads at PCIe/network bandwidth vs recompute",
     ),
     ("routing-live", "routing_live", "live LLM workers: every routing policy and SGLang's gateway on multi-turn chat"),
+    (
+        "pd",
+        "pd",
+        "simulated prefill/decode disaggregation: colocated N vs every P:D split, goodput under TTFT/TPOT SLOs",
+    ),
+    ("pd-live", "pd_live", "live prefill/decode disaggregation: 2 colocated workers vs 1 prefill + 1 decode"),
     (
         "spec",
         "spec",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 
@@ -112,13 +113,21 @@ def _validate_flags(p) -> None:
     p.add_argument("--profile", default="cpu-measured", help="device profile to check (default: cpu-measured)")
     p.add_argument("--waves", type=int, default=5, help="waves of 8 requests (default: 5)")
     p.add_argument("--seed", type=int, default=3, help="workload seed, not one calibrate trains on (default: 3)")
+    p.add_argument(
+        "--calibrate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also fit a profile on this machine (training workload seed 1) and report the step-time error of "
+        "both, the committed profile's and this machine's, on the validation run (default: True)",
+    )
 
 
 def _validate(args) -> int:
     from llm_backend.sim.calibrate import validate
     from llm_backend.sim.cost import load_profile
 
-    print(json.dumps(validate(load_profile(args.profile), seed=args.seed, waves=args.waves)))
+    res = validate(load_profile(args.profile), seed=args.seed, waves=args.waves, calibrate_here=args.calibrate)
+    print(json.dumps(res))
     return 0
 
 

@@ -7,8 +7,11 @@ Policies are pure functions of that view plus, for `round_robin` / ties and `cac
 their own small state updated only through `observe(request, worker)`; the same sequence of calls gives the
 same answers, so a simulator can run them as they are.
 
-- `affinity` (default): score = match_weight x prefix_match_fraction - load_weight x normalized_load, where
-  normalized_load = (queued + running tokens) / the largest such load among the candidates.
+- `affinity` (default): score = match_weight x prefix_match_fraction - load_weight x normalized_load
+  - queued_prefill_weight x normalized_prefill, where normalized_load = (queued + running tokens) / the largest such
+  load among the candidates and normalized_prefill = (the request's uncached tokens on that worker + its
+  queued prompt tokens) / the largest such figure: the prefill the request would wait behind and run, which is
+  what its TTFT is made of (kv_cost's prefill term, normalized like the load).
 - `round_robin`: the next worker in turn.
 - `least_load`: the fewest queued + running tokens.
 - `cache_aware` (SGLang's gateway): load = requests in flight on the worker (SGLang counts the requests it sent
@@ -55,6 +58,11 @@ class PolicyConfig:
 
     match_weight: float = flag(2.0, "affinity: weight of the prefix match fraction", name="affinity_match_weight")
     load_weight: float = flag(1.0, "affinity: weight of the normalized load", name="affinity_load_weight")
+    queued_prefill_weight: float = flag(
+        0.0,
+        "affinity: weight of the normalized queued + own uncached prefill tokens",
+        name="affinity_queued_prefill_weight",
+    )
     balance_abs: int = flag(
         64, "cache_aware: load gap in tokens that counts as imbalance", name="cache_aware_balance_abs"
     )
@@ -120,9 +128,15 @@ class Affinity(Policy):
     def _keys(self, request, candidates):
         top = max(c.load for c in candidates)
         cfg = self.config
+        prefill = [max(0, request.num_tokens - c.matched_tokens) + c.queued_tokens for c in candidates]
+        top_prefill = max(prefill)
         return [
-            -(cfg.match_weight * match_fraction(request, c) - cfg.load_weight * (c.load / top if top else 0.0))
-            for c in candidates
+            -(
+                cfg.match_weight * match_fraction(request, c)
+                - cfg.load_weight * (c.load / top if top else 0.0)
+                - cfg.queued_prefill_weight * (pf / top_prefill if top_prefill else 0.0)
+            )
+            for c, pf in zip(candidates, prefill)
         ]
 
 

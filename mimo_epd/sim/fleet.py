@@ -62,6 +62,7 @@ class Fleet:
         self.block = self.publishers[0].block  # in units
         self.policy = make_policy(policy, policy_config)
         self.picks = [0] * workers
+        self.finished: list = []  # every worker's finished requests after `run`
 
     def route(self, spec: SimRequest) -> int:
         names = [w.name for w in self.workers]
@@ -112,7 +113,7 @@ class Fleet:
                     end = w.start_step(t)
                     if end is not None:
                         heapq.heappush(ends, (end, k))
-        finished = [f for w in self.workers for f in w.finished]
+        finished = self.finished = [f for w in self.workers for f in w.finished]
         res = summarize(
             finished,
             [w.queue_samples for w in self.workers],

@@ -18,21 +18,27 @@ def session_key(hash_ids: list[int]) -> int:
     return hash_ids[1] if len(hash_ids) > 1 else -1
 
 
-def in_sample(key: int, fraction: float) -> bool:
-    return (key * 2654435761 + 12345) % 1_000_003 < fraction * 1_000_003  # a fixed pseudo-random choice
+def in_sample(key: int, fraction: float, seed: int = 0) -> bool:
+    """A fixed pseudo-random choice of conversations; each `seed` draws another (mostly disjoint) sample."""
+    return ((key + seed * 7919) * 2654435761 + 12345) % 1_000_003 < fraction * 1_000_003
 
 
 def mooncake_requests(
-    path: str = DEFAULT_TRACE, limit: int = 0, unit: int = 16, offset: int = 0, sessions: float = 1.0
+    path: str = DEFAULT_TRACE,
+    limit: int = 0,
+    unit: int = 16,
+    offset: int = 0,
+    sessions: float = 1.0,
+    seed: int = 0,
 ) -> list[SimRequest]:
     """The trace's requests from line `offset`, at most `limit` (0 = all). `sessions` < 1 keeps that fraction of
     the conversations (all their turns, over the whole trace) instead of a contiguous stretch, so a short replay
-    still has the trace's multi-turn reuse."""
+    still has the trace's multi-turn reuse; `seed` picks which conversations (0: the historical sample)."""
     if BLOCK % unit:
         raise ValueError(f"the token unit ({unit}) must divide the trace's block of {BLOCK} tokens")
     rows = load_trace(path, offset + limit if limit and sessions >= 1 else 0)[offset:]
     if sessions < 1:
-        rows = [r for r in rows if in_sample(session_key(r["hash_ids"]), sessions)]
+        rows = [r for r in rows if in_sample(session_key(r["hash_ids"]), sessions, seed)]
         rows = rows[:limit] if limit else rows
     return [
         SimRequest(

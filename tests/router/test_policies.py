@@ -24,6 +24,17 @@ def test_affinity_prefers_the_cache_until_load_outweighs_it():
     assert p.rank(REQ, [C("a", 800, 0, 3000), C("b", 0, 0, 0)])[0] == "b"
 
 
+def test_affinity_queued_prefill_term():
+    # a has 50% of the prompt cached but a long prefill queue; b is cold with nothing queued, both decode the same
+    cands = [C("a", 500, 20000, 1000), C("b", 0, 0, 1000)]
+    assert make_policy("affinity").rank(REQ, cands)[0] == "a"  # off by default: the match fraction decides
+    # a's pending prefill (500 + 20000) is the largest, b's (1000) 5% of it: 2*0.5 - 1 - 1.5 < -0.05 - 1.5*0.05
+    p = make_policy("affinity", PolicyConfig(queued_prefill_weight=1.5))
+    assert p.rank(REQ, cands)[0] == "b"
+    # with nothing queued anywhere the term only counts the uncached tokens: the hit wins again
+    assert p.rank(REQ, [C("a", 500, 0, 1000), C("b", 0, 0, 1000)])[0] == "a"
+
+
 def test_affinity_spreads_idle_cold_requests_and_ranks_everyone():
     p = make_policy("affinity")
     firsts = [p.rank(REQ, [C("a"), C("b"), C("c")]) for _ in range(3)]

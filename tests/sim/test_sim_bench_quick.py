@@ -33,8 +33,14 @@ def test_bench_scheduler_quick(tmp_path):
         "uncached_first_buckets",
     }
     r = d["ratios"]
-    assert r["long_ttft_p90_vs_fcfs"] > 0 and r["short_ttft_p99_vs_fcfs"] > 0 and r["policy"] != "fcfs"
-    assert (tmp_path / "bench_scheduler.png").stat().st_size > 1000
+    assert r["policy"] == "uncached_first_buckets"
+    for k in ("long_ttft_p90_vs_fcfs", "short_ttft_p99_vs_fcfs"):
+        assert 0 < r[f"{k}_ci_lo"] <= r[f"{k}_ci_hi"] and r[k] > 0
+        assert r[f"{k}_seeds"]["per_seed"] == [r[f"{k}_seeds"]["mean"]]
+    assert set(r["by_load"]["0.8"]) == {"uncached_first", "uncached_first_buckets"}
+    assert d["config"]["seeds"] == [0]
+    for png in ("bench_scheduler.png", "bench_scheduler_ttft.png"):
+        assert (tmp_path / png).stat().st_size > 1000
     assert json.loads((tmp_path / "bench_scheduler.json").read_text())["ratios"] == r
     _no_grades(d)
 
@@ -44,8 +50,14 @@ def test_bench_routing_quick(tmp_path, monkeypatch):
     d = _run(["bench", "routing", "--quick", "--out-dir", str(tmp_path)])
     r = d["ratios"]
     assert (r["workers"], r["load"]) == (8, 0.8)
-    for k in ("affinity_hit_vs_round_robin", "affinity_hit_vs_best_peer", "affinity_ttft_p90_vs_best_peer"):
-        assert r[k] > 0
+    for k in (
+        "affinity_cached_vs_round_robin",
+        "affinity_cached_vs_sglang_gateway",
+        "affinity_cached_vs_best_peer",
+        "affinity_ttft_p90_vs_best_peer",
+    ):
+        assert r[k] > 0 and r[f"{k}_ci_lo"] <= r[f"{k}_ci_hi"]
+    assert r["by_point"]["8/0.8"]["affinity_cached_vs_round_robin"] == r["affinity_cached_vs_round_robin"]
     assert {p["policy"] for p in d["points"]} == {"affinity", "round_robin", "least_load", "cache_aware", "kv_cost"}
     assert (tmp_path / "bench_routing.png").stat().st_size > 1000
     _no_grades(d)
