@@ -54,6 +54,10 @@ def test_encoder_bench_quick():
         assert m["bottleneck_stage"] in m["stage_busy"] and 0 <= m["bottleneck_busy"] <= 1.5
     assert "--resize-backend" not in out["config"]["naive_flags"]  # naive keeps the product's own resize
     assert {"qps_vs_peer_batched", "p90_vs_peer_batched", "qps_vs_naive"} <= set(out["ratios"])
+    busy = out["ratios"]["cores_busy"]
+    assert set(busy) == set(out["modes"]) and all(0 < v <= out["machine"]["cores"] + 0.5 for v in busy.values()), busy
+    forward = out["modes"]["pipelined"]["forward"]
+    assert forward["workers"] >= 1 and forward["batch_budget_tokens"] > 0, forward
     # Same weights, same images: every mode's embeddings equal naive's within the documented tolerance.
     assert set(out["outputs_check"]) == {"pipelined", "peer_per_request", "peer_batched"}
     for name, c in out["outputs_check"].items():
