@@ -61,6 +61,10 @@ class LLMConfig:
     )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
+    grammar_compile_timeout_s: float = flag(
+        10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE
+    )
+    grammar_cache_size: int = flag(256, "compiled grammars kept (LRU, keyed by a hash of the schema)", _SERVE)
     # --- KV cache ------------------------------------------------------------------------------
     kv_cache_tokens: int = flag(16384, "full-attention KV pool, tokens", _KV)
     swa_cache_tokens: int = flag(
@@ -164,9 +168,9 @@ class LLMConfig:
         _PD,
     )
     pd_local_prefill_tokens: int = flag(
-        32,
+        2048,
         "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
-        "(conditional disaggregation; -1 = never)",
+        "(conditional disaggregation; -1 = never; the default from bench pd, docs/pd.md)",
         _PD,
     )
     # --- limits --------------------------------------------------------------------------------
@@ -203,6 +207,8 @@ class LLMConfig:
             "max_tokens_limit",
             "grace_period_s",
             "max_temperature",
+            "grammar_compile_timeout_s",
+            "grammar_cache_size",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

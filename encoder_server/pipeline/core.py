@@ -209,6 +209,8 @@ class EncodePipeline:
         for stage, n in workers.items():
             m.workers.labels(stage).set(n)
         m.workers.labels("encode").set_function(lambda: self.tuner.workers)
+        m.forward_threads.set_function(lambda: self.tuner.threads)
+        m.batch_budget.set_function(lambda: self.batcher.budget.tokens)
         for name, q in (
             ("fetch", self.fetches),
             ("decode", self.decode_q),

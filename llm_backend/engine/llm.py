@@ -296,6 +296,8 @@ class LLM:
             pd=pd,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
         )
+        if params.grammar is not None:
+            r.constraint = params.grammar.matcher()
         if params.seed is not None:
             r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
         with self._lock:
