@@ -291,6 +291,28 @@ def slope_mb_per_min(points: list[tuple[float, float]]) -> float | None:
     return round(float(np.polyfit(t, y, 1)[0]), 3)
 
 
+def phase_stats(records: list[dict], t_a: float, t_b: float) -> dict:
+    """Requests finished in [t_a, t_b): counts, failures, QPS and latency percentiles per request kind."""
+    rs = [r for r in records if t_a <= r["t1"] < t_b]
+    by = {}
+    for kind in sorted({r["kind"] for r in rs}):
+        k = [r for r in rs if r["kind"] == kind]
+        lat = sorted(r["t1"] - r["t0"] for r in k if r["code"] == "OK")
+        by[kind] = {
+            "requests": len(k),
+            "failures": sum(r["code"] != "OK" for r in k),
+            "qps": round(len(k) / max(1e-9, t_b - t_a), 3),
+            "p50_ms": round(lat[len(lat) // 2] * 1e3, 1) if lat else None,
+            "p90_ms": round(lat[int(len(lat) * 0.9)] * 1e3, 1) if lat else None,
+        }
+    return {
+        "seconds": round(t_b - t_a, 3),
+        "requests": len(rs),
+        "failures": sum(r["code"] != "OK" for r in rs),
+        "by_kind": by,
+    }
+
+
 def soak_report(samples: dict, t_start: float, t_end: float, warmup_s: float, parts: dict | None = None) -> dict:
     out = {}
     for role, pts in sorted(samples.items()):
@@ -758,13 +780,8 @@ class Campaign:
 
     # -------------------------------------------------------------- run
     def run(self) -> dict:
-        from mimo_epd.testing.media_server import generate_pool
-
         a = self.args
-        images_dir = self.workdir / "images"
-        images_dir.mkdir()
-        for name, data in generate_pool([(480, 640), (720, 1280)], per_size=2).items():
-            (images_dir / name).write_bytes(data)
+        images_dir = self._write_images()
         if not self.address:
             self.port = free_port()
             log(
@@ -787,14 +804,70 @@ class Campaign:
         sampler.start()
         self.start_load(images_dir, with_llm=bool(node.llms))
         t_load = time.monotonic()
-        # warm up: every kind of request has succeeded at least once (or --warmup-s)
-        kinds = {"encode"} | ({"generate"} if node.llms else set())
+        self._warm_up({"encode"} | ({"generate"} if node.llms else set()))
+        faults, interval = self._inject_faults(expect)
+        t_end_faults = time.monotonic()
+        soak = self._soak(sampler, t_end_faults)
+        t_end = time.monotonic()
+        sampler.stop()
+        self.stop_load()
+        records = self.reqlog.refresh()
+        self.account(records, t_end_faults)
+        first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
+        return {
+            "chaos": "serve",
+            "topology": a.topology,
+            "server": self.address,
+            "routers": self.addresses,
+            "started_node": self.server is not None,
+            "encoders": len(self._ring_eps),
+            "llm_workers": len(node.llms),
+            "users": a.users,
+            "duration_s": a.duration_s,
+            "fault_interval_s": round(interval, 3),
+            "requested_faults": faults,
+            "load": {
+                "before_faults": phase_stats(records, t_load, first_kill),
+                "faults": phase_stats(records, first_kill, t_end_faults),
+                "soak": phase_stats(records, t_end_faults, t_end),
+            },
+            "failures_outside_fault_windows": sum(
+                1 for r in records if r["code"] != "OK" and not (first_kill <= r["t1"] < t_end_faults)
+            ),
+            "faults": self.faults,
+            "skipped": self.skipped,
+            "soak": soak,
+            "rss_mb_now": {
+                role: round(mb, 1)
+                for role, pid in (self.refresh_node().roles().items() if self.node else [])
+                if (mb := rss_mb(pid)) is not None
+            },
+            "request_log": str(self.reqlog.path),
+        }
+
+    def _write_images(self) -> Path:
+        """The load's image pool, written under the work directory."""
+        from mimo_epd.testing.media_server import generate_pool
+
+        images_dir = self.workdir / "images"
+        images_dir.mkdir()
+        for name, data in generate_pool([(480, 640), (720, 1280)], per_size=2).items():
+            (images_dir / name).write_bytes(data)
+        return images_dir
+
+    def _warm_up(self, kinds: set[str]) -> None:
+        """Wait until every kind of request has succeeded at least once (or --warmup-s), then one more second."""
         t_warm = time.monotonic()
-        while time.monotonic() - t_warm < a.warmup_s:
+        while time.monotonic() - t_warm < self.args.warmup_s:
             if kinds <= {r["kind"] for r in self.reqlog.refresh() if r["code"] == "OK"}:
                 break
             time.sleep(0.2)
         time.sleep(1.0)
+
+    def _inject_faults(self, expect: dict) -> tuple[list[str], float]:
+        """The fault schedule: one fault per slot over --duration-s, each followed by a wait until the node is whole
+        again. Returns the requested faults and the slot length."""
+        a = self.args
         t_faults = time.monotonic()
         log(f"load running ({a.users} users); faults {a.faults} for {a.duration_s:g}s")
         faults = [f.strip() for f in a.faults.split(",") if f.strip()]
@@ -813,12 +886,15 @@ class Campaign:
             self._ring_eps = sorted(self.node.encoders) if self.node else self._ring_eps
             i += 1
         time.sleep(max(0.0, t_faults + a.duration_s - time.monotonic()))
-        t_end_faults = time.monotonic()
-        soak: dict = {"seconds": a.soak_s}
-        if a.soak_s > 0:
-            log(f"soak {a.soak_s:g}s")
-            warmup = min(60.0, a.soak_s / 2)  # "after the first minute"; half of a shorter soak
-            time.sleep(a.soak_s)
+        return faults, interval
+
+    def _soak(self, sampler: RssSampler, t_end_faults: float) -> dict:
+        """--soak-s of load without faults; the RSS report after its first minute (half of a shorter soak)."""
+        soak: dict = {"seconds": self.args.soak_s}
+        if self.args.soak_s > 0:
+            log(f"soak {self.args.soak_s:g}s")
+            warmup = min(60.0, self.args.soak_s / 2)
+            time.sleep(self.args.soak_s)
             sampler.sample()
             soak.update(
                 {
@@ -826,64 +902,7 @@ class Campaign:
                     "rss": soak_report(sampler.samples, t_end_faults, time.monotonic(), warmup, sampler.parts),
                 }
             )
-        t_end = time.monotonic()
-        sampler.stop()
-        self.stop_load()
-        records = self.reqlog.refresh()
-        self.account(records, t_end_faults)
-
-        def phase(t_a, t_b):
-            rs = [r for r in records if t_a <= r["t1"] < t_b]
-            by = {}
-            for kind in sorted({r["kind"] for r in rs}):
-                k = [r for r in rs if r["kind"] == kind]
-                lat = sorted(r["t1"] - r["t0"] for r in k if r["code"] == "OK")
-                by[kind] = {
-                    "requests": len(k),
-                    "failures": sum(r["code"] != "OK" for r in k),
-                    "qps": round(len(k) / max(1e-9, t_b - t_a), 3),
-                    "p50_ms": round(lat[len(lat) // 2] * 1e3, 1) if lat else None,
-                    "p90_ms": round(lat[int(len(lat) * 0.9)] * 1e3, 1) if lat else None,
-                }
-            return {
-                "seconds": round(t_b - t_a, 3),
-                "requests": len(rs),
-                "failures": sum(r["code"] != "OK" for r in rs),
-                "by_kind": by,
-            }
-
-        first_kill = self.t0 + self.faults[0]["t_kill_s"] if self.faults else t_end_faults
-        result = {
-            "chaos": "serve",
-            "topology": a.topology,
-            "server": self.address,
-            "routers": self.addresses,
-            "started_node": self.server is not None,
-            "encoders": len(self._ring_eps),
-            "llm_workers": len(node.llms),
-            "users": a.users,
-            "duration_s": a.duration_s,
-            "fault_interval_s": round(interval, 3),
-            "requested_faults": faults,
-            "load": {
-                "before_faults": phase(t_load, first_kill),
-                "faults": phase(first_kill, t_end_faults),
-                "soak": phase(t_end_faults, t_end),
-            },
-            "failures_outside_fault_windows": sum(
-                1 for r in records if r["code"] != "OK" and not (first_kill <= r["t1"] < t_end_faults)
-            ),
-            "faults": self.faults,
-            "skipped": self.skipped,
-            "soak": soak,
-            "rss_mb_now": {
-                role: round(mb, 1)
-                for role, pid in (self.refresh_node().roles().items() if self.node else [])
-                if (mb := rss_mb(pid)) is not None
-            },
-            "request_log": str(self.reqlog.path),
-        }
-        return result
+        return soak
 
     def close(self, result: dict | None) -> None:
         self.stop_load()

@@ -16,11 +16,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from loadtest.locust_cmd import locust_command
+from loadtest.locust_cmd import locust_command, results_dir
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 _ALLOW_HINT = "--url-allowlist 127.0.0.1/32"
@@ -81,14 +80,51 @@ def probe(address: str, item, timeout: float = 120.0):
             return e
 
 
-def run(args) -> int:
-    import importlib.util
-
+def check_server(address: str, images: dict[str, bytes], media) -> int:
+    """Probe `address` with one byte item (and one URL item when `media` serves them) before the load: 0 when both
+    succeed, else the exit code after printing why (1: the server fails, 2: it refuses the load's URLs)."""
     import grpc
+
+    from mimo_epd.v1 import encoder_pb2
+
+    first = next(iter(images))
+    err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
+    if err is not None:
+        hint = (
+            "; is the server running? (`make serve` starts one on 127.0.0.1:50051)"
+            if err.code() == grpc.StatusCode.UNAVAILABLE
+            else ""
+        )
+        print(f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}", file=sys.stderr)
+        return 1
+    if media is None:
+        return 0
+    err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
+    if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
+        print(
+            f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
+            f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
+            "without --urls (every item sent as bytes)",
+            file=sys.stderr,
+        )
+        return 2
+    if err is not None:
+        print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run(args) -> int:
+    """The load test; Locust's CSV files go to --csv-dir, or to a temporary directory removed at the end."""
+    with results_dir(args.csv_dir, "mimo-loadtest-") as out_dir:
+        return _run(args, out_dir)
+
+
+def _run(args, out_dir: Path) -> int:
+    import importlib.util
 
     from mimo_epd.testing.media_server import MediaServer, generate_pool
     from mimo_epd.testing.servers import start_server
-    from mimo_epd.v1 import encoder_pb2
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
         print(
@@ -96,8 +132,6 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     images = generate_pool([(480, 640), (1080, 1920)], per_size=2)
     img_dir = out_dir / "images"
     img_dir.mkdir(exist_ok=True)
@@ -112,33 +146,10 @@ def run(args) -> int:
                 print("loadtest: starting a local encoder (--server to test a running one)", file=sys.stderr)
                 server = start_server(["--url-allowlist", "127.0.0.1/32", "--cache-bytes", "0"])
                 address = server.address
-            first = next(iter(images))
-            err = probe(address, encoder_pb2.MediaItem(data=images[first] + b"mimo-epd:probe"))
-            if err is not None:
-                hint = (
-                    "; is the server running? (`make serve` starts one on 127.0.0.1:50051)"
-                    if err.code() == grpc.StatusCode.UNAVAILABLE
-                    else ""
-                )
-                print(
-                    f"error: {address}: the probe request failed: {err.code().name}: {err.details()}{hint}",
-                    file=sys.stderr,
-                )
-                return 1
             urls = [media.url(n) for n in images] if media else []
-            if urls:
-                err = probe(address, encoder_pb2.MediaItem(url=media.url(first, "probe")))
-                if err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED:
-                    print(
-                        f"error: {address} refuses the load test's media URLs ({media.url(first)}): {err.details()}\n"
-                        f"  its URL policy refuses loopback addresses: restart it with `{_ALLOW_HINT}`, or run "
-                        "without --urls (every item sent as bytes)",
-                        file=sys.stderr,
-                    )
-                    return 2
-                if err is not None:
-                    print(f"error: {address}: a URL item failed: {err.code().name}: {err.details()}", file=sys.stderr)
-                    return 1
+            rc = check_server(address, images, media)
+            if rc:
+                return rc
             env = {**os.environ, "MIMO_EPD_MEDIA_URLS": ",".join(urls), "MIMO_EPD_IMAGES_DIR": str(img_dir)}
             cmd = locust_command(
                 LOCUSTFILE,
@@ -171,7 +182,7 @@ def run(args) -> int:
         "spawn_rate": args.spawn_rate,
         "run_time": args.run_time,
         "items": "bytes+urls" if args.urls else "bytes",
-        "csv": str(stats_csv),
+        "csv": str(stats_csv) if args.csv_dir else None,
         **_aggregated(stats_csv),
         "failures_by_status": by_status,
     }
@@ -196,5 +207,9 @@ def add_arguments(p) -> None:
         help="also send items as URLs on a media server started here on 127.0.0.1 (the server needs "
         f"{_ALLOW_HINT}); default: every item is sent as bytes",
     )
-    p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
+    p.add_argument(
+        "--csv-dir",
+        default="",
+        help="keep Locust's CSV files in this directory (default: a temporary one, removed at the end)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")

@@ -16,6 +16,12 @@ $PIP install -q --upgrade pip
 TARGET="."
 [ -n "$EXTRAS" ] && TARGET=".[$EXTRAS]"
 echo "setup: installing mimo-epd $TARGET (torch comes from the local wheel cache when it has it)"
+# Mooncake's transfer engine (prefill/decode KV transfer) loads libibverbs even for TCP: installed when missing.
+if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup: installing libibverbs1 (Mooncake transfer engine)"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1) >/dev/null 2>&1 || \
+    echo "notice: libibverbs1 did not install; prefill/decode disaggregation cannot start its transfer engine"
+fi
 $PIP install -q -e "$TARGET"
 
 # --- pillow-simd --------------------------------------------------------------------------------
@@ -70,6 +76,15 @@ if [[ "$EXTRAS" == *dev* ]] && ! command -v redis-server >/dev/null 2>&1; then
     (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null 2>&1 || true
   fi
   command -v redis-server >/dev/null 2>&1 || echo "notice: redis-server is not installed; the shared-state router tests are skipped"
+fi
+# --- Mooncake Store's other shared libraries (libibverbs1: above) ------------------------------------
+MOONCAKE_PKGS="libnuma1 libcurl4"
+if ! dpkg -s $MOONCAKE_PKGS >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing $MOONCAKE_PKGS (--kv-store mooncake://)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $MOONCAKE_PKGS) >/dev/null 2>&1 || true
+  fi
+  dpkg -s $MOONCAKE_PKGS >/dev/null 2>&1 || echo "notice: $MOONCAKE_PKGS missing; --kv-store mooncake:// will not load"
 fi
 # --- NVIDIA DALI (optional `dali` extra) for the dev/test environment: best effort -------------------
 if [[ "$EXTRAS" == *dev* ]] && ! "$VENV/bin/python" -c "import nvidia.dali" >/dev/null 2>&1; then

@@ -67,6 +67,8 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from mimo_epd.common.parent import pid_alive  # one rule for "is this pid alive" (zombies are not)
+
 from . import index as hindex
 from .index import HashIndex
 
@@ -181,23 +183,6 @@ def _layout(max_entries: int, max_pins: int) -> dict[str, int]:
 def metadata_bytes(max_entries: int = 65536, max_pins: int = 4096) -> int:
     """Bytes of a segment before its data arena: size a segment as this plus the arena wanted."""
     return _layout(max_entries, max_pins)["data"]
-
-
-def pid_alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return True
 
 
 @dataclass

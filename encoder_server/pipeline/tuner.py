@@ -1,48 +1,182 @@
-"""Online choice of the vision forward's thread count on a CPU deployment with decode processes."""
+"""Online choice of the vision forward's shape on a CPU: how many forward workers (each with its own batch)
+and how many torch intra-op threads each, from measured stage busy fractions.
+
+On a CPU the forward and the decode processes share the cores, and which split is best depends on the
+model, the images and the machine: a small tower next to busy decoders runs best on one thread; when the
+forward is the slow stage it should get every core the decoders leave; and for small batches intra-op
+threading may not scale where a second worker with its own batch does. So the tuner measures, every
+window (`Window`: wall seconds, forward busy seconds, the decode processes' CPU seconds, patches encoded):
+
+    budget  = round(cores - decode cores in use)       (at least 1) -- what the decoders leave
+    busy    = forward busy seconds / (window x workers)             -- is the forward the bottleneck?
+    rate    = patches / second, per shape (a running mean)
+
+and `ForwardPolicy.decide` moves one step at a time:
+1. over budget (the decoders need cores back): to the best-rated shape that fits the budget, unless
+   the current one measured BETTER x faster than it (its threads are runnable only while it runs: the
+   cores were not oversubscribed, the decoders' use grew because the forward fed them faster);
+2. forward busy >= BOTTLENECK and budget left: up one level of total threads (an untried shape there
+   first: 1 x n+1 and, with two workers allowed, 2 x (n+1)/2 are both tried; the better one is kept);
+3. forward busy < SLACK (it waits for work): down one level, giving cores to the decoders;
+4. otherwise to a measured shape that fits and encodes BETTER x faster, if one exists.
+A move to a shape measured slower than the current one is never taken, except on every `explore_every`-th
+window, which re-tries the best alternative (load changes). Invariants: every shape's workers x threads is
+at most the cores; a shape over the budget is kept only while it measures faster than every shape within
+it (so at saturation the forward's runnable threads plus the decoders' cores stay within the cores); the policy reads only `Window`s, never the clock, so tests drive it with
+synthetic stage timings.
+
+`ForwardTuner` is the asyncio loop that samples the measurements and publishes the chosen `Shape`: the
+forward reads `threads` before each forward (OpenMP's count is per calling thread) and the batcher reads
+`workers` before starting one.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from mimo_epd.common.proc_stat import cpu_seconds
 
 log = logging.getLogger(__name__)
 
 
-class ThreadTuner:
-    """On a CPU the vision forward and the decode processes share the cores, and which split is best
-    depends on the model and the load: a small tower runs best on one core next to busy decoders, a
-    large one needs every core. So measure it: run each setting (1 thread, all cores) for a window,
-    keep the one that encoded more patches per second, and re-check the other now and then.
+@dataclass(frozen=True, order=True)
+class Shape:
+    workers: int  # forward workers, each running its own batch
+    threads: int  # torch intra-op threads of each
 
-    `threads` is read by the forward thread before each forward (OpenMP's count is per thread);
-    0 means torch's default."""
+    @property
+    def cores(self) -> int:
+        return self.workers * self.threads
 
-    def __init__(self, batch_stats, threads: int = 0):
-        self.stats = batch_stats  # BatchStats: .patches grows as forwards finish
-        self.threads = threads
+    def __str__(self) -> str:
+        return f"{self.workers}x{self.threads}"
 
-    async def run(self, window_s: float = 1.5, explore_every: int = 8) -> None:
-        cores = os.cpu_count() or 1
-        if cores < 2:
-            return
-        options = [1, cores]
-        rate = {1: None, cores: None}
-        current, windows = 1, 0
-        self.threads = current
+
+@dataclass
+class Window:
+    seconds: float  # wall time of the window
+    forward_busy_s: float  # forward seconds in it, summed over workers
+    decode_cpu_s: float  # CPU seconds the decode processes used in it
+    patches: int  # patches encoded in it
+
+
+def shapes(cores: int, max_workers: int = 1, min_workers: int = 1) -> list[Shape]:
+    """Every shape of `min_workers`..`max_workers` workers that fits `cores`, by total threads, fewest workers
+    first (a fixed worker count above the cores keeps one thread each: the caller asked for it)."""
+    ws = range(max(1, min_workers), max(1, min_workers, max_workers) + 1)
+    out = [Shape(w, t) for w in ws for t in range(1, cores + 1) if w * t <= cores]
+    return sorted(out, key=lambda s: (s.cores, s.workers)) or [Shape(ws[0], 1)]
+
+
+class ForwardPolicy:
+    BOTTLENECK = 0.8  # forward busy fraction at which the forward is the slow stage
+    SLACK = 0.5  # below it the forward waits for work
+    BETTER = 1.05  # a measured shape must be this much faster to be moved to
+    ALPHA = 0.5  # weight of the newest window in a shape's rate
+
+    def __init__(
+        self,
+        cores: int,
+        max_workers: int = 1,
+        min_workers: int = 1,
+        explore_every: int = 8,
+        start: Shape = Shape(1, 1),
+    ):
+        self.cores = max(1, cores)
+        self.options = shapes(self.cores, max_workers, min_workers)
+        self.explore_every = explore_every
+        self.current = start if start in self.options else self.options[0]
+        self.rate: dict[Shape, float] = {}
+        self.windows = 0
+        self.budget = self.cores
+
+    def decide(self, w: Window) -> Shape:
+        """The shape for the next window, from the one just measured with `self.current`."""
+        if w.patches <= 0 or w.seconds <= 0:
+            return self.current  # idle: nothing to learn
+        self.windows += 1
+        cur = self.current
+        r = w.patches / w.seconds
+        self.rate[cur] = r if cur not in self.rate else self.ALPHA * r + (1 - self.ALPHA) * self.rate[cur]
+        self.budget = max(1, min(self.cores, int(self.cores - w.decode_cpu_s / w.seconds + 0.5)))
+        busy = w.forward_busy_s / (w.seconds * cur.workers)
+        nxt = self._step(cur, busy)
+        if nxt != cur:
+            log.debug(
+                "forward %s -> %s (busy %.2f, budget %d, patches/s %s)",
+                cur,
+                nxt,
+                busy,
+                self.budget,
+                {str(k): round(v) for k, v in self.rate.items()},
+            )
+        self.current = nxt
+        return nxt
+
+    def _step(self, cur: Shape, busy: float) -> Shape:
+        fits = [s for s in self.options if s.cores <= self.budget] or self.options[:1]
+        if cur.cores > self.budget:  # 1. the decoders need cores back, unless this measured faster than all that fit
+            down = self._best(fits, level=max(s.cores for s in fits))
+            if down not in self.rate or self.rate[cur] <= self.BETTER * self.rate[down]:
+                return down
+        explore = self.windows % self.explore_every == 0
+        if busy >= self.BOTTLENECK:  # 2. the forward is the slow stage: one level up, or the other shape here
+            same = [s for s in fits if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]
+            if same:
+                return same[0]
+            up = [s for s in fits if s.cores > cur.cores]
+            if up:
+                target = self._best(up, level=min(s.cores for s in up))
+                if self._may_move(cur, target, explore):
+                    return target
+        elif busy < self.SLACK and cur.cores > 1:  # 3. the forward waits for work: give a core back
+            return self._best(fits, level=cur.cores - 1)
+        better = [s for s in fits if s in self.rate and self.rate[s] > self.BETTER * self.rate[cur]]  # 4.
+        return max(better, key=self.rate.__getitem__) if better else cur
+
+    def _best(self, candidates: list[Shape], level: int) -> Shape:
+        """At `level` total threads: an untried shape first, else the fastest measured."""
+        at = [s for s in candidates if s.cores == level] or candidates
+        untried = [s for s in at if s not in self.rate]
+        return untried[0] if untried else max(at, key=self.rate.__getitem__)
+
+    def _may_move(self, cur: Shape, target: Shape, explore: bool) -> bool:
+        return target not in self.rate or explore or self.rate[target] > self.BETTER * self.rate[cur]
+
+
+class ForwardTuner:
+    """Samples the measurements every `window_s` and applies `policy`'s decision.
+
+    `stats()` returns (forward busy seconds, patches) so far; `decode_pids()` the decode processes."""
+
+    def __init__(
+        self,
+        stats: Callable[[], tuple[float, int]],
+        decode_pids: Callable[[], list[int]],
+        policy: ForwardPolicy,
+        threads: int = 0,
+    ):
+        self.stats = stats
+        self.decode_pids = decode_pids
+        self.policy = policy
+        self.threads = threads  # 0: torch's default (a fixed --torch-threads, or no tuner)
+        self.workers = 1
+
+    def apply(self, shape: Shape) -> None:
+        self.threads, self.workers = shape.threads, shape.workers
+
+    async def run(self, window_s: float = 1.5) -> None:
+        self.apply(self.policy.current)
+        busy0, patches0 = self.stats()
+        cpu0, t0 = cpu_seconds(self.decode_pids()), time.perf_counter()
         while True:
-            before = self.stats.patches
             await asyncio.sleep(window_s)
-            done = self.stats.patches - before
-            if done == 0:
-                continue  # idle: nothing to learn
-            rate[current] = done / window_s
-            windows += 1
-            other = options[1 - options.index(current)]
-            if rate[other] is None or windows % explore_every == 0:
-                nxt = other  # explore
-            else:
-                nxt = max(options, key=lambda o: rate[o] or 0.0)  # exploit the better one
-            if nxt != current:
-                log.debug("forward threads %d -> %d (patches/s: %s)", current, nxt, rate)
-                current = self.threads = nxt
+            busy1, patches1 = self.stats()
+            cpu1, t1 = cpu_seconds(self.decode_pids()), time.perf_counter()
+            w = Window(t1 - t0, busy1 - busy0, max(0.0, cpu1 - cpu0), patches1 - patches0)
+            self.apply(self.policy.decide(w))
+            busy0, patches0, cpu0, t0 = busy1, patches1, cpu1, t1

@@ -54,6 +54,85 @@ class VideoEncodeResult:
         }
 
 
+def plan_video(
+    path: str,
+    pre: PreprocessConfig,
+    sampling: VideoSampling,
+    max_frames_total: int | None,
+    max_duration_s: float | None,
+) -> tuple[VideoInfo, list[int], tuple[int, int]]:
+    """The probe, the sampled frame indices and the resized frame size; VideoError for what cannot be encoded."""
+    import os
+
+    sampling.validate()
+    if os.path.getsize(path) == 0:
+        raise VideoError("empty item (0 bytes)")
+    info = probe(path, max_frames_total)
+    if max_duration_s and info.duration_s > max_duration_s:
+        raise VideoError(
+            f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)"
+        )
+    indices = sample_indices(info.frames, info.fps, sampling)
+    try:  # frames smaller than the resize factor are scaled up (as images are); only the aspect ratio can fail
+        size = frame_size(info.height, info.width, len(indices), sampling, pre)
+    except ImageSizeError as e:
+        raise VideoError(str(e).replace("image is", "frames are", 1)) from None
+    return info, indices, size
+
+
+class _ChunkEncoder:
+    """Frames in, embeddings out: temporal groups of `temporal_patch_size` frames are patchified and encoded in
+    chunks of at most `groups_per_chunk` groups, so memory holds one chunk of pixels at a time."""
+
+    def __init__(self, model, pre: PreprocessConfig, grid_hw: tuple[int, int], max_batch_tokens: int, device) -> None:
+        self.model, self.pre, self.device = model, pre, device
+        self.gh, self.gw = grid_hw
+        self.groups_per_chunk = max(1, max_batch_tokens // (self.gh * self.gw))
+        self.outputs: list[torch.Tensor] = []
+        self.chunk: list[np.ndarray] = []
+        self.group: list[np.ndarray] = []
+        self.timing = {"wait_decode": 0.0, "patchify": 0.0, "encode": 0.0}
+        self.encoded = 0  # frames encoded (groups x temporal_patch_size)
+
+    def add(self, arr: np.ndarray) -> bool:
+        """Adds one frame; True when it starts a temporal group. Encodes a chunk when it is full."""
+        starts = not self.group
+        self.group.append(arr)
+        if len(self.group) == self.pre.temporal_patch_size:
+            self._close_group()
+            if len(self.chunk) >= self.groups_per_chunk:
+                self.flush()
+        return starts
+
+    def finish(self) -> torch.Tensor:
+        """Pads the last group by repeating its last frame (as the processor does), encodes the rest."""
+        if self.group:
+            self.group.extend([self.group[-1]] * (self.pre.temporal_patch_size - len(self.group)))
+            self._close_group()
+        self.flush()
+        if not self.outputs:
+            raise VideoError("no frame was decoded")
+        return torch.cat(self.outputs)
+
+    def _close_group(self) -> None:
+        t = time.perf_counter()
+        self.chunk.append(patchify_frames_uint8(np.stack(self.group), self.pre))
+        self.group.clear()
+        self.timing["patchify"] += time.perf_counter() - t
+
+    def flush(self) -> None:
+        if not self.chunk:
+            return
+        t = time.perf_counter()
+        pv = torch.from_numpy(np.concatenate(self.chunk)).to(self.device)
+        grid = torch.tensor([[len(self.chunk), self.gh, self.gw]])
+        with torch.inference_mode():
+            self.outputs.append(self.model(pv, grid).cpu())
+        self.encoded += len(self.chunk) * self.pre.temporal_patch_size
+        self.chunk.clear()
+        self.timing["encode"] += time.perf_counter() - t
+
+
 def encode_video(
     path: str,
     model: torch.nn.Module,
@@ -68,75 +147,27 @@ def encode_video(
     max_duration_s: float | None = None,
 ) -> VideoEncodeResult:
     """Encodes one video file. `progress(decoded, encoded, total)` is called as frames advance."""
-    sampling.validate()
     t0 = time.perf_counter()
-    import os
-
-    if os.path.getsize(path) == 0:
-        raise VideoError("empty item (0 bytes)")
-    info = probe(path, max_frames_total)
-    if max_duration_s and info.duration_s > max_duration_s:
-        raise VideoError(
-            f"the video lasts {info.duration_s:.1f}s, over the limit of {max_duration_s:g}s (--max-video-seconds)"
-        )
-    indices = sample_indices(info.frames, info.fps, sampling)
-    try:  # frames smaller than the resize factor are scaled up (as images are); only the aspect ratio can fail
-        th, tw = frame_size(info.height, info.width, len(indices), sampling, pre)
-    except ImageSizeError as e:
-        raise VideoError(str(e).replace("image is", "frames are", 1)) from None
-    tp, p = pre.temporal_patch_size, pre.patch_size
-    gh, gw = th // p, tw // p
-    per_group = gh * gw
-    groups_per_chunk = max(1, max_batch_tokens // per_group)
+    info, indices, (th, tw) = plan_video(path, pre, sampling, max_frames_total, max_duration_s)
+    gh, gw = th // pre.patch_size, tw // pre.patch_size
+    enc = _ChunkEncoder(model, pre, (gh, gw), max_batch_tokens, device)
     model.patch_embed.set_input_normalization(pre.mean, pre.std)
     t_probe = time.perf_counter() - t0
-
-    outputs: list[torch.Tensor] = []
-    chunk: list[np.ndarray] = []
-    group: list[np.ndarray] = []
     timestamps: list[float] = []
-    timing = {"wait_decode": 0.0, "patchify": 0.0, "encode": 0.0}
-    decoded = encoded = 0
-
-    def flush() -> None:
-        nonlocal encoded
-        if not chunk:
-            return
-        t = time.perf_counter()
-        pv = torch.from_numpy(np.concatenate(chunk)).to(device)
-        grid = torch.tensor([[len(chunk), gh, gw]])
-        with torch.inference_mode():
-            outputs.append(model(pv, grid).cpu())
-        encoded += len(chunk) * tp
-        chunk.clear()
-        timing["encode"] += time.perf_counter() - t
-        if progress:
-            progress(decoded, min(encoded, len(indices)), len(indices))
-
     frames = decode_parallel(path, indices, info.keyframes, (th, tw), workers=workers, mode=mode)
+    decoded = 0
     t_wait = time.perf_counter()
-    for n, (idx, arr) in enumerate(frames):
-        timing["wait_decode"] += time.perf_counter() - t_wait
+    for idx, arr in frames:
+        enc.timing["wait_decode"] += time.perf_counter() - t_wait
         decoded += 1
-        if not group:
+        encoded_before = enc.encoded
+        if enc.add(arr):
             timestamps.append(idx / info.fps)
-        group.append(arr)
-        if len(group) == tp:
-            t = time.perf_counter()
-            chunk.append(patchify_frames_uint8(np.stack(group), pre))
-            group.clear()
-            timing["patchify"] += time.perf_counter() - t
-            if len(chunk) >= groups_per_chunk:
-                flush()
-        if progress and n % 16 == 0:
-            progress(decoded, encoded, len(indices))
+        if progress and ((decoded - 1) % 16 == 0 or enc.encoded != encoded_before):
+            progress(decoded, min(enc.encoded, len(indices)), len(indices))
         t_wait = time.perf_counter()
-    if group:  # pad the last temporal group by repeating its last frame, as the processor does
-        group.extend([group[-1]] * (tp - len(group)))
-        chunk.append(patchify_frames_uint8(np.stack(group), pre))
-    flush()
-    if not outputs:
-        raise VideoError("no frame was decoded")
-    emb = torch.cat(outputs)
-    seconds = {"probe": t_probe, **timing, "total": time.perf_counter() - t0}
+    emb = enc.finish()
+    if progress:
+        progress(decoded, min(enc.encoded, len(indices)), len(indices))
+    seconds = {"probe": t_probe, **enc.timing, "total": time.perf_counter() - t0}
     return VideoEncodeResult(emb, (len(timestamps), gh, gw), timestamps, info, len(indices), (th, tw), seconds)

@@ -1,7 +1,8 @@
 """The scheduler: which requests run in the next step, with how many tokens each, and their KV bookkeeping.
 
 Read top to bottom, one step is:
-1. drop aborted requests (their KV is freed, or cached when they were stopped by a stop string);
+1. drop aborted requests (the KV they own alone is freed, prefilled prompt chunks stay in the prefix cache;
+   all of it is cached when they were stopped by a stop string);
 2. admit waiting requests while fewer than `max_running` run: length buckets take turns, and inside a bucket
    the fewest uncached tokens win, minus `wait_penalty` tokens per second waited (or first come first served).
    Scoring never touches the cache (`peek_prefix_length`: no split, no LRU refresh), and each waiting request's
@@ -122,6 +123,17 @@ class Scheduler:
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
+
+    def configure(self, cfg) -> None:
+        """Reads a subclass's own settings from the worker's LLMConfig (the prefill / decode roles); none here."""
+
+    def metrics(self) -> dict:
+        """A subclass's counters for engine.stats() (and /metrics); none here."""
+        return {}
+
+    def load_views(self) -> tuple[list[Request], list[Request]]:
+        """(requests not started, requests holding KV) as the routers' load counts them."""
+        return list(self.waiting), list(self.running)
 
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
@@ -333,6 +345,8 @@ class Scheduler:
 
     def _append(self, r: Request, s: Sampled) -> None:
         r.output.append(s.token)
+        if r.constraint is not None:
+            r.constraint.accept(s.token)  # the grammar follows every appended token
         self.generated_tokens += 1
         if r.params.logprobs:
             r.logprobs.append(s.logprob)
@@ -346,6 +360,8 @@ class Scheduler:
     def _stopped(self, r: Request) -> str:
         if r.output and r.output[-1] in r.stop_ids:
             return "stop"
+        if r.constraint is not None and r.constraint.terminated:
+            return "stop"  # the grammar ended with a stop token (one ignore_eos keeps from the stop ids)
         if len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_seq_len:
             return "length"
         return ""

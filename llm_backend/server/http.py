@@ -20,6 +20,11 @@ import time
 import grpc
 from aiohttp import web
 
+from llm_backend.agentic.output import ChatOutput
+from mimo_epd.common import http_edge
+from mimo_epd.common.auth import AuthConfig, ssl_context
+from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
+
 from . import openai_protocol as proto
 from .chat_template import ChatTemplate, ChatTemplateError
 from .core import Final, GenerationCore, ServeError
@@ -55,12 +60,9 @@ async def errors_middleware(request: web.Request, handler):
         )
 
 
-async def read_json(request: web.Request):
-    raw = await request.read()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ServeError.invalid(f"malformed JSON body: {e}") from None
+async def read_json(request: web.Request, edge: EdgeConfig):
+    """The checked JSON body (http_edge: size after decompression, depth, strings); refusals are 4xx EdgeErrors."""
+    return await http_edge.read_json(request, edge.max_request_bytes, edge.max_json_depth)
 
 
 class LLMHTTPServer:
@@ -71,14 +73,18 @@ class LLMHTTPServer:
         metrics=None,
         media_timeout_s: float = 60.0,
         model_path: str = "tiny",
+        edge: EdgeConfig | None = None,
+        auth: AuthConfig | None = None,
     ):
         self.core, self.template, self.metrics = core, template, metrics
+        self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self.media_timeout_s = media_timeout_s
         self.model_path = model_path
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[errors_middleware], client_max_size=512 << 20)
+        app = edge_app(self.edge, [errors_middleware], keys=self.auth.keys)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
@@ -99,7 +105,7 @@ class LLMHTTPServer:
         if req.model and req.model != self.core.model_name:
             raise ServeError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {req.model!r} is not served here (this worker serves {self.core.model_name!r})",
+                f"model {http_edge.shown(req.model)} is not served here (this worker serves {self.core.model_name!r})",
                 param="model",
                 err_code="model_not_found",
             )
@@ -121,7 +127,7 @@ class LLMHTTPServer:
         if request.match_info["model"] != self.core.model_name:
             raise ServeError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {request.match_info['model']!r} is not served here",
+                f"model {http_edge.shown(request.match_info['model'])} is not served here",
                 param="model",
                 err_code="model_not_found",
             )
@@ -141,7 +147,7 @@ class LLMHTTPServer:
         return web.json_response(
             {
                 "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
+                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
                 "served_model_name": self.core.model_name,
                 "is_generation": True,
                 "preferred_sampling_params": None,
@@ -157,7 +163,7 @@ class LLMHTTPServer:
             {
                 "model_path": self.model_path,
                 "served_model_name": self.core.model_name,
-                "tokenizer_path": self.model_path,
+                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
                 "dp_size": 1,
                 "tp_size": 1,
                 "context_length": self.core.max_model_len,
@@ -178,7 +184,7 @@ class LLMHTTPServer:
     async def _prepare(self, req: proto.GenRequest):
         core = self.core
         if req.kind == "chat":
-            text = self.template.render(req.messages, add_generation_prompt=True)
+            text = self.template.render(req.messages, add_generation_prompt=True, **req.agentic.render_kwargs())
             prep = await core.prepare(
                 text=text, media_items=req.media, add_special_tokens=False, timeout=self.media_timeout_s
             )
@@ -192,6 +198,7 @@ class LLMHTTPServer:
             ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids,
             top_logprobs=req.top_logprobs,
+            grammar=await core.grammar(req.agentic.constraint),
             **req.sampling,
         )
         return prep, params
@@ -205,11 +212,11 @@ class LLMHTTPServer:
         return proto.completion_logprobs(tok, ids, lps, tops, offset0)
 
     async def chat(self, request):
-        req = proto.parse_chat(await read_json(request))
+        req = proto.parse_chat(await read_json(request, self.edge))
         return await self._run(request, req)
 
     async def completions(self, request):
-        req = proto.parse_completion(await read_json(request))
+        req = proto.parse_completion(await read_json(request, self.edge))
         return await self._run(request, req)
 
     async def _run(self, request, req: proto.GenRequest):
@@ -222,7 +229,10 @@ class LLMHTTPServer:
         res = await self.core.generate(prep, params, req.stop)
         lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
         if req.kind == "chat":
-            body = proto.chat_response(rid, model, res.text, res.final, lp)
+            out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+            body = proto.chat_response(
+                rid, model, out.message(), out.finish_reason(res.final.finish_reason), res.final, lp
+            )
         else:
             body = proto.completion_response(rid, model, res.text, res.final, lp)
         return web.json_response(body)
@@ -245,6 +255,7 @@ class LLMHTTPServer:
         chat = req.kind == "chat"
         resp = await self._open_sse(request)
         offset = 0
+        out = ChatOutput(req.agentic.thinking, req.agentic.tools)
         try:
             if chat:
                 await self._send(
@@ -256,10 +267,19 @@ class LLMHTTPServer:
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     if chat:
+                        for d in out.flush():
+                            await self._send(
+                                resp, proto.chat_chunk(rid, model, created, d, include_usage=req.include_usage)
+                            )
                         await self._send(
                             resp,
                             proto.chat_chunk(
-                                rid, model, created, {}, ev.finish_reason, include_usage=req.include_usage
+                                rid,
+                                model,
+                                created,
+                                {},
+                                out.finish_reason(ev.finish_reason),
+                                include_usage=req.include_usage,
                             ),
                         )
                     else:
@@ -282,12 +302,12 @@ class LLMHTTPServer:
                 if not ev.text and lp is None:
                     continue
                 if chat:
-                    await self._send(
-                        resp,
-                        proto.chat_chunk(
-                            rid, model, created, {"content": ev.text}, None, lp, include_usage=req.include_usage
-                        ),
-                    )
+                    deltas = out.push(ev.text) or ([{"content": ""}] if lp is not None else [])
+                    for k, d in enumerate(deltas):
+                        chunk = proto.chat_chunk(
+                            rid, model, created, d, None, lp if k == 0 else None, include_usage=req.include_usage
+                        )
+                        await self._send(resp, chunk)
                 else:
                     await self._send(
                         resp,
@@ -303,7 +323,7 @@ class LLMHTTPServer:
 
     async def generate(self, request):
         """SGLang's native API: `{"text", "output_ids", "meta_info"}`; streamed, each event has the text so far."""
-        req = proto.parse_generate(await read_json(request))
+        req = proto.parse_generate(await read_json(request, self.edge))
         prep, params = await self._prepare(req)
         rid = proto.new_id("gen")
         if not req.stream:
@@ -349,12 +369,7 @@ class LLMHTTPServer:
 
 async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Starts the app; returns the runner and the bound port. A client that disconnects cancels its handler."""
-    runner = web.AppRunner(server.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port)
-    await site.start()
-    bound = site._server.sockets[0].getsockname()[1]
-    return runner, bound
+    return await start_site(server.app(), host, port, server.edge, ssl_context(server.auth))
 
 
 async def stop_http(runner: web.AppRunner) -> None:

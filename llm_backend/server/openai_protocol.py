@@ -6,9 +6,10 @@ OpenAI API: chat `messages` with roles system / developer (as system) / user / a
 string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too) and `video_url`
 parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
 list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` = 1, `stream` with
-`stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`. Features
-this server does not implement (penalties, logit_bias, tools, JSON mode, n > 1, echo, suffix) get a 400
-that says so rather than being silently ignored.
+`stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
+fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
+`reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
+(penalties, logit_bias, n > 1, echo, suffix) get a 400 that says so rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -17,12 +18,20 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from llm_backend.agentic.request import AgenticOptions, parse_agentic
+from llm_backend.agentic.tools import ToolError, template_message
+from mimo_epd.common.http_edge import ERROR_TYPES, error_body  # noqa: F401 (the API's error shape)
+from mimo_epd.common.prompt_rules import (
+    MAX_TOP_LOGPROBS,
+    RuleError,
+    is_token_ids,
+    media_url,
+    normalize_messages,
+    type_name,
+)
 from mimo_epd.v1 import encoder_pb2
 
 from .core import Final, ServeError
-
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -41,23 +50,12 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    agentic: AgenticOptions = field(default_factory=AgenticOptions)  # tools, reasoning, constraints
 
 
 # ---------------------------------------------------------------------------------------- type checks
 def _bad(param: str, msg: str) -> ServeError:
     return ServeError.invalid(f"'{param}': {msg}", param=param)
-
-
-def _type_name(v) -> str:
-    return {
-        type(None): "null",
-        bool: "a boolean",
-        int: "an integer",
-        float: "a number",
-        str: "a string",
-        list: "an array",
-        dict: "an object",
-    }.get(type(v), type(v).__name__)
 
 
 def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None, param: str | None = None) -> int | None:
@@ -68,7 +66,7 @@ def _int(body: dict, key: str, lo: int | None = None, hi: int | None = None, par
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise _bad(param, f"expected an integer, got {_type_name(v)}")
+        raise _bad(param, f"expected an integer, got {type_name(v)}")
     if lo is not None and v < lo or hi is not None and v > hi:
         raise _bad(
             param, f"{v} is out of range [{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
@@ -81,7 +79,7 @@ def _num(body: dict, key: str, lo: float, hi: float, lo_open: bool = False) -> f
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise _bad(key, f"expected a number, got {_type_name(v)}")
+        raise _bad(key, f"expected a number, got {type_name(v)}")
     v = float(v)
     if not (lo < v <= hi if lo_open else lo <= v <= hi):
         raise _bad(key, f"{v} is out of range {'(' if lo_open else '['}{lo}, {hi}]")
@@ -93,7 +91,7 @@ def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
     if v is None:
         return None
     if not isinstance(v, bool):
-        raise _bad(param or key, f"expected a boolean, got {_type_name(v)}")
+        raise _bad(param or key, f"expected a boolean, got {type_name(v)}")
     return v
 
 
@@ -104,12 +102,8 @@ def _unsupported(body: dict) -> None:
             raise _bad(key, "is not supported by this server (only the default)")
     if body.get("logit_bias"):
         raise _bad("logit_bias", "is not supported by this server")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(key, "tool calling is not supported by this server")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-        raise _bad("response_format", "only {'type': 'text'} is supported")
+    if body.get("functions"):
+        raise _bad("functions", "the deprecated 'functions' field is not supported: use 'tools'")
     n = _int(body, "n")
     if n is not None and n != 1:
         raise _bad("n", f"only n = 1 is supported, got {n}")
@@ -121,13 +115,13 @@ def _common(body: dict, req: GenRequest) -> None:
     _unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise _bad("model", f"expected a string, got {_type_name(model)}")
+        raise _bad("model", f"expected a string, got {type_name(model)}")
     req.model = model or ""
     req.stream = bool(_bool(body, "stream"))
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
-            raise _bad("stream_options", f"expected an object, got {_type_name(so)}")
+            raise _bad("stream_options", f"expected an object, got {type_name(so)}")
         req.include_usage = bool(_bool(so, "include_usage", "stream_options.include_usage"))
     mt = _int(body, "max_completion_tokens", 1)
     req.max_tokens = mt if mt is not None else _int(body, "max_tokens", 1)
@@ -154,7 +148,7 @@ def _stops(stop, param: str, req: GenRequest) -> None:
         return
     items = [stop] if isinstance(stop, str) else stop
     if not isinstance(items, list):
-        raise _bad(param, f"expected a string or an array, got {_type_name(stop)}")
+        raise _bad(param, f"expected a string or an array, got {type_name(stop)}")
     for i, s in enumerate(items):
         if isinstance(s, str):
             if not s:
@@ -163,65 +157,31 @@ def _stops(stop, param: str, req: GenRequest) -> None:
         elif isinstance(s, int) and not isinstance(s, bool):
             req.stop_token_ids.append(s)
         else:
-            raise _bad(f"{param}[{i}]", f"expected a string or a token id, got {_type_name(s)}")
+            raise _bad(f"{param}[{i}]", f"expected a string or a token id, got {type_name(s)}")
 
 
 def _media_url(url, param: str, video: bool) -> encoder_pb2.MediaItem:
-    if not isinstance(url, str) or not url:
-        raise _bad(param, "expected a URL string")
-    scheme = url.split(":", 1)[0].lower()
-    if scheme not in ("http", "https", "data"):
-        raise _bad(param, f"only http(s):// and data: URLs are accepted, got {scheme!r}")
-    kw = {"modality": encoder_pb2.VIDEO if video else encoder_pb2.IMAGE}
-    return encoder_pb2.MediaItem(url=url, **kw)
+    try:
+        url = media_url(url, param)
+    except RuleError as e:
+        raise _bad(e.param, e.message) from None
+    return encoder_pb2.MediaItem(url=url, modality=encoder_pb2.VIDEO if video else encoder_pb2.IMAGE)
 
 
 # ---------------------------------------------------------------------------------------- requests
 def parse_chat(body) -> GenRequest:
     if not isinstance(body, dict):
-        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("chat")
     _common(body, req)
-    msgs = body.get("messages")
-    if msgs is None:
-        raise _bad("messages", "is required")
-    if not isinstance(msgs, list):
-        raise _bad("messages", f"expected an array, got {_type_name(msgs)}")
-    if not msgs:
-        raise _bad("messages", "must not be empty")
-    for i, m in enumerate(msgs):
-        p = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _bad(p, f"expected an object, got {_type_name(m)}")
-        role = m.get("role")
-        if role not in ROLES:
-            raise _bad(f"{p}.role", f"unsupported role {role!r} (system, developer, user, assistant)")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, str):
-            req.messages.append({"role": ROLES[role], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise _bad(f"{p}.content", f"expected a string or an array of parts, got {_type_name(content)}")
-        parts = []
-        for j, part in enumerate(content):
-            pp = f"{p}.content[{j}]"
-            if not isinstance(part, dict):
-                raise _bad(pp, f"expected an object, got {_type_name(part)}")
-            kind = part.get("type")
-            if kind == "text":
-                if not isinstance(part.get("text"), str):
-                    raise _bad(f"{pp}.text", "expected a string")
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image_url", "video_url"):
-                ref = part.get(kind)
-                url = ref.get("url") if isinstance(ref, dict) else ref
-                req.media.append(_media_url(url, f"{pp}.{kind}.url", video=kind == "video_url"))
-                parts.append({"type": "image" if kind == "image_url" else "video"})
-            else:
-                raise _bad(f"{pp}.type", f"unsupported content part {kind!r} (text, image_url, video_url)")
-        req.messages.append({"role": ROLES[role], "content": parts})
+    try:
+        req.agentic = parse_agentic(body, chat=True)
+        req.messages, refs = normalize_messages(body.get("messages"), build=template_message)
+    except RuleError as e:
+        raise _bad(e.param, e.message) from None
+    except ToolError as e:
+        raise _bad(e.param, e.detail) from None
+    req.media += [_media_url(ref.url, ref.param, video=ref.kind == "video") for ref in refs]
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not lp:
@@ -234,9 +194,13 @@ def parse_chat(body) -> GenRequest:
 
 def parse_completion(body) -> GenRequest:
     if not isinstance(body, dict):
-        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("completion")
     _common(body, req)
+    try:
+        req.agentic = parse_agentic(body, chat=False)
+    except ToolError as e:
+        raise _bad(e.param, e.detail) from None
     if body.get("echo"):
         raise _bad("echo", "is not supported by this server")
     if body.get("suffix"):
@@ -246,7 +210,7 @@ def parse_completion(body) -> GenRequest:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         req.text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+    elif is_token_ids(prompt):
         req.token_ids = list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
         raise _bad("prompt", f"one prompt per request, got {len(prompt)}")
@@ -266,7 +230,7 @@ def parse_completion(body) -> GenRequest:
 def parse_generate(body) -> GenRequest:
     """SGLang's native `POST /generate`: `text` or `input_ids`, `sampling_params`, `stream`, `image_data`."""
     if not isinstance(body, dict):
-        raise ServeError.invalid(f"the request body must be a JSON object, got {_type_name(body)}")
+        raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("generate")
     req.stream = bool(_bool(body, "stream"))
     text, ids = body.get("text"), body.get("input_ids")
@@ -279,8 +243,8 @@ def parse_generate(body) -> GenRequest:
     elif ids is not None:
         if isinstance(ids, list) and len(ids) == 1 and isinstance(ids[0], list):
             ids = ids[0]
-        if not isinstance(ids, list) or not ids or any(isinstance(t, bool) or not isinstance(t, int) for t in ids):
-            raise _bad("input_ids", "expected a non-empty array of token ids (one prompt per request)")
+        if not is_token_ids(ids):
+            raise _bad("input_ids", "expected a non-empty array of token ids in [0, 2^63) (one prompt per request)")
         req.token_ids = ids
     elif text is None:
         raise _bad("text", "give 'text' or 'input_ids'")
@@ -288,7 +252,7 @@ def parse_generate(body) -> GenRequest:
         raise _bad("text", "expected a string (one prompt per request)")
     sp = body.get("sampling_params") or {}
     if not isinstance(sp, dict):
-        raise _bad("sampling_params", f"expected an object, got {_type_name(sp)}")
+        raise _bad("sampling_params", f"expected an object, got {type_name(sp)}")
     _unsupported(sp)
     req.max_tokens = _int(sp, "max_new_tokens", 1, param="sampling_params.max_new_tokens") or 128
     s = req.sampling
@@ -313,6 +277,8 @@ def parse_generate(body) -> GenRequest:
     if _bool(body, "return_logprob"):
         s["logprobs"] = True
     images = body.get("image_data")
+    if images is not None and not isinstance(images, (str, list)):
+        raise _bad("image_data", f"expected a URL string or an array of them, got {type_name(images)}")
     for j, url in enumerate([images] if isinstance(images, str) else images or []):
         req.media.append(_media_url(url, f"image_data[{j}]", video=False))
     return req
@@ -374,7 +340,7 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list,
     }
 
 
-def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
+def chat_response(rid: str, model: str, message: dict, finish_reason: str, final: Final, logprobs) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -383,9 +349,9 @@ def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict 
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": final.finish_reason,
+                "finish_reason": finish_reason,
             }
         ],
         "usage": usage(final),
@@ -453,21 +419,3 @@ def generate_meta(rid: str, final: Final | None, completion_tokens: int, prompt_
             media_tokens=final.media_tokens,
         )
     return meta
-
-
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    413: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "service_unavailable_error",
-    504: "timeout_error",
-}
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {
-        "error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
-    }

@@ -28,9 +28,20 @@ BENCHMARKS = (
     ),
     ("routing-live", "routing_live", "live LLM workers: every routing policy and SGLang's gateway on multi-turn chat"),
     (
+        "pd",
+        "pd",
+        "simulated prefill/decode disaggregation: colocated N vs every P:D split, goodput under TTFT/TPOT SLOs",
+    ),
+    ("pd-live", "pd_live", "live prefill/decode disaggregation: 2 colocated workers vs 1 prefill + 1 decode"),
+    (
         "spec",
         "spec",
         "MTP speculative decoding: off vs K = 1-3, without prefill MTP, one MTP layer reused (--sim: h200)",
+    ),
+    (
+        "structured",
+        "structured",
+        "grammar-constrained decoding (xgrammar): unconstrained vs json_schema vs regex, batch 1 and 16",
     ),
 )
 
@@ -41,7 +52,9 @@ def _module(name: str):
 
 def _runner(name: str):
     def run(args) -> int:
-        print(json.dumps(_module(name).main(args)))  # one JSON object on stdout
+        out = _module(name).main(args)
+        out.setdefault("machine", import_module("mimo_epd.bench.machine").machine_facts())  # every bench says where
+        print(json.dumps(out))  # one JSON object on stdout
         return 0
 
     return run

@@ -42,7 +42,10 @@ def marked_parent() -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether `pid` runs. A zombie does not: a SIGKILLed `serve` stays one until whoever started it reaps it."""
+    """Whether `pid` runs. A zombie does not: a SIGKILLed `serve` stays one until whoever started it reaps it.
+    No pid <= 0 runs (kill(0) would signal our own process group). The one implementation (shm_cache uses it)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -6,7 +6,10 @@ gRPC Generate (mimo_epd/router/llm.py): the front tokenizes the prompt like the 
 and for chat the same chat template with the same message normalisation, tokenized without special tokens), asks
 `LLMRouter.pick(prompt_token_ids)` for the workers in order, and forwards the request unchanged to the first
 one's HTTP API. A request with media is routed by load only (its placeholder ids come from the encoder's content
-keys), as in gRPC; a body the front cannot read is routed by load too, and the worker answers with its 400.
+keys), as in gRPC. The body goes through the same edge as the worker's (mimo_epd/common/http_edge.py: size after
+decompression, strict JSON, depth, strings), so a body no worker could read is refused here with the worker's
+400 / 413 / 415; a readable body the prompt rules refuse is routed by load, and the worker answers with its 400.
+The body is forwarded decompressed (without its Content-Encoding).
 
 The response is streamed back chunk by chunk as it arrives (SSE streams stay streams). The worker's cached
 tokens are read from the response (`usage.prompt_tokens_details.cached_tokens`, or `meta_info.cached_tokens`
@@ -19,18 +22,26 @@ When the chosen worker fails before any byte of the body reached the client (it 
 a worker that could not be reached or answered 503 is skipped until it serves again. Once bytes have been sent,
 a worker that breaks off ends the client's response there. A client that disconnects cancels its handler, which
 closes the upstream connection, so the worker sees the disconnect and aborts the request (its KV freed).
-Other paths (models, health, the worker's /metrics, server info) go to the least loaded live worker.
+Other paths (models, health, server info) go to the least loaded live worker; GET /metrics answers the whole
+node's merged metrics when the node gives them (`metrics`), else the worker's.
 When no worker can take a request the answer is a 503 in the OpenAI error format.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
+
+from llm_backend.agentic.tools import ToolError, template_message
+from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
+from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
+from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
+from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +56,7 @@ _SKIP_REQUEST = {
     "proxy-connection",
     "content-length",
     "accept-encoding",
+    "content-encoding",  # the front forwards the body decompressed (http_edge.read_body)
 }
 _SKIP_RESPONSE = {
     "connection",
@@ -57,19 +69,22 @@ _SKIP_RESPONSE = {
 }
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _error(status: int, message: str) -> web.Response:
-    body = {
-        "error": {
-            "message": message,
-            "type": "service_unavailable_error" if status == 503 else "server_error",
-            "param": None,
-            "code": None,
-        }
-    }
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json")
+    return error_response(status, message)
+
+
+class _OpenStream:
+    """A streamed response being relayed; `cut()` (the node is stopping) closes its upstream, and the relay ends
+    the client's stream with the error event and `[DONE]`."""
+
+    def __init__(self, up):
+        self.up, self.was_cut = up, False
+
+    def cut(self) -> None:
+        self.was_cut = True
+        self.up.close()
 
 
 # ---------------------------------------------------------------------------------------------- prompts
@@ -78,34 +93,12 @@ class Unroutable(ValueError):
 
 
 def chat_messages(messages) -> tuple[list[dict], bool]:
-    """The messages as the worker's template sees them (llm_backend/server/openai_protocol.parse_chat), and
-    whether any carries media."""
-    if not isinstance(messages, list) or not messages:
-        raise Unroutable("messages")
-    out, media = [], False
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            raise Unroutable("message")
-        content = m.get("content")
-        if content is None and m["role"] == "assistant":
-            content = ""
-        if isinstance(content, str):
-            out.append({"role": _ROLES[m["role"]], "content": content})
-            continue
-        if not isinstance(content, list):
-            raise Unroutable("content")
-        parts = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"type": "text", "text": part["text"]})
-            elif kind in ("image_url", "video_url"):
-                media = True
-                parts.append({"type": "image" if kind == "image_url" else "video"})
-            else:
-                raise Unroutable("content part")
-        out.append({"role": _ROLES[m["role"]], "content": parts})
-    return out, media
+    """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
+    try:
+        out, media = normalize_messages(messages, build=template_message)  # as the worker renders them
+    except (RuleError, ToolError) as e:
+        raise Unroutable(str(e)) from None
+    return out, bool(media)
 
 
 class Tokenizer:
@@ -115,10 +108,7 @@ class Tokenizer:
         self.tokenizer, self.template = tokenizer, template
 
     def _encode(self, text: str, special: bool) -> list[int]:
-        inner = getattr(self.tokenizer, "tok", None)  # as GenerationCore.encode_text
-        if special or inner is None:
-            return list(self.tokenizer.encode(text))
-        return list(inner.encode(text, add_special_tokens=False).ids)
+        return encode_text(self.tokenizer, text, special)
 
     def prompt(self, kind: str, body) -> tuple[list[int], bool]:
         """(token ids, has media); raises Unroutable."""
@@ -146,7 +136,7 @@ class Tokenizer:
     def _ids_or_text(self, p) -> list[int]:
         if isinstance(p, str):
             return self._encode(p, True)
-        if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+        if is_token_ids(p):
             return list(p)
         raise Unroutable("prompt")
 
@@ -217,22 +207,29 @@ class HTTPFront:
         self,
         upstream: Callable[[], str | None] | None = None,
         timeout_s: float = 3600.0,
-        max_body_mb: int = 512,
         router=None,
         template=None,
+        edge: EdgeConfig | None = None,
+        metrics: Callable[[], Awaitable[bytes]] | None = None,
+        auth: AuthConfig | None = None,
     ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
-        Without one, `upstream()` is the one worker's current `host:port` (None while it is not up)."""
+        Without one, `upstream()` is the one worker's current `host:port` (None while it is not up). `metrics`:
+        what GET /metrics answers (the whole node's, mimo_epd/node_metrics.py) instead of one worker's."""
         self.router = router
+        self.metrics = metrics
         self.upstream = upstream or (router.http_upstream if router is not None else (lambda: None))
         self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
-        self.max_body = max_body_mb << 20
+        self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._active = 0  # requests being handled
+        self._streams: set[_OpenStream] = set()
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_body)
+        app = edge_app(self.edge, [], keys=self.auth.keys)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -243,11 +240,33 @@ class HTTPFront:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True, shutdown_timeout=5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        return site._server.sockets[0].getsockname()[1]
+        self._runner, bound = await start_site(self.app(), host, port, self.edge, ssl_context(self.auth))
+        return bound
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stops accepting; lets the requests in flight finish within `timeout_s`; then ends each stream still open
+        with the error event and `[DONE]` (its worker aborts the request). Returns how many streams it ended."""
+        if self._runner is None:
+            return 0
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._runner.server is not None:
+            self._runner.server.pre_shutdown()  # kept-alive connections close after their current request
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self._active:
+            log.info("HTTP: draining %d requests in flight (--drain-timeout-s %g)", self._active, timeout_s)
+        while self._active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = list(self._streams)
+        for stream in cut:
+            stream.cut()
+        deadline = loop.time() + 2.0  # the relays write their last events
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if cut:
+            log.info("HTTP: ended %d open streams with an error event (drain timeout)", len(cut))
+        return len(cut)
 
     async def close(self) -> None:
         runner, session, self._runner, self._session = self._runner, self._session, None, None
@@ -258,16 +277,33 @@ class HTTPFront:
 
     @staticmethod
     def _headers(request: web.Request) -> dict:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+        out = {
+            k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST and k.lower() != "authorization"
+        }
+        key = upstream_authorization(request.headers.get("Authorization"))  # the internal key, when set
+        if key:
+            out["Authorization"] = key
+        return out
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self._active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self._active -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics" and request.method == "GET" and self.metrics is not None:
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return web.Response(body=await self.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
         kind = ROUTED.get(request.path) if request.method == "POST" else None
         if kind is not None and self.router is not None:
             return await self._routed(request, kind)
         target = self.upstream()
         if not target:
             return _error(503, "the LLM worker is not running (starting or restarting); retry shortly")
-        body = await request.read()
+        body = await read_body(request, self.edge.max_request_bytes)
         try:
             up = await self._session.request(
                 request.method,
@@ -276,7 +312,7 @@ class HTTPFront:
                 headers=self._headers(request),
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
         return await self._relay(request, up, target, None)
@@ -290,8 +326,12 @@ class HTTPFront:
         sse: SSEFilter | None = None,
         body_parts: list | None = None,
     ) -> web.StreamResponse:
-        """Streams `up` to the client (`first` = its first body chunk, already read)."""
+        """Streams `up` to the client (`first` = its first body chunk, already read). A stream the worker breaks
+        off, or the node's drain cuts, ends with the error event and `[DONE]`, as the worker ends one."""
         done = False
+        stream = _OpenStream(up) if sse is not None else None
+        if stream is not None:
+            self._streams.add(stream)
         try:
             resp = web.StreamResponse(
                 status=up.status,
@@ -302,21 +342,40 @@ class HTTPFront:
             chunks = up.content.iter_any()
             if first is not None:
                 await self._write(resp, first, sse, body_parts)
-            async for chunk in chunks:
-                await self._write(resp, chunk, sse, body_parts)
+            try:
+                async for chunk in chunks:
+                    await self._write(resp, chunk, sse, body_parts)
+            except aiohttp.ClientError as e:  # the worker went away mid-response
+                if stream is None:  # a plain body: nothing more can be said
+                    log.warning("LLM worker %s broke off a response: %s", target, e)
+                    raise
+                if not stream.was_cut:
+                    log.warning("LLM worker %s broke off a stream: %s", target, e)
+                    await self._end_stream(resp, sse, f"the LLM worker broke off the stream ({type(e).__name__})")
+                    return resp
+            if stream is not None and stream.was_cut:
+                await self._end_stream(resp, sse, "the server is shutting down (--drain-timeout-s)")
+                return resp
             if sse is not None and (rest := sse.flush()):
                 await resp.write(rest)
             await resp.write_eof()
             done = True
             return resp
-        except aiohttp.ClientError as e:  # the worker went away mid-response: nothing more to send
-            log.warning("LLM worker %s broke off a response: %s", target, e)
-            raise
         finally:
+            self._streams.discard(stream)  # type: ignore[arg-type]
             if done:
                 up.release()  # the connection goes back to the pool
             else:
                 up.close()  # cut: the worker sees the disconnect and aborts the request
+
+    @staticmethod
+    async def _end_stream(resp, sse: SSEFilter | None, message: str) -> None:
+        """The error event and `[DONE]` after the complete events relayed so far (a half-received one is dropped)."""
+        if sse is not None:
+            sse.flush()
+        event = json.dumps(error_body(503, message))
+        await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
 
     @staticmethod
     async def _write(resp, chunk: bytes, sse: SSEFilter | None, body_parts: list | None) -> None:
@@ -329,13 +388,14 @@ class HTTPFront:
 
     async def _routed(self, request: web.Request, kind: str) -> web.StreamResponse:
         router = self.router
-        raw = await request.read()
+        raw = await read_body(request, self.edge.max_request_bytes)  # too large, bad encoding: the edge's 4xx
         router.stats["requests"] += 1
         body, upstream_raw, strip = None, raw, False
+        body = parse_json(raw, self.edge.max_json_depth)  # a body no worker could read: its 400 here
         try:
-            body = json.loads(raw)
             tokens, media = self.tokens.prompt(kind, body)
-        except (ValueError, UnicodeDecodeError):  # Unroutable is a ValueError
+        except Exception as e:  # Unroutable (the worker says why), or a template this body breaks: route by load
+            log.debug("routing an HTTP request by load: %s", e)
             tokens, media = [], False
         if media:  # placeholder ids come from the encoder's content keys: only BOS is predictable
             tokens = tokens[:1]
@@ -378,7 +438,7 @@ class HTTPFront:
         url = f"http://{choice.http_address}{request.path_qs}"
         try:
             up = await self._session.post(url, data=raw, headers=headers, allow_redirects=False)
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             router.mark_down(choice, f"HTTP {type(e).__name__}")
             return None, type(e).__name__
         if up.status in RETRY_STATUS:

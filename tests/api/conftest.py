@@ -110,3 +110,14 @@ def scrape(http_address: str) -> dict[str, float]:
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
+
+
+@pytest.fixture(scope="session")
+def front(worker):
+    """`mimo-epd router` with its HTTP front over the API tests' worker (the same tokenizer: tiny-random)."""
+    s = start_server(
+        ["--workers", f"{worker.address}/{worker.http_address}", "--http-port", "0", "--model", "tiny-random"], "router"
+    )
+    assert s.http_address
+    yield s
+    assert s.stop() == 0

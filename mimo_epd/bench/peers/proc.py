@@ -9,18 +9,9 @@ import sys
 import threading
 import time
 
+from mimo_epd.common.proc_stat import cpu_seconds
+from mimo_epd.common.proc_stat import stat_fields as _stat
 from mimo_epd.testing.servers import ServerProcess
-
-_TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _stat(pid: int) -> list[str] | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2 :].split()  # fields after "pid (comm) ", the comm may contain spaces
 
 
 def descendants(pid: int) -> list[int]:
@@ -42,12 +33,7 @@ def descendants(pid: int) -> list[int]:
 def tree_cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of pid and its live descendants (each process's own, reaped children's
     included through cutime/cstime)."""
-    total = 0
-    for p in descendants(pid):
-        st = _stat(p)
-        if st:
-            total += sum(int(v) for v in st[11:15])  # utime stime cutime cstime
-    return total / _TICK
+    return cpu_seconds(descendants(pid), children=True)
 
 
 def tree_rss_bytes(pid: int) -> int:

@@ -1,0 +1,149 @@
+"""The forward tuner moves the forward's threads / workers toward the bottleneck stage. Driven by synthetic
+stage timings from a small queueing model of the machine (no wall time): the forward's wall and CPU per
+item at each shape, the decoders' CPU per item, and the cores they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from encoder_server.pipeline.tuner import ForwardPolicy, Shape, Window, shapes
+
+WINDOW_S = 1.5
+PATCHES_PER_ITEM = 1000
+
+
+@dataclass
+class Machine:
+    cores: int = 2
+    decoders: int = 2
+    forward_s: float = 0.2  # one item's forward on one thread
+    speedup2: float = 1.8  # forward speed-up from 2 intra-op threads (1.0: threading does not help small batches)
+    decode_cpu_s: float = 0.05  # one item's decode
+    split_cost: float = 1.0  # per-item forward cost with two workers (each batch half as big amortises less)
+
+    def window(self, s: Shape) -> Window:
+        """Steady state at shape `s`: throughput is the least of the forward's capacity, the decoders' and the
+        cores' (forward threads spin while they run: CPU = wall x threads)."""
+        wall = self.forward_s / (self.speedup2 if s.threads >= 2 else 1.0) * (self.split_cost if s.workers > 1 else 1.0)
+        x = min(
+            s.workers / wall, self.decoders / self.decode_cpu_s, self.cores / (wall * s.threads + self.decode_cpu_s)
+        )
+        return Window(
+            WINDOW_S, x * wall * WINDOW_S, x * self.decode_cpu_s * WINDOW_S, int(x * WINDOW_S * PATCHES_PER_ITEM)
+        )
+
+    def rate(self, s: Shape) -> float:
+        return self.window(s).patches / WINDOW_S
+
+
+def drive(policy: ForwardPolicy, machine: Machine, windows: int = 40) -> list[Shape]:
+    seen = []
+    for _ in range(windows):
+        shape = policy.decide(machine.window(policy.current))
+        # never more forward threads than cores; over what the decoders leave only while measured faster
+        assert shape.cores <= policy.cores, shape
+        if shape.cores > policy.budget:
+            fits = [s for s in policy.rate if s.cores <= policy.budget]
+            assert fits and all(policy.rate[shape] > policy.BETTER * policy.rate[s] for s in fits), (shape, policy.rate)
+        seen.append(shape)
+    return seen
+
+
+def settled(seen: list[Shape]) -> Shape:
+    """The shape held most over the last windows (explore windows aside)."""
+    tail = seen[-16:]
+    return max(set(tail), key=tail.count)
+
+
+def test_shapes_fit_the_cores():
+    assert shapes(2, 1) == [Shape(1, 1), Shape(1, 2)]
+    assert shapes(2, 2) == [Shape(1, 1), Shape(1, 2), Shape(2, 1)]
+    assert all(s.cores <= 8 for s in shapes(8, 2)) and Shape(2, 4) in shapes(8, 2)
+
+
+def test_forward_bottleneck_gets_the_free_core():
+    m = Machine()  # the forward is the slow stage, decode leaves most of a core idle
+    seen = drive(ForwardPolicy(2), m)
+    assert seen[0] == Shape(1, 2)  # up at the first window: busy 1.0 with a core to spare
+    assert settled(seen) == Shape(1, 2) and m.rate(Shape(1, 2)) > m.rate(Shape(1, 1))
+
+
+def test_decode_bottleneck_gives_the_core_back():
+    m = Machine(forward_s=0.02, decode_cpu_s=0.15)  # cheap forward, decoders take both cores
+    seen = drive(ForwardPolicy(2, start=Shape(1, 2)), m)
+    assert seen[0] == Shape(1, 1)  # over budget: the decoders need the core
+    assert set(seen) == {Shape(1, 1)}
+
+
+def test_second_worker_when_intra_op_threads_do_not_scale():
+    m = Machine(speedup2=1.0)  # two threads on one small batch are no faster, two batches are
+    seen = drive(ForwardPolicy(2, max_workers=2), m)
+    assert Shape(1, 2) in seen and Shape(2, 1) in seen  # both measured
+    assert settled(seen) == Shape(2, 1)
+    assert m.rate(Shape(2, 1)) > m.rate(Shape(1, 2))
+
+
+def test_intra_op_threads_kept_when_they_beat_a_second_worker():
+    m = Machine(speedup2=1.9, split_cost=1.3)
+    seen = drive(ForwardPolicy(2, max_workers=2), m)
+    assert Shape(2, 1) in seen  # measured, and dropped
+    assert settled(seen) == Shape(1, 2) == max(shapes(2, 2), key=m.rate)
+
+
+def test_load_change_moves_threads_both_ways():
+    p = ForwardPolicy(2, explore_every=4)
+    up = drive(p, Machine(), 12)
+    assert settled(up) == Shape(1, 2)
+    down = drive(p, Machine(forward_s=0.02, decode_cpu_s=0.15), 12)
+    assert settled(down) == Shape(1, 1)
+    again = drive(p, Machine(), 24)
+    assert settled(again) == Shape(1, 2)
+
+
+def test_idle_windows_change_nothing():
+    p = ForwardPolicy(4, start=Shape(1, 3))
+    for _ in range(5):
+        assert p.decide(Window(WINDOW_S, 0.0, 0.0, 0)) == Shape(1, 3)
+    assert p.rate == {}
+
+
+def test_one_core_has_one_shape():
+    p = ForwardPolicy(1, max_workers=2)
+    assert set(drive(p, Machine(cores=1))) == {Shape(1, 1)}
+
+
+def test_tuner_loop_applies_the_policy():
+    """The asyncio loop samples the counters each window and publishes the shape (threads, workers)."""
+    import asyncio
+    import time
+
+    from encoder_server.pipeline.tuner import ForwardTuner
+
+    t0 = time.perf_counter()
+
+    def stats():  # a forward busy all the time, encoding steadily
+        dt = time.perf_counter() - t0
+        return dt, int(dt * 10_000)
+
+    tuner = ForwardTuner(stats, lambda: [], ForwardPolicy(2))
+
+    async def main():
+        task = asyncio.create_task(tuner.run(window_s=0.05))
+        await asyncio.sleep(0.01)
+        assert (tuner.workers, tuner.threads) == (1, 1)  # the start shape, applied at once
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if tuner.threads == 2:
+                break
+        task.cancel()
+
+    asyncio.run(main())
+    assert (tuner.workers, tuner.threads) == (1, 2)
+
+
+def test_fixed_worker_count_tunes_threads_only():
+    p = ForwardPolicy(4, max_workers=2, min_workers=2)
+    assert {s.workers for s in p.options} == {2} and p.current == Shape(2, 1)
+    seen = drive(p, Machine(cores=4, decoders=1))
+    assert {s.workers for s in seen} == {2} and settled(seen) == Shape(2, 2)
+    assert shapes(2, 3, 3) == [Shape(3, 1)]  # more workers than cores: asked for, one thread each
