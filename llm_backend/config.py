@@ -119,8 +119,16 @@ class LLMConfig:
     max_running: int = flag(16, "requests running at once", _SCHED)
     max_prefill_tokens: int = flag(
         8192,
-        "prefill tokens per step, shared by the running prompts oldest first (decode tokens always run; 0 = no cap)",
+        "prefill tokens per step, shared by the running prompts in --prefill-order (decode tokens always run; "
+        "0 = no cap)",
         _SCHED,
+    )
+    prefill_order: str = flag(
+        "fewest_left",
+        "who takes the prefill budget first: fewest_left (fewest prompt tokens left minus --wait-penalty per "
+        "second waited) or oldest (admission order; always with --fcfs)",
+        _SCHED,
+        choices=("fewest_left", "oldest"),
     )
     fcfs: bool = flag(False, "first come first served instead of fewest uncached tokens first", _SCHED)
     wait_penalty: float = flag(2048.0, "uncached tokens forgiven per second of waiting, so nothing starves", _SCHED)

@@ -101,6 +101,7 @@ class LLM:
             wait_penalty=cfg.wait_penalty,
             length_buckets=cfg.buckets(),
             max_prefill_tokens=cfg.max_prefill_tokens,
+            prefill_order=cfg.prefill_order,
             draft_tokens=self.runner.draft_tokens,
         )
         self.scheduler.configure(cfg)

@@ -35,6 +35,7 @@ class WorkerConfig:
     chunk_size: int = 512
     max_running: int = 16
     max_prefill_tokens: int = 0  # prefill tokens per step (real tokens; 0 = no cap), as the engine's flag
+    prefill_order: str = "fewest_left"  # who takes that budget first, as the engine's --prefill-order
     prefix_cache: bool = True
     release_interval: int = 16
     fcfs: bool = False
@@ -95,6 +96,7 @@ class SimWorker:
             length_buckets=tuple(b // U for b in c.length_buckets),
             clock=lambda: self.now,
             max_prefill_tokens=c.max_prefill_tokens // U,
+            prefill_order=c.prefill_order,
             draft_tokens=self.runner.draft_tokens,
         )
         self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
