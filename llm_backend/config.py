@@ -61,6 +61,10 @@ class LLMConfig:
     )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
+    grammar_compile_timeout_s: float = flag(
+        10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE
+    )
+    grammar_cache_size: int = flag(256, "compiled grammars kept (LRU, keyed by a hash of the schema)", _SERVE)
     # --- KV cache ------------------------------------------------------------------------------
     kv_cache_tokens: int = flag(16384, "full-attention KV pool, tokens", _KV)
     swa_cache_tokens: int = flag(
@@ -77,7 +81,12 @@ class LLMConfig:
     host_kv_write: str = flag(
         "back", "host tier writes: back (on device eviction) or through (on insert)", _KV, choices=("back", "through")
     )
-    kv_store: str = flag("", "shared KV tier: redis://host:port/db (empty = off); pages are content-addressed", _KV)
+    kv_store: str = flag(
+        "",
+        "shared KV tier: redis://host:port/db or mooncake://master:port[?metadata=URL&protocol=tcp] (empty = "
+        "off); pages are content-addressed",
+        _KV,
+    )
     kv_store_write: str = flag(
         "insert",
         "shared KV tier writes: insert (a page when it enters the tree: other workers reuse it at once) or "
@@ -90,6 +99,12 @@ class LLMConfig:
         0.5, "shared KV tier socket timeout; on an error it is skipped for --kv-store-retry-s", _KV
     )
     kv_store_retry_s: float = flag(5.0, "seconds the shared KV tier is skipped after an error", _KV)
+    kv_store_segment_bytes: int = flag(
+        1 << 30, "mooncake:// KV tier: bytes of this worker's memory lent to the store's pool", _KV
+    )
+    kv_store_buffer_bytes: int = flag(
+        64 << 20, "mooncake:// KV tier: the registered buffer pages are read into and written from, bytes", _KV
+    )
     swa_backfill: bool = flag(
         False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA eviction tombstones it", _KV
     )
@@ -153,9 +168,9 @@ class LLMConfig:
         _PD,
     )
     pd_local_prefill_tokens: int = flag(
-        32,
+        2048,
         "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
-        "(conditional disaggregation; -1 = never)",
+        "(conditional disaggregation; -1 = never; the default from bench pd, docs/pd.md)",
         _PD,
     )
     # --- limits --------------------------------------------------------------------------------
@@ -192,13 +207,22 @@ class LLMConfig:
             "max_tokens_limit",
             "grace_period_s",
             "max_temperature",
+            "grammar_compile_timeout_s",
+            "grammar_cache_size",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.host_kv_bytes < 0 or self.swa_checkpoint_interval < 0 or self.kv_store_ttl_s <= 0:
             raise ValueError("--host-kv-bytes and --swa-checkpoint-interval must be >= 0, --kv-store-ttl-s positive")
-        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--kv-store must be a redis:// URL, got {self.kv_store!r}")
+        if self.kv_store:
+            from llm_backend.kv.tiers.store import store_scheme
+
+            if store_scheme(self.kv_store) == "mooncake":
+                from llm_backend.kv.tiers.mooncake_store import parse_url
+
+                parse_url(self.kv_store)
+        if self.kv_store_segment_bytes <= 0 or self.kv_store_buffer_bytes <= 0:
+            raise ValueError("--kv-store-segment-bytes and --kv-store-buffer-bytes must be positive")
         if self.speculative_steps < 0:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:

@@ -65,7 +65,7 @@ class ToolSpec:
         return params if isinstance(params, dict) else {"type": "object", "properties": {}}
 
 
-def _check_schema(schema: Any, param: str) -> None:
+def check_schema(schema: Any, param: str) -> None:
     import jsonschema
 
     if not isinstance(schema, dict):
@@ -97,7 +97,7 @@ def parse_tools(body: dict) -> ToolSpec:
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolError(f"{p}.function.description", "expected a string")
         if fn.get("parameters") is not None:
-            _check_schema(fn["parameters"], f"{p}.function.parameters")
+            check_schema(fn["parameters"], f"{p}.function.parameters")
         spec.functions[name] = {k: v for k, v in fn.items() if k in ("name", "description", "parameters", "strict")}
     _parse_choice(body.get("tool_choice"), spec)
     parallel = body.get("parallel_tool_calls")

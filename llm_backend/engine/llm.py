@@ -147,7 +147,7 @@ class LLM:
         (llm_backend.kv.tiers)."""
         if not (cfg.host_kv_bytes or cfg.kv_store):
             return SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
-        from ..kv.tiers import RedisKVStore
+        from ..kv.tiers import open_store
         from ..kv.tiers.host import token_bytes
 
         full_b, swa_b = token_bytes(self.pools)
@@ -159,12 +159,14 @@ class LLM:
         if cfg.kv_store:
             dtype = str(self.pools.k[0].dtype).removeprefix("torch.")
             ns = f"{self.model_name}:{mcfg.num_hidden_layers}:{mcfg.window}:{cfg.page_size}:{dtype}"
-            store = RedisKVStore(
+            store = open_store(
                 cfg.kv_store,
                 ns,
                 ttl_s=cfg.kv_store_ttl_s,
                 timeout_s=cfg.kv_store_timeout_s,
                 retry_s=cfg.kv_store_retry_s,
+                segment_bytes=cfg.kv_store_segment_bytes,
+                buffer_bytes=cfg.kv_store_buffer_bytes,
             )
         cache = TieredRadixCache(
             self.full_pool,
@@ -294,6 +296,8 @@ class LLM:
             pd=pd,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
         )
+        if params.grammar is not None:
+            r.constraint = params.grammar.matcher()
         if params.seed is not None:
             r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
         with self._lock:

@@ -121,6 +121,10 @@ class Scheduler:
         """A subclass's counters for engine.stats() (and /metrics); none here."""
         return {}
 
+    def load_views(self) -> tuple[list[Request], list[Request]]:
+        """(requests not started, requests holding KV) as the routers' load counts them."""
+        return list(self.waiting), list(self.running)
+
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
         if prompt_len + 1 > self.max_seq_len:
@@ -298,6 +302,8 @@ class Scheduler:
 
     def _append(self, r: Request, s: Sampled) -> None:
         r.output.append(s.token)
+        if r.constraint is not None:
+            r.constraint.accept(s.token)  # the grammar follows every appended token
         self.generated_tokens += 1
         if r.params.logprobs:
             r.logprobs.append(s.logprob)
@@ -311,6 +317,8 @@ class Scheduler:
     def _stopped(self, r: Request) -> str:
         if r.output and r.output[-1] in r.stop_ids:
             return "stop"
+        if r.constraint is not None and r.constraint.terminated:
+            return "stop"  # the grammar ended with a stop token (one ignore_eos keeps from the stop ids)
         if len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_seq_len:
             return "length"
         return ""

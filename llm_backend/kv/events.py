@@ -182,7 +182,7 @@ class KVEventPublisher:
 
 def engine_load(engine) -> dict:
     """Queued tokens (prompts not started yet) and running tokens (the KV of running requests) of an LLM engine."""
-    waiting, running = list(engine.waiting), list(engine.running)
+    waiting, running = engine.scheduler.load_views()
     return {
         "queued_tokens": sum(len(r.prompt) for r in waiting),
         "running_tokens": sum(len(r.prompt) + len(r.output) for r in running),

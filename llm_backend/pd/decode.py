@@ -103,6 +103,11 @@ class DecodeScheduler(Scheduler):
             "pd_waiting_for_transfer": len(self.pd_waiting),
         }
 
+    def load_views(self):
+        """Requests waiting for a transfer count as queued, those receiving their KV as running (they hold it)."""
+        waiting, running = super().load_views()
+        return waiting + list(self.pd_waiting), running + list(self.transferring)
+
     # ----------------------------------------------------------------------------------- where it is prefilled
     def add(self, r) -> None:
         ticket = r.pd

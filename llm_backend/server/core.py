@@ -16,6 +16,7 @@ through the encoder), admit it to the engine, and turn the engine's token callba
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -165,6 +166,25 @@ class GenerationCore:
         self.request_options = lambda prep: {}
 
     # ------------------------------------------------------------------------------------ facts
+    @functools.cached_property
+    def grammars(self):
+        """The structured-output compiler (llm_backend/agentic/grammar.py), built on first use."""
+        from llm_backend.agentic.grammar import pool_for_engine
+
+        return pool_for_engine(self.engine)
+
+    async def grammar(self, spec):
+        """The compiled grammar of a request's output constraint (None without one); a 400 naming the field when
+        it does not compile, or not within --grammar-compile-timeout-s."""
+        if spec is None:
+            return None
+        from llm_backend.agentic.grammar import GrammarError
+
+        try:
+            return await self.grammars.compile(spec)
+        except GrammarError as e:
+            raise ServeError.invalid(str(e), param=e.param, err_code="invalid_grammar") from None
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

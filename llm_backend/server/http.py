@@ -198,6 +198,7 @@ class LLMHTTPServer:
             ignore_eos=req.ignore_eos,
             stop_token_ids=req.stop_token_ids,
             top_logprobs=req.top_logprobs,
+            grammar=await core.grammar(req.agentic.constraint),
             **req.sampling,
         )
         return prep, params

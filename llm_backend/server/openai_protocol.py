@@ -197,6 +197,10 @@ def parse_completion(body) -> GenRequest:
         raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("completion")
     _common(body, req)
+    try:
+        req.agentic = parse_agentic(body, chat=False)
+    except ToolError as e:
+        raise _bad(e.param, e.detail) from None
     if body.get("echo"):
         raise _bad("echo", "is not supported by this server")
     if body.get("suffix"):

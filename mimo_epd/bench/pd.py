@@ -27,7 +27,13 @@ def add_arguments(p) -> None:
     p.add_argument("--slo-share", type=float, default=0.9, help="share of requests meeting both SLOs (default: 0.9)")
     p.add_argument("--bandwidth-gbit-s", type=float, default=400.0, help="transfer bandwidth per worker, Gbit/s")
     p.add_argument("--latency-s", type=float, default=0.0005, help="per-transfer latency, seconds")
-    p.add_argument("--local-prefill-tokens", type=int, default=0, help="conditional disaggregation threshold")
+    p.add_argument(
+        "--local-prefill-tokens",
+        type=int,
+        default=2048,
+        help="conditional disaggregation: uncached prompts up to this many tokens prefill on the decode worker "
+        "(default: 2048, the worker's default)",
+    )
     p.add_argument("--unit", type=int, default=16, help="real tokens per simulated token (default: 16)")
 
 

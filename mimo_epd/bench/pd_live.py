@@ -1,9 +1,11 @@
 """`mimo-epd bench pd-live`: prefill/decode disaggregation with live workers on this machine (the default model).
 
-Two fleets, the same multi-turn workload (S sessions of T turns; each turn's prompt is the previous prompt, its
-answer and new tokens; the sessions run concurrently, turns one after another; greedy):
-- `colocated`: 2 `both` workers, each session pinned to one (what KV-affinity routing does with sessions);
-- `disaggregated`: 1 prefill worker + 1 decode worker, every request to the decode worker.
+Two `mimo-epd serve` nodes, one after the other, the same multi-turn workload through each node's router (S
+sessions of T turns; each turn's prompt is the previous prompt, its answer and new tokens; the sessions run
+concurrently, turns one after another; greedy):
+- `colocated`: `--llm-workers 2` (two `both` workers, KV-affinity routing);
+- `disaggregated`: `--llm-workers 0 --pd-prefill-workers 1 --pd-decode-workers 1` (the router picks the prefill
+  worker of each request; every prompt is prefilled remotely: `--llm-pd-local-prefill-tokens -1`).
 Reported: whether every output is equal across the two, TTFT and ITL P50/P90 as the client sees them, the KV bytes
 transferred per request as the decode worker measured them and from the rule (llm_backend/pd/rule.py) with its
 decode-side prefix, and the transfer's share of TTFT. It reports; it does not grade.
@@ -92,25 +94,25 @@ def main(args) -> dict:
     from llm_backend.pd.transfer import PoolLayout
     from mimo_epd.testing.servers import start_server
 
-    common = ["--model", args.model, "--torch-threads", "1", "--http-port", "-1"]
-    servers = []
+    common = ["--llm-model", args.model, "--http-port", "-1", "--llm-torch-threads", "1"]
+    node = None
     try:
-        log("colocated: 2 both workers")
-        servers = [start_server(common, "llm"), start_server(common, "llm")]
-        colocated = _run([s.address for s in servers], args)
-        for s in servers:
-            s.stop()
-        log("disaggregated: 1 prefill + 1 decode worker")
-        pre = start_server(common + ["--role", "prefill"], "llm")
-        servers = [pre]
-        dec = start_server(
-            common + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"], "llm"
+        log("colocated: serve --llm-workers 2")
+        node = start_server(common + ["--llm-workers", "2"], "serve", timeout=600)
+        colocated = _run([node.address], args)
+        node.stop()
+        log("disaggregated: serve --llm-workers 0 --pd-prefill-workers 1 --pd-decode-workers 1")
+        node = start_server(
+            common
+            + ["--llm-workers", "0", "--pd-prefill-workers", "1", "--pd-decode-workers", "1"]
+            + ["--llm-pd-local-prefill-tokens", "-1"],
+            "serve",
+            timeout=600,
         )
-        servers.append(dec)
-        disagg = _run([dec.address], args)
+        disagg = _run([node.address], args)
     finally:
-        for s in servers:
-            s.stop()
+        if node is not None:
+            node.stop()
     cfg = load_llm(args.model).config
     full_b, swa_b = PoolLayout.of(KVPools(cfg, 1, 1)).token_bytes()
     measured, formula, shares = [], [], []
@@ -136,9 +138,9 @@ def main(args) -> dict:
             "greedy": True,
         },
         "modes": {
-            "colocated": {"workers": "2 both (sessions pinned)", **col},
+            "colocated": {"workers": "serve --llm-workers 2", **col},
             "disaggregated": {
-                "workers": "1 prefill + 1 decode",
+                "workers": "serve --llm-workers 0 --pd-prefill-workers 1 --pd-decode-workers 1",
                 **dis,
                 "transfer_bytes_per_request_measured": sum(measured) / max(1, len(measured)),
                 "transfer_bytes_per_request_formula": sum(formula) / max(1, len(formula)),

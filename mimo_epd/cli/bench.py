@@ -38,6 +38,11 @@ BENCHMARKS = (
         "spec",
         "MTP speculative decoding: off vs K = 1-3, without prefill MTP, one MTP layer reused (--sim: h200)",
     ),
+    (
+        "structured",
+        "structured",
+        "grammar-constrained decoding (xgrammar): unconstrained vs json_schema vs regex, batch 1 and 16",
+    ),
 )
 
 

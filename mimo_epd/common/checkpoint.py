@@ -6,7 +6,8 @@ fields (MiMo-V2.5 and Qwen2.5-VL are laid out so); `*.safetensors` weights (or a
 naming the shards); `tokenizer.json`.
 
 - `inspect_checkpoint(name)` reads `config.json` and each safetensors file's header (never the tensors) and
-  returns a `Checkpoint`: which parts it holds (an LLM the workers serve, a vision tower, an audio sub-config),
+  returns a `Checkpoint`: which parts it holds (an LLM the workers serve, a vision tower, an audio tower the
+  encoders run beside it),
   their widths, the context it was trained for (`max_position_embeddings`), its tokenizer file.
 - `plan_node(...)` combines `serve`'s one model argument with the per-part overrides into the `NodePlan` the node
   starts from, and refuses what could only fail later, per request: a tower whose output width is not the LLM's
@@ -275,8 +276,6 @@ def plan_node(
             raise _fail(vision.config_file, f"model_type {vision.model_type!r} has no vision tower (--encoder-model)")
         notices.append(f"{vision.config_file} has no vision_config: text only, requests with media are refused")
         vision = None
-    elif vision.audio:
-        notices.append(f"{vision.config_file} declares an audio tower, which is not served: audio is unavailable")
     if lm is not None and vision is not None and vision.vision_width != lm.llm_hidden_size:
         raise CheckpointError(
             f"the vision tower's output width {vision.vision_width} ({vision.config_file}) != the LLM's hidden size "

@@ -16,7 +16,8 @@ While it runs, one `Supervisor` restarts an encoder (`--restart-encoders`) or an
 checks route its items to the next live encoder, and the LLM router retries on the next worker.
 
 `serve --join redis://...` (`join_node`) runs only the children, registered in the shared state for the
-routers that share it.
+routers that share it, and on `--host:--port` only the gRPC health service: SERVING while every child runs (what a
+container's readiness and liveness probes ask; `mimo-epd health --server HOST:PORT`).
 """
 
 from __future__ import annotations
@@ -310,6 +311,13 @@ def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> 
     ]
 
 
+async def report_children(health: GrpcServer, children: list[ChildProcess], interval_s: float = 1.0) -> None:
+    """A joined node's health: SERVING while every child runs, NOT_SERVING while one is down (restarting)."""
+    while True:
+        await health.set_serving(all(c.running for c in children))
+        await asyncio.sleep(interval_s)
+
+
 async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[ChildProcess], shm) -> int:
     """`serve --join redis://...`: this node's encoders and LLM workers, registered in the shared state with
     heartbeats (the workers' KV events relayed into it), and no router of its own."""
@@ -322,6 +330,8 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
     supervisor = Supervisor(restart_policy(node))
     llms: list[ChildProcess] = []
     feeds, heartbeats = [], []
+    health: GrpcServer | None = None
+    health_task: asyncio.Task | None = None
     try:
         await asyncio.gather(*(e.start() for e in encoders))
         if node.llm:
@@ -330,12 +340,26 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
             ttl, wait = node.routing.member_ttl_s, node.routing.poll_wait_ms
             feeds = [WorkerFeed(state, w.endpoint, info(w), ttl, wait).start() for w in llms]
         heartbeats = register_encoders(state, encoders, node)
-        log.info("node %s joined %s: %d encoders, %d LLM workers", node_name(), node.join, len(encoders), len(llms))
+        health = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        await health.start()
+        health_task = asyncio.create_task(report_children(health, [*encoders, *llms]))
+        log.info(
+            "node %s joined %s: %d encoders, %d LLM workers; health on %s",
+            node_name(),
+            node.join,
+            len(encoders),
+            len(llms),
+            health.address,
+        )
         print(f"ready joined {node.join}", flush=True)
         supervisor.watch([*encoders, *llms])
         await stop.wait()
         return 0
     finally:
+        if health_task is not None:
+            health_task.cancel()
+        if health is not None:
+            await health.stop(0)
         supervisor.stop()
         await asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
         for f in feeds:  # leave the registry now rather than one TTL later

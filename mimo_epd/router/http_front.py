@@ -39,7 +39,7 @@ from aiohttp import web
 
 from llm_backend.agentic.tools import ToolError, template_message
 from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
-from mimo_epd.common.http_edge import error_response, parse_json, read_body
+from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
 
@@ -69,11 +69,6 @@ _SKIP_RESPONSE = {
 }
 ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
-
-
-def _error_body(status: int, message: str) -> dict:
-    kind = "service_unavailable_error" if status == 503 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -378,7 +373,7 @@ class HTTPFront:
         """The error event and `[DONE]` after the complete events relayed so far (a half-received one is dropped)."""
         if sse is not None:
             sse.flush()
-        event = json.dumps(_error_body(503, message))
+        event = json.dumps(error_body(503, message))
         await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
 

@@ -37,3 +37,22 @@ def test_short_prompts_are_prefilled_on_the_decode_worker():
     _, fleet = _fleet(local_prefill_tokens=4096)
     res = fleet.run(_requests(4, 2048) + [SimRequest(9, 0.5, list(range(1 << 30, (1 << 30) + 1024)), 16384, 8)])
     assert res["requests"] == 5 and res["local_prefills"] == 4 and res["transfers"] == 1
+
+
+def test_bench_pd_quick_reports_every_split_and_the_ratios():
+    import argparse
+
+    from mimo_epd.bench import pd
+
+    p = argparse.ArgumentParser()
+    pd.add_arguments(p)
+    out = pd.main(
+        p.parse_args(
+            ["--shapes", "flash", "--traces", "mooncake", "--requests", "12", "--rates", "1", "--workers", "2"]
+        )
+    )
+    res = out["results"]["flash/mooncake"]
+    assert set(res["modes"]) == {"colocated", "1P:1D"} and res["best_split"] == "1P:1D"
+    r = out["ratios"]["flash/mooncake"]
+    assert 0 < r["transfer_bytes_vs_full_kv"] < 1
+    assert {"goodput_disagg_vs_colocated", "ttft_p90_disagg_vs_colocated", "tpot_p90_disagg_vs_colocated"} <= set(r)
