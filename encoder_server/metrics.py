@@ -36,6 +36,10 @@ class EncoderMetrics:
             buckets=(256, 1024, 2048, 4096, 8192, 16384, 32768, 65536),
             registry=r,
         )
+        self.forward_threads = Gauge(
+            "encoder_forward_threads", "torch intra-op threads of each forward worker (0 = torch's default)", registry=r
+        )
+        self.batch_budget = Gauge("encoder_batch_budget_tokens", "the batcher's current token budget", registry=r)
         self.decode_fallbacks = Counter("encoder_decode_pickled", "decoded images too large for a shm slot", registry=r)
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:

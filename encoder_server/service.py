@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import time
 
 import grpc
 import torch
 
-from mimo_epd.common.grpc_server import GrpcServer, wait_for_signal
+from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals, wait_for_signal
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
@@ -60,6 +61,12 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
     if modality is None:
         raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown modality {item.modality}", index)
     v = item.video
+    for name in ("fps",):  # every float of the message: finite and not negative (0 = the server's default)
+        x = getattr(v, name)
+        if not math.isfinite(x) or x < 0:
+            raise ItemError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"video.{name} must be a finite number >= 0, got {x}", index
+            )
     return ItemRequest(
         source,
         modality,
@@ -140,6 +147,8 @@ async def serve_encoder(
         config.device,
         pipeline.preprocess_config,
     )
+    stop = stop or asyncio.Event()
+    stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
     if announce:
         srv.announce()
     if ready is not None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo_epd.common.auth import AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EdgeConfig
 
 _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits"
 _SPEC = "LLM speculative decoding"
+_PD = "LLM prefill/decode disaggregation"
 
 
 @dataclass
@@ -40,13 +42,29 @@ class LLMConfig:
     )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
+    auth: AuthConfig = embedded(AuthConfig)  # API keys (HTTP and gRPC) and TLS
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
+    tokenizer: str = flag(
+        "",
+        "tokenizer.json file, or a directory holding one (empty = the checkpoint's; 'bytes' = one token per byte)",
+        _SERVE,
+    )
+    max_model_len: int = flag(
+        0,
+        "longest sequence (prompt + output) a request may reach (0 = the model's max_position_embeddings, at most "
+        "--kv-cache-tokens)",
+        _SERVE,
+    )
     chat_template: str = flag(
         "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
     )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
+    grammar_compile_timeout_s: float = flag(
+        10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE
+    )
+    grammar_cache_size: int = flag(256, "compiled grammars kept (LRU, keyed by a hash of the schema)", _SERVE)
     # --- KV cache ------------------------------------------------------------------------------
     kv_cache_tokens: int = flag(16384, "full-attention KV pool, tokens", _KV)
     swa_cache_tokens: int = flag(
@@ -63,7 +81,12 @@ class LLMConfig:
     host_kv_write: str = flag(
         "back", "host tier writes: back (on device eviction) or through (on insert)", _KV, choices=("back", "through")
     )
-    kv_store: str = flag("", "shared KV tier: redis://host:port/db (empty = off); pages are content-addressed", _KV)
+    kv_store: str = flag(
+        "",
+        "shared KV tier: redis://host:port/db or mooncake://master:port[?metadata=URL&protocol=tcp] (empty = "
+        "off); pages are content-addressed",
+        _KV,
+    )
     kv_store_write: str = flag(
         "insert",
         "shared KV tier writes: insert (a page when it enters the tree: other workers reuse it at once) or "
@@ -76,6 +99,12 @@ class LLMConfig:
         0.5, "shared KV tier socket timeout; on an error it is skipped for --kv-store-retry-s", _KV
     )
     kv_store_retry_s: float = flag(5.0, "seconds the shared KV tier is skipped after an error", _KV)
+    kv_store_segment_bytes: int = flag(
+        1 << 30, "mooncake:// KV tier: bytes of this worker's memory lent to the store's pool", _KV
+    )
+    kv_store_buffer_bytes: int = flag(
+        64 << 20, "mooncake:// KV tier: the registered buffer pages are read into and written from, bytes", _KV
+    )
     swa_backfill: bool = flag(
         False, "SWA back-fill: a node-end SWA window goes to the host tier before SWA eviction tombstones it", _KV
     )
@@ -90,8 +119,16 @@ class LLMConfig:
     max_running: int = flag(16, "requests running at once", _SCHED)
     max_prefill_tokens: int = flag(
         8192,
-        "prefill tokens per step, shared by the running prompts oldest first (decode tokens always run; 0 = no cap)",
+        "prefill tokens per step, shared by the running prompts in --prefill-order (decode tokens always run; "
+        "0 = no cap)",
         _SCHED,
+    )
+    prefill_order: str = flag(
+        "fewest_left",
+        "who takes the prefill budget first: fewest_left (fewest prompt tokens left minus --wait-penalty per "
+        "second waited) or oldest (admission order; always with --fcfs)",
+        _SCHED,
+        choices=("fewest_left", "oldest"),
     )
     fcfs: bool = flag(False, "first come first served instead of fewest uncached tokens first", _SCHED)
     wait_penalty: float = flag(2048.0, "uncached tokens forgiven per second of waiting, so nothing starves", _SCHED)
@@ -115,6 +152,34 @@ class LLMConfig:
         True,
         "turn drafting off for a request or a step when the measured step costs and acceptance say it does not pay",
         _SPEC,
+    )
+    # --- prefill / decode disaggregation (docs/pd.md) -------------------------------------------
+    role: str = flag(
+        "both",
+        "both (prefill and decode here), prefill (computes prompts, writes their KV into decode workers) or decode "
+        "(asks a prefill worker for each prompt's KV, then decodes)",
+        _PD,
+        choices=("both", "prefill", "decode"),
+    )
+    pd_prefill: str = flag(
+        "",
+        "decode role: prefill workers (host:port,...) used when a request names none (the router names one); "
+        "empty = every prompt is prefilled here",
+        _PD,
+    )
+    pd_protocol: str = flag("tcp", "KV transfer protocol of the Mooncake transfer engine: tcp or rdma", _PD)
+    pd_device: str = flag("", "RDMA device names for the transfer engine (protocol rdma; empty = auto)", _PD)
+    pd_transfer_timeout_s: float = flag(
+        5.0,
+        "decode role: seconds without news from the prefill worker after which a transfer fails and its reserved "
+        "pages are freed",
+        _PD,
+    )
+    pd_local_prefill_tokens: int = flag(
+        2048,
+        "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
+        "(conditional disaggregation; -1 = never; the default from bench pd, docs/pd.md)",
+        _PD,
     )
     # --- limits --------------------------------------------------------------------------------
     max_waiting: int = flag(
@@ -150,17 +215,32 @@ class LLMConfig:
             "max_tokens_limit",
             "grace_period_s",
             "max_temperature",
+            "grammar_compile_timeout_s",
+            "grammar_cache_size",
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.host_kv_bytes < 0 or self.swa_checkpoint_interval < 0 or self.kv_store_ttl_s <= 0:
             raise ValueError("--host-kv-bytes and --swa-checkpoint-interval must be >= 0, --kv-store-ttl-s positive")
-        if self.kv_store and not self.kv_store.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"--kv-store must be a redis:// URL, got {self.kv_store!r}")
+        if self.kv_store:
+            from llm_backend.kv.tiers.store import store_scheme
+
+            if store_scheme(self.kv_store) == "mooncake":
+                from llm_backend.kv.tiers.mooncake_store import parse_url
+
+                parse_url(self.kv_store)
+        if self.kv_store_segment_bytes <= 0 or self.kv_store_buffer_bytes <= 0:
+            raise ValueError("--kv-store-segment-bytes and --kv-store-buffer-bytes must be positive")
         if self.speculative_steps < 0:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
+        if self.pd_transfer_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
+            raise ValueError("--pd-transfer-timeout-s must be positive and --pd-protocol tcp or rdma")
+        if self.role != "both" and self.speculative_steps:
+            raise ValueError(f"--role {self.role} runs without --speculative-steps (the MTP layers' KV is not moved)")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.http_port < -1:
             raise ValueError(f"--http-port must be -1 (off), 0 (any) or a port, got {self.http_port}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

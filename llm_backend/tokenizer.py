@@ -1,5 +1,6 @@
 """Tokenizers: a checkpoint's `tokenizer.json` through `tokenizers` (the shipped `tiny` is a checkpoint), and
-bytes for `tiny-random` and for a directory without one."""
+bytes for `tiny-random` or when asked (`--tokenizer bytes`). A checkpoint without a tokenizer that loads is an
+error naming the file (mimo_epd/common/checkpoint.py `resolve_tokenizer`), never a silent fall back to bytes."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class ByteTokenizer:
 
     bos_token_id, eos_token_id = 256, 257
     vocab_size = 258
+    path = "bytes"  # what /get_model_info reports as the tokenizer
 
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         return ([self.bos_token_id] if add_bos else []) + list(text.encode("utf-8"))
@@ -29,6 +31,7 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.tok = Tokenizer.from_file(path)
+        self.path = path
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
         self.vocab_size = self.tok.get_vocab_size()
 
@@ -52,11 +55,16 @@ def _special_ids(model_dir: str) -> tuple[int | None, int | None]:
     return cfg.get("bos_token_id"), (eos[0] if isinstance(eos, list) and eos else eos)
 
 
-def load_tokenizer(model: str):
-    """A checkpoint directory's `tokenizer.json` (`tiny`: the shipped one); bytes for `tiny-random` or a
-    directory without one."""
-    d = resolve_model(model)
-    path = os.path.join(d, "tokenizer.json") if model != TINY_RANDOM else ""
-    if path and os.path.isfile(path):
-        return HFTokenizer(path, *_special_ids(d))
-    return ByteTokenizer()
+def load_tokenizer(model: str, tokenizer: str = ""):
+    """The tokenizer of `model` (`tiny`: the shipped one): `tokenizer` when given (a tokenizer.json, a directory
+    holding one, or `bytes`), else the checkpoint's `tokenizer.json`; bytes for `tiny-random`. Raises
+    CheckpointError (a ValueError naming the file) when there is none or it does not load."""
+    from mimo_epd.common.checkpoint import BYTES, Checkpoint, resolve_tokenizer
+
+    d = resolve_model(model) if model != TINY_RANDOM else ""
+    tok = os.path.join(d, "tokenizer.json") if d else ""
+    ckpt = Checkpoint(model, d, "", None, None, False, None, tok if tok and os.path.isfile(tok) else "")
+    path = resolve_tokenizer(ckpt, tokenizer)
+    if path == BYTES:
+        return ByteTokenizer()
+    return HFTokenizer(path, *_special_ids(d)) if d else HFTokenizer(path)

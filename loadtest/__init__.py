@@ -1,1 +1,1 @@
-"""Locust load tests for the gRPC API: `locustfile.py` (users), `run.py` (`mimo-epd loadtest ...`)."""
+"""Locust load tests of the gRPC and HTTP APIs: `locustfile.py` (users), `run.py` (`mimo-epd loadtest ...`)."""

@@ -1,7 +1,8 @@
 """`mimo-epd loadtest generate`: a headless Locust run of generation against `serve` (started here unless
 --http / --grpc are given): streamed chat completions over HTTP and Generate over gRPC.
 
-Runs `locust --headless` with loadtest/generate_locustfile.py, keeps Locust's CSV files, and prints one
+Runs `locust --headless` with loadtest/generate_locustfile.py, keeps Locust's CSV files with --csv-dir (else
+in a temporary directory removed at the end), and prints one
 JSON summary: QPS, end-to-end and time-to-first-token P50/P90/P99, completion tokens per second, failures
 grouped by status, and the same per API. `--workload chat` shares a few system prompts between users and
 grows multi-turn sessions (prefix caching matters); `--workload images` adds an inline image to every
@@ -14,11 +15,10 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
-from loadtest.locust_cmd import locust_command
+from loadtest.locust_cmd import locust_command, results_dir
 
 LOCUSTFILE = Path(__file__).with_name("generate_locustfile.py")
 
@@ -64,6 +64,12 @@ def summarize(records: list[dict]) -> dict:
 
 
 def run(args) -> int:
+    """The load test; Locust's CSV files go to --csv-dir, or to a temporary directory removed at the end."""
+    with results_dir(args.csv_dir, "mimo-loadtest-generate-") as out_dir:
+        return _run(args, out_dir)
+
+
+def _run(args, out_dir: Path) -> int:
     import importlib.util
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
@@ -74,8 +80,6 @@ def run(args) -> int:
         return 2
     from mimo_epd.testing.servers import start_server
 
-    out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-generate-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     img_dir = out_dir / "images"
     if args.workload == "images":
         from mimo_epd.testing.media_server import generate_pool
@@ -130,7 +134,7 @@ def run(args) -> int:
         "run_time": args.run_time,
         "max_tokens": args.max_tokens,
         "grpc_share": args.grpc_share if grpc_addr else 0.0,
-        "csv": str(out_dir / "locust_stats.csv"),
+        "csv": str(out_dir / "locust_stats.csv") if args.csv_dir else None,
         **summarize(records),
         "by_api": {
             api: summarize([r for r in records if r["api"] == api]) for api in sorted({r["api"] for r in records})
@@ -169,5 +173,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--max-tokens", type=int, default=16, help="completion tokens per request (default: 16)")
     p.add_argument("--serve-args", default="", help="extra flags for the `serve` started here (default: '')")
-    p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
+    p.add_argument(
+        "--csv-dir",
+        default="",
+        help="keep Locust's CSV files in this directory (default: a temporary one, removed at the end)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")

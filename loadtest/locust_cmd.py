@@ -1,8 +1,12 @@
-"""The headless Locust command line every load test here runs (encoder, generate, chaos)."""
+"""The headless Locust command line every load test here runs (encoder, generate, chaos), and where its CSV files
+go (`results_dir`)."""
 
 from __future__ import annotations
 
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -25,3 +29,16 @@ def locust_command(
         cmd += ["--run-time", run_time]
     cmd += ["--host", host, "--csv", str(csv_prefix), "--only-summary", "--stop-timeout", str(stop_timeout_s)]
     return cmd + list(extra)
+
+
+@contextmanager
+def results_dir(csv_dir: str, prefix: str) -> Iterator[Path]:
+    """Where a load test's Locust CSV files go: `--csv-dir` when given (kept), else a temporary directory that is
+    removed when the test ends (its figures are in the JSON it prints)."""
+    if csv_dir:
+        path = Path(csv_dir)
+        path.mkdir(parents=True, exist_ok=True)
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        yield Path(d)

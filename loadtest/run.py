@@ -16,11 +16,10 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from contextlib import nullcontext
 from pathlib import Path
 
-from loadtest.locust_cmd import locust_command
+from loadtest.locust_cmd import locust_command, results_dir
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 _ALLOW_HINT = "--url-allowlist 127.0.0.1/32"
@@ -116,6 +115,12 @@ def check_server(address: str, images: dict[str, bytes], media) -> int:
 
 
 def run(args) -> int:
+    """The load test; Locust's CSV files go to --csv-dir, or to a temporary directory removed at the end."""
+    with results_dir(args.csv_dir, "mimo-loadtest-") as out_dir:
+        return _run(args, out_dir)
+
+
+def _run(args, out_dir: Path) -> int:
     import importlib.util
 
     from mimo_epd.testing.media_server import MediaServer, generate_pool
@@ -127,8 +132,6 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 2
-    out_dir = Path(args.csv_dir or tempfile.mkdtemp(prefix="mimo-loadtest-"))
-    out_dir.mkdir(parents=True, exist_ok=True)
     images = generate_pool([(480, 640), (1080, 1920)], per_size=2)
     img_dir = out_dir / "images"
     img_dir.mkdir(exist_ok=True)
@@ -193,7 +196,7 @@ def run(args) -> int:
         "run_time": args.run_time,
         "items": "bytes+urls" if args.urls else "bytes",
         "audio_fraction": args.audio_fraction,
-        "csv": str(stats_csv),
+        "csv": str(stats_csv) if args.csv_dir else None,
         **_aggregated(stats_csv),
         "failures_by_status": by_status,
     }
@@ -224,5 +227,9 @@ def add_arguments(p) -> None:
         default=0.0,
         help="share of requests carrying a 2-8 s audio clip (AUDIO item) instead of an image (default: 0)",
     )
-    p.add_argument("--csv-dir", default="", help="where Locust's CSV files go (default: a new temporary directory)")
+    p.add_argument(
+        "--csv-dir",
+        default="",
+        help="keep Locust's CSV files in this directory (default: a temporary one, removed at the end)",
+    )
     p.add_argument("--timeout-s", type=float, default=3600, help="kill Locust after this many seconds (default: 3600)")

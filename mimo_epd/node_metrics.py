@@ -1,8 +1,9 @@
-"""One Prometheus endpoint for a whole node (`serve --metrics-port PORT`).
+"""One Prometheus view of a whole node: `serve --metrics-port PORT`, and the node's HTTP API's /metrics.
 
-Each encoder process keeps its own registry (they are separate processes) and serves it on its own port,
-PORT + 1 + i; the launcher serves PORT itself, and every scrape of PORT/metrics fetches the encoders'
-metrics concurrently and merges them family by family, each sample labelled `process="encoder-<i>"`.
+Each process keeps its own registry (they are separate processes) and serves it on its own port: encoder i on
+PORT + 1 + i (with --metrics-port; a free port otherwise), each LLM worker on its HTTP port, the LLM router on a
+loopback port. Every scrape of either endpoint fetches them all concurrently and merges them family by family,
+each sample labelled with its process (`encoder-<i>`, `llm-<i>`, `router`).
 `mimo_epd_scrape_up{process}` says which processes answered (an encoder being restarted is 0, not an
 error). Why not prometheus_client's multiprocess mode: it needs a shared directory and per-process
 files, and the encoders' gauges (queue depth, workers) would need a merge policy each; one label per
@@ -50,32 +51,32 @@ def merge(texts: dict[str, str | None]) -> bytes:
 
 
 class NodeMetrics:
-    """Serves /metrics on host:port, merging the processes given by `targets()` -> {process: metrics port}."""
+    """The merged metrics of the processes `targets()` -> {process: "host:port" of its /metrics}: `body()` for any
+    endpoint that serves them (the node's HTTP API), `start(host, port)` to serve them on their own port."""
 
-    def __init__(self, targets: Callable[[], dict[str, int]], timeout_s: float = 2.0):
+    def __init__(self, targets: Callable[[], dict[str, str]], timeout_s: float = 2.0):
         self.targets, self.timeout_s = targets, timeout_s
-        self._server = MetricsServer(self._body, "the node's metrics", "--metrics-port")
+        self._server = MetricsServer(self.body, "the node's metrics", "--metrics-port")
         self._session = None
 
-    async def _scrape(self, port: int) -> str | None:
+    async def _scrape(self, address: str) -> str | None:
         import aiohttp
 
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
-            async with self._session.get(f"http://127.0.0.1:{port}/metrics") as r:
+            async with self._session.get(f"http://{address}/metrics") as r:
                 return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
 
-    async def _body(self) -> bytes:
+    async def body(self) -> bytes:
         targets = self.targets()
-        texts = await asyncio.gather(*(self._scrape(p) for p in targets.values()))
+        texts = await asyncio.gather(*(self._scrape(a) for a in targets.values()))
         return merge(dict(zip(targets, texts)))
 
     async def start(self, host: str, port: int) -> int:
         """Starts serving; returns the port. A port in use raises OSError naming it."""
-        import aiohttp
-
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
         try:
             return await self._server.start(host, port)
         except BaseException:

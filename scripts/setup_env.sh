@@ -77,6 +77,15 @@ if [[ "$EXTRAS" == *dev* ]] && ! command -v redis-server >/dev/null 2>&1; then
   fi
   command -v redis-server >/dev/null 2>&1 || echo "notice: redis-server is not installed; the shared-state router tests are skipped"
 fi
+# --- Mooncake Store's other shared libraries (libibverbs1: above) ------------------------------------
+MOONCAKE_PKGS="libnuma1 libcurl4"
+if ! dpkg -s $MOONCAKE_PKGS >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing $MOONCAKE_PKGS (--kv-store mooncake://)"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $MOONCAKE_PKGS) >/dev/null 2>&1 || true
+  fi
+  dpkg -s $MOONCAKE_PKGS >/dev/null 2>&1 || echo "notice: $MOONCAKE_PKGS missing; --kv-store mooncake:// will not load"
+fi
 # --- NVIDIA DALI (optional `dali` extra) for the dev/test environment: best effort -------------------
 if [[ "$EXTRAS" == *dev* ]] && ! "$VENV/bin/python" -c "import nvidia.dali" >/dev/null 2>&1; then
   if $PIP install -q "nvidia-dali-cuda130" >"$WHEELS/dali.log" 2>&1; then

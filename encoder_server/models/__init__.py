@@ -165,7 +165,9 @@ def load_vision_model(
         cfg = VisionConfig.from_hf_dict(cfg_dict)
         model = Qwen2_5VisionTower(cfg)
         state = _vision_weights(_read_safetensors(directory))
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        from mimo_epd.common.checkpoint import load_weights
+
+        missing, unexpected = load_weights(model, state, directory)
         if missing:
             raise ValueError(
                 f"model {name_or_path!r}: checkpoint lacks {len(missing)} vision weights, e.g. {missing[:5]}"

@@ -7,12 +7,14 @@
                                  ▼
                 [decode_q] decode workers (process pool, pixels back through shm; JPEG draft; optional resize)
                 ──▶ [preprocess_q] preprocess threads (resize/normalize/patchify on --device)
-                ──▶ Batcher (token budget, short wait) ──▶ vision forward (one thread) ──▶ answer + cache
-                videos: acquire ──▶ video path (parallel decode, tower calls on the same forward thread)
+                ──▶ Batcher (token budget and wait following the queue) ──▶ vision forward (1-2 workers,
+                    threads from the tuner) ──▶ answer + cache
+                videos: acquire ──▶ video path (parallel decode, tower calls on the same forward threads)
 
 Modules: `jobs` (the request/result/job types and `Next`, where a stage sends a job), `admission`
 (capacity and de-duplication of identical items in flight), `stages` (one function per stage, each
-returning a `Next`), `video_path`, `tuner` (the forward's thread count on a CPU), `core` (the wiring).
+returning a `Next`), `video_path`, `tuner` (the forward's workers x threads on a CPU), `lanes` (where a forward
+worker runs: thread, CUDA device and stream), `core` (the wiring).
 
 Every optimisation has a switch (see config.py): `--no-pipeline` serialises requests, `--no-batching`
 runs one item per forward, `--decode-workers 0` decodes in a thread, `--no-jpeg-draft`, `--resize-in`.

@@ -55,7 +55,7 @@ class LLM:
         self.model = load_llm(cfg.model, cfg.device, dtype or cfg.torch_dtype()) if isinstance(model, str) else model
         self.model_name = cfg.model if isinstance(model, str) else type(model).__name__
         mcfg = self.model.config
-        self.tokenizer = load_tokenizer(cfg.model) if isinstance(model, str) else ByteTokenizer()
+        self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer) if isinstance(model, str) else ByteTokenizer()
         if mcfg.eos_token_id is not None and not isinstance(model, str):
             self.tokenizer.eos_token_id = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else None
         if cfg.swa_cache_tokens < mcfg.window + cfg.chunk_size + cfg.release_interval + 1:
@@ -89,7 +89,7 @@ class LLM:
         # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
         self.tiers: Any = self.cache if isinstance(self.cache, TieredRadixCache) else None
         self.runner.kv_loads = self.tiers
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler_class(cfg)(
             self.cache,
             self.full_pool,
             self.swa_pool,
@@ -101,15 +101,30 @@ class LLM:
             wait_penalty=cfg.wait_penalty,
             length_buckets=cfg.buckets(),
             max_prefill_tokens=cfg.max_prefill_tokens,
+            prefill_order=cfg.prefill_order,
             draft_tokens=self.runner.draft_tokens,
         )
-        self.max_model_len = self.scheduler.max_seq_len
+        self.scheduler.configure(cfg)
+        self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         self.loop_error: BaseException | None = None
         self.step_errors = 0
+
+    @staticmethod
+    def _scheduler_class(cfg: LLMConfig) -> type[Scheduler]:
+        """The scheduler of the worker's role: the prefill and decode roles subclass it (llm_backend.pd)."""
+        if cfg.role == "prefill":
+            from ..pd.prefill import PrefillScheduler
+
+            return PrefillScheduler
+        if cfg.role == "decode":
+            from ..pd.decode import DecodeScheduler
+
+            return DecodeScheduler
+        return Scheduler
 
     def _runner(self, cfg: LLMConfig) -> ModelRunner:
         """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies."""
@@ -133,7 +148,7 @@ class LLM:
         (llm_backend.kv.tiers)."""
         if not (cfg.host_kv_bytes or cfg.kv_store):
             return SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
-        from ..kv.tiers import RedisKVStore
+        from ..kv.tiers import open_store
         from ..kv.tiers.host import token_bytes
 
         full_b, swa_b = token_bytes(self.pools)
@@ -145,12 +160,14 @@ class LLM:
         if cfg.kv_store:
             dtype = str(self.pools.k[0].dtype).removeprefix("torch.")
             ns = f"{self.model_name}:{mcfg.num_hidden_layers}:{mcfg.window}:{cfg.page_size}:{dtype}"
-            store = RedisKVStore(
+            store = open_store(
                 cfg.kv_store,
                 ns,
                 ttl_s=cfg.kv_store_ttl_s,
                 timeout_s=cfg.kv_store_timeout_s,
                 retry_s=cfg.kv_store_retry_s,
+                segment_bytes=cfg.kv_store_segment_bytes,
+                buffer_bytes=cfg.kv_store_buffer_bytes,
             )
         cache = TieredRadixCache(
             self.full_pool,
@@ -204,7 +221,17 @@ class LLM:
 
     def stats(self) -> dict:
         s = self.scheduler
+        held = self.cache.accounting()
         return {
+            # slots held by requests, outside the tree: 0 whenever the worker is idle (the failure tests read them)
+            "full_request_slots": self.full_pool.size
+            - self.full_pool.available()
+            - held.full.evictable
+            - held.full.protected,
+            "swa_request_slots": self.swa_pool.size
+            - self.swa_pool.available()
+            - held.swa.evictable
+            - held.swa.protected,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "full_used": self.full_pool.size - self.full_pool.available(),
@@ -217,6 +244,7 @@ class LLM:
             "preemptions": s.preemptions,
             "step_errors": self.step_errors,
             **(self.tiers.tier_metrics() if self.tiers is not None else {}),
+            **self.scheduler.metrics(),
             **self.runner.metrics(),
         }
 
@@ -244,6 +272,7 @@ class LLM:
         media: dict[int, torch.Tensor] | None = None,
         on_token=None,
         on_finish=None,
+        pd=None,
     ) -> Request:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
@@ -265,8 +294,11 @@ class LLM:
             media=media,
             on_token=on_token,
             on_finish=on_finish,
+            pd=pd,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
         )
+        if params.grammar is not None:
+            r.constraint = params.grammar.matcher()
         if params.seed is not None:
             r.generator = torch.Generator(device=self.pools.k[0].device).manual_seed(params.seed)
         with self._lock:
@@ -280,12 +312,21 @@ class LLM:
         return r
 
     def abort(self, r: Request, reason: str = "abort") -> None:
-        """Stops a request at the next step. "abort" frees its KV (nothing it computed is cached); "stop" ends it
-        as a normal stop (server-side stop strings) and caches what it computed."""
+        """Stops a request at the next step. "abort" frees the KV slots it still owns alone; prompt chunks it
+        already prefilled entered the prefix cache during prefill and stay there (shared, evictable like any cached
+        prefix). "stop" ends it as a normal stop (server-side stop strings) and caches what it computed."""
         if reason not in ("abort", "stop"):
             raise ValueError(f"abort reason must be abort or stop, got {reason!r}")
         r.aborted = r.aborted or reason
         with self._lock:
+            self._wake.notify()
+
+    def wake(self, fn=None) -> None:
+        """Runs `fn()` (if given) under the engine's lock and wakes the loop: news from outside the engine thread
+        (a finished KV transfer) for the scheduler."""
+        with self._lock:
+            if fn is not None:
+                fn()
             self._wake.notify()
 
     def has_work(self) -> bool:
@@ -368,6 +409,17 @@ class OverloadedError(RuntimeError):
 
 
 __all__ = ["LLM", "OverloadedError", "PromptTooLong"]
+
+
+def _max_model_len(cfg: LLMConfig, mcfg, pool_tokens: int) -> int:
+    """The longest sequence a request may reach: what the model was trained for (max_position_embeddings), what
+    the full pool holds, and --max-model-len when it asks for less; asking for more than the model's is an error."""
+    trained = getattr(mcfg, "max_position_embeddings", None) or pool_tokens
+    if cfg.max_model_len > trained:
+        raise ValueError(f"--max-model-len {cfg.max_model_len} exceeds the model's max_position_embeddings {trained}")
+    if cfg.max_model_len < 0:
+        raise ValueError(f"--max-model-len must be >= 0 (0 = the model's), got {cfg.max_model_len}")
+    return min(pool_tokens, trained, cfg.max_model_len or pool_tokens)
 
 
 def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:

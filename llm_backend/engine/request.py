@@ -39,6 +39,7 @@ class SamplingParams:
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the k most likely tokens at each position
     prompt_logprobs: bool = False
+    grammar: Any = None  # a compiled output constraint (agentic.grammar.Grammar): each request gets its matcher
 
     def validate(self, max_tokens_limit: int = 1 << 31, max_temperature: float = 100.0) -> None:
         """Raises ValueError naming the field; every number is checked (a NaN temperature once killed the engine)."""
@@ -113,7 +114,9 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+    pd: Any = None  # prefill/decode disaggregation: the decode ticket or the prefill room (llm_backend.pd)
     spec: Any = None  # speculative decoding's per-request state (engine.speculative.MTPState)
+    constraint: Any = None  # the grammar matcher of a constrained request (agentic.grammar.GrammarConstraint)
     drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
     accepted_tokens: int = 0  # and of those, the ones the target accepted
 

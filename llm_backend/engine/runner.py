@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from ..agentic.grammar import apply_masks
 from ..models.mimo_v2_flash import SeqInput
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .sampler import SamplingError, sample
@@ -73,7 +74,23 @@ class ModelRunner:
         finally:
             if load is not None:
                 load.finish()
+        logits = self._masked(segments, logits)
         return [self._result(s, lg) for s, lg in zip(segments, logits)]
+
+    @staticmethod
+    def _masked(segments: list[Segment], logits) -> list[torch.Tensor]:
+        """The logits with the last row of every constrained request that samples masked by its grammar (one
+        bitmask for the batch); verifying segments are masked row by row by the speculative runner."""
+        idx = [j for j, s in enumerate(segments) if s.samples and not s.drafts and s.request.constraint is not None]
+        out = list(logits)
+        if not idx:
+            return out
+        rows = apply_masks([segments[j].request.constraint for j in idx], [out[j][-1] for j in idx])
+        for j, row in zip(idx, rows):
+            lg = out[j].float().clone()
+            lg[-1] = row
+            out[j] = lg
+        return out
 
     def _result(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
         r = seg.request

@@ -1,14 +1,19 @@
 """The scheduler: which requests run in the next step, with how many tokens each, and their KV bookkeeping.
 
 Read top to bottom, one step is:
-1. drop aborted requests (their KV is freed, or cached when they were stopped by a stop string);
+1. drop aborted requests (the KV they own alone is freed, prefilled prompt chunks stay in the prefix cache;
+   all of it is cached when they were stopped by a stop string);
 2. admit waiting requests while fewer than `max_running` run: length buckets take turns, and inside a bucket
    the fewest uncached tokens win, minus `wait_penalty` tokens per second waited (or first come first served).
    Scoring never touches the cache (`peek_prefix_length`: no split, no LRU refresh), and each waiting request's
    uncached count is a memo refreshed a bounded number of times per step, so a pick stays cheap with thousands
    waiting. Admission takes the prefix match (locks it) and needs room for the first chunk in both pools;
 3. give every running request its next segment, oldest first: a prefill chunk (at most `chunk_size`) or one
-   decode token. When a pool runs dry the cache is evicted first (`make_room`), then the *youngest* running
+   decode token. With a prefill budget per step (`max_prefill_tokens`) the budget is shared first, in
+   `prefill_order`: `fewest_left` (default) gives it to the prompts with the fewest tokens left to prefill,
+   minus `wait_penalty` tokens per second waited (the wait queue's own rule, applied to admitted prompts:
+   without it a prompt admitted behind a 1M-token one waits for that whole prefill, whatever the wait queue
+   decided); `oldest` (and FCFS) in admission order. Slots are still reserved oldest first. When a pool runs dry the cache is evicted first (`make_room`), then the *youngest* running
    request is preempted (KV freed, recomputed later). The oldest running request therefore always progresses,
    and one that cannot grow even alone finishes ("length" with what it has, or a resource error): preemption
    makes progress by construction, it never spins;
@@ -37,6 +42,8 @@ log = logging.getLogger(__name__)
 
 # Waiting requests whose uncached-token memo is refreshed per step (the oldest memos first).
 REFRESH_PER_STEP = 64
+# How the step's prefill budget is shared among running prompts (`_budget_order`).
+PREFILL_ORDERS = ("fewest_left", "oldest")
 # The token id a draft position holds in the request's KV until the runner verified it.
 DRAFT_PLACEHOLDER = -1
 
@@ -84,6 +91,7 @@ class Scheduler:
         length_buckets: tuple[int, ...],
         clock=time.monotonic,
         max_prefill_tokens: int = 0,
+        prefill_order: str = "fewest_left",
         draft_tokens: Callable[[Request], int] | None = None,
     ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
@@ -96,6 +104,9 @@ class Scheduler:
         # first, so a step never carries several long chunks at once and short requests' decodes are not held
         # behind multi-second steps (the simulator found the uncapped policy thrashing on long-context mixes).
         self.max_prefill_tokens = max_prefill_tokens
+        if prefill_order not in PREFILL_ORDERS:
+            raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {prefill_order!r}")
+        self.prefill_order = prefill_order
         # Draft positions a decoding request verifies this step (speculative decoding), 0 = plain decoding.
         self.draft_tokens = draft_tokens or (lambda r: 0)
         self.drafted_tokens = self.accepted_tokens = 0
@@ -112,6 +123,17 @@ class Scheduler:
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
+
+    def configure(self, cfg) -> None:
+        """Reads a subclass's own settings from the worker's LLMConfig (the prefill / decode roles); none here."""
+
+    def metrics(self) -> dict:
+        """A subclass's counters for engine.stats() (and /metrics); none here."""
+        return {}
+
+    def load_views(self) -> tuple[list[Request], list[Request]]:
+        """(requests not started, requests holding KV) as the routers' load counts them."""
+        return list(self.waiting), list(self.running)
 
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:
@@ -173,28 +195,61 @@ class Scheduler:
                 "resource_exhausted",
             )
         segments = []
-        budget = self.max_prefill_tokens or None
+        shares = self._budget_shares(now)
         for r in list(self.running):
             if r not in self.running:  # preempted while an older request made room
                 continue
             assert r.kv is not None
             todo = len(r.tokens) - len(r.kv.tokens)
-            if todo > 1 and budget is not None:  # a prefill chunk: it takes what is left of the step's budget
-                if budget <= 0:
+            if todo > 1 and shares is not None:  # a prefill chunk: its share of the step's budget
+                if shares.get(r.id, 0) <= 0:
                     continue
-                seg = self._segment(r, min(self.chunk_size, todo, budget))
-                if seg is not None:
-                    budget -= seg.n
+                seg = self._segment(r, shares[r.id])
             else:
-                drafts = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
-                if budget is not None and drafts > budget:
-                    drafts = 0  # all of a request's drafts or none (its draft chain writes every MTP layer once)
+                if shares is not None:
+                    drafts = shares.get(r.id, 0)
+                else:
+                    drafts = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
                 seg = self._segment(r, drafts=drafts)
-                if seg is not None and budget is not None:
-                    budget -= seg.drafts
             if seg is not None:
                 segments.append(seg)
         return segments
+
+    def _budget_shares(self, now: float) -> dict[int, int] | None:
+        """Prefill tokens (or draft positions) each running request takes from the step's budget, in the budget's
+        order (`prefill_order`); None without a cap. Reservation itself stays oldest first (`schedule`)."""
+        if not self.max_prefill_tokens:
+            return None
+        left = self.max_prefill_tokens
+        shares: dict[int, int] = {}
+        for r in self._budget_order(now):
+            assert r.kv is not None
+            todo = len(r.tokens) - len(r.kv.tokens)
+            if todo > 1:
+                n = max(0, min(self.chunk_size, todo, left))
+            else:
+                d = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
+                n = d if d <= left else 0  # all of a request's drafts or none (its chain writes every MTP layer once)
+            shares[r.id] = n
+            left -= n
+        return shares
+
+    def _budget_order(self, now: float) -> list[Request]:
+        """`oldest` (and FCFS): admission order. `fewest_left`: decoding requests (their drafts) first, then the
+        prompts with the fewest tokens left to prefill, minus `wait_penalty` tokens per second since arrival,
+        so a short prompt admitted behind a 1M-token one is not held for the whole of its prefill, and a long
+        one still progresses as it ages."""
+        if self.fcfs or self.prefill_order == "oldest":
+            return list(self.running)
+
+        def left(r: Request) -> int:
+            assert r.kv is not None
+            return len(r.tokens) - len(r.kv.tokens)
+
+        decoding = [r for r in self.running if left(r) <= 1]
+        prefilling = [r for r in self.running if left(r) > 1]
+        prefilling.sort(key=lambda r: left(r) - self.wait_penalty * (now - r.arrival))
+        return decoding + prefilling
 
     def _segment(self, r: Request, limit: int | None = None, drafts: int = 0) -> Segment | None:
         """Reserves slots for r's next chunk or token (at most `limit` tokens), preempting younger requests if
@@ -290,6 +345,8 @@ class Scheduler:
 
     def _append(self, r: Request, s: Sampled) -> None:
         r.output.append(s.token)
+        if r.constraint is not None:
+            r.constraint.accept(s.token)  # the grammar follows every appended token
         self.generated_tokens += 1
         if r.params.logprobs:
             r.logprobs.append(s.logprob)
@@ -303,6 +360,8 @@ class Scheduler:
     def _stopped(self, r: Request) -> str:
         if r.output and r.output[-1] in r.stop_ids:
             return "stop"
+        if r.constraint is not None and r.constraint.terminated:
+            return "stop"  # the grammar ended with a stop token (one ignore_eos keeps from the stop ids)
         if len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_seq_len:
             return "length"
         return ""

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..agentic.grammar import apply_masks
 from ..paged_attention import PagedBatch, SeqSlots
 from .request import Request
 from .runner import ModelRunner
@@ -188,12 +189,12 @@ class SpeculativeRunner(ModelRunner):
         finally:
             if load is not None:
                 load.finish()
-        results = []
+        logits = []
         for j, s in enumerate(segments):
             h = hidden[bounds[j] : bounds[j + 1]]
-            rows = h if (s.drafts or s.all_logits) else h[-1:]
-            logits = self.model.lm_head(rows).float()
-            results.append(self._verify(s, logits) if s.drafts else self._result(s, logits))
+            logits.append(self.model.lm_head(h if (s.drafts or s.all_logits) else h[-1:]).float())
+        logits = self._masked(segments, logits)
+        results = [self._verify(s, lg) if s.drafts else self._result(s, lg) for s, lg in zip(segments, logits)]
         self._catch_up(segments, [hidden[bounds[j] : bounds[j + 1]] for j in range(len(segments))], results)
         return results
 
@@ -308,17 +309,19 @@ class SpeculativeRunner(ModelRunner):
     def _verify(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
         """Step 2: the accepted drafts and the target's next token (greedy or rejection sampling)."""
         r = seg.request
-        st, p = r.spec, r.params
+        st, p, grammar = r.spec, r.params, r.constraint
         accepted: list[Sampled] = []
         try:
             for i in range(logits.shape[0]):
-                row = logits[i]
+                row = logits[i] if grammar is None else apply_masks([grammar], [logits[i]])[0]
                 check_finite(row)
                 draft = st.drafts[i] if i < seg.drafts else None
                 if p.greedy:
                     tok = int(torch.argmax(row))
                     if draft is not None and tok == draft:
                         accepted.append(describe(row, tok, p))
+                        if grammar is not None:
+                            grammar.accept(tok)  # tentatively: the next row is masked after it
                         continue
                     bonus = describe(row, tok, p)
                     break
@@ -328,6 +331,8 @@ class SpeculativeRunner(ModelRunner):
                     ratio = float(target[draft]) / max(float(q[draft]), 1e-30)
                     if float(torch.rand((), generator=r.generator)) < ratio:
                         accepted.append(describe(row, draft, p))
+                        if grammar is not None:
+                            grammar.accept(draft)
                         continue
                     resid = (target - q).clamp_min(0)
                     total = float(resid.sum())
@@ -336,6 +341,9 @@ class SpeculativeRunner(ModelRunner):
                 break
         except SamplingError as e:
             return SegmentResult(None, [], str(e))
+        finally:
+            if grammar is not None:
+                grammar.rollback(len(accepted))  # the scheduler advances it with what it appends
         self.stats.add(seg.drafts, len(accepted))
         self.control.accepted(st, len(accepted))
         return SegmentResult(bonus, [], accepted=tuple(accepted))

@@ -140,7 +140,9 @@ def _load_checkpoint(name_or_path: str) -> MiMoV2FlashForCausalLM:
             if (keep_mtp or not k.startswith("model.mtp.")) and not k.startswith(_OTHER_TOWERS)
         }
     )
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    from mimo_epd.common.checkpoint import load_weights
+
+    missing, unexpected = load_weights(model, state, d)
     missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_word_embeddings)]
     if missing:
         raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")

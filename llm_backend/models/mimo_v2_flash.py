@@ -56,6 +56,7 @@ class MiMoV2FlashConfig:
     topk_group: int = 1
     norm_topk_prob: bool = True
     tie_word_embeddings: bool = False
+    max_position_embeddings: int | None = None  # the context it was trained for (None: not given)
     # Not in transformers' config (its port always gives sliding layers twice the KV heads): set it for shapes
     # whose sliding layers have their own KV head count, e.g. MiMo-V2.5-Pro (8 and 8), used for capacity accounting.
     swa_num_key_value_heads: int | None = None

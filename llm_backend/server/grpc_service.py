@@ -2,13 +2,17 @@
 `GenerationCore` as the HTTP API: media through the encoder (placeholders after BOS), deltas whose text
 comes from the incremental detokenizer (a delta may carry a token and no text yet: the bytes of an
 incomplete character, or text that could start a stop string, wait for the next token), then one final
-message. A client that cancels the call (or goes away) aborts the request, which frees its KV.
+message. A client that cancels the call (or goes away) aborts the request, which frees its KV. The request's
+`constraint` (JSON schema, JSON object, regex, EBNF or a choice list) constrains the output as the HTTP API's
+structured outputs do (llm_backend/agentic).
 """
 
 from __future__ import annotations
 
 import grpc
 
+from llm_backend.agentic.request import constraint_from_proto
+from llm_backend.agentic.tools import ToolError
 from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
 
 from .core import Final, GenerationCore, ServeError
@@ -27,12 +31,17 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         try:
             if any(not x for x in s.stop):
                 raise ServeError.invalid("sampling.stop: a stop string must not be empty", param="sampling.stop")
+            try:
+                spec = constraint_from_proto(request.constraint)
+            except ToolError as e:
+                raise ServeError.invalid(str(e), param=e.param) from None
             prep = await core.prepare(
                 text=request.prompt,
                 token_ids=list(request.prompt_token_ids) or None,
                 media_items=list(request.media),
                 timeout=context.time_remaining(),
             )
+            prep.prefill_address = request.prefill_address
             params = core.make_params(
                 s.max_tokens or 16,
                 len(prep.prompt),
@@ -43,6 +52,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                 stop_token_ids=tuple(s.stop_token_ids),
                 logprobs=s.logprobs,
                 ignore_eos=s.ignore_eos,
+                grammar=await core.grammar(spec),
             )
             gen = core.start(prep, params, tuple(s.stop))
             async for ev in gen.events():
@@ -57,6 +67,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                             media_tokens=ev.media_tokens,
                             accepted_prediction_tokens=ev.accepted_prediction_tokens,
                             rejected_prediction_tokens=ev.rejected_prediction_tokens,
+                            kv_transfer_bytes=ev.kv_transfer_bytes,
+                            kv_transfer_ms=ev.kv_transfer_s * 1e3,
+                            prefill_address=ev.prefill_address,
                         )
                     )
                     break

@@ -35,6 +35,7 @@ class WorkerConfig:
     chunk_size: int = 512
     max_running: int = 16
     max_prefill_tokens: int = 0  # prefill tokens per step (real tokens; 0 = no cap), as the engine's flag
+    prefill_order: str = "fewest_left"  # who takes that budget first, as the engine's --prefill-order
     prefix_cache: bool = True
     release_interval: int = 16
     fcfs: bool = False
@@ -65,6 +66,9 @@ class Finished:
 
 
 class SimWorker:
+    # The engine's scheduler class (the decode role's subclass in the P/D simulator, mimo_epd/sim/pd.py).
+    scheduler_class: type[Scheduler] = Scheduler
+
     def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None):
         """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py)."""
         c, U = config, config.unit
@@ -79,7 +83,7 @@ class SimWorker:
         )
         self.now = 0.0
         self.runner = runner or SimRunner(cost, U)
-        self.scheduler = Scheduler(
+        self.scheduler = self.scheduler_class(
             self.cache,
             self.full_pool,
             self.swa_pool,
@@ -92,6 +96,7 @@ class SimWorker:
             length_buckets=tuple(b // U for b in c.length_buckets),
             clock=lambda: self.now,
             max_prefill_tokens=c.max_prefill_tokens // U,
+            prefill_order=c.prefill_order,
             draft_tokens=self.runner.draft_tokens,
         )
         self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
@@ -126,11 +131,12 @@ class SimWorker:
         )
 
     # ----------------------------------------------------------------------------------- requests
-    def submit(self, spec: SimRequest, now: float) -> Request | None:
-        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit."""
+    def submit(self, spec: SimRequest, now: float, pd=None) -> Request | None:
+        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit. `pd`:
+        the request's prefill/decode ticket (the decode role)."""
         self.now = max(self.now, now)
         params = SamplingParams(max_tokens=output_units(spec.output_len, self.unit), ignore_eos=True)
-        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish)
+        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish, pd=pd)
         self._ids += 1
         try:
             self.scheduler.check_fits(len(r.prompt))

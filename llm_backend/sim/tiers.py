@@ -27,13 +27,14 @@ from dataclasses import dataclass
 class TierLinks:
     pcie_bytes_per_s: float = 50e9  # per GPU, host -> device (PCIe Gen5 x16: 64 GB/s peak, ~50 GB/s measured)
     store_bytes_per_s: float = 12.5e9  # per worker, store -> worker (a 100 Gb/s NIC)
+    store_latency_s: float = 0.0  # per step that reads the store: one lookup round trip (measured per store)
     gpus: int = 1
     layers: int = 1
     overlap: bool = True
 
     def load_seconds(self, host_bytes: int, store_bytes: int) -> float:
         h = host_bytes / (self.pcie_bytes_per_s * max(1, self.gpus)) if host_bytes else 0.0
-        s = store_bytes / self.store_bytes_per_s if store_bytes else 0.0
+        s = store_bytes / self.store_bytes_per_s + self.store_latency_s if store_bytes else 0.0
         return h + s
 
     def step_seconds(self, compute_s: float, load_s: float) -> float:

@@ -23,6 +23,10 @@ peers (same pixels; float rounding of a different normalize/patchify order), 0.0
 draft decode; the bound README documents and tests/encoder/test_pipeline_switches.py checks).
 Our stage busy fractions come from the server's Prometheus counters: busy seconds / (wall x workers).
 
+`ratios.cores_busy` gives every mode's cores busy; `modes.pipelined.forward` the forward's shape (workers,
+threads) and batch budget the tuner and the queue-following budget ended at; `--forward-shapes 1x1,1x2,2x1`
+adds ours with each shape fixed (what the tuner chooses between). The machine is in the JSON's `machine`.
+
 Both encoder sizes run (`--model-size`): `tiny` (forward cheap next to decode, like a GPU deployment) and
 `large` (a random config whose forward dominates on this CPU).
 """
@@ -145,6 +149,12 @@ def _server_stats(port: int, before: dict, after: dict, t0: float, t1: float) ->
         )
         stage_ms[st] = round(s / c * 1e3, 2) if c else 0.0
     stats["avg_stage_ms"] = stage_ms
+    # the forward's shape and batch budget at the end of the window (the tuner and the budget move during it)
+    stats["forward"] = {
+        "workers": int(after.get('encoder_stage_workers{stage="encode"}', 1)),
+        "threads": int(after.get("encoder_forward_threads", 0)),
+        "batch_budget_tokens": int(after.get("encoder_batch_budget_tokens", 0)),
+    }
     return stats
 
 
@@ -259,7 +269,30 @@ def ratios(modes: dict) -> dict:
         else None,
         "qps_vs_naive": round(p["qps"] / n["qps"], 3),
         "p90_vs_naive": round(p["p90_ms"] / n["p90_ms"], 3),
+        # cores busy on average (server process tree's CPU seconds / wall), every mode side by side
+        "cores_busy": {mode: m.get("server_cpu_util") for mode, m in modes.items()},
     }
+
+
+def forward_shapes(spec: str, model_arg: str, ckpt: str, media: MediaServer, names, warmup, args) -> dict:
+    """Ours with the forward's shape fixed (`WxT`: --forward-workers W --torch-threads T), next to the tuned
+    default: what the tuner chooses between, measured on this machine."""
+    out = {}
+    for shape in spec.split(","):
+        w, t = (int(v) for v in shape.lower().split("x"))
+        r = run_mode(
+            f"pipelined {shape}",
+            model_arg,
+            ckpt,
+            media,
+            names,
+            warmup,
+            args.concurrency,
+            flags=["--forward-workers", str(w), "--torch-threads", str(t)],
+        )
+        out[shape] = {k: r.get(k) for k in ("qps", "p90_ms", "cpu_s_per_image", "server_cpu_util", "avg_batch_items")}
+        out[shape]["encode_busy"] = r["stage_busy"]["encode"]
+    return out
 
 
 def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
@@ -278,6 +311,8 @@ def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
         log(f"{size}/{mode} done")
     result = {"requests": n, "modes": modes, "ratios": ratios(modes), "outputs_check": check_outputs(outputs)}
     result["outputs_match"] = all(c["match"] for c in result["outputs_check"].values())
+    if args.forward_shapes:
+        result["forward_shapes"] = forward_shapes(args.forward_shapes, model_arg, ckpt, media, names, warmup, args)
     if size == "tiny" and args.decoders:
         decoders = {}
         for dec in ("turbo", "pil", "torchvision", "dali"):
@@ -349,12 +384,15 @@ def main(args) -> dict:
     }
     with tempfile.TemporaryDirectory() as workdir, MediaServer(images) as media:
         tiny = run_size("tiny", media, mix, args, workdir)
-        out.update({k: tiny[k] for k in ("modes", "ratios", "outputs_check", "outputs_match")})
+        out.update(
+            {k: tiny[k] for k in ("modes", "ratios", "outputs_check", "outputs_match", "forward_shapes") if k in tiny}
+        )
         if "decoders" in tiny:
             out["decoders"] = tiny["decoders"]
         if args.model_size in ("both", "large"):
             large = run_size("large", media, mix, args, workdir)
-            out["large"] = {k: large[k] for k in ("requests", "modes", "ratios", "outputs_check", "outputs_match")}
+            keys = ("requests", "modes", "ratios", "outputs_check", "outputs_match", "forward_shapes")
+            out["large"] = {k: large[k] for k in keys if k in large}
             out["outputs_match"] = out["outputs_match"] and large["outputs_match"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
     return out
@@ -397,5 +435,10 @@ def add_arguments(p) -> None:
         action=__import__("argparse").BooleanOptionalAction,
         default=True,
         help="also compare decoder backends (turbo, pil, torchvision, dali) on tiny (default: on)",
+    )
+    p.add_argument(
+        "--forward-shapes",
+        default="",
+        help="also run ours with each fixed forward shape WxT (workers x torch threads), e.g. 1x1,1x2,2x1 (default: none)",
     )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): tiny only, 8 requests")

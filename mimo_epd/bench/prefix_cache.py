@@ -36,15 +36,21 @@ device budget as `swa_aware`:
   pages go to the store as `--kv-store-write` says (default `insert`: when they enter a worker's tree);
 - `l1_l2_l3_round_robin_<other>`, `l1_l2_l3_affinity_<other>`: the same with the other write policy (`evict`:
   a page reaches the store when it leaves a worker's tree), the measurement behind the engine's default;
+- `l1_l2_l3_round_robin_<scheme>`, `l1_l2_l3_affinity_<scheme>`: with several `--kv-store` URLs (a redis:// and
+  a mooncake:// one, or `local` for throwaway servers of both), the same two modes on each further store, side
+  by side with the first; `ratios` `l3_<scheme>_vs_<first>` compare their hit tokens, and each mode's `store`
+  holds the store's measured read / write bytes per second and per-page load latency (P50 / P99);
 - `unbounded`: as above.
 Without `--kv-store` the tiers run in bookkeeping mode (slots, pages and bytes are counted, no tensor is copied;
-bytes are those of the MiMo shape). A Redis store needs real values, so with `--kv-store` the tiers copy tiny
+bytes are those of the MiMo shape). A real store needs real values, so with `--kv-store` the tiers copy tiny
 tensors (one full + one sliding layer, one head of dim 1, float16); its pages carry those and its byte counters
-are theirs (the page counts are comparable).
+are theirs (the page counts are comparable). The workers of a mode share one store client in this process (for
+Mooncake: one client whose segment, of min(store bytes, 1 GiB), holds every page).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -247,11 +253,64 @@ def combine(name: str, replays: list[Replay], unit: int, store=None) -> dict:
         }
     if store is not None:
         store.flush()
-        out["store"] = store.stats.as_dict()
+        out["store"] = store_figures(store)
+    return out
+
+
+def store_figures(store) -> dict:
+    """The store's counters plus, for a real one, its measured read / write bytes per second (bytes over the
+    seconds spent in its calls) and the load latency per page (a lookup's time over the pages it asked for)."""
+    out = store.stats.as_dict()
+    if not hasattr(store, "load_ms"):
+        return out
+    lat = sorted(store.load_ms)
+
+    def pct(q):
+        return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
+
+    out["read_bytes_per_s"] = round(out["bytes_read"] / out["read_s"]) if out["read_s"] else None
+    out["write_bytes_per_s"] = round(out["bytes_written"] / out["write_s"]) if out["write_s"] else None
+    out["load_ms_per_page"] = {"p50": pct(0.5), "p99": pct(0.99), "samples": len(lat)}
     return out
 
 
 def main(args) -> dict:
+    if args.kv_store != "local":
+        return replay_all(args)
+    with local_stores() as urls:
+        args.kv_store = urls
+        try:
+            return replay_all(args)
+        finally:
+            args.kv_store = "local"
+
+
+@contextlib.contextmanager
+def local_stores():
+    """`--kv-store local`: a throwaway redis-server and mooncake_master on free loopback ports (the test
+    fixtures' servers), as a "redis://...,mooncake://..." list; stopped afterwards."""
+    import shutil
+    import tempfile
+
+    from mimo_epd.testing.mooncake_master import MooncakeMaster, master_binary
+    from mimo_epd.testing.redis_server import RedisServer
+
+    if shutil.which("redis-server") is None or master_binary() is None:
+        raise SystemExit("--kv-store local needs redis-server (Debian) and the mooncake-transfer-engine wheel")
+    with tempfile.TemporaryDirectory(prefix="bench-stores-") as d:
+        redis, master = RedisServer(d), MooncakeMaster(d)
+        redis.start()
+        try:
+            master.start()
+            try:
+                yield f"{redis.url},{master.url}"
+            finally:
+                master.stop(graceful=True)
+        finally:
+            redis.stop(graceful=True)
+
+
+def replay_all(args) -> dict:
     cfg = PRO_SHAPE_CONFIG
     unit, page = args.token_unit, args.page_size
     if BLOCK % unit or cfg.window % unit or page % unit or args.chunk_size % unit:
@@ -335,6 +394,7 @@ def main(args) -> dict:
                     f"l1_l2_l3_affinity_{OTHER_WRITE[args.kv_store_write]}",
                 ),
                 "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
+                **store_ratios(args, ratio),
                 "swa_backfill_on_vs_off": ratio(*switch_modes(args, "swa_backfill")),
                 "swa_checkpoint_on_vs_off": ratio(*switch_modes(args, "swa_checkpoint")),
                 f"host_{args.host_kv_policy}_vs_{OTHER_POLICY[args.host_kv_policy]}": ratio(
@@ -487,8 +547,10 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     )
     store_bytes = int(device_bytes * args.store_factor)
 
-    def fleet(name, policy, write=args.kv_store_write):
-        store = new_store(args, store_bytes, cfg, p)
+    urls = store_urls(args)
+
+    def fleet(name, policy, write=args.kv_store_write, url=urls[0] if urls else ""):
+        store = new_store(url, store_bytes, cfg, p)
         try:
             workers = [replay(f"{name}[{i}]", store=store, write=write) for i in range(args.workers)]
             names = [str(i) for i in range(args.workers)]
@@ -506,6 +568,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
                 before = wk.hit_tokens
                 wk.request(units, length, unit)
                 load.add(int(pick), length - (wk.hit_tokens - before))
+                store.flush()  # the replay is one request at a time: its pages are stored before the next one
             return combine(name, workers, unit, store)
         finally:
             store.close()
@@ -515,6 +578,13 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     other = OTHER_WRITE[args.kv_store_write]
     timed(f"l1_l2_l3_round_robin_{other}", lambda: fleet(f"l1_l2_l3_round_robin_{other}", RoundRobin(), other))
     timed(f"l1_l2_l3_affinity_{other}", lambda: fleet(f"l1_l2_l3_affinity_{other}", Affinity(), other))
+    for url in urls[1:]:  # every further store: the same two modes on it, side by side with the first
+        name = store_scheme(url)
+        timed(
+            f"l1_l2_l3_round_robin_{name}",
+            lambda n=name, u=url: fleet(f"l1_l2_l3_round_robin_{n}", RoundRobin(), url=u),
+        )
+        timed(f"l1_l2_l3_affinity_{name}", lambda n=name, u=url: fleet(f"l1_l2_l3_affinity_{n}", Affinity(), url=u))
     return {
         "device_bytes": device_bytes,
         "host_factor": args.host_factor,
@@ -523,7 +593,9 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
         "host_kv_policy": args.host_kv_policy,
         "host_kv_write": args.host_kv_write,
         "workers": args.workers,
-        "store": args.kv_store or "memory",
+        "store": urls[0] if urls else "memory",
+        "stores": {store_scheme(u): u for u in urls} or None,
+        "store_modes": "the l1_l2_l3_* modes use the first store; l1_l2_l3_<policy>_<scheme> the others",
         "store_bytes": None if args.kv_store else store_bytes,
         "store_factor": args.store_factor,
         "store_write": args.kv_store_write,
@@ -539,25 +611,63 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     }
 
 
-def new_store(args, capacity: int, cfg, page: int):
-    from llm_backend.kv.tiers import MemoryKVStore, RedisKVStore
+def store_scheme(url: str) -> str:
+    from llm_backend.kv.tiers import store_scheme as scheme
 
+    return scheme(url)
+
+
+def store_urls(args) -> list[str]:
+    """--kv-store as a list of URLs (comma-separated), each checked; `local` = throwaway servers (module doc)."""
     if not args.kv_store:
+        return []
+    urls = [u.strip() for u in args.kv_store.split(",") if u.strip()]
+    for u in urls:
+        try:
+            store_scheme(u)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    if len({store_scheme(u) for u in urls}) != len(urls):
+        raise SystemExit(f"--kv-store {args.kv_store}: at most one store per kind (redis, mooncake)")
+    return urls
+
+
+def store_ratios(args, ratio) -> dict:
+    """Each further store's hit tokens over the first store's, under round robin (the mode whose hits depend
+    on the store) and affinity: `l3_<scheme>_vs_<first scheme>`."""
+    urls = store_urls(args)
+    out = {}
+    for u in urls[1:]:
+        a, b = store_scheme(u), store_scheme(urls[0])
+        out[f"l3_{a}_vs_{b}"] = ratio(f"l1_l2_l3_round_robin_{a}", "l1_l2_l3_round_robin")
+        out[f"l3_affinity_{a}_vs_{b}"] = ratio(f"l1_l2_l3_affinity_{a}", "l1_l2_l3_affinity")
+    return out
+
+
+def new_store(url: str, capacity: int, cfg, page: int):
+    from llm_backend.kv.tiers import MemoryKVStore, open_store
+
+    if not url:
         return MemoryKVStore(capacity)
     import uuid
 
     # A namespace of its own per run: the pages of an earlier run (or another fleet mode) are never hit.
-    store = RedisKVStore(
-        args.kv_store,
+    store = open_store(
+        url,
         f"bench-prefix-cache:{uuid.uuid4().hex}:{cfg.window}:{page}:float16",
         ttl_s=3600,
         max_queue=1 << 20,
+        segment_bytes=max(64 << 20, min(capacity, 1 << 30)),
+        buffer_bytes=16 << 20,
     )
     try:
-        store.client.ping()
+        if hasattr(store, "client") and hasattr(store.client, "ping"):
+            store.client.ping()
+        elif not store.wait_connected(30):
+            raise RuntimeError("did not connect within 30 s")
     except Exception as e:  # noqa: BLE001 - a bench with an unreachable store says so
         store.close()
-        raise SystemExit(f"--kv-store {args.kv_store}: {e}") from None
+        raise SystemExit(f"--kv-store {url}: {e}") from None
     return store
 
 
@@ -632,7 +742,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--kv-store",
         default="",
-        help="--tiers: a real Redis (redis://host:port/db) as the shared store instead of an in-process one",
+        help="--tiers: real shared stores instead of an in-process one: a redis:// and/or a mooncake:// URL, "
+        "comma-separated (the L3 modes run on each, side by side; ratios l3_<second>_vs_<first>), or `local`: "
+        "a throwaway redis-server and mooncake_master on free loopback ports",
     )
     p.add_argument(
         "--kv-store-write",

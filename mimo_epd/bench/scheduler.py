@@ -133,7 +133,42 @@ def _plots(out_dir: Path, by_load: dict, results: dict, loads, policies) -> list
     return [png, png2]
 
 
+def merge(paths: list[str], out_dir: Path) -> dict:
+    """One JSON (and the PNGs) from runs of the same set-up at different loads (a long measurement run in
+    pieces): `by_load`, `results` and `seconds` are united, the top ratios are the 80% load's if present."""
+    parts = [json.loads(Path(x).read_text()) for x in paths]
+    first = parts[0]
+    by_load: dict = {}
+    results: dict = {}
+    seconds: dict = {}
+    for d in parts:
+        keep = {k: d["config"][k] for k in ("requests", "seeds", "policies")}
+        if keep != {k: first["config"][k] for k in keep}:
+            raise SystemExit(f"--merge: runs differ in requests / seeds / policies: {keep}")
+        by_load.update(d["ratios"]["by_load"])
+        results.update(d["results"])
+        seconds.update({k: v for k, v in d["seconds"].items() if k != "total"})
+    loads = sorted(float(x) for x in by_load)
+    policies = first["config"]["policies"]
+    at = "0.8" if "0.8" in by_load else str(loads[len(loads) // 2])
+    main_pol = DEFAULT_POLICY if DEFAULT_POLICY in by_load[at] else next(iter(by_load[at]))
+    plots = _plots(out_dir, by_load, results, loads, policies)
+    result = {
+        **first,
+        "config": {**first["config"], "loads": loads, "merged_from": paths},
+        "ratios": {**by_load[at][main_pol], "by_load": by_load},
+        "results": results,
+        "plot": plots[0],
+        "plots": plots,
+        "seconds": {"total": round(sum(d["seconds"]["total"] for d in parts), 1), **seconds},
+    }
+    (out_dir / "bench_scheduler.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(args) -> dict:
+    if args.merge:
+        return merge(args.merge, Path(args.out_dir))
     if args.quick:
         args.requests, args.loads, args.seeds, args.bootstrap = min(args.requests, 40), "0.8", 1, 200
     loads = [float(x) for x in args.loads.split(",") if x]
@@ -189,4 +224,12 @@ def add_arguments(q) -> None:
     q.add_argument("--queues", action="store_true", help="include queue lengths over time (the first seed's) per run")
     q.add_argument("--out-dir", default=".", help="where bench_scheduler.json and the PNGs go (default: .)")
     q.add_argument("--quick", action="store_true", help="a seconds-long version (CI): 40 requests at 80%% load")
+    q.add_argument(
+        "--merge",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help="instead of simulating, unite bench_scheduler.json files of one set-up run at different loads "
+        "(a long run in pieces) into one JSON and its PNGs in --out-dir",
+    )
     add_model_flags(q, shape="pro", kv_gib=160.0, page=128, chunk=16384, max_running=32, unit=128)

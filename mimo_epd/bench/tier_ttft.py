@@ -11,7 +11,11 @@ the router's real policy over a real page-hash index) at `--load` nominal load, 
   `--store-factor` x a worker's device bytes (written at insert), loads priced by llm_backend/sim/tiers.py at
   `--pcie-gbps` per GPU and `--store-gbps` per worker, overlapped layer by layer with the forward;
 - `tiers_no_overlap`: the same with the copies before the forward (step = compute + load);
-- `tiers_free`: the same with free copies (infinite bandwidth): the bound no load path can beat.
+- `tiers_free`: the same with free copies (infinite bandwidth): the bound no load path can beat;
+- `tiers_<store>` (with `--kv-store`, e.g. `local` for a throwaway redis-server and mooncake_master): `tiers`
+  with the store's reads priced at that real store's transport as measured here (mimo_epd/bench/store_probe.py:
+  read bytes per second of 1 MiB values, plus one lookup's P50 per step that reads the store), side by side;
+  ratios `<policy>_ttft_p90_<store>_vs_<first store>`.
 
 Reports per (policy, mode) TTFT P50/P90/P99, end-to-end P90, hit tokens (per tier for the tiered modes), the
 loads' bytes and exposed seconds, throughput; ratios of TTFT P90 and hit tokens of `tiers` vs `recompute` per
@@ -88,13 +92,27 @@ def main(args) -> dict:
             store_bytes,
         ),
     }
+    figures = store_figures(args)
+    for scheme, f in figures.items():  # `tiers` priced at each real store's measured transport
+        configs[f"tiers_{scheme}"] = (
+            replace(
+                cfg,
+                host_full_tokens=host_full,
+                host_swa_tokens=host_swa,
+                links=replace(
+                    links, store_bytes_per_s=f["read_bytes_per_s"], store_latency_s=f["lookup_ms"]["p50"] / 1e3
+                ),
+            ),
+            store_bytes,
+        )
+    modes = (*MODES, *(f"tiers_{s}" for s in figures))
     base = mooncake_requests(args.trace, args.requests, cfg.unit, args.offset, args.sessions)
     scaled = scale_to_load(cost, base, args.load, args.workers, cfg.chunk_size, cfg.max_running)
     runs: dict = {p: {} for p in POLICIES}
     seconds = {}
     t_all = time.perf_counter()
     for pol in POLICIES:
-        for mode in MODES:
+        for mode in modes:
             wc, sb = configs[mode]
             t0 = time.perf_counter()
             res = run_fleet(cost, wc, args.workers, pol, [replace(r) for r in base], store_bytes=sb)
@@ -114,6 +132,11 @@ def main(args) -> dict:
         ratios[f"{pol}_ttft_p90_overlap_vs_no_overlap"] = r(
             m["tiers"]["ttft_s"]["p90"], m["tiers_no_overlap"]["ttft_s"]["p90"]
         )
+        names = list(figures)
+        for other in names[1:]:
+            ratios[f"{pol}_ttft_p90_{other}_vs_{names[0]}"] = r(
+                m[f"tiers_{other}"]["ttft_s"]["p90"], m[f"tiers_{names[0]}"]["ttft_s"]["p90"]
+            )
     for mode in ("recompute", "tiers"):
         ratios[f"round_robin_vs_affinity_hit_{mode}"] = r(
             runs["round_robin"][mode]["hit_tokens"], runs["affinity"][mode]["hit_tokens"]
@@ -131,6 +154,12 @@ def main(args) -> dict:
             "device_kv_bytes_per_worker": device_bytes,
             "host": {"factor": args.host_factor, "full_tokens": host_full, "swa_tokens": host_swa},
             "store": {"factor": args.store_factor, "bytes": store_bytes, "write": "insert", "kind": "in-process"},
+            "store_figures": figures or None,
+            "store_figures_source": "measured on this machine over loopback by mimo_epd/bench/store_probe.py "
+            "(1 MiB values; tiers_<store> modes price store reads at the measured read bytes/s plus one lookup's "
+            "P50 per step that reads the store)"
+            if figures
+            else None,
             "links": {
                 "pcie_gb_per_s_per_gpu": args.pcie_gbps,
                 "gpus": gpus,
@@ -145,6 +174,19 @@ def main(args) -> dict:
     }
     Path(args.out_dir, "bench_tier_ttft.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def store_figures(args) -> dict:
+    """{scheme: measured transport} of each --kv-store (`local`: throwaway redis-server + mooncake_master)."""
+    if not args.kv_store:
+        return {}
+    from mimo_epd.bench.prefix_cache import local_stores, store_scheme, store_urls
+    from mimo_epd.bench.store_probe import measure
+
+    if args.kv_store != "local":
+        return {store_scheme(u): measure(u) for u in store_urls(args)}
+    with local_stores() as urls:
+        return {store_scheme(u): measure(u) for u in urls.split(",")}
 
 
 def add_arguments(p) -> None:
@@ -162,6 +204,13 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--store-gbps", type=float, default=12.5, help="store -> worker GB/s per worker (default: 12.5, 100 Gb/s)"
+    )
+    p.add_argument(
+        "--kv-store",
+        default="",
+        help="real stores to measure (redis:// and/or mooncake:// URLs, comma-separated, or `local`: throwaway "
+        "servers of both): adds a tiers_<store> mode per store, store reads priced at its measured read "
+        "bytes/s plus one lookup's latency (default: none)",
     )
     p.add_argument("--out-dir", default=".", help="where bench_tier_ttft.json goes (default: .)")
     p.add_argument(

@@ -245,6 +245,12 @@ def add_encode_flags(e) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- generate
+def shown(text: str) -> str:
+    """Generated text as a terminal may show it: control characters other than newline and tab (ESC sequences,
+    carriage returns, bells, which a model can emit and which would drive the terminal) written as escapes."""
+    return "".join(c if c in "\n\t" or not (ord(c) < 32 or 0x7F <= ord(c) < 0xA0) else repr(c)[1:-1] for c in text)
+
+
 def run_generate(args) -> int:
     import grpc
 
@@ -268,12 +274,13 @@ def run_generate(args) -> int:
         ),
     )
     started = False
+    tty = sys.stdout.isatty()  # a terminal gets control bytes escaped; a pipe gets the text as generated
     with _channel(args.server) as ch:
         try:
             for msg in generator_pb2_grpc.GeneratorStub(ch).Generate(req, timeout=args.timeout):
                 if msg.HasField("delta"):
                     started = True
-                    sys.stdout.write(msg.delta.text)
+                    sys.stdout.write(shown(msg.delta.text) if tty else msg.delta.text)
                     sys.stdout.flush()
                 else:
                     f = msg.final

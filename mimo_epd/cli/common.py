@@ -25,6 +25,12 @@ def error(message: str, status: int = 2) -> int:
     return status
 
 
+def one_line(e: BaseException) -> str:
+    """An exception as one line (torch's load errors span several): its first line, and how many more there were."""
+    lines = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+    return lines[0] + (f" (and {len(lines) - 1} more lines like it)" if len(lines) > 1 else "")
+
+
 def notice(message: str) -> None:
     print(f"notice: {message}", file=sys.stderr)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from .common import error, setup_logging
+from .common import error, one_line, setup_logging
 
 
 def add_llm_flags(llm: argparse.ArgumentParser) -> None:
@@ -30,6 +30,12 @@ def run_llm(args) -> int:
         server_cfg = ServerConfig.from_args(args)
     except ValueError as e:
         return error(str(e))
+    from mimo_epd.common.checkpoint import CheckpointError, check_worker
+
+    try:  # every file the worker needs, checked before it loads anything
+        cfg.tokenizer = check_worker(cfg.model, cfg.tokenizer, cfg.max_model_len)
+    except CheckpointError as e:
+        return error(f"cannot start the LLM worker: {e}", 1)
     setup_logging(cfg.log_level)
     from .serve import exit_with_serve
 
@@ -40,7 +46,7 @@ def run_llm(args) -> int:
 
             torch.set_num_threads(cfg.torch_threads)
         engine = LLM.from_config(cfg)
-        return uvloop.run(
+        rc = uvloop.run(
             serve_llm(
                 engine,
                 cfg.host,
@@ -52,10 +58,13 @@ def run_llm(args) -> int:
             )
         )
     except (OSError, ValueError, RuntimeError) as e:
-        logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", e)
+        logging.getLogger("mimo_epd").error("cannot start the LLM worker: %s", one_line(e))
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
+    from .serve import exit_now
+
+    return exit_now(rc)
 
 
 def register(commands) -> None:

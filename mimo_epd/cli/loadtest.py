@@ -1,4 +1,4 @@
-"""`mimo-epd loadtest <target>`: headless Locust load tests of the gRPC API (loadtest/)."""
+"""`mimo-epd loadtest <target>`: headless Locust load tests of the gRPC and HTTP APIs (loadtest/)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,9 @@ def _run_generate(args) -> int:
 
 
 def register(commands) -> None:
-    lt = commands.group("loadtest", "headless Locust load tests of the gRPC API", dest="loadtest")
+    lt = commands.group(
+        "loadtest", "headless Locust load tests: the encoder over gRPC, generation over HTTP and gRPC", dest="loadtest"
+    )
     lt.command(
         "encoder",
         "Locust against an encoder or `serve`: QPS, P50/P90/P99, failures by status (JSON)",

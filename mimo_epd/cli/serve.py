@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
-from .common import error, setup_logging
+from .common import error, one_line, setup_logging
 
 # --help sections for the encoder's flags (EncoderServerConfig): a field belongs to the section of the
 # nearest field named here at or before it, in declaration order (fields added inside a section join it),
@@ -65,8 +67,15 @@ GROUP_ORDER = (
 class _Grouped:
     """Looks like a parser to `add_arguments(parser)` helpers; puts each flag into its --help section."""
 
-    def __init__(self, parser: argparse.ArgumentParser, section_of, helps: dict[str, str] | None = None):
+    def __init__(
+        self,
+        parser: argparse.ArgumentParser,
+        section_of,
+        helps: dict[str, str] | None = None,
+        renames: dict[str, tuple[str, object]] | None = None,
+    ):
         self.parser, self.section_of, self.helps = parser, section_of, helps or {}
+        self.renames = renames or {}  # flag -> (the flag it is called here, its default here)
         self.groups = getattr(parser, "_mimo_groups", None)
         if self.groups is None:
             self.groups = parser._mimo_groups = {}
@@ -75,6 +84,9 @@ class _Grouped:
 
     def add_argument(self, *flags, **kw):
         dest = kw.get("dest") or flags[0].lstrip("-").replace("-", "_")
+        if flags[0] in self.renames:
+            kw["dest"], (new, kw["default"]) = dest, self.renames[flags[0]]
+            flags = (new, *flags[1:])
         title = self.section_of(flags[0].lstrip("-").replace("-", "_"))  # by flag name (a dest may differ)
         if dest in self.helps:
             kw["help"] = f"{self.helps[dest]} (default: {kw.get('default')!r})"
@@ -98,10 +110,13 @@ def _metavar(dest: str, typ: type) -> str:
 
 # serve runs several processes: its --metrics-port is one endpoint for all of them (mimo_epd/node_metrics.py).
 SERVE_HELPS = {
-    "metrics_port": "Prometheus /metrics of the whole node on this port: the router's endpoint merges "
-    'every encoder\'s metrics, each sample labelled process="encoder-N" (encoder N itself '
-    "serves on PORT+1+N) (0 = off)"
+    "model": "the vision tower's checkpoint, when not MODEL's (empty = MODEL's vision_config)",
+    "metrics_port": "Prometheus /metrics of the whole node on this port, as the HTTP API's /metrics: every "
+    'process\'s metrics merged, each sample labelled process="encoder-N", "llm-N" or "router" (encoder N '
+    "itself serves on PORT+1+N) (0 = off)",
 }
+# In serve, --model names the whole model (MODEL): the encoders' own --model is --encoder-model.
+SERVE_RENAMES = {"--model": ("--encoder-model", "")}
 
 
 def _encoder_section_of(moves: dict[str, str]):
@@ -134,7 +149,14 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     from mimo_epd.launcher import NodeConfig
 
     encoder_section = _encoder_section_of(SERVE_MOVES)
-    EncoderServerConfig.add_arguments(_Grouped(p, encoder_section, SERVE_HELPS))
+    p.add_argument(
+        "model_arg",
+        nargs="?",
+        default="",
+        metavar="MODEL",
+        help="the model to serve: 'tiny' (the default), 'tiny-random' or a checkpoint directory (same as --model)",
+    )
+    EncoderServerConfig.add_arguments(_Grouped(p, encoder_section, SERVE_HELPS, SERVE_RENAMES))
     NodeConfig.add_arguments(_Grouped(p, _node_section_of))
 
 
@@ -169,12 +191,18 @@ def run_encoder(args) -> int:
         config = EncoderServerConfig.from_args(args)
     except ValueError as e:
         return error(str(e))
+    from mimo_epd.common.checkpoint import CheckpointError, check_tower
+
+    try:  # the tower's files, checked before anything loads
+        check_tower(config.model)
+    except CheckpointError as e:
+        return error(f"cannot start the encoder: {e}", 1)
     setup_logging(config.log_level)
     parent = exit_with_serve()
     try:
-        return uvloop.run(serve_encoder(config))
+        rc = uvloop.run(serve_encoder(config))
     except (OSError, ValueError, FileNotFoundError, RuntimeError) as e:
-        logging.getLogger("mimo_epd").error("cannot start the encoder: %s", explain_bind_failure(str(e)))
+        logging.getLogger("mimo_epd").error("cannot start the encoder: %s", explain_bind_failure(one_line(e)))
         return 1
     except KeyboardInterrupt:  # a second Ctrl-C during shutdown
         return 130
@@ -183,6 +211,20 @@ def run_encoder(args) -> int:
             from mimo_epd.launcher import remove_stale_segments
 
             remove_stale_segments(min_age_s=0.0, names=[config.shm_cache_name])
+    return exit_now(rc)
+
+
+def exit_now(rc: int) -> int:
+    """A child of `serve` that has drained and stopped its servers leaves at once: the interpreter's own teardown
+    (torch's and gRPC's threads) adds seconds to every node stop and has nothing left to release."""
+    from mimo_epd.common.parent import marked_parent
+
+    if marked_parent() is None:
+        return rc
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def exit_with_serve() -> int | None:
@@ -198,17 +240,43 @@ def exit_with_serve() -> int | None:
     return parent
 
 
+def plan_serve(args):
+    """MODEL (or --model) and the per-part overrides, checked against each other and against their files before
+    any process starts (mimo_epd/common/checkpoint.py); sets the encoders' and the workers' model flags from it."""
+    from mimo_epd.common.checkpoint import CheckpointError, plan_node
+    from mimo_epd.common.model_names import TINY
+
+    if args.model_arg and args.checkpoint and args.model_arg != args.checkpoint:
+        raise CheckpointError(f"MODEL {args.model_arg!r} and --model {args.checkpoint!r} name different models")
+    model = args.model_arg or args.checkpoint or TINY
+    plan = plan_node(model, args.model, args.llm_model, args.tokenizer, args.llm, args.max_model_len)
+    args.checkpoint = model
+    args.model = plan.vision.name if plan.vision is not None else model
+    args.llm_model = plan.llm.name if plan.llm is not None else (args.llm_model or model)
+    args.tokenizer = plan.tokenizer
+    return plan
+
+
 def run_serve(args) -> int:
     import uvloop
 
     from encoder_server.config import EncoderServerConfig
+    from mimo_epd.common.checkpoint import CheckpointError
     from mimo_epd.launcher import NodeConfig, serve_node
 
+    try:
+        plan = plan_serve(args)
+    except CheckpointError as e:
+        return error(f"cannot start: {e}", 1)
     try:
         enc, node = EncoderServerConfig.from_args(args), NodeConfig.from_args(args)
     except ValueError as e:
         return error(str(e))
     setup_logging(enc.log_level)
+    for line in plan.notices:
+        logging.getLogger("mimo_epd").warning("%s", line)
+    if plan.vision is None:  # a text-only model: no encoder process, media refused with the reason
+        node.encoders, node.media_refusal = 0, plan.notices[0]
     try:
         return uvloop.run(serve_node(enc, node))
     except (OSError, RuntimeError, ValueError) as e:
@@ -221,6 +289,8 @@ def run_serve(args) -> int:
 SERVE_EPILOG = """\
 examples:
   mimo-epd serve                                   router + 1 encoder + LLM worker on 127.0.0.1:50051
+  mimo-epd serve /models/MiMo-V2.5 --served-model-name mimo --max-model-len 8192
+                                                   a checkpoint directory: its LLM and its vision tower
   mimo-epd serve --encoders 2 --metrics-port 9110  one /metrics for the whole node (label process=...)
   mimo-epd serve --port 0 --no-llm                 any free port (the ready line says which), no LLM worker
 
@@ -230,7 +300,7 @@ Prints `ready HOST:PORT` on stdout once everything serves; logs go to stderr."""
 def register(commands) -> None:
     commands.command(
         "serve",
-        usage="%(prog)s [FLAGS]",
+        usage="%(prog)s [MODEL] [FLAGS]",
         help="the product on this node: router + encoders sharing one shm cache + LLM worker",
         setup=add_serve_flags,
         run=run_serve,

@@ -27,7 +27,7 @@ import base64
 import binascii
 from dataclasses import dataclass
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video", "audio_url": "audio"}  # URL parts: part type -> kind
 # The `format` values of OpenAI's `input_audio`, and the other containers the encoder decodes; raw pcm16 has
 # no header to read its rate from.
@@ -115,8 +115,16 @@ def _input_audio(ref, param: str) -> MediaRef:
     return MediaRef("audio", "", f"{param}.data", raw)
 
 
-def normalize_messages(messages) -> tuple[list[dict], list[MediaRef]]:
-    """(the messages as the chat template sees them, their media parts in order); raises RuleError."""
+def _plain(message: dict, role: str, param: str, content) -> dict:
+    return {"role": role, "content": content}
+
+
+def normalize_messages(messages, roles: dict[str, str] = ROLES, build=_plain) -> tuple[list[dict], list[MediaRef]]:
+    """(the messages as the chat template sees them, their media parts in order); raises RuleError.
+
+    `roles` maps the accepted roles to the template's; `build(message, role, param, content)` makes one
+    template message from the checked role and content (a seam for fields beside them, e.g. tool calls; it may
+    raise its own ValueError naming the field). Worker and router must pass the same two."""
     if messages is None:
         raise RuleError("messages", "is required")
     if not isinstance(messages, list):
@@ -130,19 +138,19 @@ def normalize_messages(messages) -> tuple[list[dict], list[MediaRef]]:
         if not isinstance(m, dict):
             raise RuleError(p, f"expected an object, got {type_name(m)}")
         role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
+        if not isinstance(role, str) or role not in roles:
             shown = repr(role[:64]) if isinstance(role, str) else type_name(role)
-            raise RuleError(f"{p}.role", f"unsupported role {shown} (system, developer, user, assistant)")
+            raise RuleError(f"{p}.role", f"unsupported role {shown} ({', '.join(roles)})")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
-            out.append({"role": ROLES[role], "content": content})
+            out.append(build(m, roles[role], p, content))
             continue
         if not isinstance(content, list):
             raise RuleError(f"{p}.content", f"expected a string or an array of parts, got {type_name(content)}")
         parts = [_part(part, f"{p}.content[{j}]", media) for j, part in enumerate(content)]
-        out.append({"role": ROLES[role], "content": parts})
+        out.append(build(m, roles[role], p, parts))
     return out, media
 
 

@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Callable
 
+from mimo_epd.common.auth import INTERNAL_KEY_ENV, internal_key
 from mimo_epd.common.parent import child_env
 
 log = logging.getLogger("mimo_epd.launcher")
@@ -31,6 +32,9 @@ def worker_env() -> dict:
     """The environment of a process `serve` starts: exits with it, and at most MALLOC_ARENAS malloc arenas."""
     env = child_env()
     env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
+    key = internal_key()
+    if key:  # the node's internal key: its workers accept it (and send it back with media), never in argv
+        env[INTERNAL_KEY_ENV] = key
     return env
 
 
@@ -44,6 +48,7 @@ class ChildProcess:
         self.host = host
         self.port = 0
         self.http_port: int | None = None  # set: pass --http-port (0 first, then the same port on restarts)
+        self.metrics_port = 0  # an encoder's /metrics port (in the node's merged metrics)
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -67,8 +72,11 @@ class ChildProcess:
         cmd += self.args
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port)]
-        # worker_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL; two arenas
-        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, env=worker_env())
+        # worker_env: the child exits (SIGTERM, its drain) when this launcher dies, even by SIGKILL; two arenas.
+        # Its own session: a Ctrl-C in the terminal reaches the launcher only, which drains the node in order.
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd, stdout=asyncio.subprocess.PIPE, env=worker_env(), start_new_session=True
+        )
         try:
             async with asyncio.timeout(self.timeout_s):
                 await self._read_ready_line()

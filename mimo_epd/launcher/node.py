@@ -16,19 +16,23 @@ While it runs, one `Supervisor` restarts an encoder (`--restart-encoders`) or an
 checks route its items to the next live encoder, and the LLM router retries on the next worker.
 
 `serve --join redis://...` (`join_node`) runs only the children, registered in the shared state for the
-routers that share it.
+routers that share it, and on `--host:--port` only the gRPC health service: SERVING while every child runs (what a
+container's readiness and liveness probes ask; `mimo-epd health --server HOST:PORT`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import time
 
 from encoder_server.config import EncoderServerConfig
 from mimo_epd.common import flags
+from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
-from mimo_epd.router.encoder import EncoderRouter, RouterConfig
+from mimo_epd.router.encoder import EncoderRouter, NoVisionRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
 from .children import ChildProcess, Supervisor
@@ -61,15 +65,22 @@ def make_encoders(enc: EncoderServerConfig, node: NodeConfig, shm_name: str) -> 
     from mimo_epd.common.flags import to_argv
 
     args = to_argv(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]
-    return [
-        ChildProcess(
-            i,
-            args + (["--metrics-port", str(enc.metrics_port + 1 + i)] if enc.metrics_port else []),
-            node.encoder_start_timeout_s,
-            host=node.node_host,
-        )
-        for i in range(node.encoders)
-    ]
+    encoders = []
+    for i in range(node.encoders):
+        port = enc.metrics_port + 1 + i if enc.metrics_port else free_port(node.node_host)
+        child = ChildProcess(i, [*args, "--metrics-port", str(port)], node.encoder_start_timeout_s, host=node.node_host)
+        child.metrics_port = port
+        encoders.append(child)
+    return encoders
+
+
+def free_port(host: str) -> int:
+    """A port free on `host` now (an encoder's metrics port without --metrics-port: it keeps it on restarts)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def restart_policy(node: NodeConfig):
@@ -84,8 +95,11 @@ class Node:
         self.encoders = encoders
         self.llm_workers: list[ChildProcess] = []
         self.supervisor = Supervisor(restart_policy(node))
-        self.metrics = None  # NodeMetrics (--metrics-port)
-        self.metric_targets: dict[str, int] = {}  # the LLM router's own metrics (a loopback port), merged too
+        from mimo_epd.node_metrics import NodeMetrics
+
+        # every process's metrics merged, on --metrics-port and on the HTTP API's /metrics
+        self.metrics = NodeMetrics(self._metric_targets)
+        self.router_metrics = ""  # the LLM router's own metrics endpoint (a loopback port)
         self.encoder_router: EncoderRouter | None = None
         self.llm_router = None  # LLMRouter (--llm)
         self.grpc: GrpcServer | None = None
@@ -97,6 +111,7 @@ class Node:
     async def run(self) -> int:
         stop = asyncio.Event()
         stop_on_signals(stop)
+        stopping_since = None
         try:
             await self.start()
             await self.start_front()
@@ -109,30 +124,33 @@ class Node:
             self.grpc.announce()
             self.supervisor.watch([*self.encoders, *self.llm_workers])
             await stop.wait()
+            stopping_since = time.monotonic()
             await self.drain()
             return 0
         finally:
             await self.shutdown()
+            if stopping_since is not None:
+                log.info("node stopped (%.1fs)", time.monotonic() - stopping_since)
 
     # ------------------------------------------------------------------------------------------------ start
     async def start(self) -> None:
         enc, node = self.enc, self.cfg
         if enc.metrics_port:  # first, so that a port in use fails before any encoder starts
-            from mimo_epd.node_metrics import NodeMetrics
-
-            self.metrics = NodeMetrics(self._metric_ports)
             await self.metrics.start(enc.host, enc.metrics_port)
         await asyncio.gather(*(e.start() for e in self.encoders))
-        self.encoder_router = EncoderRouter(
-            [e.endpoint for e in self.encoders],
-            RouterConfig(
-                max_items_per_request=enc.max_items_per_request,
-                health_interval_s=node.health_interval_s,
-                vnodes=node.vnodes,
-                max_message_mb=enc.max_message_mb,
-            ),
+        router_config = RouterConfig(
+            max_items_per_request=enc.max_items_per_request,
+            health_interval_s=node.health_interval_s,
+            vnodes=node.vnodes,
+            max_message_mb=enc.max_message_mb,
         )
-        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        if node.media_refusal:  # a text-only model: no encoders, Encode refused with the reason
+            self.encoder_router = NoVisionRouter(node.media_refusal, router_config)
+        else:
+            self.encoder_router = EncoderRouter([e.endpoint for e in self.encoders], router_config)
+        # keys on the gRPC port too; TLS only on the HTTP front (the workers send media through this port)
+        plain = dataclasses.replace(node.auth, tls_cert="", tls_key="")
+        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb, auth=plain)
         self.grpc.add(encoder_pb2_grpc.add_EncoderServicer_to_server, self.encoder_router, ENCODER_SERVICE)
         if node.llm:  # the LLM router over this node's workers (and, with a shared state, every node's)
             from mimo_epd.router.llm import LLMRouter
@@ -143,7 +161,9 @@ class Node:
         grpc = self.grpc
         self.encoder_router.on_change = lambda alive: loop.create_task(grpc.set_serving(bool(alive)))
         self.encoder_router.start()
-        await grpc.start(serving=bool(self.encoder_router.alive))
+        await grpc.start(serving=bool(self.encoder_router.alive) or not self.encoders)
+        if self.llm_router is not None:  # a dead registry loop is never silent: the node stops serving
+            self.llm_router.on_loop_death = lambda name: loop.create_task(grpc.set_serving(False))
         if self.llm_router is not None:
             await self.start_llm(f"127.0.0.1:{grpc.port}")  # the LLM workers send media through this server
 
@@ -152,15 +172,17 @@ class Node:
         for w in self.llm_workers:
             self.llm_router.add_worker(w.endpoint, w.http_endpoint)
         await self.llm_router.start()
-        if self.metrics is not None:
-            self.metric_targets["router"] = await self.llm_router.metrics.start("127.0.0.1", 0)
+        self.router_metrics = f"127.0.0.1:{await self.llm_router.metrics.start('127.0.0.1', 0)}"
         if self.shared:
             self.heartbeats = register_encoders(self.llm_router.state, self.encoders, self.cfg)
 
-    def _metric_ports(self) -> dict[str, int]:
-        """{process label: its metrics port} for every scrape of the node's endpoint."""
-        base = self.enc.metrics_port
-        return {**{f"encoder-{e.index}": base + 1 + e.index for e in self.encoders}, **self.metric_targets}
+    def _metric_targets(self) -> dict[str, str]:
+        """{process label: its /metrics address} for every scrape of the node's metrics."""
+        out = {f"encoder-{e.index}": f"{e.host}:{e.metrics_port}" for e in self.encoders}
+        out.update({f"llm-{w.index}": w.http_endpoint for w in self.llm_workers if w.http_endpoint})
+        if self.router_metrics:
+            out["router"] = self.router_metrics
+        return out
 
     # ------------------------------------------------------------------------------------------------ front
     async def start_front(self) -> None:
@@ -172,21 +194,31 @@ class Node:
         from mimo_epd.router.http_front import HTTPFront
 
         template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
-        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge)
+        self.front = HTTPFront(
+            router=self.llm_router, template=template, edge=self.cfg.edge, metrics=self.metrics.body, auth=self.cfg.auth
+        )
         http_port = await self.front.start(self.enc.host, self.cfg.http_port)
         print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
 
     # --------------------------------------------------------------------------------------------- shutdown
     async def drain(self) -> None:
-        """Stops accepting and lets the requests in flight finish within the grace period."""
+        """Stops accepting, lets the requests in flight finish (gRPC within --grace-period-s, HTTP within
+        --drain-timeout-s, concurrently), then ends the HTTP streams still open with the error event and [DONE]."""
         log.info(
-            "shutting down: router first (%gs grace), then %d encoders", self.enc.grace_period_s, len(self.encoders)
+            "shutting down: routers first (%gs grace, HTTP %gs), then %d encoders and %d LLM workers",
+            self.enc.grace_period_s,
+            self.cfg.drain_timeout_s,
+            len(self.encoders),
+            len(self.llm_workers),
         )
-        await self.grpc.stop(self.enc.grace_period_s)
+        front = self.front.drain(self.cfg.drain_timeout_s) if self.front is not None else asyncio.sleep(0)
+        await asyncio.gather(self.grpc.stop(self.enc.grace_period_s), front)
 
     async def shutdown(self) -> None:
         """Whatever started, stopped, in order: the routers stop watching, the children stop, the cache goes."""
         self.supervisor.stop()
+        if self.grpc is not None and not self.grpc.drain.draining:  # a start that failed: stop it now, not in
+            await self.grpc.stop(0)  # its __del__ after the event loop has closed (a second traceback)
         if self.encoder_router is not None:
             self.encoder_router.begin_shutdown()  # the encoders stop on purpose now: not "unhealthy"
         if self.front is not None:
@@ -197,8 +229,7 @@ class Node:
             await self.llm_router.metrics.close()
         grace = self.enc.grace_period_s
         await asyncio.gather(*(c.stop(grace) for c in [*self.encoders, *self.llm_workers]), return_exceptions=True)
-        if self.metrics is not None:
-            await self.metrics.close()
+        await self.metrics.close()
         if self.encoder_router is not None:
             await self.encoder_router.close()
         if self.shm.created:
@@ -207,6 +238,7 @@ class Node:
 
 
 async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
+    use_internal_key(node.auth.internal_api_key)  # what this node sends its workers, and they accept
     shm = open_node_cache(enc)
     encoders = make_encoders(enc, node, shm.name)
     if node.join:
@@ -231,16 +263,36 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
         *node.llm_args,
         *flags.to_argv(node.edge, skip={"allowed_origins"}),  # the front's limits hold on the workers too
     ]
-    if "--torch-threads" not in args and node.llm_workers > 1:
-        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
-    workers = [
-        ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
-        for i in range(node.llm_workers)
-    ]
-    for w in workers:
-        w.http_port = 0 if node.http_port >= 0 or node.join else None
+    for name, value in (
+        ("--tokenizer", node.tokenizer),
+        ("--max-model-len", node.max_model_len),
+        ("--served-model-name", node.served_model_name),
+    ):
+        if value:
+            args += [name, str(value)]
+    total = node.llm_workers + node.pd_prefill_workers + node.pd_decode_workers
+    if "--torch-threads" not in args and total > 1:
+        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // total))]
+
+    def group(first: int, n: int, extra: list[str]) -> list[ChildProcess]:
+        out = [
+            ChildProcess(first + i, args + extra, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+            for i in range(n)
+        ]
+        for w in out:
+            w.http_port = 0  # its HTTP API (behind the node's front) and its /metrics (in the node's)
+        return out
+
+    # Prefill workers first: each decode worker is told their addresses (--pd-prefill), for requests that reach it
+    # without a router's choice (its own HTTP API).
+    prefill = group(node.llm_workers, node.pd_prefill_workers, ["--role", "prefill"])
+    await asyncio.gather(*(w.start() for w in prefill))
+    pd = (
+        ["--role", "decode", "--pd-prefill", ",".join(w.endpoint for w in prefill)] if prefill else ["--role", "decode"]
+    )
+    workers = group(0, node.llm_workers, []) + group(node.llm_workers + len(prefill), node.pd_decode_workers, pd)
     await asyncio.gather(*(w.start() for w in workers))
-    return workers
+    return workers + prefill
 
 
 def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:
@@ -259,6 +311,13 @@ def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> 
     ]
 
 
+async def report_children(health: GrpcServer, children: list[ChildProcess], interval_s: float = 1.0) -> None:
+    """A joined node's health: SERVING while every child runs, NOT_SERVING while one is down (restarting)."""
+    while True:
+        await health.set_serving(all(c.running for c in children))
+        await asyncio.sleep(interval_s)
+
+
 async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[ChildProcess], shm) -> int:
     """`serve --join redis://...`: this node's encoders and LLM workers, registered in the shared state with
     heartbeats (the workers' KV events relayed into it), and no router of its own."""
@@ -271,20 +330,36 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
     supervisor = Supervisor(restart_policy(node))
     llms: list[ChildProcess] = []
     feeds, heartbeats = [], []
+    health: GrpcServer | None = None
+    health_task: asyncio.Task | None = None
     try:
         await asyncio.gather(*(e.start() for e in encoders))
         if node.llm:
-            llms = await start_llm_workers(node, encoders[0].endpoint)
+            llms = await start_llm_workers(node, encoders[0].endpoint if encoders else "")
             info = lambda w: {"node": node_name(), "http_address": w.http_endpoint}  # noqa: E731
             ttl, wait = node.routing.member_ttl_s, node.routing.poll_wait_ms
             feeds = [WorkerFeed(state, w.endpoint, info(w), ttl, wait).start() for w in llms]
         heartbeats = register_encoders(state, encoders, node)
-        log.info("node %s joined %s: %d encoders, %d LLM workers", node_name(), node.join, len(encoders), len(llms))
+        health = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        await health.start()
+        health_task = asyncio.create_task(report_children(health, [*encoders, *llms]))
+        log.info(
+            "node %s joined %s: %d encoders, %d LLM workers; health on %s",
+            node_name(),
+            node.join,
+            len(encoders),
+            len(llms),
+            health.address,
+        )
         print(f"ready joined {node.join}", flush=True)
         supervisor.watch([*encoders, *llms])
         await stop.wait()
         return 0
     finally:
+        if health_task is not None:
+            health_task.cancel()
+        if health is not None:
+            await health.stop(0)
         supervisor.stop()
         await asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
         for f in feeds:  # leave the registry now rather than one TTL later

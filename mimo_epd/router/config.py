@@ -15,7 +15,7 @@ from mimo_epd.common.flags import embedded, flag
 from .policies import POLICIES, PolicyConfig
 
 # Fields that `serve` sets itself instead of taking them as flags.
-ROUTER_ONLY = frozenset({"workers", "model"})
+ROUTER_ONLY = frozenset({"workers", "model", "tokenizer"})
 
 
 @dataclass
@@ -27,6 +27,9 @@ class LLMRouterConfig:
         "LLM workers GRPC[/HTTP],... this router watches itself (empty = discover them in --router-state)",
     )
     model: str = flag("tiny", "the workers' model, for the tokenizer")
+    tokenizer: str = flag(
+        "", "the workers' tokenizer.json, when not the model's (empty = the model's; 'bytes' = one token per byte)"
+    )
     weights: PolicyConfig = embedded(PolicyConfig)
     member_ttl_s: float = flag(
         3.0, "a worker's or encoder's registration and index entries expire this long after its last heartbeat"
@@ -35,6 +38,12 @@ class LLMRouterConfig:
     discovery_interval_s: float = flag(0.5, "seconds between reads of the registry")
     down_s: float = flag(
         5.0, "a worker that failed a call is skipped this long, or until its feed answers again", name="worker_down_s"
+    )
+
+    pd_max_prefill_queue: int = flag(
+        8192,
+        "prompt tokens queued at every prefill worker above which a decode worker's request is prefilled on the decode "
+        "worker itself (conditional disaggregation; -1 = never)",
     )
 
     def validate(self) -> None:

@@ -207,3 +207,15 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
             return resp, None
         except grpc.aio.AioRpcError as e:
             return None, (e.code(), e.details())
+
+
+class NoVisionRouter(EncoderRouter):
+    """The Encode service of a node whose model has no vision tower (a text-only checkpoint): no encoder runs,
+    and every request is refused with FAILED_PRECONDITION and the reason (the workers pass it on per item)."""
+
+    def __init__(self, reason: str, config: RouterConfig):
+        super().__init__([], config)
+        self.reason = reason
+
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"media is unavailable: {self.reason}")

@@ -22,20 +22,24 @@ When the chosen worker fails before any byte of the body reached the client (it 
 a worker that could not be reached or answered 503 is skipped until it serves again. Once bytes have been sent,
 a worker that breaks off ends the client's response there. A client that disconnects cancels its handler, which
 closes the upstream connection, so the worker sees the disconnect and aborts the request (its KV freed).
-Other paths (models, health, the worker's /metrics, server info) go to the least loaded live worker.
+Other paths (models, health, server info) go to the least loaded live worker; GET /metrics answers the whole
+node's merged metrics when the node gives them (`metrics`), else the worker's.
 When no worker can take a request the answer is a 503 in the OpenAI error format.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from typing import Callable
+from typing import Awaitable, Callable
 
 import aiohttp
 from aiohttp import web
 
-from mimo_epd.common.http_edge import error_response, parse_json, read_body
+from llm_backend.agentic.tools import ToolError, template_message
+from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
+from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
 
@@ -71,6 +75,18 @@ def _error(status: int, message: str) -> web.Response:
     return error_response(status, message)
 
 
+class _OpenStream:
+    """A streamed response being relayed; `cut()` (the node is stopping) closes its upstream, and the relay ends
+    the client's stream with the error event and `[DONE]`."""
+
+    def __init__(self, up):
+        self.up, self.was_cut = up, False
+
+    def cut(self) -> None:
+        self.was_cut = True
+        self.up.close()
+
+
 # ---------------------------------------------------------------------------------------------- prompts
 class Unroutable(ValueError):
     """The body is not a request the front can tokenize (the worker will say why): route by load."""
@@ -79,8 +95,8 @@ class Unroutable(ValueError):
 def chat_messages(messages) -> tuple[list[dict], bool]:
     """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
     try:
-        out, media = normalize_messages(messages)
-    except RuleError as e:
+        out, media = normalize_messages(messages, build=template_message)  # as the worker renders them
+    except (RuleError, ToolError) as e:
         raise Unroutable(str(e)) from None
     return out, bool(media)
 
@@ -194,19 +210,26 @@ class HTTPFront:
         router=None,
         template=None,
         edge: EdgeConfig | None = None,
+        metrics: Callable[[], Awaitable[bytes]] | None = None,
+        auth: AuthConfig | None = None,
     ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
-        Without one, `upstream()` is the one worker's current `host:port` (None while it is not up)."""
+        Without one, `upstream()` is the one worker's current `host:port` (None while it is not up). `metrics`:
+        what GET /metrics answers (the whole node's, mimo_epd/node_metrics.py) instead of one worker's."""
         self.router = router
+        self.metrics = metrics
         self.upstream = upstream or (router.http_upstream if router is not None else (lambda: None))
         self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
         self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
+        self._active = 0  # requests being handled
+        self._streams: set[_OpenStream] = set()
 
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [])
+        app = edge_app(self.edge, [], keys=self.auth.keys)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -217,8 +240,33 @@ class HTTPFront:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner, bound = await start_site(self.app(), host, port, self.edge)
+        self._runner, bound = await start_site(self.app(), host, port, self.edge, ssl_context(self.auth))
         return bound
+
+    async def drain(self, timeout_s: float) -> int:
+        """Stops accepting; lets the requests in flight finish within `timeout_s`; then ends each stream still open
+        with the error event and `[DONE]` (its worker aborts the request). Returns how many streams it ended."""
+        if self._runner is None:
+            return 0
+        for site in list(self._runner.sites):
+            await site.stop()
+        if self._runner.server is not None:
+            self._runner.server.pre_shutdown()  # kept-alive connections close after their current request
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self._active:
+            log.info("HTTP: draining %d requests in flight (--drain-timeout-s %g)", self._active, timeout_s)
+        while self._active and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = list(self._streams)
+        for stream in cut:
+            stream.cut()
+        deadline = loop.time() + 2.0  # the relays write their last events
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if cut:
+            log.info("HTTP: ended %d open streams with an error event (drain timeout)", len(cut))
+        return len(cut)
 
     async def close(self) -> None:
         runner, session, self._runner, self._session = self._runner, self._session, None, None
@@ -229,9 +277,26 @@ class HTTPFront:
 
     @staticmethod
     def _headers(request: web.Request) -> dict:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+        out = {
+            k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST and k.lower() != "authorization"
+        }
+        key = upstream_authorization(request.headers.get("Authorization"))  # the internal key, when set
+        if key:
+            out["Authorization"] = key
+        return out
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self._active += 1
+        try:
+            return await self._handle(request)
+        finally:
+            self._active -= 1
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics" and request.method == "GET" and self.metrics is not None:
+            from prometheus_client import CONTENT_TYPE_LATEST
+
+            return web.Response(body=await self.metrics(), headers={"Content-Type": CONTENT_TYPE_LATEST})
         kind = ROUTED.get(request.path) if request.method == "POST" else None
         if kind is not None and self.router is not None:
             return await self._routed(request, kind)
@@ -247,7 +312,7 @@ class HTTPFront:
                 headers=self._headers(request),
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
         return await self._relay(request, up, target, None)
@@ -261,8 +326,12 @@ class HTTPFront:
         sse: SSEFilter | None = None,
         body_parts: list | None = None,
     ) -> web.StreamResponse:
-        """Streams `up` to the client (`first` = its first body chunk, already read)."""
+        """Streams `up` to the client (`first` = its first body chunk, already read). A stream the worker breaks
+        off, or the node's drain cuts, ends with the error event and `[DONE]`, as the worker ends one."""
         done = False
+        stream = _OpenStream(up) if sse is not None else None
+        if stream is not None:
+            self._streams.add(stream)
         try:
             resp = web.StreamResponse(
                 status=up.status,
@@ -273,21 +342,40 @@ class HTTPFront:
             chunks = up.content.iter_any()
             if first is not None:
                 await self._write(resp, first, sse, body_parts)
-            async for chunk in chunks:
-                await self._write(resp, chunk, sse, body_parts)
+            try:
+                async for chunk in chunks:
+                    await self._write(resp, chunk, sse, body_parts)
+            except aiohttp.ClientError as e:  # the worker went away mid-response
+                if stream is None:  # a plain body: nothing more can be said
+                    log.warning("LLM worker %s broke off a response: %s", target, e)
+                    raise
+                if not stream.was_cut:
+                    log.warning("LLM worker %s broke off a stream: %s", target, e)
+                    await self._end_stream(resp, sse, f"the LLM worker broke off the stream ({type(e).__name__})")
+                    return resp
+            if stream is not None and stream.was_cut:
+                await self._end_stream(resp, sse, "the server is shutting down (--drain-timeout-s)")
+                return resp
             if sse is not None and (rest := sse.flush()):
                 await resp.write(rest)
             await resp.write_eof()
             done = True
             return resp
-        except aiohttp.ClientError as e:  # the worker went away mid-response: nothing more to send
-            log.warning("LLM worker %s broke off a response: %s", target, e)
-            raise
         finally:
+            self._streams.discard(stream)  # type: ignore[arg-type]
             if done:
                 up.release()  # the connection goes back to the pool
             else:
                 up.close()  # cut: the worker sees the disconnect and aborts the request
+
+    @staticmethod
+    async def _end_stream(resp, sse: SSEFilter | None, message: str) -> None:
+        """The error event and `[DONE]` after the complete events relayed so far (a half-received one is dropped)."""
+        if sse is not None:
+            sse.flush()
+        event = json.dumps(error_body(503, message))
+        await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
 
     @staticmethod
     async def _write(resp, chunk: bytes, sse: SSEFilter | None, body_parts: list | None) -> None:
@@ -350,7 +438,7 @@ class HTTPFront:
         url = f"http://{choice.http_address}{request.path_qs}"
         try:
             up = await self._session.post(url, data=raw, headers=headers, allow_redirects=False)
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             router.mark_down(choice, f"HTTP {type(e).__name__}")
             return None, type(e).__name__
         if up.status in RETRY_STATUS:

@@ -67,6 +67,12 @@ def add_model_flags(p, shape="flash", kv_gib=40.0, page=128, chunk=8192, max_run
         help="prefill tokens per step, oldest prompt first (-1 = one chunk, 0 = no cap) (default: -1)",
     )
     g.add_argument(
+        "--prefill-order",
+        default="fewest_left",
+        choices=("fewest_left", "oldest"),
+        help="who takes the prefill budget first (the engine's flag; FCFS is always oldest) (default: fewest_left)",
+    )
+    g.add_argument(
         "--swa-checkpoint-interval",
         type=int,
         default=512,
@@ -112,6 +118,7 @@ def build(args, scheduler: str = "uncached_first_buckets") -> tuple[CostModel, W
         length_buckets=buckets,
         unit=args.unit,
         max_prefill_tokens=args.chunk_size if args.max_prefill_tokens < 0 else args.max_prefill_tokens,
+        prefill_order=getattr(args, "prefill_order", "fewest_left"),
         swa_checkpoint_interval=args.swa_checkpoint_interval,
     )
     if args.swa_checkpoint_interval < 0:
@@ -130,6 +137,7 @@ def describe(cost: CostModel, cfg: WorkerConfig) -> dict:
             "chunk_size": cfg.chunk_size,
             "max_running": cfg.max_running,
             "max_prefill_tokens": cfg.max_prefill_tokens,
+            "prefill_order": cfg.prefill_order,
             "wait_penalty": cfg.wait_penalty,
             "swa_checkpoint_interval": cfg.swa_checkpoint_interval,
             "unit": cfg.unit,

@@ -74,10 +74,11 @@ async def test_disconnect_through_the_front_aborts_on_the_worker(node):
         )
         for _ in range(6):
             await r.content.readline()
-        assert scrape(node.http_address)["llm_requests_running"] == 1  # /metrics is the worker's, forwarded
+        running = 'llm_requests_running{process="llm-0"}'  # /metrics is the whole node's, each process labelled
+        assert scrape(node.http_address)[running] == 1
         r.close()
     deadline = time.monotonic() + 60
-    while (await asyncio.to_thread(scrape, node.http_address))["llm_requests_running"] != 0:
+    while (await asyncio.to_thread(scrape, node.http_address))[running] != 0:
         assert time.monotonic() < deadline, "the worker kept generating for a client that left"
         await asyncio.sleep(0.1)
-    assert scrape(node.http_address)['llm_requests_finished_total{reason="abort"}'] >= 1
+    assert scrape(node.http_address)['llm_requests_finished_total{process="llm-0",reason="abort"}'] >= 1

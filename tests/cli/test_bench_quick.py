@@ -54,6 +54,10 @@ def test_encoder_bench_quick():
         assert m["bottleneck_stage"] in m["stage_busy"] and 0 <= m["bottleneck_busy"] <= 1.5
     assert "--resize-backend" not in out["config"]["naive_flags"]  # naive keeps the product's own resize
     assert {"qps_vs_peer_batched", "p90_vs_peer_batched", "qps_vs_naive"} <= set(out["ratios"])
+    busy = out["ratios"]["cores_busy"]
+    assert set(busy) == set(out["modes"]) and all(0 < v <= out["machine"]["cores"] + 0.5 for v in busy.values()), busy
+    forward = out["modes"]["pipelined"]["forward"]
+    assert forward["workers"] >= 1 and forward["batch_budget_tokens"] > 0, forward
     # Same weights, same images: every mode's embeddings equal naive's within the documented tolerance.
     assert set(out["outputs_check"]) == {"pipelined", "peer_per_request", "peer_batched"}
     for name, c in out["outputs_check"].items():
@@ -242,6 +246,21 @@ def test_spec_bench_sim_quick():
         assert modes["k1"]["mean_accept_length"] < modes["k3"]["mean_accept_length"] <= 4
     r = out["ratios"]
     assert r["speedup_k3_b1_0_128"] > 0 and r["speedup_k3_b16_128_256"] > 0
+
+
+def test_structured_bench_quick():
+    """Every mode runs at batch 1 and 16; constrained outputs are valid where they finished, compile times and
+    the ratios the report names are there."""
+    out = run_bench("structured")
+    no_grades(out)
+    assert set(out["modes"]) == {f"{m}_b{b}" for m in ("unconstrained", "json_schema", "regex") for b in (1, 16)}
+    assert all(m["output_tokens"] > 0 for m in out["modes"].values())
+    js = out["modes"]["json_schema_b16"]
+    assert js["valid_json_schema"] >= js["finish_stop"]  # every finished output validates
+    assert {"tokens_per_s_json_schema_vs_unconstrained_b16", "valid_json_schema", "valid_unconstrained"} <= set(
+        out["ratios"]
+    )
+    assert out["compile"]["json_schema"]["cached_ms"] < out["compile"]["json_schema"]["cold_ms"]
 
 
 def test_audio_quick():

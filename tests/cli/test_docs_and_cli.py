@@ -65,7 +65,7 @@ def test_serve_help_is_grouped():
     titles = re.findall(r"^(\S[^\n]*):$", r.stdout, re.M)
     for title in ("node", "routing", "LLM worker", "encoder: limits", "video", "cache"):
         assert title in titles, titles
-    assert r.stdout.startswith("usage: mimo-epd serve [FLAGS]")
+    assert r.stdout.startswith("usage: mimo-epd serve [MODEL] [FLAGS]")
 
 
 def test_top_level_help_is_for_users():
@@ -237,3 +237,10 @@ def test_the_shipped_trace_is_the_default_and_complete():
     with open_text(MOONCAKE_TRACE) as f:
         rows = [json.loads(x) for x in f]
     assert len(rows) == 12031 and all(r["hash_ids"] and r["input_length"] > 0 for r in rows)
+
+
+def test_generated_text_on_a_terminal_has_its_control_bytes_escaped():
+    from mimo_epd.cli.clients import shown
+
+    assert shown("a\x1b[2Jb\rc\x07\td\né\x9b") == "a\\x1b[2Jb\\rc\\x07\td\né\\x9b"
+    assert shown("plain text\n") == "plain text\n"

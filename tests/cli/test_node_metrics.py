@@ -81,10 +81,10 @@ def test_serve_two_encoders_one_metrics_endpoint():
     assert rc == 0
     for _ in range(50):  # the stderr reader thread may still be catching up with the exited process
         log = "".join(server.stderr_lines)
-        if "shutting down: router first" in log:
+        if "shutting down: routers first" in log:
             break
         time.sleep(0.1)
-    assert "left the ring" not in log[log.index("shutting down: router first") :]  # stopping its own encoders
+    assert "left the ring" not in log[log.index("shutting down: routers first") :]  # stopping its own encoders
 
 
 @pytest.mark.integration
@@ -131,3 +131,40 @@ def test_a_grpc_port_in_use_is_named():
         )
     assert r.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port} (--host/--port): Address already in use" in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.integration
+def test_both_metrics_endpoints_of_a_two_worker_node_list_every_process():
+    """`serve --llm-workers 2`: the HTTP API's /metrics and --metrics-port both merge every process of the node, so
+    the two workers' finished requests add up to the requests sent, on every scrape."""
+    import json
+
+    port = _free_port_run(2)
+    server = start_server(
+        ["--llm-workers", "2", "--metrics-port", str(port), "--http-port", "0", "--llm-torch-threads", "1"],
+        subcommand="serve",
+        cwd=ROOT,
+    )
+    try:
+        sent = 6
+        for i in range(sent):
+            body = {"model": "tiny", "prompt": f"request {i} " * (i + 1), "max_tokens": 2, "ignore_eos": True}
+            req = urllib.request.Request(
+                f"http://{server.http_address}/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            urllib.request.urlopen(req, timeout=60).read()
+        texts = [
+            urllib.request.urlopen(url, timeout=10).read().decode()
+            for url in (f"http://{server.http_address}/metrics", f"http://127.0.0.1:{port}/metrics") * 2
+        ]
+    finally:
+        assert server.stop() == 0
+    for text in texts:
+        fams = _families(text)
+        up = {s.labels["process"]: s.value for s in fams["mimo_epd_scrape_up"].samples}
+        assert up == {"encoder-0": 1.0, "llm-0": 1.0, "llm-1": 1.0, "router": 1.0}, up
+        finished = [s for s in fams["llm_requests_finished"].samples if s.name.endswith("_total")]
+        assert {s.labels["process"] for s in finished} <= {"llm-0", "llm-1"}
+        assert sum(s.value for s in finished) == sent

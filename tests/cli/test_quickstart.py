@@ -161,7 +161,7 @@ def test_ctrl_c_shuts_down_quietly(node):
     rc = node.stop()
     log = "".join(node.stderr)
     assert rc == 0, log[-3000:]
-    shutdown = log[log.index("shutting down: router first") :]
+    shutdown = log[log.index("shutting down: routers first") :]
     # the node stopping its own encoders is not an encoder failure (under heavy CPU load a health check may
     # still time out while serving; that is a real event, so only the shutdown is checked)
     assert "left the ring" not in shutdown, shutdown

@@ -86,7 +86,7 @@ def test_late_item_within_window_joins_and_none_is_lost():
 
         asyncio.get_running_loop().create_task(late())
         first = [x.job.name for x in await b.collect()]
-        b.max_wait_s = 0.01
+        b.budget.wait_s = 0.01
         await b.submit(item("c", 10))
         second = [x.job.name for x in await b.collect()]
         return first, second

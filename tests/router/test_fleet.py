@@ -47,6 +47,14 @@ def members(r, kind):
     return sorted(out)
 
 
+def health_status(address: str) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as ch:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
 def wait_for(cond, timeout=30.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -66,6 +74,9 @@ def test_two_nodes_one_redis_one_router(redis_server):
             members(r, "llm"),
             members(r, "encoder"),
         )
+        for n in nodes:  # a joined node serves only gRPC health on --host:--port: SERVING while its children run
+            line = next(x for x in n.stderr_lines if "health on" in x)
+            assert health_status(line.rsplit("health on ", 1)[1].strip()) == "SERVING", line
         router = start_server(["--model", "tiny-random", "--router-state", url, "--member-ttl-s", "2"], "router")
         assert wait_for(
             lambda: (

@@ -71,3 +71,93 @@ def test_memos_are_refreshed_so_new_cache_content_changes_the_pick():
     kv.finish(cache_result=True)  # now it is almost entirely cached
     s.schedule()
     assert s.admitted == [99]
+
+
+def _budgeted(order, fcfs=False):
+    full, swa = SlotPool("full", 1 << 16, 16), SlotPool("swa", 1 << 14)
+    cache = SWARadixCache(full, swa, 128, 16)
+    now = [0.0]
+    s = Scheduler(
+        cache,
+        full,
+        swa,
+        chunk_size=256,
+        max_running=4,
+        enable_prefix_cache=True,
+        release_interval=16,
+        fcfs=fcfs,
+        wait_penalty=2048.0,
+        length_buckets=(),
+        clock=lambda: now[0],
+        max_prefill_tokens=256,
+        prefill_order=order,
+    )
+    return s, now
+
+
+def test_prefill_budget_goes_to_the_fewest_tokens_left_first():
+    """A 4000-token prompt running and a 300-token one admitted one step later: with one chunk of budget per
+    step, `fewest_left` runs the short prompt's two chunks next (done at step 2), `oldest` and FCFS keep
+    admission order (done after the long prompt's 16 chunks); slots are reserved oldest first either way."""
+    done = {}
+    for order, fcfs in (("fewest_left", False), ("oldest", False), ("fewest_left", True)):
+        s, now = _budgeted(order, fcfs)
+        s.add(Request(0, list(range(4000)), SamplingParams(max_tokens=1, ignore_eos=True), arrival=0.0))
+        steps = []
+        for step in range(40):
+            now[0] += 0.01
+            if step == 1:
+                s.add(Request(1, list(range(5000, 5300)), SamplingParams(max_tokens=1, ignore_eos=True), now[0]))
+            segs = s.schedule()
+            if not segs:
+                break
+            assert sum(g.n for g in segs) <= 256
+            assert [g.request.id for g in segs] == sorted(g.request.id for g in segs)  # reserved oldest first
+            steps.append([g.request.id for g in segs])
+            for g in segs:  # a prompt that reached its end is done (max_tokens 1)
+                if g.samples:
+                    s.running.remove(g.request)
+                    s.finish(g.request, "length")
+        done[(order, fcfs)] = max(i for i, ids in enumerate(steps) if 1 in ids)
+    assert done[("fewest_left", False)] == 2
+    assert done[("oldest", False)] == 16 == done[("fewest_left", True)]  # the long one's last chunk leaves 96
+    try:
+        _budgeted("newest")
+    except ValueError as e:
+        assert "prefill_order" in str(e)
+    else:
+        raise AssertionError("an unknown prefill_order is refused")
+
+
+def test_prefill_order_changes_nothing_when_the_budget_covers_every_chunk():
+    """The order only decides who gets a binding budget: with room for every running prompt's chunk the two
+    orders schedule the same segments step by step (simulated worker, real Scheduler)."""
+    from llm_backend.sim import CostModel, SimWorker, WorkerConfig, get_shape, load_profile, simulate
+    from llm_backend.sim.calibrate import workload
+    from llm_backend.sim.trace import SimRequest
+
+    def run(order, budget):
+        cfg = WorkerConfig(
+            full_tokens=2400, swa_tokens=256, page_size=4, chunk_size=8, max_running=4, unit=1,
+            max_prefill_tokens=budget, prefill_order=order,
+        )  # fmt: skip
+        w = SimWorker(CostModel(get_shape("tiny"), load_profile("cpu-measured")), cfg)
+        log, inner = [], w.scheduler.schedule
+
+        def logged():
+            segs = inner()
+            log.append([(g.request.id, g.start, g.n) for g in segs])
+            return segs
+
+        w.scheduler.schedule = logged
+        waves = workload(4, waves=3, per_wave=8, max_prompt=300)
+        specs = [
+            SimRequest(8 * i + j, i * 1e6 + 1e-3 * j, p, len(p), m)
+            for i, wv in enumerate(waves)
+            for j, (p, m) in enumerate(wv)
+        ]
+        simulate(w, specs)
+        return log
+
+    assert run("oldest", 8192) == run("fewest_left", 8192)
+    assert run("oldest", 16) != run("fewest_left", 16)

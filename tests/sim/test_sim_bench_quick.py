@@ -36,13 +36,24 @@ def test_bench_scheduler_quick(tmp_path):
     assert r["policy"] == "uncached_first_buckets"
     for k in ("long_ttft_p90_vs_fcfs", "short_ttft_p99_vs_fcfs"):
         assert 0 < r[f"{k}_ci_lo"] <= r[f"{k}_ci_hi"] and r[k] > 0
-        assert r[f"{k}_seeds"]["per_seed"] == [r[f"{k}_seeds"]["mean"]]
+        assert r[f"{k}_seeds"]["per_seed"] == [pytest.approx(r[f"{k}_seeds"]["mean"], abs=1e-3)]
     assert set(r["by_load"]["0.8"]) == {"uncached_first", "uncached_first_buckets"}
     assert d["config"]["seeds"] == [0]
     for png in ("bench_scheduler.png", "bench_scheduler_ttft.png"):
         assert (tmp_path / png).stat().st_size > 1000
     assert json.loads((tmp_path / "bench_scheduler.json").read_text())["ratios"] == r
     _no_grades(d)
+    # --merge unites pieces run at different loads (here the same run relabelled as 90%)
+    other = json.loads(json.dumps(d).replace('"0.8"', '"0.9"').replace("@0.8", "@0.9"))
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "bench_scheduler.json").write_text(json.dumps(other))
+    m = _run(
+        ["bench", "scheduler", "--out-dir", str(tmp_path / "m"), "--merge"]
+        + [str(tmp_path / "bench_scheduler.json"), str(tmp_path / "b" / "bench_scheduler.json")]
+    )
+    assert m["config"]["loads"] == [0.8, 0.9] and set(m["ratios"]["by_load"]) == {"0.8", "0.9"}
+    assert m["ratios"]["long_ttft_p90_vs_fcfs"] == r["long_ttft_p90_vs_fcfs"]
+    assert (tmp_path / "m" / "bench_scheduler.png").stat().st_size > 1000
 
 
 def test_bench_routing_quick(tmp_path, monkeypatch):

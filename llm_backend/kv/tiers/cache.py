@@ -95,13 +95,13 @@ class TieredRadixCache(SWARadixCache):
         self.data = HostKV(
             pools, self.host_full.size if self.host_full else 0, self.host_swa.size if self.host_swa else 0
         )
-        if self.store is not None and hasattr(self.store, "expect"):
+        if self.store is not None:
             expect = {}
             for layer, k in pools.k.items():
                 part = "swa" if pools.sliding[layer] else "full"
                 n = self.W if part == "swa" else self.P
                 expect[(part, layer)] = ([n, *k.shape[1:]], [n, *pools.v[layer].shape[1:]])
-            self.store.expect, self.store.dtype = expect, next(iter(pools.k.values())).dtype
+            self.store.bind(expect, next(iter(pools.k.values())).dtype)
 
     def start_load(self) -> LayerwiseLoad | None:
         """The runner's hook: the queued copies of this forward, started layer by layer."""

@@ -1,4 +1,4 @@
-"""The shared KV tier (L3): content-addressed pages in a Redis server every worker uses.
+"""The shared KV tier (L3): content-addressed pages in a store every worker uses (Redis or Mooncake Store).
 
 A page is `page_size` tokens starting at a multiple of it, named by the chained page hash of
 `llm_backend.kv.events.block_hashes` (equal hashes = equal token prefixes), under a namespace that names the
@@ -10,10 +10,17 @@ Value layout: b"MKV1" | u32 header length | JSON header {hash, page, window, dty
 the payload | payload (every tensor's bytes, in header order). A value whose magic, hash, shapes, dtype, length or
 checksum does not match is a miss (`corrupt` in the stats), never KV.
 
-Writes are asynchronous (a bounded queue drained by one thread: a full queue drops the page, it is a cache);
-reads happen at admission. The server bounds memory itself (maxmemory + an LRU policy); the tier sets a TTL. Any
-Redis error marks the tier down for `retry_s`: meanwhile lookups are misses and writes are dropped, so requests
-never fail because the store did.
+Every backend implements the `KVStore` protocol (`get_many`, `put`, `bind`, `flush`, `close`, `stats`, `up`).
+The networked ones subclass `SharedKVStore`, which owns what they share: the page format, the writer thread
+(writes are asynchronous: a bounded queue drained by one thread, a full queue drops the page, it is a cache), the
+SET-NX rule (a page without its window is written only where the key is absent; one with it always), the
+integrity check on every value read, the failure rule (any backend error marks the tier down for `retry_s`:
+meanwhile lookups are misses and writes are dropped, so requests never fail because the store did; each error is
+logged and counted) and the measured read / write seconds and per-page load latencies. A backend supplies
+`_connect` (on the writer thread when it may block, `connect_in_background`: a store that is down at
+start then never blocks the worker), `_read` (raw
+values or None per key) and `_write(key, raw, replace)`. `open_store` picks the backend by URL scheme
+(`redis_store.py`, `mooncake_store.py`); `MemoryKVStore` is the in-process one of the benchmarks.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import queue
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -122,58 +130,105 @@ class StoreStats:
     misses: int = 0
     corrupt: int = 0
     puts: int = 0
-    dropped: int = 0  # writes dropped: queue full or the store down
+    dropped: int = 0  # writes dropped: queue full, the store full or down
     errors: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
+    read_s: float = 0.0  # seconds spent in reads (the store's calls, values decoded)
+    write_s: float = 0.0  # seconds spent in writes (on the writer thread)
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__)
+        d = dict(self.__dict__)
+        d["read_s"], d["write_s"] = round(self.read_s, 6), round(self.write_s, 6)
+        return d
 
 
-class RedisKVStore:
-    def __init__(
-        self,
-        url: str,
-        namespace: str,
-        *,
-        ttl_s: int = 3600,
-        timeout_s: float = 0.5,
-        retry_s: float = 5.0,
-        max_queue: int = 1024,
-    ):
-        import redis
+@runtime_checkable
+class KVStore(Protocol):
+    """What the tiered cache needs of a shared page store."""
 
-        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
-        self.prefix = f"mimo:kv:{namespace}:".encode()
-        self.ttl_s, self.retry_s = ttl_s, retry_s
+    stats: StoreStats
+
+    @property
+    def up(self) -> bool: ...
+
+    def bind(self, expect: dict, dtype: torch.dtype) -> None:
+        """The shapes ({(part, layer): (k shape, v shape)}) and dtype a valid page has (data mode)."""
+
+    def get_many(self, hashes: list[int]) -> list[PageData | None]: ...
+
+    def put(self, page: PageData) -> None: ...
+
+    def flush(self, timeout_s: float = 10.0) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class StoreError(RuntimeError):
+    """A backend failure (connection, RPC): the tier goes down for `retry_s`."""
+
+
+class SharedKVStore:
+    """The networked stores' common part (module docstring); subclasses implement the three backend calls."""
+
+    scheme = ""
+    connect_in_background = False  # True: `_connect` may block (it runs on the writer thread)
+
+    def __init__(self, url: str, namespace: str, *, retry_s: float = 5.0, max_queue: int = 1024, samples: int = 4096):
+        self.url = url
+        self.prefix = f"mimo:kv:{namespace}:"
+        self.retry_s = retry_s
         self.stats = StoreStats()
+        self.load_ms: deque[float] = deque(maxlen=samples)  # per-page load latency of recent reads
+        self.expect: dict = {}
+        self.dtype = torch.float32
+        self._connected = False
         self._down_until = 0.0
         self._q: queue.Queue = queue.Queue(max_queue)
         self._stop = False
-        self._writer = threading.Thread(target=self._drain, name="kv-store-writer", daemon=True)
+        if not self.connect_in_background:
+            self._connect()
+            self._connected = True
+        self._writer = threading.Thread(target=self._drain, name=f"kv-store-{self.scheme}", daemon=True)
         self._writer.start()
-        self.expect: dict = {}
-        self.dtype = torch.float32
 
-    def key(self, h: int) -> bytes:
-        return self.prefix + f"{h:016x}".encode()
+    # --- backend calls ----------------------------------------------------------------------------
+    def _connect(self) -> None:
+        """Connects (on the writer thread); raises on failure."""
+
+    def _read(self, keys: list[str]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _write(self, key: str, raw: bytes, replace: bool) -> bool:
+        """Writes `raw` (only where `key` is absent unless `replace`); False = not stored (store full)."""
+        raise NotImplementedError
+
+    def _disconnect(self) -> None:
+        pass
+
+    # --- the shared rules -------------------------------------------------------------------------
+    def key(self, h: int) -> str:
+        return self.prefix + f"{h:016x}"
 
     @property
     def up(self) -> bool:
-        return time.monotonic() >= self._down_until
+        return self._connected and time.monotonic() >= self._down_until
+
+    def bind(self, expect: dict, dtype: torch.dtype) -> None:
+        self.expect, self.dtype = expect, dtype
 
     def _failed(self, e: Exception) -> None:
         self.stats.errors += 1
         self._down_until = time.monotonic() + self.retry_s
-        log.warning("KV store unavailable (%s): skipped for %.0f s", e, self.retry_s)
+        log.warning("KV store %s unavailable (%s): skipped for %.0f s", self.scheme, e, self.retry_s)
 
     def get_many(self, hashes: list[int]) -> list[PageData | None]:
         if not hashes or not self.up:
             return [None] * len(hashes)
         self.stats.gets += len(hashes)
+        t0 = time.perf_counter()
         try:
-            raws = self.client.mget([self.key(h) for h in hashes])
+            raws = self._read([self.key(h) for h in hashes])
         except Exception as e:  # noqa: BLE001 - the store is optional: any failure is a miss
             self._failed(e)
             return [None] * len(hashes)
@@ -190,6 +245,9 @@ class RedisKVStore:
                 self.stats.hits += 1
                 self.stats.bytes_read += len(raw)
             out.append(page)
+        dt = time.perf_counter() - t0
+        self.stats.read_s += dt
+        self.load_ms.append(dt * 1e3 / len(hashes))
         return out
 
     def put(self, page: PageData) -> None:
@@ -201,28 +259,57 @@ class RedisKVStore:
         except queue.Full:
             self.stats.dropped += 1
 
+    def _ensure_connected(self) -> bool:
+        if self._connected:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self._connect()
+            self._connected = True
+            log.info("KV store %s connected (%s)", self.scheme, self.url)
+        except Exception as e:  # noqa: BLE001 - down at start: retried after retry_s, the worker serves meanwhile
+            self._failed(e)
+        return self._connected
+
     def _drain(self) -> None:
         while not self._stop:
+            if not self._ensure_connected():
+                time.sleep(min(0.2, self.retry_s))
+                continue
             try:
                 page = self._q.get(timeout=0.2)
             except queue.Empty:
                 continue
             try:
-                if page is None:
-                    continue
-                raw = encode_page(page)
-                if self.up:
-                    # A page without its window never replaces one with it (the same prefix written again as
-                    # a path to later pages: a split node's head, a node removed after an insert-time write).
-                    self.client.set(self.key(page.hash), raw, ex=self.ttl_s, nx=not page.has_window)
-                    self.stats.puts += 1
-                    self.stats.bytes_written += len(raw)
-                else:
-                    self.stats.dropped += 1
+                self._write_page(page)
             except Exception as e:  # noqa: BLE001
                 self._failed(e)
             finally:
                 self._q.task_done()
+
+    def _write_page(self, page: PageData) -> None:
+        if not self.up:
+            self.stats.dropped += 1
+            return
+        raw = encode_page(page)
+        t0 = time.perf_counter()
+        # A page without its window never replaces one with it (the same prefix written again as a path to
+        # later pages: a split node's head, a node removed after an insert-time write).
+        stored = self._write(self.key(page.hash), raw, replace=page.has_window)
+        self.stats.write_s += time.perf_counter() - t0
+        if stored:
+            self.stats.puts += 1
+            self.stats.bytes_written += len(raw)
+        else:
+            self.stats.dropped += 1
+
+    def wait_connected(self, timeout_s: float = 10.0) -> bool:
+        """Waits until the writer thread connected (tests, benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._connected and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self._connected
 
     def flush(self, timeout_s: float = 10.0) -> None:
         """Waits until queued writes are done (tests, shutdown)."""
@@ -234,11 +321,13 @@ class RedisKVStore:
         self.flush(2.0)
         self._stop = True
         self._writer.join(1.0)
+        if not self._writer.is_alive():
+            self._disconnect()
 
 
 class MemoryKVStore:
-    """An in-process stand-in with the same interface, bounded by bytes, LRU (the benchmark: it replays several
-    workers in one process; the tests use the real Redis store)."""
+    """An in-process store with the same interface, bounded by bytes, LRU (the benchmark: it replays several
+    workers in one process; the tests use the real stores)."""
 
     def __init__(self, capacity_bytes: int):
         self.capacity = capacity_bytes
@@ -246,6 +335,9 @@ class MemoryKVStore:
         self.pages: OrderedDict[int, PageData] = OrderedDict()
         self.stats = StoreStats()
         self.up = True
+
+    def bind(self, expect: dict, dtype: torch.dtype) -> None:
+        pass
 
     def get_many(self, hashes):
         out = []
@@ -280,3 +372,26 @@ class MemoryKVStore:
 
     def close(self) -> None:
         pass
+
+
+SCHEMES = {"redis": "redis", "rediss": "redis", "unix": "redis", "mooncake": "mooncake"}
+
+
+def store_scheme(url: str) -> str:
+    """The backend a --kv-store URL names ("redis" or "mooncake"); ValueError for anything else."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in SCHEMES:
+        raise ValueError(f"--kv-store must be a redis://, rediss://, unix:// or mooncake:// URL, got {url!r}")
+    return SCHEMES[scheme]
+
+
+def open_store(url: str, namespace: str, **opts) -> SharedKVStore:
+    """The store a URL names; `opts` are the backend's keyword options (unknown ones are ignored)."""
+    import inspect
+
+    if store_scheme(url) == "redis":
+        from .redis_store import RedisKVStore as cls
+    else:
+        from .mooncake_store import MooncakeKVStore as cls  # type: ignore[assignment]
+    accepted = inspect.signature(cls.__init__).parameters
+    return cls(url, namespace, **{k: v for k, v in opts.items() if k in accepted})

@@ -1,0 +1,122 @@
+"""`mimo-epd serve DIR` on checkpoints saved by transformers, as a user brings one: a multimodal one serves text and
+images through its own tower and LLM under `--served-model-name`, reporting the model's context; a text-only one
+serves text and refuses media saying why; every start-up failure is one line naming the file, a non-zero exit, and
+no traceback."""
+
+import base64
+import json
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.conftest import encode_image, start_server, textured
+
+pytest.importorskip("transformers")
+from tests.cli.checkpoints import mimo_checkpoint  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+NODE = ["--http-port", "0", "--llm-torch-threads", "1", "--shm-cache-bytes", str(32 << 20), "--grace-period-s", "2"]
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-ckpts")
+    return {"vision": mimo_checkpoint(root / "vision", vision_width=64), "text": mimo_checkpoint(root / "text")}
+
+
+def post(http: str, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(
+        f"http://{http}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def chat(http: str, model: str, image: bool = False) -> tuple[int, dict]:
+    content: list = [{"type": "text", "text": "What is this?"}]
+    if image:
+        url = "data:image/jpeg;base64," + base64.b64encode(encode_image(textured(56, 56))).decode()
+        content.append({"type": "image_url", "image_url": {"url": url}})
+    return post(
+        http,
+        "/v1/chat/completions",
+        {"model": model, "max_tokens": 3, "messages": [{"role": "user", "content": content}]},
+    )
+
+
+def test_serve_dir_brings_the_checkpoints_tower_and_llm(ckpts):
+    s = start_server([str(ckpts["vision"]), "--served-model-name", "mine", *NODE], "serve")
+    try:
+        with urllib.request.urlopen(f"http://{s.http_address}/v1/models", timeout=30) as r:
+            models = json.loads(r.read())["data"]
+        assert [(m["id"], m["max_model_len"]) for m in models] == [("mine", 4096)]  # max_position_embeddings
+        status, body = chat(s.http_address, "mine", image=True)
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        assert body["usage"]["prompt_tokens"] > 20  # the image's tokens are in the prompt
+        assert chat(s.http_address, "tiny")[0] == 404  # the name clients send is --served-model-name
+    finally:
+        assert s.stop() == 0
+
+
+def test_a_text_only_checkpoint_serves_text_and_refuses_media_saying_why(ckpts):
+    s = start_server(["--model", str(ckpts["text"]), "--max-model-len", "1024", *NODE], "serve")
+    try:
+        with urllib.request.urlopen(f"http://{s.http_address}/v1/models", timeout=30) as r:
+            assert json.loads(r.read())["data"][0]["max_model_len"] == 1024
+        status, body = chat(s.http_address, "text")
+        assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+        status, body = chat(s.http_address, "text", image=True)
+        assert status == 400 and "media is unavailable" in body["error"]["message"], body
+        assert "no vision_config" in body["error"]["message"]
+    finally:
+        assert s.stop() == 0
+    assert any("no vision_config: text only" in line for line in s.stderr_lines)
+
+
+def failing_start(args: list[str]) -> tuple[int, list[str]]:
+    r = subprocess.run(
+        [sys.executable, "-m", "mimo_epd", "serve", "--port", "0", *NODE, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert "Traceback" not in r.stderr, r.stderr
+    return r.returncode, lines
+
+
+def test_each_start_up_failure_is_one_line_naming_the_file(ckpts, tmp_path):
+    cut = tmp_path / "cut"
+    shutil.copytree(ckpts["text"], cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    notok = tmp_path / "notok"
+    shutil.copytree(ckpts["text"], notok)
+    (notok / "tokenizer.json").unlink()
+    cases = {
+        "/nonexistent: no such checkpoint directory": ["--llm-model", "/nonexistent"],
+        f"{cut}/model.safetensors: truncated": [str(cut)],
+        f"{notok}/tokenizer.json: missing": [str(notok)],
+        "output width 64": ["--encoder-model", str(ckpts["vision"]), "--llm-model", "tiny"],
+    }
+    for expected, args in cases.items():
+        rc, lines = failing_start(args)
+        assert rc == 1 and len(lines) == 1 and expected in lines[0], (args, lines)
+
+
+def test_a_weight_shape_mismatch_stops_the_node_without_a_traceback(ckpts, tmp_path):
+    d = tmp_path / "shape"
+    shutil.copytree(ckpts["text"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] = 100
+    (d / "config.json").write_text(json.dumps(cfg))
+    rc, lines = failing_start([str(d)])
+    assert rc == 1 and any(f"{d}: the weights do not fit its config.json" in line for line in lines), lines
