@@ -96,10 +96,23 @@ class EncoderServerConfig:
         "gives the forward the cores the decoders leave while it is the bottleneck, from measured stage busy "
         "fractions, and keeps the setting that measures more throughput)",
     )
+    forward_workers: int = _f(
+        0,
+        "vision forwards run at once, each on its own batch and thread (0 = auto: on a CPU with decode processes "
+        "the forward tuner measures one and two and keeps the faster; on --device cuda one per visible GPU, worker "
+        "i on GPU i mod N with its own stream; else 1)",
+    )
     metrics_port: int = _f(0, "serve Prometheus metrics on this port at /metrics (0 = off)")
     preprocess_threads: int = _f(1, "threads running resize/normalize/patchify")
     max_batch_tokens: int = _f(16384, "vision patches per forward (a single larger item runs alone)")
     max_wait_ms: float = _f(5.0, "how long the batcher waits for more items once it has one")
+    batch_follow_queue: bool = _f(
+        True,
+        "grow the batch's token budget and wait while the forward is behind its queue (bigger batches amortise "
+        "it), back to --max-batch-tokens / --max-wait-ms when it keeps up; off = fixed",
+    )
+    max_batch_tokens_peak: int = _f(65536, "the most vision patches per forward the following budget grows to")
+    max_wait_ms_peak: float = _f(20.0, "the longest wait the following budget grows to")
     cache_bytes: int = _f(
         512 << 20, "in-process embedding cache size in bytes, used without --shm-cache-name (0 = no cache)"
     )
@@ -136,6 +149,7 @@ class EncoderServerConfig:
             "queue_depth",
             "fetch_concurrency",
             "max_batch_tokens",
+            "max_batch_tokens_peak",
             "preprocess_threads",
             "max_message_mb",
         ]
@@ -145,12 +159,14 @@ class EncoderServerConfig:
         for name in (
             "decode_workers",
             "torch_threads",
+            "forward_workers",
             "metrics_port",
             "max_redirects",
             "cache_bytes",
             "min_pixels",
             "max_pixels",
             "max_wait_ms",
+            "max_wait_ms_peak",
             "fetch_timeout_s",
             "grace_period_s",
         ):
@@ -160,6 +176,10 @@ class EncoderServerConfig:
             raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
         if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:
             raise ValueError("need --video-fps > 0 and 1 <= --video-min-frames <= --video-max-frames")
+        if self.max_batch_tokens_peak < self.max_batch_tokens or self.max_wait_ms_peak < self.max_wait_ms:
+            raise ValueError(
+                "need --max-batch-tokens-peak >= --max-batch-tokens and --max-wait-ms-peak >= --max-wait-ms"
+            )
         check_decoder_name(self.decoder)  # the decoders package's registry is the one list of names
         if self.resize_in not in ("auto", "device", "decoder"):
             raise ValueError(f"--resize-in must be auto, device or decoder, got {self.resize_in!r}")

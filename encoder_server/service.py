@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import sys
 import time
 
@@ -55,6 +56,12 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
     if modality is None:
         raise ItemError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown modality {item.modality}", index)
     v = item.video
+    for name in ("fps",):  # every float of the message: finite and not negative (0 = the server's default)
+        x = getattr(v, name)
+        if not math.isfinite(x) or x < 0:
+            raise ItemError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"video.{name} must be a finite number >= 0, got {x}", index
+            )
     return ItemRequest(
         source,
         modality,

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo_epd.common.auth import AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EdgeConfig
 
 _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits"
 _SPEC = "LLM speculative decoding"
+_PD = "LLM prefill/decode disaggregation"
 
 
 @dataclass
@@ -40,6 +42,7 @@ class LLMConfig:
     )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
+    auth: AuthConfig = embedded(AuthConfig)  # API keys (HTTP and gRPC) and TLS
     log_level: str = flag("info", "debug, info, warning or error", _SERVE)
     served_model_name: str = flag("", "model id in the HTTP API (empty = the model's name)", _SERVE)
     tokenizer: str = flag(
@@ -127,6 +130,34 @@ class LLMConfig:
         "turn drafting off for a request or a step when the measured step costs and acceptance say it does not pay",
         _SPEC,
     )
+    # --- prefill / decode disaggregation (docs/pd.md) -------------------------------------------
+    role: str = flag(
+        "both",
+        "both (prefill and decode here), prefill (computes prompts, writes their KV into decode workers) or decode "
+        "(asks a prefill worker for each prompt's KV, then decodes)",
+        _PD,
+        choices=("both", "prefill", "decode"),
+    )
+    pd_prefill: str = flag(
+        "",
+        "decode role: prefill workers (host:port,...) used when a request names none (the router names one); "
+        "empty = every prompt is prefilled here",
+        _PD,
+    )
+    pd_protocol: str = flag("tcp", "KV transfer protocol of the Mooncake transfer engine: tcp or rdma", _PD)
+    pd_device: str = flag("", "RDMA device names for the transfer engine (protocol rdma; empty = auto)", _PD)
+    pd_transfer_timeout_s: float = flag(
+        5.0,
+        "decode role: seconds without news from the prefill worker after which a transfer fails and its reserved "
+        "pages are freed",
+        _PD,
+    )
+    pd_local_prefill_tokens: int = flag(
+        32,
+        "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
+        "(conditional disaggregation; -1 = never)",
+        _PD,
+    )
     # --- limits --------------------------------------------------------------------------------
     max_waiting: int = flag(
         1024,
@@ -172,6 +203,12 @@ class LLMConfig:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
+        if self.pd_transfer_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
+            raise ValueError("--pd-transfer-timeout-s must be positive and --pd-protocol tcp or rdma")
+        if self.role != "both" and self.speculative_steps:
+            raise ValueError(f"--role {self.role} runs without --speculative-steps (the MTP layers' KV is not moved)")
+        if self.role not in ("both", "prefill", "decode"):
+            raise ValueError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.http_port < -1:
             raise ValueError(f"--http-port must be -1 (off), 0 (any) or a port, got {self.http_port}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -24,6 +24,8 @@ from urllib.parse import unquote_to_bytes, urljoin
 import aiohttp
 import grpc
 
+from mimo_epd.common.redact import redact_url
+
 from ..errors import ItemError, denied, from_client_input, invalid
 from .url_policy import PolicyResolver, UrlPolicy
 
@@ -181,7 +183,7 @@ class Fetcher:
         except TimeoutError:
             raise ItemError(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"fetching {url} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)",
+                f"fetching {redact_url(url)} took longer than {self.limits.timeout_s:g}s (--fetch-timeout-s)",
             ) from None
 
     async def _fetch_url(self, url: str, limit: int) -> bytes:
@@ -195,13 +197,13 @@ class Fetcher:
                     if resp.status in REDIRECT_STATUSES:
                         location = resp.headers.get("Location")
                         if not location:
-                            raise invalid(f"HTTP {resp.status} from {url} without a Location header")
+                            raise invalid(f"HTTP {resp.status} from {redact_url(url)} without a Location header")
                         url = urljoin(url, location)
                         continue
                     if resp.status >= 400:
                         raise ItemError(
                             _status_for_http(resp.status),
-                            f"HTTP {resp.status} {resp.reason or ''} fetching {url}".rstrip(),
+                            f"HTTP {resp.status} {resp.reason or ''} fetching {redact_url(url)}".rstrip(),
                         )
                     if resp.content_length is not None and resp.content_length > limit:
                         raise _too_large(limit)
@@ -214,8 +216,10 @@ class Fetcher:
             except aiohttp.ClientError as e:
                 why = _policy_refusal(e) or (refusals[0] if refusals else None)
                 if why:
-                    raise denied(f"{why} (fetching {url})") from None
-                raise ItemError(grpc.StatusCode.UNAVAILABLE, f"fetching {url} failed: {e}") from None
+                    raise denied(f"{why} (fetching {redact_url(url)})") from None
+                raise ItemError(
+                    grpc.StatusCode.UNAVAILABLE, f"fetching {redact_url(url)} failed: {redact_url(str(e))}"
+                ) from None
         raise invalid(
             f"more than {self.limits.max_redirects} redirects fetching {source_url_short(url)} (--max-redirects)"
         )
@@ -269,4 +273,4 @@ def _pathconf(path: str, name: str, default: int) -> int:
 
 
 def source_url_short(url: str, n: int = 120) -> str:
-    return url if len(url) <= n else url[:n] + "..."
+    return redact_url(url, n)  # no credentials in any message

@@ -30,6 +30,8 @@ from aiohttp.abc import AbstractResolver
 from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
+from mimo_epd.common.redact import redact_url
+
 from ..errors import denied, invalid
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -181,11 +183,13 @@ class UrlPolicy:
             host = parsed.raw_host
             parsed.explicit_port  # noqa: B018 - raises on a malformed port
         except (ValueError, TypeError, UnicodeError) as e:
-            raise invalid(f"malformed URL {url!r}: {e}") from None
+            raise invalid(f"malformed URL {redact_url(url)!r}: {redact_url(str(e))}") from None
         if parsed.scheme.lower() not in self.schemes:
             raise invalid(f"unsupported URL scheme {parsed.scheme!r} (allowed: {', '.join(self.schemes)}, data)")
         if not host:
-            raise invalid(f"URL {url!r} has no host")
+            raise invalid(f"URL {redact_url(url)!r} has no host")
+        if "%" in host:  # DNS would be asked for a name no host has: the client's mistake, not a 503
+            raise invalid(f"URL {redact_url(url)!r}: the host {host[:64]!r} is percent-encoded; write it plainly")
         if parsed.user or parsed.password:
             raise denied("URL refused by policy: URLs with credentials are not fetched")
         name = host.lower().rstrip(".")

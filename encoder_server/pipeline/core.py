@@ -19,6 +19,7 @@ import torch
 
 from mimo_epd.common.proc_stat import usable_cores
 
+from ..batch_budget import BatchBudget, QueueFollowingBudget
 from ..batcher import Batcher, BatchItem
 from ..config import EncoderServerConfig
 from ..decode_pool import DecodeOptions, DecodePool
@@ -30,6 +31,7 @@ from ..models import LoadedVisionModel, load_vision_model
 from ..preprocess import PreprocessConfig, preprocess_images
 from .admission import Admission, InflightTable
 from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
+from .lanes import ForwardLanes, lane_devices
 from .stages import Stages
 from .tuner import ForwardPolicy, ForwardTuner
 from .video_path import TowerOnForwardThread, VideoPath
@@ -63,6 +65,8 @@ class EncodePipeline:
         self.fetches = FairFetchScheduler(self._fetch, config.fetch_concurrency, config.fetch_per_host)
         self.decode_q: asyncio.Queue[Job] = asyncio.Queue(d)
         self.preprocess_q: asyncio.Queue[Job] = asyncio.Queue(d)
+        self.max_forward_workers, tuned = self._forward_workers()
+        self.lanes = ForwardLanes(self.model.module, config.device, self.max_forward_workers)
         self.batcher = Batcher(
             self._forward,
             on_done=self._on_encoded,
@@ -72,6 +76,9 @@ class EncodePipeline:
             merge_unit=self.model.module.config.spatial_merge_size**2,
             max_batch_items=None if config.batching else 1,
             on_batch=self._on_batch,
+            max_workers=self.max_forward_workers,
+            workers=lambda: self.tuner.workers,
+            budget=self._batch_budget(),
         )
         resize_in = config.resize_in
         if resize_in == "auto":
@@ -100,9 +107,10 @@ class EncodePipeline:
         self.tuner = ForwardTuner(
             lambda: (stats.busy_s, stats.patches),
             self.decode_pool.worker_pids,
-            ForwardPolicy(usable_cores()),
+            ForwardPolicy(usable_cores(), self.max_forward_workers, 1 if tuned else self.max_forward_workers),
             config.torch_threads or 0,
         )
+        self.tuner.workers = 1 if tuned else self.max_forward_workers
         self._preprocess_pool = concurrent.futures.ThreadPoolExecutor(config.preprocess_threads, "preprocess")
         self.stages = Stages(
             config=config,
@@ -125,6 +133,29 @@ class EncodePipeline:
             self.cache,
         )
         self._tasks: list[asyncio.Task] = []
+
+    def _batch_budget(self) -> BatchBudget:
+        c = self.config
+        if c.batching and c.batch_follow_queue:
+            return QueueFollowingBudget(c.max_batch_tokens, c.max_wait_ms, c.max_batch_tokens_peak, c.max_wait_ms_peak)
+        return BatchBudget(c.max_batch_tokens, c.max_wait_ms)
+
+    def _tunes(self) -> bool:
+        """The forward tuner runs on a CPU with decode processes and no fixed --torch-threads."""
+        c = self.config
+        return c.torch_threads == 0 and c.decode_workers > 0 and torch.device(c.device).type == "cpu"
+
+    def _forward_workers(self) -> tuple[int, bool]:
+        """(forward workers at most, whether the tuner chooses between 1 and that): a fixed
+        --forward-workers; else on a CPU the tuner measures 1 and 2; on CUDA one per lane device."""
+        c = self.config
+        if c.forward_workers > 0:
+            return c.forward_workers, False
+        if not c.batching:
+            return 1, False  # one item per forward, one forward at a time: the comparison baseline
+        if torch.device(c.device).type == "cuda":
+            return len(set(lane_devices(c.device, max(1, torch.cuda.device_count())))), False
+        return (2, True) if self._tunes() and usable_cores() >= 2 else (1, False)
 
     def _preprocess_config(self) -> PreprocessConfig:
         c = self.config
@@ -167,17 +198,17 @@ class EncodePipeline:
             for i in range(c.preprocess_threads)
         ]
         self._tasks.append(spawn(self.batcher.run(), name="batcher"))
-        if c.torch_threads == 0 and c.decode_workers > 0 and torch.device(c.device).type == "cpu":
-            self._tasks.append(spawn(self.tuner.run(), name="thread-tuner"))
+        if self._tunes():
+            self._tasks.append(spawn(self.tuner.run(), name="forward-tuner"))
         m = self.metrics
         workers = {
             "fetch": c.fetch_concurrency,
             "decode": max(1, c.decode_workers),
             "preprocess": c.preprocess_threads,
-            "encode": 1,
         }
         for stage, n in workers.items():
             m.workers.labels(stage).set(n)
+        m.workers.labels("encode").set_function(lambda: self.tuner.workers)
         for name, q in (
             ("fetch", self.fetches),
             ("decode", self.decode_q),
@@ -320,10 +351,8 @@ class EncodePipeline:
         self.model.module(pv, grid)
 
     def _forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        want = self.tuner.threads
-        if want and want != torch.get_num_threads():
-            torch.set_num_threads(want)  # OpenMP's thread count is per calling thread: set it here
-        return self.model.module(pixel_values, grid_thw)
+        """On the calling forward thread's lane, with the tuner's intra-op threads (OpenMP's count is per thread)."""
+        return self.lanes.run(pixel_values, grid_thw, self.tuner.threads)
 
     def _on_batch(self, items: int, patches: int, seconds: float) -> None:
         self.metrics.busy.labels("encode").inc(seconds)

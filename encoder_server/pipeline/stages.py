@@ -24,6 +24,7 @@ from ..config import EncoderServerConfig
 from ..decode_pool import DecodePool
 from ..errors import DecodeError, ItemError, invalid
 from ..fetch import Fetcher
+from ..media_kind import mismatch
 from ..metrics import EncoderMetrics
 from ..preprocess import ImageSizeError, PreprocessConfig, preprocess_images, target_size
 from ..video.sampling import VideoSampling
@@ -121,6 +122,9 @@ class Stages:
         self.account(job, "fetch", t0)
         if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
             raise invalid(f"content_hash {job.request.content_hash} does not match the item's bytes ({digest})")
+        wrong = mismatch(job.data, job.request.modality)  # PNG bytes as a video, an MP4 as an image
+        if wrong:
+            raise invalid(wrong)
         job.key = self.key(digest, job)
         if self.lookup(job):
             return Next.ANSWERED

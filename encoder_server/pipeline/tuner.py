@@ -12,15 +12,17 @@ window (`Window`: wall seconds, forward busy seconds, the decode processes' CPU 
     rate    = patches / second, per shape (a running mean)
 
 and `ForwardPolicy.decide` moves one step at a time:
-1. over budget (the decoders need cores back): to the best-rated shape that fits the budget;
+1. over budget (the decoders need cores back): to the best-rated shape that fits the budget, unless
+   the current one measured BETTER x faster than it (its threads are runnable only while it runs: the
+   cores were not oversubscribed, the decoders' use grew because the forward fed them faster);
 2. forward busy >= BOTTLENECK and budget left: up one level of total threads (an untried shape there
    first: 1 x n+1 and, with two workers allowed, 2 x (n+1)/2 are both tried; the better one is kept);
 3. forward busy < SLACK (it waits for work): down one level, giving cores to the decoders;
 4. otherwise to a measured shape that fits and encodes BETTER x faster, if one exists.
 A move to a shape measured slower than the current one is never taken, except on every `explore_every`-th
 window, which re-tries the best alternative (load changes). Invariants: every shape's workers x threads is
-at most the cores, and at most the budget after a window that measured the decoders (no more runnable
-threads than cores at saturation); the policy reads only `Window`s, never the clock, so tests drive it with
+at most the cores; a shape over the budget is kept only while it measures faster than every shape within
+it (so at saturation the forward's runnable threads plus the decoders' cores stay within the cores); the policy reads only `Window`s, never the clock, so tests drive it with
 synthetic stage timings.
 
 `ForwardTuner` is the asyncio loop that samples the measurements and publishes the chosen `Shape`: the
@@ -62,10 +64,12 @@ class Window:
     patches: int  # patches encoded in it
 
 
-def shapes(cores: int, max_workers: int = 1) -> list[Shape]:
-    """Every shape that fits `cores`, by total threads, one worker first."""
-    out = [Shape(w, t) for w in range(1, max_workers + 1) for t in range(1, cores + 1) if w * t <= cores]
-    return sorted(out, key=lambda s: (s.cores, s.workers))
+def shapes(cores: int, max_workers: int = 1, min_workers: int = 1) -> list[Shape]:
+    """Every shape of `min_workers`..`max_workers` workers that fits `cores`, by total threads, fewest workers
+    first (a fixed worker count above the cores keeps one thread each: the caller asked for it)."""
+    ws = range(max(1, min_workers), max(1, min_workers, max_workers) + 1)
+    out = [Shape(w, t) for w in ws for t in range(1, cores + 1) if w * t <= cores]
+    return sorted(out, key=lambda s: (s.cores, s.workers)) or [Shape(ws[0], 1)]
 
 
 class ForwardPolicy:
@@ -74,9 +78,16 @@ class ForwardPolicy:
     BETTER = 1.05  # a measured shape must be this much faster to be moved to
     ALPHA = 0.5  # weight of the newest window in a shape's rate
 
-    def __init__(self, cores: int, max_workers: int = 1, explore_every: int = 8, start: Shape = Shape(1, 1)):
+    def __init__(
+        self,
+        cores: int,
+        max_workers: int = 1,
+        min_workers: int = 1,
+        explore_every: int = 8,
+        start: Shape = Shape(1, 1),
+    ):
         self.cores = max(1, cores)
-        self.options = shapes(self.cores, max(1, max_workers))
+        self.options = shapes(self.cores, max_workers, min_workers)
         self.explore_every = explore_every
         self.current = start if start in self.options else self.options[0]
         self.rate: dict[Shape, float] = {}
@@ -107,9 +118,11 @@ class ForwardPolicy:
         return nxt
 
     def _step(self, cur: Shape, busy: float) -> Shape:
-        fits = [s for s in self.options if s.cores <= self.budget]
-        if cur.cores > self.budget:  # 1. the decoders need cores back
-            return self._best(fits, level=max(s.cores for s in fits))
+        fits = [s for s in self.options if s.cores <= self.budget] or self.options[:1]
+        if cur.cores > self.budget:  # 1. the decoders need cores back, unless this measured faster than all that fit
+            down = self._best(fits, level=max(s.cores for s in fits))
+            if down not in self.rate or self.rate[cur] <= self.BETTER * self.rate[down]:
+                return down
         explore = self.windows % self.explore_every == 0
         if busy >= self.BOTTLENECK:  # 2. the forward is the slow stage: one level up, or the other shape here
             same = [s for s in fits if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]

@@ -33,8 +33,8 @@ class VideoSampling:
     total_pixels: int = int(128000 * 28 * 28 * 0.9)
 
     def validate(self) -> None:
-        if self.fps <= 0:
-            raise ValueError(f"--fps must be positive, got {self.fps}")
+        if not (self.fps > 0 and math.isfinite(self.fps)):  # NaN fails every comparison: test what is allowed
+            raise ValueError(f"--fps must be a positive finite number, got {self.fps}")
         if self.min_frames < 1 or self.max_frames < self.min_frames:
             raise ValueError(f"need 1 <= --min-frames <= --max-frames, got {self.min_frames} and {self.max_frames}")
 

@@ -89,7 +89,7 @@ class LLM:
         # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
         self.tiers: Any = self.cache if isinstance(self.cache, TieredRadixCache) else None
         self.runner.kv_loads = self.tiers
-        self.scheduler = Scheduler(
+        self.scheduler = self._scheduler_class(cfg)(
             self.cache,
             self.full_pool,
             self.swa_pool,
@@ -103,6 +103,7 @@ class LLM:
             max_prefill_tokens=cfg.max_prefill_tokens,
             draft_tokens=self.runner.draft_tokens,
         )
+        self.scheduler.configure(cfg)
         self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
@@ -110,6 +111,19 @@ class LLM:
         self._wake = threading.Condition(self._lock)
         self.loop_error: BaseException | None = None
         self.step_errors = 0
+
+    @staticmethod
+    def _scheduler_class(cfg: LLMConfig) -> type[Scheduler]:
+        """The scheduler of the worker's role: the prefill and decode roles subclass it (llm_backend.pd)."""
+        if cfg.role == "prefill":
+            from ..pd.prefill import PrefillScheduler
+
+            return PrefillScheduler
+        if cfg.role == "decode":
+            from ..pd.decode import DecodeScheduler
+
+            return DecodeScheduler
+        return Scheduler
 
     def _runner(self, cfg: LLMConfig) -> ModelRunner:
         """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies."""
@@ -204,7 +218,17 @@ class LLM:
 
     def stats(self) -> dict:
         s = self.scheduler
+        held = self.cache.accounting()
         return {
+            # slots held by requests, outside the tree: 0 whenever the worker is idle (the failure tests read them)
+            "full_request_slots": self.full_pool.size
+            - self.full_pool.available()
+            - held.full.evictable
+            - held.full.protected,
+            "swa_request_slots": self.swa_pool.size
+            - self.swa_pool.available()
+            - held.swa.evictable
+            - held.swa.protected,
             "running": len(s.running),
             "waiting": len(s.waiting),
             "full_used": self.full_pool.size - self.full_pool.available(),
@@ -217,6 +241,7 @@ class LLM:
             "preemptions": s.preemptions,
             "step_errors": self.step_errors,
             **(self.tiers.tier_metrics() if self.tiers is not None else {}),
+            **self.scheduler.metrics(),
             **self.runner.metrics(),
         }
 
@@ -244,6 +269,7 @@ class LLM:
         media: dict[int, torch.Tensor] | None = None,
         on_token=None,
         on_finish=None,
+        pd=None,
     ) -> Request:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
@@ -265,6 +291,7 @@ class LLM:
             media=media,
             on_token=on_token,
             on_finish=on_finish,
+            pd=pd,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
         )
         if params.seed is not None:
@@ -280,12 +307,21 @@ class LLM:
         return r
 
     def abort(self, r: Request, reason: str = "abort") -> None:
-        """Stops a request at the next step. "abort" frees its KV (nothing it computed is cached); "stop" ends it
-        as a normal stop (server-side stop strings) and caches what it computed."""
+        """Stops a request at the next step. "abort" frees the KV slots it still owns alone; prompt chunks it
+        already prefilled entered the prefix cache during prefill and stay there (shared, evictable like any cached
+        prefix). "stop" ends it as a normal stop (server-side stop strings) and caches what it computed."""
         if reason not in ("abort", "stop"):
             raise ValueError(f"abort reason must be abort or stop, got {reason!r}")
         r.aborted = r.aborted or reason
         with self._lock:
+            self._wake.notify()
+
+    def wake(self, fn=None) -> None:
+        """Runs `fn()` (if given) under the engine's lock and wakes the loop: news from outside the engine thread
+        (a finished KV transfer) for the scheduler."""
+        with self._lock:
+            if fn is not None:
+                fn()
             self._wake.notify()
 
     def has_work(self) -> bool:

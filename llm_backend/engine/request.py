@@ -113,6 +113,7 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
+    pd: Any = None  # prefill/decode disaggregation: the decode ticket or the prefill room (llm_backend.pd)
     spec: Any = None  # speculative decoding's per-request state (engine.speculative.MTPState)
     drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
     accepted_tokens: int = 0  # and of those, the ones the target accepted

@@ -1,7 +1,8 @@
 """The scheduler: which requests run in the next step, with how many tokens each, and their KV bookkeeping.
 
 Read top to bottom, one step is:
-1. drop aborted requests (their KV is freed, or cached when they were stopped by a stop string);
+1. drop aborted requests (the KV they own alone is freed, prefilled prompt chunks stay in the prefix cache;
+   all of it is cached when they were stopped by a stop string);
 2. admit waiting requests while fewer than `max_running` run: length buckets take turns, and inside a bucket
    the fewest uncached tokens win, minus `wait_penalty` tokens per second waited (or first come first served).
    Scoring never touches the cache (`peek_prefix_length`: no split, no LRU refresh), and each waiting request's
@@ -112,6 +113,13 @@ class Scheduler:
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
+
+    def configure(self, cfg) -> None:
+        """Reads a subclass's own settings from the worker's LLMConfig (the prefill / decode roles); none here."""
+
+    def metrics(self) -> dict:
+        """A subclass's counters for engine.stats() (and /metrics); none here."""
+        return {}
 
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:

@@ -194,8 +194,8 @@ def engine_load(engine) -> dict:
 class KVEventsService:
     """`mimo_epd.v1.KVEvents/Poll`: long poll of a worker's block states and load (see the module docstring)."""
 
-    def __init__(self, publisher: KVEventPublisher, model: str = "", max_wait_ms: int = 1000):
-        self.publisher, self.model, self.max_wait_ms = publisher, model, max_wait_ms
+    def __init__(self, publisher: KVEventPublisher, model: str = "", max_wait_ms: int = 1000, role: str = "both"):
+        self.publisher, self.model, self.max_wait_ms, self.role = publisher, model, max_wait_ms, role
 
     async def Poll(self, request, context):
         from mimo_epd.v1 import kv_events_pb2
@@ -215,6 +215,7 @@ class KVEventsService:
             model=self.model,
             load=kv_events_pb2.WorkerLoad(**load),
             time_s=time.time(),
+            role=self.role,
         )
 
 
@@ -226,7 +227,9 @@ def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = ""
     pub.load_fn = lambda: engine_load(engine)
     kv_events_pb2_grpc.add_KVEventsServicer_to_server(
         type("KVEventsServicer", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(
-            pub, model=model or str(getattr(engine, "model_name", ""))
+            pub,
+            model=model or str(getattr(engine, "model_name", "")),
+            role=str(getattr(getattr(engine, "config", None), "role", "both")),
         ),
         server,
     )

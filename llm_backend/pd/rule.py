@@ -4,12 +4,16 @@ A request of `length` L prompt tokens reaches the decode worker, whose own SWA-a
 window-safe prefix of `decode_prefix` tokens (a page boundary). After prefill the decode side must be able to compute
 token L, so it needs:
 - full-attention layers: the KV of every position it lacks, `[decode_prefix, L)`;
-- sliding-window layers: only the KV the next query can see, the last W positions `[max(decode_prefix, L - W), L)`
-  (the decode prefix's own window is already live in its tree: that is what window-safe means).
-Bytes per request are therefore `(L - decode_prefix) * full_bytes + (L - max(decode_prefix, L - W)) * swa_bytes`,
+- sliding-window layers: only the last W positions before the last page boundary inside the prompt, and what
+  follows: `[max(decode_prefix, B - W), L)` with `B = (L - 1) - (L - 1) % page`. Token L needs only `[L - W, L)`;
+  the few more (`(L - 1) % page + 1` tokens) let the decode worker's own radix cache end a window-safe match at B,
+  where a re-sent prompt (or a next turn diverging inside the last page) matches; without them the decode side's
+  copy of the prompt would never be matchable. (The decode prefix's own window is already live in its tree: that
+  is what window-safe means.)
+Bytes per request are therefore `(L - decode_prefix) * full_bytes + (L - max(decode_prefix, B - W)) * swa_bytes`,
 with `full_bytes` / `swa_bytes` the KV bytes of one token over all full / all sliding layers (keys and values). A
-first turn (`decode_prefix` 0) moves `L * full_bytes + min(L, W) * swa_bytes`; a full-KV transfer (what a
-non-hybrid model, or a transfer ignorant of the window, moves) is `L * (full_bytes + swa_bytes)`.
+first turn (`decode_prefix` 0) with page 1 moves `L * full_bytes + min(L, W + 1) * swa_bytes`; a full-KV transfer
+(what a non-hybrid model, or a transfer ignorant of the window, moves) is `L * (full_bytes + swa_bytes)`.
 
 Invariants: `0 <= decode_prefix < L` (the last prompt token is always computed by prefill, it gives the first
 token); the two ranges end at L; the SWA range lies inside the full range. Slot lists are index-aligned with
@@ -27,12 +31,13 @@ class TransferRule:
     length: int  # L: prompt tokens
     decode_prefix: int  # tokens the decode worker already holds (window-safe, page-aligned)
     window: int  # W of the sliding layers
+    page: int = 1  # the decode worker's full-pool page size (its cache's match granularity)
 
     def __post_init__(self):
         if not 0 <= self.decode_prefix < self.length:
             raise ValueError(f"decode prefix {self.decode_prefix} must be in [0, {self.length}) (the prompt length)")
-        if self.window < 0:
-            raise ValueError(f"window must be >= 0, got {self.window}")
+        if self.window < 0 or self.page < 1:
+            raise ValueError(f"window must be >= 0 and page >= 1, got {self.window} and {self.page}")
 
     @property
     def full_range(self) -> tuple[int, int]:
@@ -40,7 +45,8 @@ class TransferRule:
 
     @property
     def swa_range(self) -> tuple[int, int]:
-        return max(self.decode_prefix, self.length - self.window), self.length
+        last = self.length - 1
+        return max(self.decode_prefix, last - last % self.page - self.window, 0), self.length
 
     @property
     def full_tokens(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 
 from llm_backend.config import LLMConfig
 from mimo_epd.common import flags
+from mimo_epd.common.auth import AuthConfig
 from mimo_epd.common.http_server import EdgeConfig
 
 
@@ -24,6 +25,7 @@ class ServerConfig:
     default_max_tokens: int = _default("default_max_tokens")  # chat completions without max_tokens
     media_timeout_s: float = _default("media_timeout_s")  # deadline for the encoder to answer a request's media
     edge: EdgeConfig = field(default_factory=EdgeConfig)  # the HTTP API's limits (mimo_epd/common/http_server.py)
+    auth: AuthConfig = field(default_factory=AuthConfig)  # API keys and TLS (mimo_epd/common/auth.py)
 
     @classmethod
     def from_engine(cls, engine) -> ServerConfig:
@@ -33,9 +35,16 @@ class ServerConfig:
 
     @classmethod
     def from_args(cls, args) -> ServerConfig:
-        cfg = cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name != "edge"})
+        cfg = cls(
+            **{
+                f.name: getattr(args, f.name)
+                for f in fields(cls)
+                if hasattr(args, f.name) and f.name not in ("edge", "auth")
+            }
+        )
         cfg.edge = flags.from_args(EdgeConfig, args)
         cfg.edge.validate()
+        cfg.auth = flags.from_args(AuthConfig, args).resolved()
         if cfg.http_port < -1 or cfg.http_port > 65535:
             raise ValueError(f"--http-port must be -1, 0 or a port number, got {cfg.http_port}")
         if cfg.max_waiting < 0 or cfg.default_max_tokens < 1 or cfg.media_timeout_s <= 0:

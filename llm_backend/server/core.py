@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -94,6 +95,8 @@ class Prepared:
     media: dict[int, torch.Tensor]
     media_tokens: int
     arrival: float
+    media_items: list = field(default_factory=list)  # the request's media items (a decode worker forwards them)
+    prefill_address: str = ""  # the prefill worker the router chose (decode role; empty = the worker picks)
 
 
 @dataclass
@@ -116,6 +119,9 @@ class Final:
     matched_stop: str | int | None = None
     accepted_prediction_tokens: int = 0  # speculative decoding: draft tokens the target accepted
     rejected_prediction_tokens: int = 0  # and rejected
+    kv_transfer_bytes: int = 0  # decode role: KV bytes a prefill worker wrote for this request
+    kv_transfer_s: float = 0.0  # and the seconds of those writes
+    prefill_address: str = ""  # the prefill worker that computed the prompt ("" = this worker)
 
 
 @dataclass
@@ -147,6 +153,7 @@ class GenerationCore:
         if encoder_address:
             ch = grpc.aio.insecure_channel(
                 encoder_address,
+                interceptors=client_interceptors(),  # the internal key, when the node's gRPC port wants one
                 options=[
                     ("grpc.max_receive_message_length", max_message_mb << 20),
                     ("grpc.max_send_message_length", max_message_mb << 20),
@@ -154,6 +161,8 @@ class GenerationCore:
             )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
         self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
+        # Extra keyword arguments of engine.add_request for one prepared request (the decode role's ticket).
+        self.request_options = lambda prep: {}
 
     # ------------------------------------------------------------------------------------ facts
     @property
@@ -239,7 +248,7 @@ class GenerationCore:
             raise ServeError.invalid("the prompt is empty", param="prompt")
         media_ids, media = await self.encode_media(list(media_items), timeout)
         prompt = ids[:1] + media_ids + ids[1:] if media_ids else ids
-        return Prepared(prompt, media, len(media_ids), arrival)
+        return Prepared(prompt, media, len(media_ids), arrival, list(media_items))
 
     # ------------------------------------------------------------------------------------ run
     def make_params(
@@ -306,7 +315,8 @@ class GenerationCore:
         raise AssertionError("unreachable: events() always ends with a Final")
 
     def abort(self, r, reason: str = "abort") -> None:
-        """ "abort" frees the request's KV; "stop" (a stop string matched) finishes it normally, KV cached."""
+        """ "abort" frees the KV the request owns alone (prefilled prompt chunks stay in the prefix cache); "stop" (a
+        stop string matched) finishes it normally, KV cached."""
         self.engine.abort(r, reason=reason)
 
 
@@ -333,7 +343,12 @@ class Generation:
 
         try:
             self.r = core.engine.add_request(
-                prep.prompt, params, prep.media, on_token=on_token, on_finish=lambda r: push(("end", None, None, None))
+                prep.prompt,
+                params,
+                prep.media,
+                on_token=on_token,
+                on_finish=lambda r: push(("end", None, None, None)),
+                **core.request_options(prep),
             )
         except PromptTooLong as e:
             raise ServeError.invalid(str(e), param="messages", err_code="context_length_exceeded") from None
@@ -407,6 +422,9 @@ class Generation:
             self.matched,
             r.accepted_tokens,
             r.drafted_tokens - r.accepted_tokens,
+            int(getattr(r.pd, "bytes", 0)),
+            float(getattr(r.pd, "transfer_s", 0.0)),
+            str(getattr(r.pd, "used", "")),
         )
         if m is not None:
             m.on_finish(final)
@@ -418,6 +436,7 @@ class Generation:
         grpc_code = {
             "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
             "invalid": grpc.StatusCode.INVALID_ARGUMENT,
+            "unavailable": grpc.StatusCode.UNAVAILABLE,  # a prefill worker failed before the first token
         }.get(code, grpc.StatusCode.INTERNAL)
         return ServeError(
             grpc_code, msg or "the request failed", retry_after=1.0 if code == "resource_exhausted" else None

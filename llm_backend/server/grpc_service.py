@@ -33,6 +33,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                 media_items=list(request.media),
                 timeout=context.time_remaining(),
             )
+            prep.prefill_address = request.prefill_address
             params = core.make_params(
                 s.max_tokens or 16,
                 len(prep.prompt),
@@ -57,6 +58,9 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                             media_tokens=ev.media_tokens,
                             accepted_prediction_tokens=ev.accepted_prediction_tokens,
                             rejected_prediction_tokens=ev.rejected_prediction_tokens,
+                            kv_transfer_bytes=ev.kv_transfer_bytes,
+                            kv_transfer_ms=ev.kv_transfer_s * 1e3,
+                            prefill_address=ev.prefill_address,
                         )
                     )
                     break

@@ -20,7 +20,9 @@ import time
 import grpc
 from aiohttp import web
 
+from llm_backend.agentic.output import ChatOutput
 from mimo_epd.common import http_edge
+from mimo_epd.common.auth import AuthConfig, ssl_context
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 
 from . import openai_protocol as proto
@@ -72,15 +74,17 @@ class LLMHTTPServer:
         media_timeout_s: float = 60.0,
         model_path: str = "tiny",
         edge: EdgeConfig | None = None,
+        auth: AuthConfig | None = None,
     ):
         self.core, self.template, self.metrics = core, template, metrics
         self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self.media_timeout_s = media_timeout_s
         self.model_path = model_path
         self.started = int(time.time())
 
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [errors_middleware])
+        app = edge_app(self.edge, [errors_middleware], keys=self.auth.keys)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
@@ -180,7 +184,7 @@ class LLMHTTPServer:
     async def _prepare(self, req: proto.GenRequest):
         core = self.core
         if req.kind == "chat":
-            text = self.template.render(req.messages, add_generation_prompt=True)
+            text = self.template.render(req.messages, add_generation_prompt=True, **req.agentic.render_kwargs())
             prep = await core.prepare(
                 text=text, media_items=req.media, add_special_tokens=False, timeout=self.media_timeout_s
             )
@@ -224,7 +228,10 @@ class LLMHTTPServer:
         res = await self.core.generate(prep, params, req.stop)
         lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
         if req.kind == "chat":
-            body = proto.chat_response(rid, model, res.text, res.final, lp)
+            out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+            body = proto.chat_response(
+                rid, model, out.message(), out.finish_reason(res.final.finish_reason), res.final, lp
+            )
         else:
             body = proto.completion_response(rid, model, res.text, res.final, lp)
         return web.json_response(body)
@@ -247,6 +254,7 @@ class LLMHTTPServer:
         chat = req.kind == "chat"
         resp = await self._open_sse(request)
         offset = 0
+        out = ChatOutput(req.agentic.thinking, req.agentic.tools)
         try:
             if chat:
                 await self._send(
@@ -258,10 +266,19 @@ class LLMHTTPServer:
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     if chat:
+                        for d in out.flush():
+                            await self._send(
+                                resp, proto.chat_chunk(rid, model, created, d, include_usage=req.include_usage)
+                            )
                         await self._send(
                             resp,
                             proto.chat_chunk(
-                                rid, model, created, {}, ev.finish_reason, include_usage=req.include_usage
+                                rid,
+                                model,
+                                created,
+                                {},
+                                out.finish_reason(ev.finish_reason),
+                                include_usage=req.include_usage,
                             ),
                         )
                     else:
@@ -284,12 +301,12 @@ class LLMHTTPServer:
                 if not ev.text and lp is None:
                     continue
                 if chat:
-                    await self._send(
-                        resp,
-                        proto.chat_chunk(
-                            rid, model, created, {"content": ev.text}, None, lp, include_usage=req.include_usage
-                        ),
-                    )
+                    deltas = out.push(ev.text) or ([{"content": ""}] if lp is not None else [])
+                    for k, d in enumerate(deltas):
+                        chunk = proto.chat_chunk(
+                            rid, model, created, d, None, lp if k == 0 else None, include_usage=req.include_usage
+                        )
+                        await self._send(resp, chunk)
                 else:
                     await self._send(
                         resp,
@@ -351,7 +368,7 @@ class LLMHTTPServer:
 
 async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:
     """Starts the app; returns the runner and the bound port. A client that disconnects cancels its handler."""
-    return await start_site(server.app(), host, port, server.edge)
+    return await start_site(server.app(), host, port, server.edge, ssl_context(server.auth))
 
 
 async def stop_http(runner: web.AppRunner) -> None:

@@ -30,6 +30,12 @@ class _EngineGauges:
             ("llm_kv_full_total_slots", "slots of the full-attention KV pool", "full_total"),
             ("llm_kv_swa_used_slots", "used slots of the sliding-window KV pool", "swa_used"),
             ("llm_kv_swa_total_slots", "slots of the sliding-window KV pool", "swa_total"),
+            (
+                "llm_kv_full_request_slots",
+                "full-pool slots held by requests (not the prefix cache)",
+                "full_request_slots",
+            ),
+            ("llm_kv_swa_request_slots", "SWA-pool slots held by requests (not the prefix cache)", "swa_request_slots"),
         ]
         for name, doc, key in gauges:
             if key in s:
@@ -45,6 +51,10 @@ class _EngineGauges:
                 "llm_preemptions", "requests preempted (KV freed, recomputed later)", value=float(s["preemptions"])
             )
         yield from _speculation(s)
+        for key in sorted(k for k in s if k.startswith("pd_")):  # prefill/decode disaggregation (llm_backend.pd)
+            yield GaugeMetricFamily(
+                f"llm_{key}", f"prefill/decode disaggregation: {key[3:].replace('_', ' ')}", value=float(s[key])
+            )
 
 
 def _speculation(s: dict):

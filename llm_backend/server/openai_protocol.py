@@ -6,9 +6,10 @@ OpenAI API: chat `messages` with roles system / developer (as system) / user / a
 string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too) and `video_url`
 parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
 list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` = 1, `stream` with
-`stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`. Features
-this server does not implement (penalties, logit_bias, tools, JSON mode, n > 1, echo, suffix) get a 400
-that says so rather than being silently ignored.
+`stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
+fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
+`reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
+(penalties, logit_bias, n > 1, echo, suffix) get a 400 that says so rather than being silently ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from llm_backend.agentic.request import AgenticOptions, parse_agentic
+from llm_backend.agentic.tools import ToolError, template_message
 from mimo_epd.common.http_edge import ERROR_TYPES, error_body  # noqa: F401 (the API's error shape)
 from mimo_epd.common.prompt_rules import (
     MAX_TOP_LOGPROBS,
@@ -47,6 +50,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
+    agentic: AgenticOptions = field(default_factory=AgenticOptions)  # tools, reasoning, constraints
 
 
 # ---------------------------------------------------------------------------------------- type checks
@@ -98,12 +102,8 @@ def _unsupported(body: dict) -> None:
             raise _bad(key, "is not supported by this server (only the default)")
     if body.get("logit_bias"):
         raise _bad("logit_bias", "is not supported by this server")
-    for key in ("tools", "functions"):
-        if body.get(key):
-            raise _bad(key, "tool calling is not supported by this server")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") in (None, "text")):
-        raise _bad("response_format", "only {'type': 'text'} is supported")
+    if body.get("functions"):
+        raise _bad("functions", "the deprecated 'functions' field is not supported: use 'tools'")
     n = _int(body, "n")
     if n is not None and n != 1:
         raise _bad("n", f"only n = 1 is supported, got {n}")
@@ -175,9 +175,12 @@ def parse_chat(body) -> GenRequest:
     req = GenRequest("chat")
     _common(body, req)
     try:
-        req.messages, refs = normalize_messages(body.get("messages"))
+        req.agentic = parse_agentic(body, chat=True)
+        req.messages, refs = normalize_messages(body.get("messages"), build=template_message)
     except RuleError as e:
         raise _bad(e.param, e.message) from None
+    except ToolError as e:
+        raise _bad(e.param, e.detail) from None
     req.media += [_media_url(ref.url, ref.param, video=ref.kind == "video") for ref in refs]
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
@@ -333,7 +336,7 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list,
     }
 
 
-def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict | None) -> dict:
+def chat_response(rid: str, model: str, message: dict, finish_reason: str, final: Final, logprobs) -> dict:
     return {
         "id": rid,
         "object": "chat.completion",
@@ -342,9 +345,9 @@ def chat_response(rid: str, model: str, text: str, final: Final, logprobs: dict 
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": final.finish_reason,
+                "finish_reason": finish_reason,
             }
         ],
         "usage": usage(final),

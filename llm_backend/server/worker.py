@@ -10,6 +10,7 @@ import os
 import threading
 import time
 
+from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.v1 import generator_pb2_grpc
 
@@ -32,6 +33,7 @@ async def serve_llm(
     model: str = "tiny",
 ) -> int:
     config = config or ServerConfig.from_engine(engine)
+    use_internal_key(config.auth.internal_api_key)  # sent to the encoder (a node's gRPC port may want it)
     name = config.served_model_name or (
         model if model in ("tiny", "tiny-random") else os.path.basename(os.path.normpath(model))
     )
@@ -45,18 +47,21 @@ async def serve_llm(
     core.engine_alive = thread.is_alive
     metrics.watch(core.stats)
     thread.start()
-    srv = GrpcServer(host, port, 256)
+    srv = GrpcServer(host, port, 256, auth=config.auth)
     srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
     attach_kv_events(engine, srv.server, model=name)
+    xfer = _attach_role(engine, core, srv, host)
     await srv.start()
     runner = None
     if config.http_port >= 0:
         from .http import LLMHTTPServer, start_http
 
         runner, http_port = await start_http(
-            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model, config.edge), host, config.http_port
+            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model, config.edge, config.auth),
+            host,
+            config.http_port,
         )
         shown = shown_host(host)
         log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
@@ -75,5 +80,22 @@ async def serve_llm(
     t1 = time.monotonic()
     stop_engine.set()
     thread.join(5)
+    if xfer is not None:
+        xfer.close()
     log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
     return 0
+
+
+def _attach_role(engine, core, srv: GrpcServer, host: str):
+    """The prefill and decode roles' parts (llm_backend.pd): the transfer engine, and the KVTransfer service
+    (prefill) or its client (decode); None for a `both` worker."""
+    cfg = engine.config
+    if cfg.role == "both":
+        return None
+    if cfg.role == "prefill":
+        from ..pd.prefill import attach_prefill
+
+        return attach_prefill(engine, core, srv, host, cfg.pd_protocol, cfg.pd_device)
+    from ..pd.decode import attach_decode
+
+    return attach_decode(engine, core, host, cfg)

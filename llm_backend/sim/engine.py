@@ -65,6 +65,9 @@ class Finished:
 
 
 class SimWorker:
+    # The engine's scheduler class (the decode role's subclass in the P/D simulator, mimo_epd/sim/pd.py).
+    scheduler_class: type[Scheduler] = Scheduler
+
     def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None):
         """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py)."""
         c, U = config, config.unit
@@ -79,7 +82,7 @@ class SimWorker:
         )
         self.now = 0.0
         self.runner = runner or SimRunner(cost, U)
-        self.scheduler = Scheduler(
+        self.scheduler = self.scheduler_class(
             self.cache,
             self.full_pool,
             self.swa_pool,
@@ -126,11 +129,12 @@ class SimWorker:
         )
 
     # ----------------------------------------------------------------------------------- requests
-    def submit(self, spec: SimRequest, now: float) -> Request | None:
-        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit."""
+    def submit(self, spec: SimRequest, now: float, pd=None) -> Request | None:
+        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit. `pd`:
+        the request's prefill/decode ticket (the decode role)."""
         self.now = max(self.now, now)
         params = SamplingParams(max_tokens=output_units(spec.output_len, self.unit), ignore_eos=True)
-        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish)
+        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish, pd=pd)
         self._ids += 1
         try:
             self.scheduler.check_fits(len(r.prompt))

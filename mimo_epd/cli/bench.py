@@ -28,6 +28,12 @@ BENCHMARKS = (
     ),
     ("routing-live", "routing_live", "live LLM workers: every routing policy and SGLang's gateway on multi-turn chat"),
     (
+        "pd",
+        "pd",
+        "simulated prefill/decode disaggregation: colocated N vs every P:D split, goodput under TTFT/TPOT SLOs",
+    ),
+    ("pd-live", "pd_live", "live prefill/decode disaggregation: 2 colocated workers vs 1 prefill + 1 decode"),
+    (
         "spec",
         "spec",
         "MTP speculative decoding: off vs K = 1-3, without prefill MTP, one MTP layer reused (--sim: h200)",

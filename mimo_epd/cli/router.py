@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo_epd.common.auth import AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EdgeConfig
 
@@ -35,6 +36,7 @@ class RouterProcessConfig:
     )
     metrics_port: int = flag(0, "serve the router's Prometheus metrics on this port's /metrics, 0 = off")
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP front's limits
+    auth: AuthConfig = embedded(AuthConfig)  # API keys (clients, and the internal one sent to the workers), TLS
 
 
 def _setup(p) -> None:
@@ -49,17 +51,19 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
     """Serves until SIGTERM / SIGINT, then drains; returns the exit status."""
     import asyncio
 
+    from mimo_epd.common.auth import use_internal_key
     from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.router.llm import LLMRouter
     from mimo_epd.router.state import MemoryState, open_state
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
+    use_internal_key(proc.auth.internal_api_key)  # on every call to a worker (gRPC metadata, HTTP header)
     state = open_state(config.router_state)
     # With a shared state, the Encode API over every registered encoder: the ring starts empty, follows the registry.
     encoders = EncoderRouter([], RouterConfig()) if not isinstance(state, MemoryState) else None
     llm_router = LLMRouter(config, state, encoders=encoders)
-    srv = GrpcServer(proc.host, proc.port, 256)
+    srv = GrpcServer(proc.host, proc.port, 256, auth=proc.auth)
     generator = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
     srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, llm_router, generator)
     if encoders is not None:
@@ -73,13 +77,15 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
         if encoders is not None:
             encoders.start()
         await srv.start()
+        loop = asyncio.get_running_loop()
+        llm_router.on_loop_death = lambda name: loop.create_task(srv.set_serving(False))  # a dead loop: NOT_SERVING
         if proc.http_port >= 0:
             from llm_backend.server.chat_template import load_chat_template
             from mimo_epd.common.grpc_server import shown_host
             from mimo_epd.router.http_front import HTTPFront
 
             template = load_chat_template(config.model, proc.chat_template)
-            front = HTTPFront(router=llm_router, template=template, edge=proc.edge)
+            front = HTTPFront(router=llm_router, template=template, edge=proc.edge, auth=proc.auth)
             print(f"http {shown_host(proc.host)}:{await front.start(proc.host, proc.http_port)}", flush=True)
         import logging
 
@@ -114,6 +120,7 @@ def _run(args) -> int:
     try:
         proc = from_args(RouterProcessConfig, args)
         proc.edge.validate()
+        proc.auth = proc.auth.resolved()
         config = routing_config(args)
     except ValueError as e:
         return error(str(e))

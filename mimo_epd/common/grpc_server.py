@@ -94,12 +94,12 @@ class Drain(grpc.aio.ServerInterceptor):
         await server.stop(max(0.0, deadline - time.monotonic()))
 
 
-def new_server(max_message_mb: int) -> tuple[grpc.aio.Server, Drain]:
+def new_server(max_message_mb: int, interceptors: list | tuple = ()) -> tuple[grpc.aio.Server, Drain]:
     """A server with our message limits, and the `Drain` that stops it gracefully."""
     limit = max_message_mb << 20
     drain = Drain()
     server = grpc.aio.server(
-        interceptors=[drain],
+        interceptors=[drain, *interceptors],
         options=[
             ("grpc.max_send_message_length", limit),
             ("grpc.max_receive_message_length", limit),
@@ -172,9 +172,14 @@ class GrpcServer:
         await srv.stop(grace_s)           # NOT_SERVING, refuse new RPCs, finish those in flight, stop
     """
 
-    def __init__(self, host: str, port: int, max_message_mb: int) -> None:
+    def __init__(self, host: str, port: int, max_message_mb: int, auth=None) -> None:
+        """`auth`: an AuthConfig (common/auth.py): its keys are required on every RPC but health and
+        reflection, and with a TLS pair the port speaks TLS."""
+        from .auth import server_credentials, server_interceptors
+
         self.host, self.requested_port = host, port
-        self.server, self.drain = new_server(max_message_mb)
+        self.server, self.drain = new_server(max_message_mb, server_interceptors(auth))
+        self.credentials = server_credentials(auth)
         self.services: list[str] = []
         self.health: health_aio.HealthServicer | None = None
         self.port = 0
@@ -197,7 +202,11 @@ class GrpcServer:
         if self.requested_port:
             check_bindable(self.host, self.requested_port)
         try:
-            self.port = self.server.add_insecure_port(f"{shown_host(self.host)}:{self.requested_port}")
+            target = f"{shown_host(self.host)}:{self.requested_port}"
+            if self.credentials is not None:
+                self.port = self.server.add_secure_port(target, self.credentials)
+            else:
+                self.port = self.server.add_insecure_port(target)
         except RuntimeError:
             self.port = 0
         if self.port == 0:

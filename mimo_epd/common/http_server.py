@@ -209,14 +209,16 @@ async def _server_header(request, response) -> None:
     response.headers["Server"] = SERVER_NAME
 
 
-def edge_app(edge: EdgeConfig, middlewares: list) -> web.Application:
-    """An application with the edge's middlewares first (CORS when asked, the last-resort handler), then
-    `middlewares`; the body size is enforced by `http_edge.read_body`, aiohttp's own cap set just above it."""
+def edge_app(edge: EdgeConfig, middlewares: list, keys: tuple[str, ...] = ()) -> web.Application:
+    """An application with the edge's middlewares first (CORS when asked, the last-resort handler, the API-key
+    check when `keys`), then `middlewares`; the body size is enforced by `http_edge.read_body`, aiohttp's own
+    cap set just above it."""
+    from .auth import http_middleware
     from .http_edge import last_resort
 
     cors = cors_middleware(edge.allowed_origins)
     app = web.Application(
-        middlewares=[m for m in (cors, last_resort) if m is not None] + list(middlewares),
+        middlewares=[m for m in (cors, last_resort, http_middleware(keys)) if m is not None] + list(middlewares),
         client_max_size=edge.max_request_bytes + 1,
     )
     app.on_response_prepare.append(_server_header)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MEDIA_PARTS = {"image_url": "image", "video_url": "video"}
 MEDIA_SCHEMES = ("http", "https", "data")
 MAX_TOP_LOGPROBS = 20
@@ -88,8 +88,16 @@ def _part(part, pp: str, media: list[MediaRef]) -> dict:
     raise RuleError(f"{pp}.type", f"unsupported content part {shown} (text, image_url, video_url)")
 
 
-def normalize_messages(messages) -> tuple[list[dict], list[MediaRef]]:
-    """(the messages as the chat template sees them, their media parts in order); raises RuleError."""
+def _plain(message: dict, role: str, param: str, content) -> dict:
+    return {"role": role, "content": content}
+
+
+def normalize_messages(messages, roles: dict[str, str] = ROLES, build=_plain) -> tuple[list[dict], list[MediaRef]]:
+    """(the messages as the chat template sees them, their media parts in order); raises RuleError.
+
+    `roles` maps the accepted roles to the template's; `build(message, role, param, content)` makes one
+    template message from the checked role and content (a seam for fields beside them, e.g. tool calls; it may
+    raise its own ValueError naming the field). Worker and router must pass the same two."""
     if messages is None:
         raise RuleError("messages", "is required")
     if not isinstance(messages, list):
@@ -103,19 +111,19 @@ def normalize_messages(messages) -> tuple[list[dict], list[MediaRef]]:
         if not isinstance(m, dict):
             raise RuleError(p, f"expected an object, got {type_name(m)}")
         role = m.get("role")
-        if not isinstance(role, str) or role not in ROLES:
+        if not isinstance(role, str) or role not in roles:
             shown = repr(role[:64]) if isinstance(role, str) else type_name(role)
-            raise RuleError(f"{p}.role", f"unsupported role {shown} (system, developer, user, assistant)")
+            raise RuleError(f"{p}.role", f"unsupported role {shown} ({', '.join(roles)})")
         content = m.get("content")
         if content is None and role == "assistant":
             content = ""
         if isinstance(content, str):
-            out.append({"role": ROLES[role], "content": content})
+            out.append(build(m, roles[role], p, content))
             continue
         if not isinstance(content, list):
             raise RuleError(f"{p}.content", f"expected a string or an array of parts, got {type_name(content)}")
         parts = [_part(part, f"{p}.content[{j}]", media) for j, part in enumerate(content)]
-        out.append({"role": ROLES[role], "content": parts})
+        out.append(build(m, roles[role], p, parts))
     return out, media
 
 

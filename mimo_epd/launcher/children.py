@@ -15,6 +15,7 @@ import signal
 import sys
 from typing import Callable
 
+from mimo_epd.common.auth import INTERNAL_KEY_ENV, internal_key
 from mimo_epd.common.parent import child_env
 
 log = logging.getLogger("mimo_epd.launcher")
@@ -31,6 +32,9 @@ def worker_env() -> dict:
     """The environment of a process `serve` starts: exits with it, and at most MALLOC_ARENAS malloc arenas."""
     env = child_env()
     env.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
+    key = internal_key()
+    if key:  # the node's internal key: its workers accept it (and send it back with media), never in argv
+        env[INTERNAL_KEY_ENV] = key
     return env
 
 

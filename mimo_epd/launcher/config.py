@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mimo_epd.common import flags
+from mimo_epd.common.auth import AUTH_FIELDS, AuthConfig
 from mimo_epd.common.flags import embedded, flag
 from mimo_epd.common.http_server import EDGE_FIELDS, EdgeConfig
 
@@ -61,10 +62,19 @@ class NodeConfig:
     )
     http_port: int = flag(8000, "the router's OpenAI-compatible HTTP API (needs --llm); 0 = any free port, -1 = off")
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits, on the front and on every worker
+    auth: AuthConfig = embedded(AuthConfig)  # API keys and TLS of the node's ports; workers get the internal key
     llm_workers: int = flag(
         1,
         "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
         "unless --llm-torch-threads is set",
+    )
+    pd_prefill_workers: int = flag(
+        0, "prefill-role LLM workers (docs/pd.md): they compute prompts and write their KV into decode workers"
+    )
+    pd_decode_workers: int = flag(
+        0,
+        "decode-role LLM workers: each asks a prefill worker for a prompt's KV, then decodes (next to --llm-workers; "
+        "--decode-workers is the encoders' image-decode processes)",
     )
     join: str = flag(
         "",
@@ -95,12 +105,25 @@ class NodeConfig:
     def from_args(cls, args) -> "NodeConfig":
         cfg = flags.from_args(cls, args)
         cfg.edge.validate()
+        cfg.auth = cfg.auth.resolved()
+        if cfg.join and cfg.auth.api_key and not cfg.auth.internal_api_key:
+            raise ValueError(
+                "--join with --api-key needs --internal-api-key (or $MIMO_EPD_INTERNAL_API_KEY), the same on every "
+                "node and router of the fleet: routers elsewhere call this node's workers with it"
+            )
+        cfg.auth = cfg.auth.with_internal_key()
         if cfg.encoders < 1:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
-        if cfg.llm_workers < 1:
-            raise ValueError(f"--llm-workers must be at least 1, got {cfg.llm_workers}")
+        if cfg.llm_workers < 0 or cfg.pd_prefill_workers < 0 or cfg.pd_decode_workers < 0:
+            raise ValueError("--llm-workers, --pd-prefill-workers and --pd-decode-workers must be >= 0")
+        if cfg.llm_workers + cfg.pd_decode_workers < 1:
+            raise ValueError("a node needs at least one worker that decodes: --llm-workers or --pd-decode-workers >= 1")
+        if cfg.pd_prefill_workers and not cfg.pd_decode_workers:
+            raise ValueError(
+                "--pd-prefill-workers needs --pd-decode-workers (prefill workers only serve decode workers)"
+            )
         if cfg.join and not cfg.join.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--join needs a redis:// URL, got {cfg.join!r}")
         from mimo_epd.router.config import routing_config
@@ -126,10 +149,12 @@ _LLM_OWN = {
     "served_model_name",
     "max_model_len",
     "tokenizer",
+    "role",  # --pd-prefill-workers / --pd-decode-workers
+    "pd_prefill",
 }
 
 
-_LLM_OWN |= EDGE_FIELDS  # the node's edge flags, given to its workers too (node.py)
+_LLM_OWN |= EDGE_FIELDS | AUTH_FIELDS  # the node's edge flags, given to its workers too (node.py); keys by env
 
 
 def add_llm_passthrough(parser) -> None:

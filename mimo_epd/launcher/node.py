@@ -22,12 +22,14 @@ routers that share it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
 
 from encoder_server.config import EncoderServerConfig
 from mimo_epd.common import flags
+from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.router.encoder import EncoderRouter, NoVisionRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
@@ -145,7 +147,9 @@ class Node:
             self.encoder_router = NoVisionRouter(node.media_refusal, router_config)
         else:
             self.encoder_router = EncoderRouter([e.endpoint for e in self.encoders], router_config)
-        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb)
+        # keys on the gRPC port too; TLS only on the HTTP front (the workers send media through this port)
+        plain = dataclasses.replace(node.auth, tls_cert="", tls_key="")
+        self.grpc = GrpcServer(enc.host, enc.port, enc.max_message_mb, auth=plain)
         self.grpc.add(encoder_pb2_grpc.add_EncoderServicer_to_server, self.encoder_router, ENCODER_SERVICE)
         if node.llm:  # the LLM router over this node's workers (and, with a shared state, every node's)
             from mimo_epd.router.llm import LLMRouter
@@ -157,6 +161,8 @@ class Node:
         self.encoder_router.on_change = lambda alive: loop.create_task(grpc.set_serving(bool(alive)))
         self.encoder_router.start()
         await grpc.start(serving=bool(self.encoder_router.alive) or not self.encoders)
+        if self.llm_router is not None:  # a dead registry loop is never silent: the node stops serving
+            self.llm_router.on_loop_death = lambda name: loop.create_task(grpc.set_serving(False))
         if self.llm_router is not None:
             await self.start_llm(f"127.0.0.1:{grpc.port}")  # the LLM workers send media through this server
 
@@ -187,7 +193,9 @@ class Node:
         from mimo_epd.router.http_front import HTTPFront
 
         template = load_chat_template(self.cfg.llm_model, self.cfg.chat_template)
-        self.front = HTTPFront(router=self.llm_router, template=template, edge=self.cfg.edge, metrics=self.metrics.body)
+        self.front = HTTPFront(
+            router=self.llm_router, template=template, edge=self.cfg.edge, metrics=self.metrics.body, auth=self.cfg.auth
+        )
         http_port = await self.front.start(self.enc.host, self.cfg.http_port)
         print(f"http {shown_host(self.enc.host)}:{http_port}", flush=True)
 
@@ -229,6 +237,7 @@ class Node:
 
 
 async def serve_node(enc: EncoderServerConfig, node: NodeConfig) -> int:
+    use_internal_key(node.auth.internal_api_key)  # what this node sends its workers, and they accept
     shm = open_node_cache(enc)
     encoders = make_encoders(enc, node, shm.name)
     if node.join:
@@ -260,16 +269,29 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
     ):
         if value:
             args += [name, str(value)]
-    if "--torch-threads" not in args and node.llm_workers > 1:
-        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // node.llm_workers))]
-    workers = [
-        ChildProcess(i, args, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
-        for i in range(node.llm_workers)
-    ]
-    for w in workers:
-        w.http_port = 0  # its HTTP API (behind the node's front) and its /metrics (in the node's)
+    total = node.llm_workers + node.pd_prefill_workers + node.pd_decode_workers
+    if "--torch-threads" not in args and total > 1:
+        args += ["--torch-threads", str(max(1, (os.cpu_count() or 1) // total))]
+
+    def group(first: int, n: int, extra: list[str]) -> list[ChildProcess]:
+        out = [
+            ChildProcess(first + i, args + extra, node.encoder_start_timeout_s, subcommand="llm", host=node.node_host)
+            for i in range(n)
+        ]
+        for w in out:
+            w.http_port = 0  # its HTTP API (behind the node's front) and its /metrics (in the node's)
+        return out
+
+    # Prefill workers first: each decode worker is told their addresses (--pd-prefill), for requests that reach it
+    # without a router's choice (its own HTTP API).
+    prefill = group(node.llm_workers, node.pd_prefill_workers, ["--role", "prefill"])
+    await asyncio.gather(*(w.start() for w in prefill))
+    pd = (
+        ["--role", "decode", "--pd-prefill", ",".join(w.endpoint for w in prefill)] if prefill else ["--role", "decode"]
+    )
+    workers = group(0, node.llm_workers, []) + group(node.llm_workers + len(prefill), node.pd_decode_workers, pd)
     await asyncio.gather(*(w.start() for w in workers))
-    return workers
+    return workers + prefill
 
 
 def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:

@@ -40,6 +40,12 @@ class LLMRouterConfig:
         5.0, "a worker that failed a call is skipped this long, or until its feed answers again", name="worker_down_s"
     )
 
+    pd_max_prefill_queue: int = flag(
+        8192,
+        "prompt tokens queued at every prefill worker above which a decode worker's request is prefilled on the decode "
+        "worker itself (conditional disaggregation; -1 = never)",
+    )
+
     def validate(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"--llm-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")

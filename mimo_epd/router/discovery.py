@@ -24,6 +24,7 @@ from typing import Callable
 
 import grpc
 
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import kv_events_pb2, kv_events_pb2_grpc
 
 from .channels import channel_options
@@ -91,7 +92,9 @@ class WorkerFeed:
         self.epoch, self.seq = "", 0
         self.ok: bool | None = False  # the last poll answered; None = another relay holds the lease
         self.block_size = 0
-        self._channel = grpc.aio.insecure_channel(address, options=channel_options())  # quick reconnects
+        self._channel = grpc.aio.insecure_channel(
+            address, options=channel_options(), interceptors=client_interceptors()
+        )  # quick reconnects
         self._stub = kv_events_pb2_grpc.KVEventsStub(self._channel)
         self._task: asyncio.Task | None = None
 
@@ -127,6 +130,7 @@ class WorkerFeed:
                 **self.fields,
                 "model": reply.model,
                 "block_size": reply.block_size,
+                "role": reply.role or "both",
                 "epoch": reply.epoch,
                 "queued_tokens": load.queued_tokens,
                 "running_tokens": load.running_tokens,

@@ -37,6 +37,8 @@ from typing import Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
+from llm_backend.agentic.tools import ToolError, template_message
+from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
@@ -93,8 +95,8 @@ class Unroutable(ValueError):
 def chat_messages(messages) -> tuple[list[dict], bool]:
     """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
     try:
-        out, media = normalize_messages(messages)
-    except RuleError as e:
+        out, media = normalize_messages(messages, build=template_message)  # as the worker renders them
+    except (RuleError, ToolError) as e:
         raise Unroutable(str(e)) from None
     return out, bool(media)
 
@@ -209,6 +211,7 @@ class HTTPFront:
         template=None,
         edge: EdgeConfig | None = None,
         metrics: Callable[[], Awaitable[bytes]] | None = None,
+        auth: AuthConfig | None = None,
     ):
         """`router`: an LLMRouter (generation through its policy; needs `template`, the workers' chat template).
         Without one, `upstream()` is the one worker's current `host:port` (None while it is not up). `metrics`:
@@ -219,13 +222,14 @@ class HTTPFront:
         self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
         self.timeout_s = timeout_s
         self.edge = edge or EdgeConfig()
+        self.auth = auth or AuthConfig()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._active = 0  # requests being handled
         self._streams: set[_OpenStream] = set()
 
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [])
+        app = edge_app(self.edge, [], keys=self.auth.keys)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         return app
 
@@ -236,7 +240,7 @@ class HTTPFront:
             connector=aiohttp.TCPConnector(limit=0),
             auto_decompress=False,
         )
-        self._runner, bound = await start_site(self.app(), host, port, self.edge)
+        self._runner, bound = await start_site(self.app(), host, port, self.edge, ssl_context(self.auth))
         return bound
 
     async def drain(self, timeout_s: float) -> int:
@@ -273,7 +277,13 @@ class HTTPFront:
 
     @staticmethod
     def _headers(request: web.Request) -> dict:
-        return {k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST}
+        out = {
+            k: v for k, v in request.headers.items() if k.lower() not in _SKIP_REQUEST and k.lower() != "authorization"
+        }
+        key = upstream_authorization(request.headers.get("Authorization"))  # the internal key, when set
+        if key:
+            out["Authorization"] = key
+        return out
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self._active += 1
@@ -302,7 +312,7 @@ class HTTPFront:
                 headers=self._headers(request),
                 allow_redirects=False,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             log.warning("LLM worker %s unreachable: %s", target, e)
             return _error(503, f"the LLM worker is unreachable: {type(e).__name__}")
         return await self._relay(request, up, target, None)
@@ -428,7 +438,7 @@ class HTTPFront:
         url = f"http://{choice.http_address}{request.path_qs}"
         try:
             up = await self._session.post(url, data=raw, headers=headers, allow_redirects=False)
-        except (aiohttp.ClientConnectionError, TimeoutError) as e:
+        except (aiohttp.ClientConnectionError, TimeoutError, ValueError) as e:  # ValueError: InvalidURL
             router.mark_down(choice, f"HTTP {type(e).__name__}")
             return None, type(e).__name__
         if up.status in RETRY_STATUS:

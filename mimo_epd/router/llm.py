@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .channels import channel_options
@@ -64,6 +65,7 @@ class WorkerView:
     local_running: int = 0
     registered: bool = False  # seen in the registry at the last refresh
     registered_at: float = 0.0  # when it was last seen there (monotonic)
+    role: str = "both"  # both, prefill or decode (docs/pd.md): only prefill workers are never sent Generate
 
 
 @dataclass
@@ -74,6 +76,7 @@ class Choice:
     predicted_tokens: int
     rank: int
     hashes: tuple[int, ...] = ()  # the prompt's block hashes (remembered for this worker when it answers)
+    role: str = "both"
 
 
 @dataclass
@@ -115,8 +118,14 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             "cached_tokens": 0,
             "abs_error_tokens": 0,
             "exact_predictions": 0,
+            "pd_remote": 0,
+            "pd_local": 0,
+            "pd_retries": 0,
         }
         self._tasks: list[asyncio.Task] = []
+        self.discovery_errors = 0  # registry reads that failed other than by an unreachable state
+        self._closing = False
+        self.on_loop_death = None  # callback(loop name): set by the process (health NOT_SERVING)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
         self._recent: dict[str, OrderedDict[int, float]] = {}  # worker -> block hash -> remembered until
@@ -140,6 +149,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         w = self.workers.get(feed.id)
         if w is not None:
             w.block_size = reply.block_size or w.block_size
+            w.role = reply.role or "both"
             w.load = {k: getattr(reply.load, k) for k in LOAD_FIELDS}
         if self.down.pop(feed.id, None) is not None:
             log.info("LLM worker %s is back", feed.address)
@@ -148,12 +158,15 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         """Starts the feeds and the registry reads; waits (up to `wait_s`) until some worker is live."""
         for f in self.feeds.values():
             f.start()
-        self._tasks.append(asyncio.get_running_loop().create_task(self._discovery_loop()))
+        task = asyncio.get_running_loop().create_task(self._discovery_loop(), name="discovery")
+        task.add_done_callback(self._loop_ended)
+        self._tasks.append(task)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline and len(self.live()) < max(1, len(self.feeds)):
             await asyncio.sleep(0.05)
 
     async def close(self) -> None:
+        self._closing = True
         for t in [*self._tasks, *self._rechecks.values()]:
             t.cancel()
         await asyncio.gather(*self._tasks, *self._rechecks.values(), return_exceptions=True)
@@ -180,6 +193,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             w.registered_at = time.monotonic()
             w.http_address = f.get("http_address", w.http_address)
             w.block_size = int(f.get("block_size") or w.block_size or 16)
+            w.role = f.get("role") or w.role
             w.load = {k: int(f.get(k) or 0) for k in LOAD_FIELDS}
         keep = time.monotonic() < self._keep_members_until
         if not self.feeds and not keep:  # discovered workers leave when their registration expires
@@ -203,6 +217,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                     await self._index_sizes()
             except StateUnavailable as e:
                 self._degrade(e)
+            except Exception:  # a bug or a record records.py let through: logged, counted, the loop lives on
+                self.discovery_errors += 1
+                log.exception("router discovery: reading the registry failed; retrying")
             await asyncio.sleep(self.config.discovery_interval_s if not self.degraded else 1.0)
 
     async def _index_sizes(self) -> None:
@@ -218,6 +235,20 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         else:
             sizes = {}
         self.metrics.index_blocks = {self.workers[w].address: int(n) for w, n in sizes.items() if w in self.workers}
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """A background loop that ends before close() is an error, never silent: logged, and `on_loop_death`
+        (the process sets its health NOT_SERVING) is called."""
+        if task.cancelled() and self._closing:
+            return
+        err = None if task.cancelled() else task.exception()
+        log.error("router: the %s loop ended (%r); this router no longer follows the registry", task.get_name(), err)
+        if self.on_loop_death is not None:
+            self.on_loop_death(task.get_name())
+
+    def discovery_alive(self) -> bool:
+        """Whether the registry reads still run (they end only with the router)."""
+        return any(t.get_name() == "discovery" and not t.done() for t in self._tasks)
 
     def _degrade(self, err) -> None:
         if not self.degraded:
@@ -247,9 +278,12 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         return out
 
     # ------------------------------------------------------------------------------------------ picking
-    async def pick(self, prompt_token_ids, exclude: set[str] = frozenset()) -> list[Choice]:
-        """Every live worker, best first, with the tokens each is predicted to reuse."""
-        workers = [w for w in self.live() if w.id not in exclude]
+    async def pick(
+        self, prompt_token_ids, exclude: set[str] = frozenset(), roles: tuple[str, ...] = ("both", "decode")
+    ) -> list[Choice]:
+        """Every live worker of `roles`, best first, with the tokens each is predicted to reuse (prefill workers
+        are picked separately, for a decode worker's request: `pick_prefill`)."""
+        workers = [w for w in self.live() if w.id not in exclude and w.role in roles]
         if not workers:
             return []
         tokens = list(prompt_token_ids)
@@ -279,9 +313,28 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self.policy.observe(view, order[0])
         by_id = {w.id: w for w in workers}
         return [
-            Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i, tuple(hashes))
+            Choice(wid, by_id[wid].address, by_id[wid].http_address, predicted[wid], i, tuple(hashes), by_id[wid].role)
             for i, wid in enumerate(order)
         ]
+
+    async def pick_prefill(self, tokens, exclude: set[str] = frozenset()) -> str:
+        """The prefill worker of a decode worker's request: KV affinity over the prefill workers' own KV events (the
+        policy), or "local" (prefill on the decode worker: conditional disaggregation) when there is none, or when
+        every prefill worker has more than `--pd-max-prefill-queue` prompt tokens queued."""
+        choices = await self.pick(tokens, exclude, roles=("prefill",))
+        limit = self.config.pd_max_prefill_queue
+        queued = {c.worker: self._queued(c.worker) for c in choices}
+        if not choices or (limit >= 0 and all(q > limit for q in queued.values())):
+            self.stats["pd_local"] += 1
+            self.metrics.pd_paths.labels("local").inc()
+            return "local"
+        self.stats["pd_remote"] += 1
+        self.metrics.pd_paths.labels("remote").inc()
+        return choices[0].address
+
+    def _queued(self, wid: str) -> int:
+        w = self.workers[wid]
+        return max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
 
     # A worker publishes a request's blocks when it caches them, and the feed brings them a poll later: a client
     # that sends its next turn as soon as the answer arrives is routed before the index knows. So the router
@@ -417,11 +470,30 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
     def _channel(self, address: str) -> grpc.aio.Channel:
         ch = self._channels.get(address)
         if ch is None:  # quick reconnects: a restarted worker is routed to within ~1 s of serving again
-            ch = self._channels[address] = grpc.aio.insecure_channel(address, options=channel_options(256))
+            ch = self._channels[address] = grpc.aio.insecure_channel(
+                address, options=channel_options(256), interceptors=client_interceptors()
+            )
         return ch
 
     def _stub(self, address: str):
         return generator_pb2_grpc.GeneratorStub(self._channel(address))
+
+    def _retry_prefill(self, choice: Choice, request, flight: _Flight, e, failed: set[str]) -> bool:
+        """Whether a decode worker's failed transfer is retried on another prefill worker: once, and only when no
+        token was streamed (after one, the client gets the error: never a truncated answer marked complete)."""
+        addr = request.prefill_address
+        if choice.role != "decode" or flight.streaming or failed or addr in ("", "local"):
+            return False
+        if e.code() != grpc.StatusCode.UNAVAILABLE or "KV transfer failed" not in (e.details() or ""):
+            return False
+        failed.add(member_id("llm", addr))
+        pchoice = Choice(member_id("llm", addr), addr, "", 0, 0, role="prefill")
+        if pchoice.worker in self.workers:
+            self.mark_down(pchoice, e.details() or "transfer failed")
+        self.stats["pd_retries"] += 1
+        self.retried()
+        log.info("retrying a request on decode worker %s with another prefill worker after: %s", choice.address, e)
+        return True
 
     async def Generate(self, request, context):
         self.stats["requests"] += 1
@@ -433,9 +505,12 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             tokens = tokens[:1]
         tried: list[str] = []
         choices = await self.pick(tokens)
+        failed_prefill: set[str] = set()
         while choices:
             choice = choices[0]
             tried.append(choice.address)
+            if choice.role == "decode":  # the decode worker asks this prefill worker (or prefills itself)
+                request.prefill_address = await self.pick_prefill(tokens, failed_prefill)
             flight = self.started(choice, len(tokens))
             call = self._stub(choice.address).Generate(request, timeout=context.time_remaining())
             try:
@@ -447,6 +522,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                     yield msg
                 return
             except grpc.aio.AioRpcError as e:
+                if self._retry_prefill(choice, request, flight, e, failed_prefill):
+                    continue  # the same decode worker, another prefill worker: once
                 if flight.streaming or e.code() not in RETRY_CODES:
                     self.failed()
                     if e.code() == grpc.StatusCode.UNAVAILABLE:

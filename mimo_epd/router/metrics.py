@@ -32,6 +32,13 @@ class RouterMetrics:
         self.registry = r = CollectorRegistry(auto_describe=False)
         self.requests = Counter("router_requests", "requests sent to each LLM worker", ["worker", "front"], registry=r)
         self.retries = Counter("router_retries", "requests moved to the next worker after a failure", registry=r)
+        self.pd_paths = Counter(
+            "router_pd_prefills",
+            "decode workers' requests by where they were prefilled: remote (a prefill worker) or local (conditional "
+            "disaggregation: no prefill worker, or every prefill queue over --pd-max-prefill-queue)",
+            ["path"],
+            registry=r,
+        )
         self.failed = Counter("router_failed", "requests that no worker could serve", registry=r)
         self.error = Histogram(
             "router_prediction_error_tokens",
@@ -50,6 +57,20 @@ class RouterMetrics:
         self.degraded.set_function(lambda: float(bool(router.degraded)))
         self.live = Gauge("router_live_workers", "LLM workers this router routes to now", registry=r)
         self.live.set_function(lambda: float(len(router.live())))
+        self.bad_records = Gauge(
+            "router_bad_records",
+            "records read from the router state that failed its checks, skipped",
+            ["what"],
+            registry=r,
+        )
+        for what in ("member", "kv"):
+            self.bad_records.labels(what).set_function(lambda what=what: float(router.state.bad.counts[what]))
+        self.discovery_errors = Gauge(
+            "router_discovery_errors", "registry reads that failed unexpectedly (the loop goes on)", registry=r
+        )
+        self.discovery_errors.set_function(lambda: float(router.discovery_errors))
+        self.discovery_alive = Gauge("router_discovery_alive", "1 while the discovery loop runs", registry=r)
+        self.discovery_alive.set_function(lambda: float(router.discovery_alive()))
         self.index_blocks: dict[str, int] = {}  # refreshed by the router's discovery loop
         r.register(_IndexCollector(self))
         self._server = MetricsServer(self._body, "the router's metrics")

@@ -25,10 +25,11 @@ import time
 from llm_backend.kv.events import ABSENT
 
 from .index import MemoryIndex
+from .records import LOAD_FIELDS, BadRecord, BadRecords, kv_state, member
+
+__all__ = ["LOAD_FIELDS", "MemoryState", "RedisState", "StateUnavailable", "open_state"]
 
 log = logging.getLogger(__name__)
-
-LOAD_FIELDS = ("queued_tokens", "running_tokens", "waiting", "running")
 
 
 class StateUnavailable(RuntimeError):
@@ -44,6 +45,7 @@ class MemoryState:
 
     def __init__(self):
         self.index = MemoryIndex()
+        self.bad = BadRecords()
         self._members: dict[str, tuple[float, dict]] = {}  # id -> (expires at, fields)
         self._leases: dict[str, tuple[str, float]] = {}
 
@@ -91,6 +93,7 @@ class RedisState:
         import redis.asyncio as aioredis
 
         self.url, self.p = url, prefix
+        self.bad = BadRecords()
         self.r = aioredis.from_url(
             url,
             socket_timeout=timeout_s,
@@ -166,7 +169,16 @@ class RedisState:
         for w in workers:
             pipe.hmget(self._kv(w), keys)
         rows = await self._run(pipe.execute())
-        return {w: [int(v) if v else ABSENT for v in row] for w, row in zip(workers, rows)}
+        return {w: [self._state(w, v) for v in row] for w, row in zip(workers, rows)}
+
+    def _state(self, worker: str, v) -> int:
+        if not v:
+            return ABSENT
+        n = kv_state(v)
+        if n is None:  # garbage in the index: the block counts as absent (records.py)
+            self.bad.add("kv", self._kv(worker), f"value {bytes(v)[:16]!r} is not a block state")
+            return ABSENT
+        return n
 
     async def members(self, kind: str | None = None) -> dict[str, dict]:
         ids = sorted(m.decode() for m in await self._run(self.r.smembers(f"{self.p}:members")))
@@ -181,7 +193,11 @@ class RedisState:
             if not row:
                 gone.append(m)
                 continue
-            f = {k.decode(): v.decode() for k, v in row.items()}
+            try:
+                f = member(m, {k.decode(): v.decode() for k, v in row.items()})
+            except (UnicodeDecodeError, BadRecord) as e:  # skipped and counted, never fatal (records.py)
+                self.bad.add("member", m, str(e))
+                continue
             if kind is None or f.get("kind") == kind:
                 out[m] = f
         if gone:

@@ -32,18 +32,20 @@ class SamplingOptions(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "media", "sampling", "request_id")
+    __slots__ = ("prompt", "prompt_token_ids", "media", "sampling", "request_id", "prefill_address")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     media: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.MediaItem]
     sampling: SamplingOptions
     request_id: str
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prefill_address: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingOptions, _Mapping]] = ..., request_id: _Optional[str] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("token_ids", "text", "logprobs")
@@ -56,7 +58,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "finish_reason", "media_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "finish_reason", "media_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "kv_transfer_bytes", "kv_transfer_ms", "prefill_address")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +67,9 @@ class GenerateFinal(_message.Message):
     MEDIA_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -73,7 +78,10 @@ class GenerateFinal(_message.Message):
     media_tokens: int
     accepted_prediction_tokens: int
     rejected_prediction_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., media_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
+    kv_transfer_bytes: int
+    kv_transfer_ms: float
+    prefill_address: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., media_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")

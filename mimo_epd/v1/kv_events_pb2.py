@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmimo_epd/v1/kv_events.proto\x12\x0bmimo_epd.v1\"@\n\x0bPollRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"]\n\nWorkerLoad\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x03\x12\x16\n\x0erunning_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\"\xb0\x01\n\tPollReply\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x06\x12\x0e\n\x06states\x18\x05 \x03(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.mimo_epd.v1.WorkerLoad\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x0e\n\x06time_s\x18\t \x01(\x01\x32\x44\n\x08KVEvents\x12\x38\n\x04Poll\x12\x18.mimo_epd.v1.PollRequest\x1a\x16.mimo_epd.v1.PollReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmimo_epd/v1/kv_events.proto\x12\x0bmimo_epd.v1\"@\n\x0bPollRequest\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x11\n\tsince_seq\x18\x02 \x01(\x04\x12\x0f\n\x07wait_ms\x18\x03 \x01(\r\"]\n\nWorkerLoad\x12\x15\n\rqueued_tokens\x18\x01 \x01(\x03\x12\x16\n\x0erunning_tokens\x18\x02 \x01(\x03\x12\x0f\n\x07waiting\x18\x03 \x01(\x05\x12\x0f\n\x07running\x18\x04 \x01(\x05\"\xbe\x01\n\tPollReply\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05reset\x18\x03 \x01(\x08\x12\x0e\n\x06hashes\x18\x04 \x03(\x06\x12\x0e\n\x06states\x18\x05 \x03(\r\x12%\n\x04load\x18\x06 \x01(\x0b\x32\x17.mimo_epd.v1.WorkerLoad\x12\x12\n\nblock_size\x18\x07 \x01(\r\x12\r\n\x05model\x18\x08 \x01(\t\x12\x0e\n\x06time_s\x18\t \x01(\x01\x12\x0c\n\x04role\x18\n \x01(\t2D\n\x08KVEvents\x12\x38\n\x04Poll\x12\x18.mimo_epd.v1.PollRequest\x1a\x16.mimo_epd.v1.PollReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,7 +36,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WORKERLOAD']._serialized_start=110
   _globals['_WORKERLOAD']._serialized_end=203
   _globals['_POLLREPLY']._serialized_start=206
-  _globals['_POLLREPLY']._serialized_end=382
-  _globals['_KVEVENTS']._serialized_start=384
-  _globals['_KVEVENTS']._serialized_end=452
+  _globals['_POLLREPLY']._serialized_end=396
+  _globals['_KVEVENTS']._serialized_start=398
+  _globals['_KVEVENTS']._serialized_end=466
 # @@protoc_insertion_point(module_scope)

@@ -29,7 +29,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, queued_tokens: _Optional[int] = ..., running_tokens: _Optional[int] = ..., waiting: _Optional[int] = ..., running: _Optional[int] = ...) -> None: ...
 
 class PollReply(_message.Message):
-    __slots__ = ("epoch", "seq", "reset", "hashes", "states", "load", "block_size", "model", "time_s")
+    __slots__ = ("epoch", "seq", "reset", "hashes", "states", "load", "block_size", "model", "time_s", "role")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     RESET_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +39,7 @@ class PollReply(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TIME_S_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
     epoch: str
     seq: int
     reset: bool
@@ -48,4 +49,5 @@ class PollReply(_message.Message):
     block_size: int
     model: str
     time_s: float
-    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ..., states: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., time_s: _Optional[float] = ...) -> None: ...
+    role: str
+    def __init__(self, epoch: _Optional[str] = ..., seq: _Optional[int] = ..., reset: _Optional[bool] = ..., hashes: _Optional[_Iterable[int]] = ..., states: _Optional[_Iterable[int]] = ..., load: _Optional[_Union[WorkerLoad, _Mapping]] = ..., block_size: _Optional[int] = ..., model: _Optional[str] = ..., time_s: _Optional[float] = ..., role: _Optional[str] = ...) -> None: ...

@@ -56,7 +56,7 @@ async def test_malformed_json(worker, raw):
         ({"messages": "hi"}, "messages"),
         ({"messages": []}, "messages"),
         ({}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
@@ -81,7 +81,7 @@ async def test_malformed_json(worker, raw):
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
-        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
         ({"messages": [{"role": "user", "content": "x"}], "stream_options": []}, "stream_options"),
     ],
 )

@@ -13,16 +13,19 @@ from llm_backend.pd.transfer import KVTransferEngine, PoolLayout, TransferError
 
 def test_rule_ranges_and_bytes():
     r = TransferRule(length=100, decode_prefix=0, window=16)
-    assert r.full_range == (0, 100) and r.swa_range == (84, 100)
-    assert r.bytes(10, 3) == 100 * 10 + 16 * 3  # full pages x full bytes + min(L, W) x SWA bytes
+    # the window before the last page boundary inside the prompt (99 with page 1), and what follows
+    assert r.full_range == (0, 100) and r.swa_range == (83, 100)
+    assert r.bytes(10, 3) == 100 * 10 + 17 * 3  # full tokens x full bytes + min(L, W + 1) x SWA bytes
+    paged = TransferRule(length=100, decode_prefix=0, window=16, page=32)
+    assert paged.swa_range == (96 - 16, 100)  # the last boundary below 100 is 96
     assert r.full_kv_bytes(10, 3) == 100 * 13
     short = TransferRule(length=5, decode_prefix=0, window=16)
     assert short.swa_range == (0, 5) and short.bytes(10, 3) == 5 * 13
     turn2 = TransferRule(length=100, decode_prefix=96, window=16)  # the decode side holds the first turn
     assert turn2.full_range == (96, 100) and turn2.swa_range == (96, 100) and turn2.bytes(10, 3) == 4 * 13
     assert turn2.full_pages(4) == 1 and TransferRule(10, 4, 2).full_pages(4) == 2
-    assert r.clip("swa", 80, 90) == (84, 90) and r.clip("full", 80, 90) == (80, 90)
-    for bad in ((10, 10, 4), (10, -1, 4), (10, 0, -1)):
+    assert r.clip("swa", 80, 90) == (83, 90) and r.clip("full", 80, 90) == (80, 90)
+    for bad in ((10, 10, 4), (10, -1, 4), (10, 0, -1), (10, 0, 4, 0)):
         with pytest.raises(ValueError):
             TransferRule(*bad)
 

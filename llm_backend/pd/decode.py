@@ -1,0 +1,342 @@
+"""The decode role: reserves a request's pages, has a prefill worker fill them, then decodes it.
+
+SGLang's handshake shape, one room per attempt:
+1. `DecodeScheduler.add` decides where the prompt is prefilled (conditional disaggregation): here when no prefill
+   worker is named, or when its tokens not in this worker's prefix cache are at most `--pd-local-prefill-tokens`
+   (the plain scheduler path); otherwise the request queues for a transfer.
+2. At admission (while fewer than `--max-running` requests run or transfer) the request takes its prefix match
+   from this worker's own SWA-aware radix cache (`decode_prefix`, locked) and allocates the rest of the prompt:
+   full pages for `[decode_prefix, L)`, and SWA slots it keeps only for the window `[max(decode_prefix, L - W), L)`
+   (allocated chunk by chunk, older ones released at once, so the SWA pool never holds more than a window and a
+   chunk of it). The room (slot indices, this worker's pool layout and transfer session) goes to the prefill worker
+   through `KVTransfer/Prefill` (gRPC, `PrefillClient`); the request waits in `transferring`, holding its pages.
+3. The prefill worker writes the KV straight into those slots (Mooncake) and sends the first token last. The
+   request then checkpoints its prompt pages into the tree (the next turn of the conversation matches them, so it
+   transfers only its new tokens), appends the first token and decodes like any other.
+
+Failure rules (docs/pd.md): a transfer fails, its pages are freed (never cached: they may be half written) and the
+request ends with an error coded "unavailable" (gRPC UNAVAILABLE, HTTP 503), never as a normal finish, when the
+stream to the prefill worker breaks (it died), when it sends nothing for `--pd-transfer-timeout-s` (it hangs; it
+sends a keep-alive every second), or when the prefill worker refuses the room. An abort (the client went away)
+cancels the stream, which makes the prefill worker drop its side, and frees the pages at once. This worker's
+health never depends on a prefill worker: without one it prefills locally.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import grpc
+
+from llm_backend.engine.sampler import Sampled
+from llm_backend.engine.scheduler import Scheduler
+from llm_backend.kv import PoolExhausted, RequestKV
+from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
+
+from .rule import TransferRule
+from .transfer import KVTransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PDTicket:
+    """A decode worker's request: where it may be prefilled and what the prefill worker needs besides its ids.
+    After it ends: `used` (the prefill worker that computed it, "" = here), `bytes` and `transfer_s` of its KV."""
+
+    prefill: str = ""
+    media_items: list = field(default_factory=list)
+    used: str = ""
+    bytes: int = 0
+    transfer_s: float = 0.0
+    room: Any = None  # the DecodeRoom of the transfer under way
+
+
+@dataclass
+class DecodeRoom:
+    name: str
+    prefill: str
+    rule: TransferRule
+    full_slots: list[int]
+    swa_slots: list[int]
+    deadline: float
+    call: Any = None  # the gRPC call, once started (PrefillClient)
+    cancelled: bool = False
+
+
+_rooms = itertools.count()
+
+
+class DecodeScheduler(Scheduler):
+    """The scheduler of a decode worker: requests wait for their KV in `transferring` before they run."""
+
+    def configure(self, cfg) -> None:
+        self.local_prefill_tokens = cfg.pd_local_prefill_tokens
+        self.transfer_timeout_s = cfg.pd_transfer_timeout_s
+        # Set by the worker (attach_decode): start(request, room) opens the stream; cancel(room) closes it.
+        self.start_transfer: Callable[[Any, DecodeRoom], None] | None = None
+        self.cancel_transfer: Callable[[DecodeRoom], None] = lambda room: None
+        self.pd_waiting: list = []
+        self.transferring: list = []
+        self.inbox: deque = deque()  # (request, room name, kind, payload) from the stream's thread
+        self._blocked = False
+        self.remote = self.local = self.failed = self.timeouts = self.aborted_transfers = 0
+        self.bytes_received = 0
+        self.transfer_s = 0.0
+
+    def metrics(self) -> dict:
+        return {
+            "pd_remote_prefills": self.remote,
+            "pd_local_prefills": self.local,
+            "pd_transfer_failures": self.failed,
+            "pd_transfer_timeouts": self.timeouts,
+            "pd_transfer_aborts": self.aborted_transfers,
+            "pd_transfer_bytes": self.bytes_received,
+            "pd_transfer_seconds": self.transfer_s,
+            "pd_transferring": len(self.transferring),
+            "pd_waiting_for_transfer": len(self.pd_waiting),
+        }
+
+    # ----------------------------------------------------------------------------------- where it is prefilled
+    def add(self, r) -> None:
+        ticket = r.pd
+        if not isinstance(ticket, PDTicket) or not ticket.prefill or self.start_transfer is None:
+            self.local += 1
+            return super().add(r)
+        self.check_fits(len(r.prompt))
+        hit = self.cache.peek_prefix_length(r.prompt[:-1]) if self.enable_prefix_cache else 0
+        if self.local_prefill_tokens >= 0 and len(r.prompt) - hit <= self.local_prefill_tokens:
+            self.local += 1
+            return super().add(r)
+        self.pd_waiting.append(r)
+
+    def has_work(self) -> bool:
+        if super().has_work() or self.inbox:
+            return True
+        if self.pd_waiting and not self._blocked and len(self.transferring) < self.max_running:
+            return True
+        now = self.clock()
+        return any(r.aborted or now > r.pd.room.deadline for r in self.transferring)
+
+    def post(self, r, room: str, kind: str, payload: Any = None) -> None:
+        """News of a room from the stream (any thread; the engine's wake() makes the loop read it)."""
+        self.inbox.append((r, room, kind, payload))
+
+    # ----------------------------------------------------------------------------------- one step
+    def schedule(self):
+        self._read_inbox()
+        self._expire()
+        self._start_transfers()
+        return super().schedule()
+
+    def _read_inbox(self) -> None:
+        while self.inbox:
+            r, name, kind, payload = self.inbox.popleft()
+            room = getattr(r.pd, "room", None)
+            if r not in self.transferring or room is None or room.name != name:
+                continue  # a room that already ended (timed out, aborted)
+            if kind == "alive":
+                room.deadline = self.clock() + self.transfer_timeout_s
+            elif kind == "done":
+                self.transferring.remove(r)
+                self._activate(r, payload)
+            else:
+                self.transferring.remove(r)
+                self.failed += 1
+                self._end_transfer(r, "error", payload)
+
+    def _expire(self) -> None:
+        now = self.clock()
+        for r in list(self.transferring):
+            room = r.pd.room
+            if r.aborted:
+                self.transferring.remove(r)
+                self.aborted_transfers += 1
+                self.cancel_transfer(room)
+                self.finish(r, r.aborted)
+            elif now > room.deadline:
+                self.transferring.remove(r)
+                self.timeouts += 1
+                self.cancel_transfer(room)
+                self._end_transfer(
+                    r, "error", f"no news from prefill worker {room.prefill} for {self.transfer_timeout_s:g} s"
+                )
+        for r in [r for r in self.pd_waiting if r.aborted]:
+            self.pd_waiting.remove(r)
+            self.finish(r, r.aborted)
+
+    def _end_transfer(self, r, reason: str, why: str) -> None:
+        self._blocked = False
+        self.finish(r, reason, f"KV transfer failed ({why}); the request can be retried", "unavailable")
+
+    def _start_transfers(self) -> None:
+        while self.pd_waiting and len(self.running) + len(self.transferring) < self.max_running:
+            r = self.pd_waiting[0]
+            room = self._reserve(r)
+            if room is None:
+                self._blocked = True
+                return
+            self._blocked = False
+            self.pd_waiting.pop(0)
+            self.transferring.append(r)
+            self.remote += 1
+            r.pd.room = room
+            assert self.start_transfer is not None
+            self.start_transfer(r, room)
+
+    def _reserve(self, r) -> DecodeRoom | None:
+        """Step 2 of the module docstring: the prefix match and the pages for the rest; None if they do not fit."""
+        kv = RequestKV(self.cache, r.prompt[:-1] if self.enable_prefix_cache else [], self.release_interval)
+        n, dp, w = len(r.prompt), kv.cached_tokens, self.cache.window
+        rule = TransferRule(n, dp, w, self.full_pool.page_size)
+        if not self.cache.make_room(rule.full_tokens + self.full_pool.page_size, rule.swa_tokens + self.chunk_size):
+            kv.finish(cache_result=False)
+            return None
+        try:
+            keep = n - rule.swa_range[0]  # SWA slots kept: the rule's window, not just the last W
+            for start in range(dp, n, self.chunk_size):
+                end = min(n, start + self.chunk_size)
+                kv.extend(r.prompt[start:end])
+                kv.release_out_of_window(end - keep + w)
+        except PoolExhausted:
+            kv.finish(cache_result=False)
+            return None
+        r.kv = kv
+        r.cached_tokens = dp
+        self.prompt_tokens += n
+        a, b = rule.swa_range
+        swa = [kv.swa[p] for p in range(a, b)]
+        assert all(s is not None for s in swa), "the window's SWA slots are live"
+        return DecodeRoom(
+            f"{os.getpid()}-{next(_rooms)}",
+            r.pd.prefill,
+            rule,
+            kv.full[dp:n],
+            swa,  # type: ignore[arg-type]
+            self.clock() + self.transfer_timeout_s,
+        )
+
+    def _activate(self, r, done) -> None:
+        """Step 3: the KV is in; the prompt's pages go into the tree and the first token is appended."""
+        ticket, kv = r.pd, r.kv
+        ticket.used, ticket.bytes, ticket.transfer_s = r.pd.room.prefill, int(done.bytes), float(done.transfer_s)
+        self.bytes_received += ticket.bytes
+        self.transfer_s += ticket.transfer_s
+        self._blocked = False
+        if self.enable_prefix_cache:
+            kv.checkpoint()
+        self._append(r, Sampled(done.first_token, done.logprob, [(t.token_id, t.logprob) for t in done.top_logprobs]))
+        stop = r.aborted or self._stopped(r)
+        if stop:
+            self.finish(r, stop)
+            return
+        self.running.append(r)
+        self.admitted.append(r.id)
+        r.admitted_at = self.clock()
+
+
+class PrefillClient:
+    """The decode side of the control channel: one `KVTransfer/Prefill` stream per room, on the worker's loop."""
+
+    def __init__(self, engine, xfer: KVTransferEngine, loop: asyncio.AbstractEventLoop, max_message_mb: int = 512):
+        self.engine, self.xfer, self.loop = engine, xfer, loop
+        self.max_message_mb = max_message_mb
+        self._stubs: dict[str, Any] = {}
+
+    def _stub(self, address: str):
+        if address not in self._stubs:
+            mb = self.max_message_mb << 20
+            ch = grpc.aio.insecure_channel(
+                address, options=[("grpc.max_receive_message_length", mb), ("grpc.max_send_message_length", mb)]
+            )
+            self._stubs[address] = pd_pb2_grpc.KVTransferStub(ch)
+        return self._stubs[address]
+
+    def request(self, r, room: DecodeRoom):
+        p = r.params
+        layers = [
+            pd_pb2.PoolLayer(k_ptr=a.k_ptr, v_ptr=a.v_ptr, k_row_bytes=a.k_row, v_row_bytes=a.v_row, sliding=a.sliding)
+            for a in self.xfer.layout.layers
+        ]
+        return pd_pb2.PrefillRequest(
+            room=room.name,
+            prompt_token_ids=r.prompt,
+            media=r.pd.media_items,
+            session=self.xfer.session,
+            layers=layers,
+            decode_prefix=room.rule.decode_prefix,
+            page_size=room.rule.page,
+            full_slots=room.full_slots,
+            swa_slots=room.swa_slots,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            seed=p.seed or 0,
+            has_seed=p.seed is not None,
+            top_logprobs=p.top_logprobs,
+        )
+
+    def start(self, r, room: DecodeRoom) -> None:
+        """Called on the engine thread: the stream runs on the loop."""
+        asyncio.run_coroutine_threadsafe(self._run(r, room), self.loop)
+
+    def cancel(self, room: DecodeRoom) -> None:
+        room.cancelled = True
+        if room.call is not None:
+            self.loop.call_soon_threadsafe(room.call.cancel)
+
+    async def _run(self, r, room: DecodeRoom) -> None:
+        sched = self.engine.scheduler
+
+        def post(kind, payload=None):
+            self.engine.wake(lambda: sched.post(r, room.name, kind, payload))
+
+        if room.cancelled:
+            return
+        try:
+            room.call = self._stub(room.prefill).Prefill(self.request(r, room))
+            async for ev in room.call:
+                if ev.HasField("done"):
+                    post("done", ev.done)
+                    return
+                post("alive")
+            post("failed", f"prefill worker {room.prefill} ended the stream without a first token")
+        except grpc.aio.AioRpcError as e:
+            if not room.cancelled:
+                post("failed", f"prefill worker {room.prefill}: {e.code().name}: {e.details()}")
+        except Exception as e:  # noqa: BLE001 - any failure of the stream fails this room only
+            post("failed", f"prefill worker {room.prefill}: {type(e).__name__}: {e}")
+
+
+class PrefillPicker:
+    """The decode worker's own choice among `--pd-prefill` workers when a request names none: round robin."""
+
+    def __init__(self, addresses: str):
+        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
+        self._next = itertools.count()
+
+    def pick(self) -> str:
+        return self.addresses[next(self._next) % len(self.addresses)] if self.addresses else ""
+
+
+def attach_decode(engine, core, host: str, cfg) -> KVTransferEngine:
+    """Starts this worker's transfer engine on its pools, the control channel's client on the running loop, and the
+    ticket every request carries (the router's prefill worker, else one of `--pd-prefill`)."""
+    xfer = KVTransferEngine(engine.pools, host, cfg.pd_protocol, cfg.pd_device)
+    client = PrefillClient(engine, xfer, asyncio.get_running_loop())
+    sched = engine.scheduler
+    sched.start_transfer, sched.cancel_transfer = client.start, client.cancel
+    picker = PrefillPicker(cfg.pd_prefill)
+
+    def ticket(prep) -> dict:
+        prefill = "" if prep.prefill_address == "local" else (prep.prefill_address or picker.pick())
+        return {"pd": PDTicket(prefill, list(prep.media_items))}
+
+    core.request_options = ticket
+    return xfer

@@ -1,0 +1,243 @@
+"""The prefill role: computes a decode worker's prompt and writes its KV into the decode worker's pools.
+
+The decode worker calls `KVTransfer/Prefill` (protos/mimo_epd/v1/pd.proto) with a *room*: the prompt, its media
+items, the decode side's transfer session and pool layout, how many tokens it already holds (`decode_prefix`) and
+the slots it reserved for the rest (full slots of `[decode_prefix, L)`, SWA slots of the window only; rule.py).
+The prompt runs here as an ordinary request of one output token, through this worker's own SWA-aware prefix
+cache. `PrefillScheduler.complete` writes, after every forward and before the step's bookkeeping can release
+anything, the KV of the positions computed so far that the room wants (a cached prefix the first time, then each
+chunk), as one batched Mooncake write per chunk; so the transfer overlaps the prefill chunk by chunk. The first
+token (and its logprob) goes back on the stream last, after the last chunk's write returned. The request then
+finishes as any other: its pages go into this worker's tree (cached, not held for the decode worker).
+
+Failure rules (docs/pd.md): a failed write (the decode worker is gone) aborts the request here, which frees its
+slots at the next step, and fails the stream with UNAVAILABLE; a cancelled stream (the decode side gave up, or
+its client did) aborts it the same way. Nothing here waits for a peer: a room never outlives its stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from llm_backend.engine import OverloadedError, SamplingParams
+from llm_backend.engine.scheduler import Scheduler, Segment, SegmentResult
+from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
+
+from .rule import TransferRule
+from .transfer import KVTransferEngine, LayerAddr, PoolLayout, TransferError
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pd_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
+# Seconds between keep-alive events on a room's stream while its request waits or runs (the decode side's
+# --pd-transfer-timeout-s counts from the last event).
+KEEPALIVE_S = 1.0
+
+
+@dataclass
+class Room:
+    """One decode worker's request here: where its KV goes, and how much of it was sent."""
+
+    name: str
+    session: str
+    peer: PoolLayout
+    rule: TransferRule
+    dst_full: list[int]
+    dst_swa: list[int]
+    engine: KVTransferEngine
+    sent: int = 0  # positions [0, sent) are written (starts at the decode prefix)
+    bytes: int = 0
+    transfer_s: float = 0.0
+    error: str = ""
+
+    def write(self, kv, end: int) -> None:
+        """Writes the wanted KV of positions [sent, end) from the request's slots; raises TransferError."""
+        if end <= self.sent:
+            return
+        rule = self.rule
+        fa, fb = rule.clip("full", self.sent, end)
+        sa, sb = rule.clip("swa", self.sent, end)
+        d0, s0 = rule.full_range[0], rule.swa_range[0]
+        src_swa = [kv.swa[p] for p in range(sa, sb)] if sb > sa else []
+        if any(s is None for s in src_swa):
+            raise TransferError(f"room {self.name}: an SWA slot of the window was released before its write")
+        t0 = time.perf_counter()
+        self.bytes += self.engine.write(
+            self.session,
+            self.peer,
+            (kv.full[fa:fb] if fb > fa else [], self.dst_full[fa - d0 : fb - d0] if fb > fa else []),
+            (src_swa, self.dst_swa[sa - s0 : sb - s0] if sb > sa else []),
+        )
+        self.transfer_s += time.perf_counter() - t0
+        self.sent = end
+
+
+class PrefillScheduler(Scheduler):
+    """The scheduler of a prefill worker: each forward's KV goes to its room before the bookkeeping."""
+
+    def configure(self, cfg) -> None:
+        self.rooms_served = self.write_failures = self.bytes_written = 0
+
+    def metrics(self) -> dict:
+        return {
+            "pd_rooms_served": self.rooms_served,
+            "pd_write_failures": self.write_failures,
+            "pd_bytes_written": self.bytes_written,
+        }
+
+    def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
+        keep_s, keep_r = [], []
+        for seg, res in zip(segments, results):
+            r, room = seg.request, seg.request.pd
+            if isinstance(room, Room) and not (res.error or r.done or r.aborted or room.error):
+                try:
+                    before = room.bytes
+                    room.write(r.kv, seg.start + seg.n)
+                    self.bytes_written += room.bytes - before
+                except TransferError as e:
+                    room.error = str(e)
+                    self.write_failures += 1
+                    log.warning("room %s: %s; dropping it", room.name, e)
+                    r.aborted = "abort"  # freed at the next step, nothing of it sampled
+                    continue
+            keep_s.append(seg)
+            keep_r.append(res)
+        super().complete(keep_s, keep_r)
+
+
+def _layout(msg) -> PoolLayout:
+    return PoolLayout(tuple(LayerAddr(x.k_ptr, x.v_ptr, x.k_row_bytes, x.v_row_bytes, x.sliding) for x in msg.layers))
+
+
+class PrefillService(pd_pb2_grpc.KVTransferServicer):
+    def __init__(self, core, xfer: KVTransferEngine):
+        self.core, self.xfer = core, xfer
+
+    def _room(self, request) -> Room:
+        """The room of a request, checked field by field (ServeError INVALID_ARGUMENT naming the field)."""
+        from llm_backend.server.core import ServeError
+
+        engine = self.core.engine
+        n = len(request.prompt_token_ids)
+        if not request.room or not request.session:
+            raise ServeError.invalid("room and session are required", param="room")
+        try:
+            rule = TransferRule(n, request.decode_prefix, engine.model.config.window, request.page_size or 1)
+            peer = _layout(request)
+            self.xfer.layout.check_peer(peer)
+        except ValueError as e:
+            raise ServeError.invalid(f"room {request.room}: {e}", param="layers") from None
+        if len(request.full_slots) != rule.full_tokens or len(request.swa_slots) != rule.swa_tokens:
+            raise ServeError.invalid(
+                f"room {request.room}: {len(request.full_slots)} full / {len(request.swa_slots)} SWA slots for "
+                f"{rule.full_tokens} / {rule.swa_tokens} positions (prompt {n}, decode prefix {rule.decode_prefix})",
+                param="full_slots",
+            )
+        return Room(
+            request.room,
+            request.session,
+            peer,
+            rule,
+            list(request.full_slots),
+            list(request.swa_slots),
+            self.xfer,
+            sent=rule.decode_prefix,
+        )
+
+    async def _prompt(self, request, context):
+        """The prompt ids and media rows; the media placeholders must be the ones this worker computes."""
+        from llm_backend.server.core import ServeError
+
+        ids = [int(t) for t in request.prompt_token_ids]
+        media_ids, media = await self.core.encode_media(list(request.media), context.time_remaining())
+        if media_ids and ids[1 : 1 + len(media_ids)] != media_ids:
+            raise ServeError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"room {request.room}: the media placeholders differ from this worker's encoding of the media",
+            )
+        return ids, media
+
+    async def Prefill(self, request, context):
+        from llm_backend.server.core import ServeError
+
+        core, engine = self.core, self.core.engine
+        r = None
+        try:
+            core.check_serving()
+            room = self._room(request)
+            ids, media = await self._prompt(request, context)
+            params = SamplingParams(
+                max_tokens=1,
+                temperature=request.temperature,
+                top_p=request.top_p or 1.0,
+                top_k=request.top_k,
+                seed=request.seed if request.has_seed else None,
+                logprobs=True,
+                top_logprobs=request.top_logprobs,
+                ignore_eos=True,
+            )
+            try:
+                params.validate(engine.config.max_tokens_limit, engine.config.max_temperature)
+            except ValueError as e:
+                raise ServeError.invalid(str(e)) from None
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue = asyncio.Queue()
+            first: list = []
+
+            def on_token(req, t, lp):
+                first.append((t, lp, list(req.top_logprobs[-1]) if req.top_logprobs else []))
+
+            t0 = time.monotonic()
+            try:
+                r = engine.add_request(
+                    ids,
+                    params,
+                    media,
+                    on_token=on_token,
+                    on_finish=lambda req: loop.call_soon_threadsafe(events.put_nowait, "end"),
+                    pd=room,
+                )
+            except OverloadedError as e:
+                raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill worker is overloaded: {e}") from None
+            except ValueError as e:
+                raise ServeError.invalid(str(e)) from None
+            yield pd_pb2.PrefillEvent(accepted=pd_pb2.PrefillAccepted())
+            while True:
+                try:
+                    await asyncio.wait_for(events.get(), KEEPALIVE_S)
+                    break
+                except asyncio.TimeoutError:
+                    yield pd_pb2.PrefillEvent(accepted=pd_pb2.PrefillAccepted(cached_tokens=r.cached_tokens))
+            if r.finish_reason not in ("stop", "length") or not first:
+                why = room.error or r.error or f"the prefill request ended with {r.finish_reason or 'abort'}"
+                raise ServeError(grpc.StatusCode.UNAVAILABLE, f"room {room.name}: {why}")
+            engine.scheduler.rooms_served += 1
+            tok, lp, top = first[0]
+            yield pd_pb2.PrefillEvent(
+                done=pd_pb2.PrefillDone(
+                    first_token=tok,
+                    logprob=lp if lp is not None else 0.0,
+                    top_logprobs=[pd_pb2.TopLogprob(token_id=a, logprob=b) for a, b in top],
+                    bytes=room.bytes,
+                    transfer_s=room.transfer_s,
+                    prefill_s=time.monotonic() - t0,
+                )
+            )
+        except ServeError as e:
+            await context.abort(e.code, e.message)
+        finally:
+            if r is not None and not r.done:
+                log.info("room %s: the decode side went away; aborting its prefill", request.room)
+                engine.abort(r)
+
+
+def attach_prefill(engine, core, server, host: str, protocol: str = "tcp", device: str = "") -> KVTransferEngine:
+    """Starts this worker's transfer engine on its pools and adds the KVTransfer service to `server` (a GrpcServer)."""
+    xfer = KVTransferEngine(engine.pools, host, protocol, device)
+    server.add(pd_pb2_grpc.add_KVTransferServicer_to_server, PrefillService(core, xfer), SERVICE_NAME)
+    return xfer

@@ -1,0 +1,143 @@
+"""The failure rules of prefill / decode disaggregation, with real processes (docs/pd.md): a prefill worker killed or
+hung mid-transfer, a decode worker killed mid-transfer, a client that cancels during the transfer. After each, both
+workers' request-held pool slots are back to their idle value (0) and the decode worker still serves."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from mimo_epd.testing.servers import scrape
+from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+COMMON = ["--model", "tiny-random", "--torch-threads", "1", "--kv-cache-tokens", "8000", "--swa-cache-tokens", "1500"]
+# A long prompt in small chunks: the prefill (and its transfer) takes long enough to interrupt.
+SLOW_PREFILL = ["--chunk-size", "16", "--max-prefill-tokens", "16"]
+LONG = int(os.environ.get("PD_FAULT_PROMPT_TOKENS", "6000"))
+
+
+def port(s) -> int:
+    return int(s.http_address.rsplit(":", 1)[1])
+
+
+def wait_for(cond, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+def idle(s) -> bool:
+    m = scrape(port(s))
+    return (
+        m["llm_kv_full_request_slots"] == 0
+        and m["llm_kv_swa_request_slots"] == 0
+        and m["llm_requests_running"] == 0
+        and m.get("llm_pd_transferring", 0) == 0
+    )
+
+
+def pair(timeout_s: float = 2.0):
+    pre = start_server(COMMON + SLOW_PREFILL + ["--role", "prefill"], "llm")
+    dec = start_server(
+        COMMON
+        + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"]
+        + ["--pd-transfer-timeout-s", str(timeout_s)],
+        "llm",
+    )
+    return pre, dec
+
+
+def start_long(dec, pool):
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(dec.address))
+    ids = [1] + [(13 * i) % 200 + 3 for i in range(LONG)]
+    call = stub.Generate(
+        generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=generator_pb2.SamplingOptions(max_tokens=4)),
+        timeout=300,
+    )
+    return call, pool.submit(lambda: list(call))
+
+
+def mid_transfer(pre, dec) -> None:
+    """Waits until the prefill worker has written some of the prompt's KV and the decode worker still waits."""
+    wait_for(lambda: scrape(port(pre)).get("llm_pd_bytes_written", 0) > 0, "the first KV write")
+    assert scrape(port(dec))["llm_pd_transferring"] == 1, "the transfer ended before it could be interrupted"
+
+
+def serving(s) -> bool:
+    stub = health_pb2_grpc.HealthStub(grpc.insecure_channel(s.address))
+    return (
+        stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        == health_pb2.HealthCheckResponse.SERVING
+    )
+
+
+@pytest.mark.parametrize("how", ["kill", "hang"])
+def test_prefill_worker_lost_mid_transfer_frees_the_decode_side(how):
+    pre, dec = pair(timeout_s=2.0)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            _, fut = start_long(dec, pool)
+            mid_transfer(pre, dec)
+            t0 = time.monotonic()
+            pre.proc.send_signal(signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            with pytest.raises(grpc.RpcError) as ei:
+                fut.result(timeout=60)
+            took = time.monotonic() - t0
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "KV transfer failed" in ei.value.details()
+        assert took < 2.0 + 3.0  # the timeout (hang) or at once (kill): seconds, not minutes
+        wait_for(lambda: idle(dec), "the decode side's pages freed", 10)
+        m = scrape(port(dec))
+        assert m["llm_pd_transfer_failures" if how == "kill" else "llm_pd_transfer_timeouts"] == 1
+        assert serving(dec)  # the decode worker's health does not depend on its prefill peer
+        if how == "hang":
+            pre.proc.send_signal(signal.SIGCONT)  # it wakes to a cancelled stream and drops its room
+            wait_for(lambda: idle(pre), "the prefill side's slots freed", 30)
+    finally:
+        for s in (dec, pre):
+            s.stop()
+
+
+def test_decode_worker_killed_mid_transfer_frees_the_prefill_side():
+    pre, dec = pair()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            _, fut = start_long(dec, pool)
+            mid_transfer(pre, dec)
+            dec.proc.send_signal(signal.SIGKILL)
+            with pytest.raises(grpc.RpcError):
+                fut.result(timeout=60)
+        wait_for(lambda: idle(pre), "the prefill side's slots freed", 15)
+        assert serving(pre)
+    finally:
+        for s in (dec, pre):
+            s.stop()
+
+
+def test_client_cancel_during_transfer_frees_both_sides():
+    pre, dec = pair()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            call, fut = start_long(dec, pool)
+            mid_transfer(pre, dec)
+            call.cancel()
+            with pytest.raises(grpc.RpcError):
+                fut.result(timeout=60)
+        wait_for(lambda: idle(dec), "the decode side freed", 10)
+        wait_for(lambda: idle(pre), "the prefill side freed", 15)
+        assert scrape(port(dec))["llm_pd_transfer_aborts"] == 1
+    finally:
+        for s in (dec, pre):
+            s.stop()

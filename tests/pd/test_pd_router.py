@@ -1,0 +1,74 @@
+"""The router over prefill and decode workers (real processes): it picks a prefill worker for each decode worker's
+request, prefills on the decode worker when there is no prefill worker, and a stopped prefill worker does not fail
+a request that streamed nothing (the transfer times out on the decode worker, the router retries another)."""
+
+from __future__ import annotations
+
+import signal
+
+import grpc
+import pytest
+
+from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+from tests.conftest import start_server
+
+pytestmark = pytest.mark.integration
+
+COMMON = ["--model", "tiny-random", "--torch-threads", "1", "--http-port", "-1"]
+COMMON += ["--kv-cache-tokens", "6000", "--swa-cache-tokens", "1500"]
+
+
+def router(*args):
+    return start_server(["--model", "tiny-random", "--member-ttl-s", "2", *args], "router")
+
+
+def ask(address, ids, n=6):
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(address))
+    req = generator_pb2.GenerateRequest(
+        prompt_token_ids=ids, sampling=generator_pb2.SamplingOptions(max_tokens=n, ignore_eos=True)
+    )
+    tokens, final = [], None
+    for msg in stub.Generate(req, timeout=120):
+        if msg.HasField("delta"):
+            tokens += list(msg.delta.token_ids)
+        else:
+            final = msg.final
+    return tokens, final
+
+
+def test_router_picks_prefill_workers_and_survives_a_stopped_one():
+    pa = start_server(COMMON + ["--role", "prefill"], "llm")
+    pb = start_server(COMMON + ["--role", "prefill"], "llm")
+    dec = start_server(
+        COMMON + ["--role", "decode", "--pd-local-prefill-tokens", "0", "--pd-transfer-timeout-s", "1"], "llm"
+    )
+    both = start_server(COMMON, "llm")
+    r = router("--workers", ",".join(s.address for s in (pa, pb, dec)))
+    stopped = None
+    try:
+        ids = [1] + [(5 * i) % 200 + 3 for i in range(200)]
+        want, _ = ask(both.address, ids)
+        got, final = ask(r.address, ids)
+        assert got == want and final.prefill_address in (pa.address, pb.address)
+        stopped = pa if final.prefill_address == pa.address else pb
+        other = pb if stopped is pa else pa
+        stopped.proc.send_signal(signal.SIGSTOP)
+        got2, final2 = ask(r.address, ids + got + [9, 10, 11] * 20)
+        want2, _ = ask(both.address, ids + got + [9, 10, 11] * 20)
+        assert got2 == want2 and final2.prefill_address == other.address
+    finally:
+        if stopped is not None:
+            stopped.proc.send_signal(signal.SIGCONT)
+        for s in (r, both, dec, pb, pa):
+            s.stop()
+
+
+def test_without_prefill_workers_the_decode_worker_prefills_itself():
+    dec = start_server(COMMON + ["--role", "decode", "--pd-local-prefill-tokens", "0"], "llm")
+    r = router("--workers", dec.address)
+    try:
+        tokens, final = ask(r.address, [1] + list(range(3, 120)))
+        assert len(tokens) == 6 and final.prefill_address == "" and final.kv_transfer_bytes == 0
+    finally:
+        r.stop()
+        dec.stop()

@@ -1,0 +1,39 @@
+"""The P/D simulator: prefill and decode pools with the real decode scheduler, a network cost per transfer."""
+
+from __future__ import annotations
+
+from llm_backend.pd.rule import TransferRule
+from llm_backend.sim.cost import CostModel, load_profile
+from llm_backend.sim.engine import WorkerConfig
+from llm_backend.sim.shapes import get_shape
+from llm_backend.sim.trace import SimRequest
+from mimo_epd.sim.pd import Network, PDFleet
+
+
+def _fleet(**kw):
+    shape = get_shape("flash")
+    cost = CostModel(shape, load_profile("h200", None))
+    cfg = WorkerConfig(full_tokens=1 << 20, swa_tokens=1 << 16, page_size=128, chunk_size=8192, unit=16)
+    return shape, PDFleet(cost, cfg, 1, 2, **kw)
+
+
+def _requests(n: int, length: int, out: int = 32) -> list[SimRequest]:
+    return [SimRequest(i, 0.05 * i, [(i << 20) + j for j in range(length // 16)], length, out) for i in range(n)]
+
+
+def test_every_request_is_prefilled_remotely_and_moves_the_rules_bytes():
+    shape, fleet = _fleet()
+    res = fleet.run(_requests(6, 16384))
+    assert res["requests"] == 6 and res["errors"] == 0 and res["transfers"] == 6 and res["local_prefills"] == 0
+    want = TransferRule(16384, 0, shape.window, 128).bytes(shape.kv_bytes_full, shape.kv_bytes_swa)
+    assert res["transfer_bytes_per_request"] == want < res["full_kv_bytes_per_request"]
+    for w in fleet.decode:
+        for f in w.finished:
+            assert f.first_token - f.arrival > Network().seconds(want)  # the first token waits for the KV
+            assert f.output_len == 32
+
+
+def test_short_prompts_are_prefilled_on_the_decode_worker():
+    _, fleet = _fleet(local_prefill_tokens=4096)
+    res = fleet.run(_requests(4, 2048) + [SimRequest(9, 0.5, list(range(1 << 30, (1 << 30) + 1024)), 16384, 8)])
+    assert res["requests"] == 5 and res["local_prefills"] == 4 and res["transfers"] == 1
