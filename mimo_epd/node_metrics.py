@@ -64,8 +64,13 @@ class NodeMetrics:
 
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        from mimo_epd.common.auth import upstream_authorization
+
+        key = upstream_authorization(None)  # the node's internal key: workers with --api-key want it on /metrics
         try:
-            async with self._session.get(f"http://{address}/metrics") as r:
+            async with self._session.get(
+                f"http://{address}/metrics", headers={"Authorization": key} if key else {}
+            ) as r:
                 return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None

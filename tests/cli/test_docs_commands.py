@@ -7,6 +7,7 @@ run 5 s. Server commands (`serve`, `router`, `llm`, `encoder`, `redis-server`) a
 end (each must exit 0); the rest must succeed and answer without an error.
 """
 
+import os
 import re
 import shlex
 import signal
@@ -62,8 +63,10 @@ class Server:
 
     def __init__(self, command: str, cwd: Path):
         self.command = command
-        args = shlex.split(command)
-        self.proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env, args = split_env(command)
+        self.proc = subprocess.Popen(
+            args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+        )
         self.log: list[str] = []
         self.http = self.grpc = ""
         threading.Thread(target=lambda: [self.log.append(x) for x in self.proc.stderr], daemon=True).start()
@@ -91,8 +94,18 @@ class Server:
             return self.proc.wait()
 
 
-def is_server(command: str) -> bool:
+def split_env(command: str) -> tuple[dict[str, str], list[str]]:
+    """`VAR=value ... cmd args` -> ({VAR: value}, [cmd, args])."""
     args = shlex.split(command)
+    env = {}
+    while args and re.match(r"^[A-Z_][A-Z0-9_]*=", args[0]):
+        key, _, value = args.pop(0).partition("=")
+        env[key] = value
+    return env, args
+
+
+def is_server(command: str) -> bool:
+    args = split_env(command)[1]
     return args[0] == "redis-server" or (len(args) > 1 and args[0].endswith("mimo-epd") and args[1] in SERVERS)
 
 
@@ -117,8 +130,9 @@ def run_block(block: str, cwd: Path, ports: dict[str, str] | None = None) -> Non
         for command in commands(block):
             command = localise(command, ports)
             if is_server(command):
-                if " serve" in command and "--port" not in command:  # as the README test: free ports
-                    command += " --port 0 --http-port 0"
+                if " serve" in command:  # as the README test: free ports for what the command leaves default
+                    command += "" if "--port" in command else " --port 0"
+                    command += "" if "--http-port" in command else " --http-port 0"
                 servers.append(Server(command, cwd))
                 continue
             for attempt in range(5):  # a router finds the workers of a node that joined within a second or so
@@ -164,8 +178,9 @@ def test_each_api_md_command_as_written(api_node):
     work, cat, node = api_node
     media_port = cat.split("/")[2].rsplit(":", 1)[1]
     ports = {"8000": node.http.rsplit(":", 1)[1], "50051": node.grpc.rsplit(":", 1)[1], media_port: media_port}
-    for block in blocks("api.md", "bash"):
-        run_block(block.replace("https://example.com/cat.jpg", cat), work, ports)
+    for block in blocks("api.md", "bash"):  # a block that starts its own server gets its own ports
+        own = re.search(r"mimo-epd (serve|router|llm|encoder)\b", block)
+        run_block(block.replace("https://example.com/cat.jpg", cat), work, None if own else ports)
     for snippet in blocks("api.md", "python"):
         code = snippet.replace("127.0.0.1:8000", node.http)
         r = subprocess.run([sys.executable, "-c", code], cwd=work, capture_output=True, text=True, timeout=300)
