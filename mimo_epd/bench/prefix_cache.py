@@ -310,33 +310,29 @@ def local_stores():
             redis.stop(graceful=True)
 
 
-def replay_all(args) -> dict:
-    cfg = PRO_SHAPE_CONFIG
-    unit, page = args.token_unit, args.page_size
+def check_units(args, cfg) -> None:
+    """--token-unit must divide every size the replay works in; the checkpoint interval must be a multiple of it
+    and of the page above the window."""
+    unit, page, K = args.token_unit, args.page_size, args.swa_checkpoint_interval
     if BLOCK % unit or cfg.window % unit or page % unit or args.chunk_size % unit:
         raise SystemExit(
             f"--token-unit {unit} must divide the block (512), the window ({cfg.window}), "
             f"--page-size ({page}) and --chunk-size ({args.chunk_size})"
         )
-    K = args.swa_checkpoint_interval
     if K % unit or K % page or 0 < K <= cfg.window:
         raise SystemExit(
             f"--swa-checkpoint-interval {K} must be 0 or a multiple of --token-unit ({unit}) and --page-size "
             f"({page}) larger than the window ({cfg.window})"
         )
-    quick = 300 if args.tiers else 1000
-    trace = load_trace(args.trace, quick if args.quick and not args.requests else args.requests)
-    reqs = [(prompt_units(r, unit), r["input_length"]) for r in trace]
-    unique_blocks = len({h for r in trace for h in r["hash_ids"]})
-    esz = 2  # bf16
-    full_b, swa_b = token_bytes(cfg, False, esz), token_bytes(cfg, True, esz)
-    all_full_b = full_b + swa_b  # every layer's KV per token
-    unique_full_kv_bytes = unique_blocks * BLOCK * all_full_b
-    budget = int(unique_full_kv_bytes * args.budget_fraction)
-    w, c, p = cfg.window // unit, args.chunk_size // unit, page // unit
+
+
+def replay_modes(args, reqs, budget: int, full_b: int, swa_b: int, w: int, c: int, p: int) -> dict[str, Replay]:
+    """The three caches of one budget (in token units): SWA-aware (the budget split by --swa-share, sliding
+    layers released outside the window), full KV (every layer kept), and unbounded (the hit ceiling)."""
+    unit, K, all_full_b = args.token_unit, args.swa_checkpoint_interval, full_b + swa_b
     swa_units = int(budget * args.swa_share) // (swa_b * unit)
     full_units = (budget - swa_units * swa_b * unit) // (full_b * unit)
-    modes = {
+    return {
         "swa_aware": Replay(
             "swa_aware", full_units, max(swa_units, w + c), w, p, c, args.evict_fraction, checkpoint_units=K // unit
         ),
@@ -359,6 +355,23 @@ def replay_all(args) -> dict:
             args.evict_fraction,
         ),
     }
+
+
+def replay_all(args) -> dict:
+    cfg = PRO_SHAPE_CONFIG
+    check_units(args, cfg)
+    unit, page, K = args.token_unit, args.page_size, args.swa_checkpoint_interval
+    quick = 300 if args.tiers else 1000
+    trace = load_trace(args.trace, quick if args.quick and not args.requests else args.requests)
+    reqs = [(prompt_units(r, unit), r["input_length"]) for r in trace]
+    unique_blocks = len({h for r in trace for h in r["hash_ids"]})
+    esz = 2  # bf16
+    full_b, swa_b = token_bytes(cfg, False, esz), token_bytes(cfg, True, esz)
+    all_full_b = full_b + swa_b  # every layer's KV per token
+    unique_full_kv_bytes = unique_blocks * BLOCK * all_full_b
+    budget = int(unique_full_kv_bytes * args.budget_fraction)
+    w, c, p = cfg.window // unit, args.chunk_size // unit, page // unit
+    modes = replay_modes(args, reqs, budget, full_b, swa_b, w, c, p)
     results, seconds = {}, {}
     for name, replay in modes.items():
         t0 = time.perf_counter()
@@ -383,28 +396,7 @@ def replay_all(args) -> dict:
         "swa_aware_vs_unbounded": ratio("swa_aware", "unbounded"),
     }
     if args.tiers:
-        ratios.update(
-            {
-                "l1_l2_vs_unbounded": ratio("l1_l2", "unbounded"),
-                "l1_vs_unbounded": ratio("l1", "unbounded"),
-                "l1_l2_vs_l1": ratio("l1_l2", "l1"),
-                "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
-                f"l3_round_robin_vs_affinity_{OTHER_WRITE[args.kv_store_write]}": ratio(
-                    f"l1_l2_l3_round_robin_{OTHER_WRITE[args.kv_store_write]}",
-                    f"l1_l2_l3_affinity_{OTHER_WRITE[args.kv_store_write]}",
-                ),
-                "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
-                **store_ratios(args, ratio),
-                "swa_backfill_on_vs_off": ratio(*switch_modes(args, "swa_backfill")),
-                "swa_checkpoint_on_vs_off": ratio(*switch_modes(args, "swa_checkpoint")),
-                f"host_{args.host_kv_policy}_vs_{OTHER_POLICY[args.host_kv_policy]}": ratio(
-                    "l1_l2", f"l1_l2_host_{OTHER_POLICY[args.host_kv_policy]}"
-                ),
-                f"write_{args.host_kv_write}_vs_{OTHER_HOST_WRITE[args.host_kv_write]}": ratio(
-                    "l1_l2", f"l1_l2_write_{OTHER_HOST_WRITE[args.host_kv_write]}"
-                ),
-            }
-        )
+        ratios.update(tier_ratios(args, ratio))
     out = {
         "bench": "prefix-cache",
         "config": {
@@ -431,6 +423,30 @@ def replay_all(args) -> dict:
     if tier_config is not None:
         out["config"]["tiers"] = tier_config
     return out
+
+
+def tier_ratios(args, ratio) -> dict:
+    """The --tiers ratios of hit tokens (`ratio(a, b)`: mode a's over mode b's)."""
+    return {
+        "l1_l2_vs_unbounded": ratio("l1_l2", "unbounded"),
+        "l1_vs_unbounded": ratio("l1", "unbounded"),
+        "l1_l2_vs_l1": ratio("l1_l2", "l1"),
+        "l3_round_robin_vs_affinity": ratio("l1_l2_l3_round_robin", "l1_l2_l3_affinity"),
+        f"l3_round_robin_vs_affinity_{OTHER_WRITE[args.kv_store_write]}": ratio(
+            f"l1_l2_l3_round_robin_{OTHER_WRITE[args.kv_store_write]}",
+            f"l1_l2_l3_affinity_{OTHER_WRITE[args.kv_store_write]}",
+        ),
+        "l3_affinity_vs_unbounded": ratio("l1_l2_l3_affinity", "unbounded"),
+        **store_ratios(args, ratio),
+        "swa_backfill_on_vs_off": ratio(*switch_modes(args, "swa_backfill")),
+        "swa_checkpoint_on_vs_off": ratio(*switch_modes(args, "swa_checkpoint")),
+        f"host_{args.host_kv_policy}_vs_{OTHER_POLICY[args.host_kv_policy]}": ratio(
+            "l1_l2", f"l1_l2_host_{OTHER_POLICY[args.host_kv_policy]}"
+        ),
+        f"write_{args.host_kv_write}_vs_{OTHER_HOST_WRITE[args.host_kv_write]}": ratio(
+            "l1_l2", f"l1_l2_write_{OTHER_HOST_WRITE[args.host_kv_write]}"
+        ),
+    }
 
 
 class FluidLoad:
@@ -469,127 +485,13 @@ def switch_modes(args, switch: str) -> tuple[str, str]:
     return f"l1_l2_{switch}_on", "l1_l2"
 
 
-def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
-    """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
-    from mimo_epd.router.policies import Affinity, Candidate, RequestView, RoundRobin
-
-    if args.host_factor <= 0 or args.store_factor <= 0 or args.workers < 1 or args.fleet_load <= 0:
-        raise SystemExit("--host-factor, --store-factor and --fleet-load must be positive, --workers at least 1")
-    span = max(stamps) - min(stamps)
-    prompt_tokens = sum(length for _, length in reqs)
-    rate = prompt_tokens / span / args.workers / args.fleet_load if span > 0 else 0.0
-    ubytes = (full_b * unit, swa_b * unit)  # the tiers count a unit as a token: per-unit bytes
-    dev_full, dev_swa = l1.full_pool.size * ubytes[0], l1.swa_pool.size * ubytes[1]
-    device_bytes = dev_full + dev_swa
-    host_bytes = int(device_bytes * args.host_factor)
-    share = dev_full / max(device_bytes, 1)  # the host bytes split like the device pools' (as engine.LLM does)
-    host_full, host_swa = int(host_bytes * share) // ubytes[0], int(host_bytes * (1 - share)) // ubytes[1]
-    K = args.swa_checkpoint_interval // unit
-    # The switch comparison's K when the flag is 0: the engine's default (one trace block), as the engine fits it
-    # (a page multiple above the window).
-    switch_k = K or fit_checkpoint_interval(DEFAULT_CHECKPOINT // unit, w, p)
-    data = bool(args.kv_store)
-
-    def replay(
-        name,
-        store=None,
-        backfill=args.swa_backfill,
-        k=K,
-        host=True,
-        write=args.kv_store_write,
-        policy=args.host_kv_policy,
-        host_write=args.host_kv_write,
-    ):
-        t = dict(
-            host_full=host_full if host else 0,
-            host_swa=host_swa if host else 0,
-            unit_bytes=ubytes,
-            evict_fraction=args.evict_fraction,
-            swa_backfill=backfill,
-            store=store,
-            data=data,
-            store_write=write,
-            policy=policy,
-            write=host_write,
-        )
-        return Replay(
-            name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=t, checkpoint_units=k
-        )
-
-    def timed(name, fn):
-        t0 = time.perf_counter()
-        results[name] = fn()
-        seconds[name] = round(time.perf_counter() - t0, 2)
-
-    def single(r: Replay):
-        for units, length in reqs:
-            r.request(units, length, unit)
-        return combine(r.name, [r], unit)
-
-    results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
-    seconds["l1"] = seconds["swa_aware"]
-    timed("l1_l2", lambda: single(replay("l1_l2")))
-    # Each hit-rate switch flipped from its configured value (`switch_modes`): on vs off, all else equal.
-    flipped = {
-        "swa_backfill": dict(backfill=not args.swa_backfill),
-        "swa_checkpoint": dict(k=0 if K else switch_k),
-    }
-    for sw in SWITCHES:
-        name = f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}"
-        timed(name, lambda name=name, sw=sw: single(replay(name, **flipped[sw])))
-    # The host tier's two policy flags, each flipped (the measurement behind the engine's defaults).
-    other_policy = OTHER_POLICY[args.host_kv_policy]
-    other_host_write = OTHER_HOST_WRITE[args.host_kv_write]
-    timed(f"l1_l2_host_{other_policy}", lambda: single(replay(f"l1_l2_host_{other_policy}", policy=other_policy)))
-    timed(
-        f"l1_l2_write_{other_host_write}",
-        lambda: single(replay(f"l1_l2_write_{other_host_write}", host_write=other_host_write)),
-    )
-    store_bytes = int(device_bytes * args.store_factor)
-
-    urls = store_urls(args)
-
-    def fleet(name, policy, write=args.kv_store_write, url=urls[0] if urls else ""):
-        store = new_store(url, store_bytes, cfg, p)
-        try:
-            workers = [replay(f"{name}[{i}]", store=store, write=write) for i in range(args.workers)]
-            names = [str(i) for i in range(args.workers)]
-            load = FluidLoad(args.workers, rate)
-            for (units, length), t in zip(reqs, stamps):
-                view = RequestView(length, BLOCK)
-                queued = load.at(t)
-                cands = [
-                    Candidate(n, matched_tokens=min(wk.peek(units) * unit, length), queued_tokens=q)
-                    for n, wk, q in zip(names, workers, queued)
-                ]
-                pick = policy.rank(view, cands)[0]
-                policy.observe(view, pick)
-                wk = workers[int(pick)]
-                before = wk.hit_tokens
-                wk.request(units, length, unit)
-                load.add(int(pick), length - (wk.hit_tokens - before))
-                store.flush()  # the replay is one request at a time: its pages are stored before the next one
-            return combine(name, workers, unit, store)
-        finally:
-            store.close()
-
-    timed("l1_l2_l3_round_robin", lambda: fleet("l1_l2_l3_round_robin", RoundRobin()))
-    timed("l1_l2_l3_affinity", lambda: fleet("l1_l2_l3_affinity", Affinity()))
-    other = OTHER_WRITE[args.kv_store_write]
-    timed(f"l1_l2_l3_round_robin_{other}", lambda: fleet(f"l1_l2_l3_round_robin_{other}", RoundRobin(), other))
-    timed(f"l1_l2_l3_affinity_{other}", lambda: fleet(f"l1_l2_l3_affinity_{other}", Affinity(), other))
-    for url in urls[1:]:  # every further store: the same two modes on it, side by side with the first
-        name = store_scheme(url)
-        timed(
-            f"l1_l2_l3_round_robin_{name}",
-            lambda n=name, u=url: fleet(f"l1_l2_l3_round_robin_{n}", RoundRobin(), url=u),
-        )
-        timed(f"l1_l2_l3_affinity_{name}", lambda n=name, u=url: fleet(f"l1_l2_l3_affinity_{n}", Affinity(), url=u))
+def tiers_config(args, sizes: dict, urls: list[str], store_bytes: int, K: int, switch_k: int, unit, data, rate) -> dict:
+    """What the --tiers replay ran with (the JSON's `config.tiers`)."""
     return {
-        "device_bytes": device_bytes,
+        "device_bytes": sizes["device_bytes"],
         "host_factor": args.host_factor,
-        "host_bytes": host_bytes,
-        "host_units": {"full": host_full, "swa": host_swa},
+        "host_bytes": sizes["host_bytes"],
+        "host_units": {"full": sizes["host_full"], "swa": sizes["host_swa"]},
         "host_kv_policy": args.host_kv_policy,
         "host_kv_write": args.host_kv_write,
         "workers": args.workers,
@@ -609,6 +511,122 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
         "router's Affinity on each worker's peeked prefix and its simulated queued prefill tokens",
         "page_counts": "pages of --page-size tokens; swa_* and hit_* in tokens",
     }
+
+
+def replay_fleet(workers: list[Replay], policy, store, reqs, stamps, unit: int, load: "FluidLoad") -> None:
+    """The trace through `workers` sharing `store`, each request placed by the router's `policy` on the workers'
+    peeked prefixes and their simulated queued prefill (`load`)."""
+    from mimo_epd.router.policies import Candidate, RequestView
+
+    names = [str(i) for i in range(len(workers))]
+    for (units, length), t in zip(reqs, stamps):
+        view = RequestView(length, BLOCK)
+        queued = load.at(t)
+        cands = [
+            Candidate(n, matched_tokens=min(wk.peek(units) * unit, length), queued_tokens=q)
+            for n, wk, q in zip(names, workers, queued)
+        ]
+        pick = policy.rank(view, cands)[0]
+        policy.observe(view, pick)
+        wk = workers[int(pick)]
+        before = wk.hit_tokens
+        wk.request(units, length, unit)
+        load.add(int(pick), length - (wk.hit_tokens - before))
+        store.flush()  # the replay is one request at a time: its pages are stored before the next one
+
+
+def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
+    """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
+    from mimo_epd.router.policies import Affinity, RoundRobin
+
+    if args.host_factor <= 0 or args.store_factor <= 0 or args.workers < 1 or args.fleet_load <= 0:
+        raise SystemExit("--host-factor, --store-factor and --fleet-load must be positive, --workers at least 1")
+    span = max(stamps) - min(stamps)
+    prompt_tokens = sum(length for _, length in reqs)
+    rate = prompt_tokens / span / args.workers / args.fleet_load if span > 0 else 0.0
+    ubytes = (full_b * unit, swa_b * unit)  # the tiers count a unit as a token: per-unit bytes
+    dev_full, dev_swa = l1.full_pool.size * ubytes[0], l1.swa_pool.size * ubytes[1]
+    device_bytes = dev_full + dev_swa
+    host_bytes = int(device_bytes * args.host_factor)
+    share = dev_full / max(device_bytes, 1)  # the host bytes split like the device pools' (as engine.LLM does)
+    host_full, host_swa = int(host_bytes * share) // ubytes[0], int(host_bytes * (1 - share)) // ubytes[1]
+    K = args.swa_checkpoint_interval // unit
+    # The switch comparison's K when the flag is 0: the engine's default (one trace block), as the engine fits it
+    # (a page multiple above the window).
+    switch_k = K or fit_checkpoint_interval(DEFAULT_CHECKPOINT // unit, w, p)
+    data = bool(args.kv_store)
+
+    base = dict(
+        host_full=host_full,
+        host_swa=host_swa,
+        unit_bytes=ubytes,
+        evict_fraction=args.evict_fraction,
+        swa_backfill=args.swa_backfill,
+        data=data,
+        store_write=args.kv_store_write,
+        policy=args.host_kv_policy,
+        write=args.host_kv_write,
+    )
+
+    def replay(name, store=None, k=K, **over) -> Replay:
+        """One tiered worker: the L1 pools of the swa_aware replay, `base` with `over` changed."""
+        tiers = {**base, **over, "store": store}
+        return Replay(
+            name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=tiers, checkpoint_units=k
+        )
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        results[name] = fn()
+        seconds[name] = round(time.perf_counter() - t0, 2)
+
+    def single(r: Replay):
+        for units, length in reqs:
+            r.request(units, length, unit)
+        return combine(r.name, [r], unit)
+
+    results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
+    seconds["l1"] = seconds["swa_aware"]
+    timed("l1_l2", lambda: single(replay("l1_l2")))
+    # Each hit-rate switch flipped from its configured value (`switch_modes`): on vs off, all else equal.
+    flipped = {
+        "swa_backfill": dict(swa_backfill=not args.swa_backfill),
+        "swa_checkpoint": dict(k=0 if K else switch_k),
+    }
+    for sw in SWITCHES:
+        name = f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}"
+        timed(name, lambda name=name, sw=sw: single(replay(name, **flipped[sw])))
+    # The host tier's two policy flags, each flipped (the measurement behind the engine's defaults).
+    other_policy = OTHER_POLICY[args.host_kv_policy]
+    other_host_write = OTHER_HOST_WRITE[args.host_kv_write]
+    timed(f"l1_l2_host_{other_policy}", lambda: single(replay(f"l1_l2_host_{other_policy}", policy=other_policy)))
+    timed(
+        f"l1_l2_write_{other_host_write}",
+        lambda: single(replay(f"l1_l2_write_{other_host_write}", write=other_host_write)),
+    )
+    store_bytes = int(device_bytes * args.store_factor)
+
+    urls = store_urls(args)
+
+    def fleet(name, policy, write, url):
+        store = new_store(url, store_bytes, cfg, p)
+        try:
+            workers = [replay(f"{name}[{i}]", store=store, store_write=write) for i in range(args.workers)]
+            replay_fleet(workers, policy, store, reqs, stamps, unit, FluidLoad(args.workers, rate))
+            return combine(name, workers, unit, store)
+        finally:
+            store.close()
+
+    # Both policies with the configured write mode, with the other one, then on every further store.
+    first, other = urls[0] if urls else "", OTHER_WRITE[args.kv_store_write]
+    fleets = [("", args.kv_store_write, first), (f"_{other}", other, first)]
+    fleets += [(f"_{store_scheme(u)}", args.kv_store_write, u) for u in urls[1:]]
+    for suffix, write, url in fleets:
+        for policy_name, policy in (("round_robin", RoundRobin), ("affinity", Affinity)):
+            name = f"l1_l2_l3_{policy_name}{suffix}"
+            timed(name, lambda n=name, pol=policy, wr=write, u=url: fleet(n, pol(), wr, u))
+    sizes = {"device_bytes": device_bytes, "host_bytes": host_bytes, "host_full": host_full, "host_swa": host_swa}
+    return tiers_config(args, sizes, urls, store_bytes, K, switch_k, unit, data, rate)
 
 
 def store_scheme(url: str) -> str:
@@ -709,6 +727,11 @@ def add_arguments(p) -> None:
         help="also replay with the KV tiers: L1, L1+L2, L1+L2+L3 over --workers workers (round robin and "
         "affinity), the hit-rate switches on and off (docs/kv-tiers.md)",
     )
+    add_tier_arguments(p)
+
+
+def add_tier_arguments(p) -> None:
+    """The flags of the --tiers replay: tier sizes, fleet, host policy, stores."""
     p.add_argument(
         "--host-factor", type=float, default=4.0, help="--tiers: host tier bytes / device bytes (default: 4)"
     )
