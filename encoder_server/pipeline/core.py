@@ -52,21 +52,8 @@ class EncodePipeline:
         self.model_id = self.model.model_id
         self.audio_model = self._load_audio_model()
         self.audio_features = AudioFeatureConfig()
-        if config.shm_cache_name:
-            self.cache = ShmEmbeddingStore(config.shm_cache_name, config.shm_cache_bytes)
-        else:
-            self.cache = EmbeddingLRU(config.cache_bytes) if config.cache_bytes > 0 else None
-        policy = UrlPolicy(allow_private=config.allow_private_urls, allowlist=parse_networks(config.url_allowlist))
-        self.fetcher = Fetcher(
-            FetchLimits(
-                max_bytes=config.max_item_bytes,
-                timeout_s=config.fetch_timeout_s,
-                max_redirects=config.max_redirects,
-                allowed_local_dir=config.allowed_local_dir or None,
-                pool_size=config.fetch_concurrency,
-            ),
-            policy,
-        )
+        self.cache = self._make_cache()
+        self.fetcher = self._make_fetcher()
         d = config.queue_depth
         # URL fetches only; inline bytes, data: URIs and paths are read where they arrive (`_route`).
         self.fetches = FairFetchScheduler(self._fetch, config.fetch_concurrency, config.fetch_per_host)
@@ -88,24 +75,10 @@ class EncodePipeline:
             budget=self._batch_budget(),
             forwards={"audio": self._audio_forward},
         )
-        resize_in = config.resize_in
-        if resize_in == "auto":
-            resize_in = "device" if torch.device(config.device).type == "cuda" else "decoder"
-        self.resize_in = resize_in
-        self.decode_pool = DecodePool(
-            config.decode_workers,
-            DecodeOptions(
-                max_pixels=config.max_image_pixels,
-                decoder=config.decoder,
-                jpeg_draft=config.jpeg_draft,
-                resize=resize_in == "decoder",
-                patchify=resize_in == "decoder",
-                preprocess=self.preprocess_config,
-                device=str(config.device),
-            ),
-            slot_bytes=config.decode_slot_bytes,
-            inflight=config.decode_inflight,
-        )
+        self.resize_in = config.resize_in
+        if self.resize_in == "auto":
+            self.resize_in = "device" if torch.device(config.device).type == "cuda" else "decoder"
+        self.decode_pool = self._make_decode_pool()
         # Set once here; the video path only checks it (the tower is never reconfigured per call).
         self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
         self.metrics = EncoderMetrics()
@@ -151,6 +124,39 @@ class EncodePipeline:
             self.cache,
         )
         self._tasks: list[asyncio.Task] = []
+
+    def _make_cache(self):
+        """The node's shm embedding store when it has one, else a process-local LRU (none with --cache-bytes 0)."""
+        c = self.config
+        if c.shm_cache_name:
+            return ShmEmbeddingStore(c.shm_cache_name, c.shm_cache_bytes)
+        return EmbeddingLRU(c.cache_bytes) if c.cache_bytes > 0 else None
+
+    def _make_fetcher(self) -> Fetcher:
+        c = self.config
+        policy = UrlPolicy(allow_private=c.allow_private_urls, allowlist=parse_networks(c.url_allowlist))
+        limits = FetchLimits(
+            max_bytes=c.max_item_bytes,
+            timeout_s=c.fetch_timeout_s,
+            max_redirects=c.max_redirects,
+            allowed_local_dir=c.allowed_local_dir or None,
+            pool_size=c.fetch_concurrency,
+        )
+        return Fetcher(limits, policy)
+
+    def _make_decode_pool(self) -> DecodePool:
+        """The decode processes; they resize and patchify too when `resize_in` is the decoder."""
+        c, in_decoder = self.config, self.resize_in == "decoder"
+        options = DecodeOptions(
+            max_pixels=c.max_image_pixels,
+            decoder=c.decoder,
+            jpeg_draft=c.jpeg_draft,
+            resize=in_decoder,
+            patchify=in_decoder,
+            preprocess=self.preprocess_config,
+            device=str(c.device),
+        )
+        return DecodePool(c.decode_workers, options, slot_bytes=c.decode_slot_bytes, inflight=c.decode_inflight)
 
     def _load_audio_model(self) -> LoadedAudioModel | None:
         c = self.config
