@@ -120,6 +120,22 @@ def run(args) -> int:
         return _run(args, out_dir)
 
 
+def write_media(out_dir: Path, images: dict[str, bytes], audio_fraction: float) -> tuple[Path, Path]:
+    """The load's images (and, with --audio-fraction, four 2-8 s clips) under `out_dir`, for the Locust users."""
+    img_dir = out_dir / "images"
+    img_dir.mkdir(exist_ok=True)
+    for name, data in images.items():
+        (img_dir / name).write_bytes(data)
+    audio_dir = out_dir / "audio"
+    if audio_fraction > 0:
+        from mimo_epd.testing.audio_gen import make_test_audio
+
+        audio_dir.mkdir(exist_ok=True)
+        for i in range(4):
+            make_test_audio(str(audio_dir / f"clip-{i}.wav"), 2.0 + 2 * i, seed=100 + i)
+    return img_dir, audio_dir
+
+
 def _run(args, out_dir: Path) -> int:
     import importlib.util
 
@@ -133,17 +149,7 @@ def _run(args, out_dir: Path) -> int:
         )
         return 2
     images = generate_pool([(480, 640), (1080, 1920)], per_size=2)
-    img_dir = out_dir / "images"
-    img_dir.mkdir(exist_ok=True)
-    for name, data in images.items():
-        (img_dir / name).write_bytes(data)
-    audio_dir = out_dir / "audio"
-    if args.audio_fraction > 0:
-        from mimo_epd.testing.audio_gen import make_test_audio
-
-        audio_dir.mkdir(exist_ok=True)
-        for i in range(4):
-            make_test_audio(str(audio_dir / f"clip-{i}.wav"), 2.0 + 2 * i, seed=100 + i)
+    img_dir, audio_dir = write_media(out_dir, images, args.audio_fraction)
     server = None
     proc = None
     with MediaServer(images) if args.urls else nullcontext() as media:
