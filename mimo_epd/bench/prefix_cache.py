@@ -535,6 +535,22 @@ def replay_fleet(workers: list[Replay], policy, store, reqs, stamps, unit: int, 
         store.flush()  # the replay is one request at a time: its pages are stored before the next one
 
 
+def single_worker_modes(args, K: int, switch_k: int) -> list[tuple[str, dict]]:
+    """The one-worker tiered modes, each a name and what it changes: L1+L2 as configured; each hit-rate switch
+    flipped from its configured value (`switch_modes`: on vs off, all else equal); the host tier's two policy
+    flags, each flipped (the measurement behind the engine's defaults)."""
+    flipped = {
+        "swa_backfill": dict(swa_backfill=not args.swa_backfill),
+        "swa_checkpoint": dict(k=0 if K else switch_k),
+    }
+    modes: list[tuple[str, dict]] = [("l1_l2", {})]
+    modes += [(f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}", flipped[sw]) for sw in SWITCHES]
+    other_policy, other_write = OTHER_POLICY[args.host_kv_policy], OTHER_HOST_WRITE[args.host_kv_write]
+    modes.append((f"l1_l2_host_{other_policy}", dict(policy=other_policy)))
+    modes.append((f"l1_l2_write_{other_write}", dict(write=other_write)))
+    return modes
+
+
 def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, full_b, swa_b, cfg) -> dict:
     """The tiered modes (module docstring); adds them to `results` / `seconds`, returns their config."""
     from mimo_epd.router.policies import Affinity, RoundRobin
@@ -587,23 +603,8 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
 
     results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
     seconds["l1"] = seconds["swa_aware"]
-    timed("l1_l2", lambda: single(replay("l1_l2")))
-    # Each hit-rate switch flipped from its configured value (`switch_modes`): on vs off, all else equal.
-    flipped = {
-        "swa_backfill": dict(swa_backfill=not args.swa_backfill),
-        "swa_checkpoint": dict(k=0 if K else switch_k),
-    }
-    for sw in SWITCHES:
-        name = f"l1_l2_{sw}_{'off' if switch_on(args, sw) else 'on'}"
-        timed(name, lambda name=name, sw=sw: single(replay(name, **flipped[sw])))
-    # The host tier's two policy flags, each flipped (the measurement behind the engine's defaults).
-    other_policy = OTHER_POLICY[args.host_kv_policy]
-    other_host_write = OTHER_HOST_WRITE[args.host_kv_write]
-    timed(f"l1_l2_host_{other_policy}", lambda: single(replay(f"l1_l2_host_{other_policy}", policy=other_policy)))
-    timed(
-        f"l1_l2_write_{other_host_write}",
-        lambda: single(replay(f"l1_l2_write_{other_host_write}", write=other_host_write)),
-    )
+    for name, over in single_worker_modes(args, K, switch_k):
+        timed(name, lambda name=name, over=over: single(replay(name, **over)))
     store_bytes = int(device_bytes * args.store_factor)
 
     urls = store_urls(args)
