@@ -60,7 +60,7 @@ async def test_malformed_json(worker, raw):
         ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_file", "file": {}}]}]},
             "messages[0].content[0].type",
         ),
         ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages[0].content[0].text"),
