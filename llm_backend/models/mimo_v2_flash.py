@@ -105,7 +105,10 @@ class MiMoV2FlashConfig:
         return cls(**kw)
 
     def to_hf_dict(self) -> dict:
-        return {"model_type": "mimo_v2_flash", **{f.name: getattr(self, f.name) for f in fields(self)}}
+        """The config as transformers' MiMoV2FlashConfig reads it; a field that is not given (None) is left out, so
+        transformers applies its own default (it refuses None for `max_position_embeddings`)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {"model_type": "mimo_v2_flash", **{k: v for k, v in values.items() if v is not None}}
 
 
 class SeqInput(NamedTuple):

@@ -208,6 +208,6 @@ def test_nothing_at_run_time_reads_the_corpus_or_the_network():
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert not report["train_loaded"]
     opened = [p for kind, p in report["events"] if kind == "open"]
-    assert not [p for p in opened if "python3.11/html" in p or "/usr/share/doc" in p]
+    assert not [p for p in opened if "/usr/share/doc" in p]  # the corpus (the stdlib html package is not)
     assert not [e for e in report["events"] if e[0] != "open"], "network access at run time"
     assert any(p.startswith(TINY_MODEL) for p in opened)  # the shipped files are what it read
