@@ -87,7 +87,8 @@ class Drain(grpc.aio.ServerInterceptor):
         if self.in_flight:
             log.info("draining %d RPCs in flight (%gs grace)", self.in_flight, grace_s)
         try:
-            await asyncio.wait_for(self._idle.wait(), grace_s)
+            if self.in_flight:  # (a zero grace with nothing in flight is not a timeout)
+                await asyncio.wait_for(self._idle.wait(), grace_s)
             await asyncio.sleep(min(_LINGER_S, max(0.0, deadline - time.monotonic())))
         except TimeoutError:
             log.warning("grace period over with %d RPCs still in flight; cancelling them", self.in_flight)
@@ -125,13 +126,26 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:
-    """SIGTERM / SIGINT set `stop` (graceful shutdown); silently skipped off the main thread."""
+    """SIGTERM / SIGINT set `stop` (graceful shutdown); SIGUSR1 writes every asyncio task's stack to stderr (what
+    a server that does not stop is waiting for: `kill -USR1 PID`). Silently skipped off the main thread."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig, handler in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGUSR1, dump_tasks)):
         try:
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, handler)
         except (NotImplementedError, RuntimeError):
             pass
+
+
+def dump_tasks() -> None:
+    """Every task of the running loop with the stack it is suspended in, on stderr."""
+    import sys
+
+    tasks = asyncio.all_tasks()
+    print(f"--- {len(tasks)} asyncio tasks (SIGUSR1) ---", file=sys.stderr)
+    for task in tasks:
+        frames = " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})" for f in task.get_stack())
+        print(f"{task.get_name()}: {frames or task.get_coro()!r}", file=sys.stderr)
+    sys.stderr.flush()
 
 
 def shown_host(host: str) -> str:

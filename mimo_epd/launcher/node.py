@@ -356,19 +356,45 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
         await stop.wait()
         return 0
     finally:
-        if health_task is not None:
-            health_task.cancel()
-        if health is not None:
-            await health.stop(0)
-        supervisor.stop()
-        await asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
-        for f in feeds:  # leave the registry now rather than one TTL later
-            try:
-                await state.unregister(f.id)
-            except Exception:  # noqa: BLE001 - the state may be down; the entries then expire
-                pass
-        await asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]), return_exceptions=True)
-        await state.close()
+        await leave_join(health, health_task, supervisor, feeds, heartbeats, state)
+        await bounded(
+            asyncio.gather(*(e.stop(enc.grace_period_s) for e in [*encoders, *llms]), return_exceptions=True),
+            enc.grace_period_s + 10,
+            "stopping the children",
+        )
+        await bounded(state.close(), STEP_S, "closing the shared state")
         if shm.created:
             shm.unlink()
         shm.close()
+
+
+# A shutdown step that takes longer than this is abandoned with a warning naming it: a node always exits.
+STEP_S = 10.0
+
+
+async def bounded(step, seconds: float, what: str) -> None:
+    """Awaits one shutdown step for at most `seconds`; past that it is cancelled and named in the log."""
+    t0 = time.monotonic()
+    try:
+        await asyncio.wait_for(step, seconds)
+    except TimeoutError:
+        log.warning("shutdown: %s took over %gs; abandoned", what, seconds)
+    except Exception as err:  # noqa: BLE001 - one step failing does not keep the others from running
+        log.warning("shutdown: %s failed: %s", what, err)
+    else:
+        if time.monotonic() - t0 > 2:
+            log.info("shutdown: %s took %.1fs", what, time.monotonic() - t0)
+
+
+async def leave_join(health, health_task, supervisor, feeds, heartbeats, state) -> None:
+    """A joined node leaves: its health NOT_SERVING and stopped, the relays and heartbeats stopped, its
+    registrations deleted now rather than one TTL later (the state may be down: then they expire)."""
+    if health_task is not None:
+        health_task.cancel()
+    if health is not None:
+        await bounded(health.stop(0), STEP_S, "stopping the health server")
+    supervisor.stop()
+    stops = asyncio.gather(*(f.stop() for f in feeds), *(h.stop() for h in heartbeats), return_exceptions=True)
+    await bounded(stops, STEP_S, "stopping the KV-event relays and heartbeats")
+    for f in feeds:
+        await bounded(state.unregister(f.id), STEP_S, f"unregistering {f.address}")

@@ -89,7 +89,9 @@ class Server:
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(60)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # what it waits for, in its log (the asserting message shows it)
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1)
             self.proc.kill()
             return self.proc.wait()
 
@@ -143,7 +145,7 @@ def run_block(block: str, cwd: Path, ports: dict[str, str] | None = None) -> Non
             assert r.returncode == 0, f"{command}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
             assert '"error"' not in r.stdout, f"{command}\n{r.stdout[-2000:]}"
     finally:
-        codes = [(s.command, s.stop(), "".join(s.log)[-1500:]) for s in reversed(servers)]
+        codes = [(s.command, s.stop(), "".join(s.log)[-6000:]) for s in reversed(servers)]
         if redis is not None:
             redis.stop()
     for command, rc, log in codes:
