@@ -4,6 +4,9 @@ VENV ?= .venv
 PYTHON ?= python3
 ARGS ?=
 PYTEST_ARGS ?=
+# pytest processes (`make test TEST_WORKERS=0` runs in one): most integration tests wait on servers they started,
+# so two share two cores well; a file's tests stay in one process (its module fixtures start once).
+TEST_WORKERS ?= 2
 
 .PHONY: serve test lint install install-dev protos bench docs clean
 
@@ -35,7 +38,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/mimo-epd serve $(ARGS)
 
 test: lint
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
