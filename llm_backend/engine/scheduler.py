@@ -312,12 +312,13 @@ class Scheduler:
             r.prompt_logprobs.extend(res.prompt_logprobs)
             kv = r.kv
             assert kv is not None, "a running request has its KV"
-            if self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt):
+            prompt_chunk = self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt)
+            if prompt_chunk:
                 kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
-            else:
-                kv.release_out_of_window()
             if res.sampled is not None:
                 self._take_tokens(r, seg, res)
+            if not prompt_chunk:  # after the rejected drafts are rolled back: the window is the kept tokens'
+                kv.release_out_of_window()
             self.peak_swa_per_request = max(self.peak_swa_per_request, kv.own_swa_live())
             if r.finish_reason == "" and r.aborted == "" and self._stopped(r):
                 self.running.remove(r)

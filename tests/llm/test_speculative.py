@@ -353,3 +353,20 @@ def test_greedy_identical_with_media_rows_and_a_second_turn(model):
         got[steps] = (r1.output, r2.output, r2.cached_tokens)
         idle(llm)
     assert got[3] == got[0] and got[0][2] > 0
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_outputs_longer_than_the_window_with_rejected_drafts(model, prefix_cache):
+    """Regression (found by `bench spec`'s 128-256 bucket): a decode step's out-of-window release ran while the
+    request's KV still held its draft positions, so it freed SWA slots that the next step's window (K - accepted
+    tokens earlier) still needed: 'a KV slot the window needs was released'. Own decode tokens must pass the
+    window (the prompt's slots belong to the tree), with drafts rejected."""
+    w = CFG.sliding_window
+    ps = prompts(n=3, seed=7, lo=5, hi=40)
+    sp = SamplingParams(max_tokens=w + 40, ignore_eos=True)
+    want = outputs(engine(model, enable_prefix_cache=prefix_cache), ps, sp)
+    llm = engine(model, speculative_steps=3, enable_prefix_cache=prefix_cache)  # random MTP: most drafts rejected
+    assert outputs(llm, ps, sp) == want
+    s = llm.stats()
+    assert s["spec_drafted_tokens"] > s["spec_accepted_tokens"]
+    idle(llm)
