@@ -1,6 +1,6 @@
 """Prints the greedy answers of a checkpoint to docs/model.md's example prompts, as a Markdown table.
 
-    .venv/bin/python scripts/model_examples.py [MODEL]      (default: tiny, the shipped checkpoint)
+.venv/bin/python scripts/model_examples.py [MODEL]      (default: tiny, the shipped checkpoint)
 """
 
 from __future__ import annotations
