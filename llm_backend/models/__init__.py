@@ -117,7 +117,9 @@ def load_llm(name_or_path: str, device: str = "cpu", dtype: torch.dtype = torch.
     return model.eval()
 
 
-def _load_checkpoint(name_or_path: str) -> MiMoV2FlashForCausalLM:
+def _load_checkpoint(name_or_path: str, shapes_only: bool = False) -> MiMoV2FlashForCausalLM:
+    """The checkpoint's model with its weights; `shapes_only`: built on the meta device from the safetensors
+    headers alone (no tensor read), which checks every weight's name and shape against config.json."""
     d = Path(resolve_model(name_or_path))
     if not (d / "config.json").is_file():
         raise FileNotFoundError(
@@ -126,12 +128,11 @@ def _load_checkpoint(name_or_path: str) -> MiMoV2FlashForCausalLM:
     cfg_dict = json.loads((d / "config.json").read_text())
     if cfg_dict.get("model_type") != "mimo_v2_flash":
         raise ValueError(f"model {name_or_path!r}: model_type {cfg_dict.get('model_type')!r} is not mimo_v2_flash")
-    model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig.from_hf_dict(cfg_dict))
-    from safetensors.torch import load_file
-
+    with torch.device("meta" if shapes_only else "cpu"):
+        model = MiMoV2FlashForCausalLM(MiMoV2FlashConfig.from_hf_dict(cfg_dict))
     state = {}
     for f in sorted(d.glob("*.safetensors")):
-        state.update(load_file(str(f)))
+        state.update(_header_tensors(f) if shapes_only else _read_tensors(f))
     keep_mtp = model.config.num_nextn_predict_layers > 0
     state = _to_packed_layout(
         {
@@ -147,6 +148,34 @@ def _load_checkpoint(name_or_path: str) -> MiMoV2FlashForCausalLM:
     if missing:
         raise ValueError(f"model {name_or_path!r}: checkpoint lacks {len(missing)} weights, e.g. {missing[:5]}")
     return model
+
+
+def check_llm_weights(name_or_path: str) -> None:
+    """Raises ValueError (one line naming the directory) when the checkpoint's weights do not fit its config.json
+    (a shape, a missing weight): read from the safetensors headers, before any process loads it."""
+    if name_or_path != TINY_RANDOM:
+        _load_checkpoint(name_or_path, shapes_only=True)
+
+
+def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}  # safetensors dtype names
+
+
+def _header_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Each tensor of a safetensors file as an empty meta tensor of its shape (floating or not, as stored)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {
+        k: torch.empty(t["shape"], dtype=torch.float32 if t["dtype"] in _FLOATS else torch.int64, device="meta")
+        for k, t in header.items()
+        if k != "__metadata__"
+    }
 
 
 # Weights of a multimodal checkpoint that the encoder's towers read, not the LLM.

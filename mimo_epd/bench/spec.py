@@ -8,9 +8,11 @@ Modes (one engine each, the same requests, the same greedy settings):
 - `k3_first_layer`: K = 3 with MTP layer 1 reused for every draft step (the way vLLM runs MiMo: the peer);
 - `k3_auto`: K = 3 with the measured on/off rule (engine/spec_control.py), what serving uses.
 
-Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once, 16 running), outputs of at
-most 128 and at most 256 tokens (the report's 0-128 and 128-256 buckets; greedy, stopping at EOS like a user's
-request). Prompts are chat turns rendered with the model's own template.
+Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once, 16 running), in the report's
+two output-length buckets: 0-128 (greedy, at most 128 tokens, stopping at EOS like a user's request) and 128-256
+(exactly 128 + 8 * (i mod 16) tokens for request i, `ignore_eos`: the small default model ends its turn after
+about 40 tokens, so a bucket of long outputs has to be asked for; past its turn's end it keeps writing). Prompts
+are chat turns rendered with the model's own template.
 
 Reported per mode and workload: output tokens/s (output tokens over wall time), ITL P50/P90 (the gap between
 consecutive tokens as a streaming client sees them: an accepted run arrives at once), TPOT (per request,
@@ -79,14 +81,14 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def run_mode(model, opts: dict, prompts: list[list[int]], max_tokens: int, batch: int, threads: int) -> dict:
+def run_mode(model, opts: dict, prompts: list[list[int]], params: list, batch: int, threads: int) -> dict:
+    """One engine with `opts` runs `prompts` (request i with `params[i]`), at most `batch` at a time."""
     import torch
 
     from llm_backend import LLM, SamplingParams
 
     torch.set_num_threads(threads)
     llm = LLM(model, max_running=batch, kv_cache_tokens=32768, swa_cache_tokens=8192, **opts)
-    sp = SamplingParams(max_tokens=max_tokens)
     # warm-up: one short request (allocations, the first kernels)
     llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(max_tokens=4))
     stamps: dict[int, list[float]] = {}
@@ -96,10 +98,11 @@ def run_mode(model, opts: dict, prompts: list[list[int]], max_tokens: int, batch
 
     start = time.perf_counter()
     reqs = []
-    pending = list(prompts)
+    pending = list(zip(prompts, params))
     while pending or llm.has_work():
         while pending and len(llm.scheduler.running) + len(llm.scheduler.waiting) < batch:
-            reqs.append(llm.add_request(pending.pop(0), sp, on_token=on_token))
+            prompt, sp = pending.pop(0)
+            reqs.append(llm.add_request(prompt, sp, on_token=on_token))
         llm.step()
     wall = time.perf_counter() - start
     itl, tpot, ttft = [], [], []
@@ -146,22 +149,25 @@ def main(args) -> dict:
     if getattr(model.model, "mtp", None) is None:
         raise SystemExit(f"model {args.model!r} has no MTP layers: speculative decoding cannot run")
     quick = args.quick
-    workloads = [(b, m) for b in (1, 16) for m in (128, 256)]
+    workloads = [(b, bucket) for b in (1, 16) for bucket in ("0_128", "128_256")]
     if quick:
-        workloads = [(1, 24), (4, 24)]
+        workloads = [(1, "quick"), (4, "quick")]
     modes = list(MODES) if not args.modes else args.modes.split(",")
     results: dict[str, dict] = {}
+    requests: dict[str, int] = {}
     identical = True
-    for batch, max_tokens in workloads:
+    for batch, bucket in workloads:
         n = args.requests_b1 if batch == 1 else args.requests_batch
         if quick:
             n = 2 if batch == 1 else 4
         prompts = prompt_ids(args.model, n)
-        key = f"b{batch}_{'0_128' if max_tokens <= 128 else '128_256'}" if not quick else f"b{batch}_quick"
+        params = [bucket_params(bucket, i) for i in range(n)]
+        key = f"b{batch}_{bucket}"
+        requests[key] = n
         results[key] = {}
         for mode in modes:
             log(f"{key} {mode}")
-            results[key][mode] = run_mode(model, MODES[mode], prompts, max_tokens, batch, args.threads)
+            results[key][mode] = run_mode(model, MODES[mode], prompts, params, batch, args.threads)
         ref = results[key]["off"]["_outputs"] if "off" in results[key] else None
         for r in results[key].values():
             outs = r.pop("_outputs")
@@ -174,7 +180,7 @@ def main(args) -> dict:
         "config": {
             "model": args.model,
             "threads": args.threads,
-            "workloads": {k: {"requests": len(prompts)} for k in results},
+            "workloads": {k: {"requests": n, "batch": int(k[1:].split("_")[0])} for k, n in requests.items()},
             "greedy": True,
             "itl": "time between consecutive tokens as a client sees them (an accepted run arrives at once)",
         },
@@ -183,6 +189,15 @@ def main(args) -> dict:
         "accept_length_k3": round(statistics.fmean(k3), 4) if k3 else None,
         "ratios": ratios,
     }
+
+
+def bucket_params(bucket: str, i: int):
+    """Request i's sampling settings in an output-length bucket (the module docstring)."""
+    from llm_backend import SamplingParams
+
+    if bucket == "128_256":
+        return SamplingParams(max_tokens=128 + 8 * (i % 16), ignore_eos=True)
+    return SamplingParams(max_tokens=24 if bucket == "quick" else 128)
 
 
 def _ratios(results: dict) -> dict:

@@ -221,6 +221,12 @@ def check_llm(lm: Checkpoint | None, flag: str = "--model") -> Checkpoint:
             f"model_type {lm.model_type!r} is not an LLM the workers serve ({', '.join(LLM_TYPES)}); {flag} names "
             "the LLM (a vision-only checkpoint serves with --encoder-model DIR and --no-llm or --llm-model DIR)",
         )
+    from llm_backend.models import check_llm_weights
+
+    try:  # every weight's name and shape against config.json, from the headers: before any process starts
+        check_llm_weights(lm.directory or lm.name)
+    except (ValueError, OSError) as e:
+        raise CheckpointError(str(e).splitlines()[0]) from None
     return lm
 
 
