@@ -63,7 +63,7 @@ def load_tokenizer(model: str, tokenizer: str = ""):
 
     d = resolve_model(model) if model != TINY_RANDOM else ""
     tok = os.path.join(d, "tokenizer.json") if d else ""
-    ckpt = Checkpoint(model, d, "", None, None, False, None, tok if tok and os.path.isfile(tok) else "")
+    ckpt = Checkpoint(model, d, "", None, None, None, None, tok if tok and os.path.isfile(tok) else "")
     path = resolve_tokenizer(ckpt, tokenizer)
     if path == BYTES:
         return ByteTokenizer()

@@ -48,7 +48,7 @@ class Checkpoint:
     model_type: str
     llm_hidden_size: int | None  # set when the workers can serve it (model_type in LLM_TYPES)
     vision_width: int | None  # the vision tower's output width, when it has one
-    audio: bool  # it declares an audio tower (`audio_config`)
+    audio_width: int | None  # the audio tower's output width, when it declares one (`audio_config`)
     max_position_embeddings: int | None
     tokenizer_file: str  # its tokenizer.json, or "" when it has none
 
@@ -140,10 +140,25 @@ def _vision_width(cfg: dict) -> int | None:
     return None
 
 
+def _audio_width(cfg: dict) -> int | None:
+    """What the encoder's audio tower emits (encoder_server/models/qwen2_audio.py): the projector into the
+    checkpoint's own LLM width (`text_config.hidden_size`, or `hidden_size` beside the `audio_config`), else the
+    tower's `out_hidden_size` / `d_model`."""
+    sub = cfg.get("audio_config")
+    if not isinstance(sub, dict):
+        return None
+    text = cfg.get("text_config")
+    return (
+        _int(text if isinstance(text, dict) else cfg, "hidden_size")
+        or _int(sub, "out_hidden_size")
+        or _int(sub, "d_model")
+    )
+
+
 def inspect_checkpoint(name: str, check_weights: bool = True) -> Checkpoint:
     """`name` (`tiny`, `tiny-random` or a directory) inspected; raises CheckpointError naming the file."""
     if name == TINY_RANDOM:
-        return Checkpoint(TINY_RANDOM, "", TINY_RANDOM, TINY_RANDOM_WIDTH, TINY_RANDOM_WIDTH, False, None, "")
+        return Checkpoint(TINY_RANDOM, "", TINY_RANDOM, TINY_RANDOM_WIDTH, TINY_RANDOM_WIDTH, None, None, "")
     directory = os.path.abspath(resolve_model(name))
     cfg = _read_config(directory, name)
     model_type = cfg.get("model_type")
@@ -167,7 +182,7 @@ def inspect_checkpoint(name: str, check_weights: bool = True) -> Checkpoint:
         model_type=model_type,
         llm_hidden_size=hidden,
         vision_width=vision,
-        audio=isinstance(cfg.get("audio_config"), dict),
+        audio_width=_audio_width(cfg),
         max_position_embeddings=_int(text, "max_position_embeddings"),
         tokenizer_file=tok if os.path.isfile(tok) else "",
     )
@@ -280,12 +295,25 @@ def plan_node(
     if not vision.has_vision:
         if encoder_model:
             raise _fail(vision.config_file, f"model_type {vision.model_type!r} has no vision tower (--encoder-model)")
-        notices.append(f"{vision.config_file} has no vision_config: text only, requests with media are refused")
+        notices.append(
+            f"{vision.config_file} has no vision_config: text only, requests with media are refused"
+            + (
+                " (its audio_config too: the encoders need a vision tower; --encoder-model DIR names one and "
+                "--audio-model this checkpoint)"
+                if vision.audio_width
+                else ""
+            )
+        )
         vision = None
     if lm is not None and vision is not None and vision.vision_width != lm.llm_hidden_size:
         raise CheckpointError(
             f"the vision tower's output width {vision.vision_width} ({vision.config_file}) != the LLM's hidden size "
             f"{lm.llm_hidden_size} ({lm.config_file}): its image embeddings cannot enter this LLM"
+        )
+    if lm is not None and vision is not None and vision.audio_width not in (None, lm.llm_hidden_size):
+        raise CheckpointError(
+            f"the audio tower's output width {vision.audio_width} ({vision.config_file}) != the LLM's hidden size "
+            f"{lm.llm_hidden_size} ({lm.config_file}): its audio embeddings cannot enter this LLM"
         )
     tok = resolve_tokenizer(lm, tokenizer) if lm is not None else ""
     return NodePlan(lm, vision, tok, max_model_len, tuple(notices))

@@ -121,3 +121,30 @@ def test_a_weight_shape_mismatch_is_one_line_before_any_process_starts(ckpts, tm
     rc, lines = failing_start([str(d)])  # found in the safetensors headers: no worker was started to find it
     assert rc == 1 and len(lines) == 1 and f"{d}: the weights do not fit its config.json" in lines[0], lines
     assert "intermediate" in lines[0] or "mlp" in lines[0], lines[0]  # it names the first weight that does not fit
+
+
+def test_the_plan_checks_the_audio_towers_width_and_says_why_audio_alone_is_text(ckpts, tmp_path):
+    """An --encoder-model whose audio tower projects into another LLM width is refused at start (as the vision
+    tower's is); a checkpoint with an audio_config and no vision tower says how to serve its audio."""
+    from mimo_epd.common.checkpoint import CheckpointError, plan_node
+
+    other = tmp_path / "other-audio"
+    shutil.copytree(ckpts["vision"], other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg.update(audio_config={"d_model": 32, "model_type": "qwen2_audio_encoder"}, text_config={"hidden_size": 96})
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"audio tower's output width 96 .* != the LLM's hidden size 64"):
+        plan_node(str(ckpts["vision"]), encoder_model=str(other), llm_model=str(ckpts["vision"]))
+    own = tmp_path / "own-audio"  # the LLM's own checkpoint: its audio projects into its own width
+    shutil.copytree(ckpts["vision"], own)
+    cfg = json.loads((own / "config.json").read_text())
+    cfg["audio_config"] = {"d_model": 32, "model_type": "qwen2_audio_encoder"}
+    (own / "config.json").write_text(json.dumps(cfg))
+    assert plan_node(str(own)).vision.audio_width == 64
+    audio_only = tmp_path / "audio-only"
+    shutil.copytree(ckpts["text"], audio_only)
+    cfg = json.loads((audio_only / "config.json").read_text())
+    cfg["audio_config"] = {"d_model": 32, "model_type": "qwen2_audio_encoder"}
+    (audio_only / "config.json").write_text(json.dumps(cfg))
+    plan = plan_node(str(audio_only))
+    assert plan.vision is None and any("--audio-model" in n for n in plan.notices), plan.notices
