@@ -13,8 +13,8 @@ about what one token does, on a CPU every token costs. So the rule measures inst
 - per step, with B decoding requests last step and the fitted costs: a token of plain decoding costs
   t0 / B, t0 = a + b * (other tokens + B); a request is worth drafting when E_r * t0 / B >= K * b (its
   extra verify tokens), and the step drafts when the requests worth it together save more than c, the chain's
-  fixed cost. Until the fit has seen both kinds of steps it drafts; every `probe_every` steps it does the
-  opposite of what it decided, so both kinds keep being measured and a bad phase never switches it off for good.
+  fixed cost. Until the fit has seen `min_steps` of each kind it alternates them (steps with no decoding
+  request count as plain); from then on every `probe_every` steps it does the opposite of what it decided, so both kinds keep being measured and a bad phase never switches it off for good.
 """
 
 from __future__ import annotations
@@ -59,8 +59,10 @@ class SpecController:
 
     # ----------------------------------------------------------------------------------- decisions
     def _decide(self) -> bool:
-        if not self.auto or min(self.seen) < self.min_steps:
+        if not self.auto:
             return True
+        if min(self.seen) < self.min_steps:  # measure both kinds first: a batch that always drafts would
+            return self.seen[1] <= self.seen[0]  # never see a plain step (bench spec at batch 16 saw 2 in 195)
         a, b, c = self.costs()
         B, other = self._last_batch
         per_token = (a + b * (other + B)) / B

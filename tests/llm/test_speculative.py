@@ -333,6 +333,22 @@ def test_the_controller_probes_the_other_choice():
     assert True in choices and False in choices  # off, but every 4th step measures drafting again
 
 
+def test_the_controller_measures_plain_steps_even_when_every_step_could_draft():
+    """Regression (bench spec, batch 16): with every step a verify step the fit never saw a plain one, so the rule
+    never applied and drafting stayed on at 0.55x. Until both kinds are measured it alternates them."""
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=10**9, min_steps=4)
+    choices = []
+    for _ in range(8):
+        st = type("S", (), {"accept_ema": None})()
+        on = ctl.wants(st)
+        choices.append(on)
+        ctl.observe(0.002 + 0.004 * (16 * (1 + 3 * on)) + 0.003 * on, 16 * (1 + 3 * on), on, 16)
+    assert choices.count(False) == 4 and choices.count(True) == 4, choices
+    assert ctl.wants(type("S", (), {"accept_ema": 2.5})()) is False  # CPU-like costs: off once measured
+
+
 def test_greedy_identical_with_media_rows_and_a_second_turn(model):
     """Image embeddings at placeholder positions (ids >= vocab), then a second turn that hits the first's prefix:
     the MTP layers read the media rows like the target does, outputs equal plain decoding."""
