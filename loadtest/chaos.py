@@ -920,13 +920,17 @@ class Campaign:
         if result is not None:
             result["serve_exit_code"] = rc
             result["router_exit_codes"] = [r.proc.returncode for r in self.routers]
-        if node:  # nothing of the node may outlive it
-            time.sleep(1.0)
-            left = [p for p in node.roles().values() if alive(p) and p != self.server.proc.pid]
-            for p in left:
+        if node:  # nothing of the node may outlive it (a child finishing its own exit has 10 s to do so)
+            roles = {role: p for role, p in node.roles().items() if p != self.server.proc.pid}
+            deadline = time.monotonic() + 10.0
+            while time.monotonic() < deadline and any(alive(p) for p in roles.values()):
+                time.sleep(0.2)
+            left = {role: p for role, p in roles.items() if alive(p)}
+            for p in left.values():
                 os.kill(p, signal.SIGKILL)
             if result is not None:
                 result["processes_left_after_stop"] = len(left)
+                result["processes_left_roles"] = sorted(left)
 
 
 def run(args) -> int:

@@ -74,4 +74,4 @@ def test_chaos_encoder_decode_worker_and_router_on_a_fleet():
     assert dec["pid"] not in dec["new_pids"] and dec["pool_replaced_s"] is not None, dec
     assert out["failures_outside_fault_windows"] == 0
     assert out["serve_exit_code"] == 0 and out["router_exit_codes"] == [0, 0]
-    assert out["processes_left_after_stop"] == 0
+    assert out["processes_left_after_stop"] == 0, out["processes_left_roles"]
