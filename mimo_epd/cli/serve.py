@@ -221,6 +221,14 @@ def exit_now(rc: int) -> int:
 
     if marked_parent() is None:
         return rc
+    # multiprocessing's own exit finalizers (named semaphores of the decode pools' queues): without them the
+    # resource tracker that outlives this process prints "leaked semaphore objects" after the node's last line.
+    from multiprocessing import util
+
+    try:
+        util._run_finalizers()
+    except Exception:  # noqa: BLE001 - leaving anyway
+        pass
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
