@@ -103,6 +103,7 @@ class LLM:
             max_prefill_tokens=cfg.max_prefill_tokens,
             prefill_order=cfg.prefill_order,
             draft_tokens=self.runner.draft_tokens,
+            before_cache=self.runner.before_cache,
         )
         self.scheduler.configure(cfg)
         self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)

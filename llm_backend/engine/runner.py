@@ -37,6 +37,9 @@ class ModelRunner:
         """Draft positions a decoding request verifies this step: none without speculative decoding."""
         return 0
 
+    def before_cache(self, r) -> None:
+        """Called by the scheduler before r's KV enters the prefix cache: nothing is deferred here."""
+
     def metrics(self) -> dict:
         return {}
 

@@ -6,8 +6,9 @@ E = the expected accepted drafts. Whether that pays depends on the machine: on a
 about what one token does, on a CPU every token costs. So the rule measures instead of guessing:
 
 - step cost: every step's wall time is fitted online (exponentially weighted least squares) to
-  t = a + b * target_tokens + c * [some request verified] (the MTP catch-up runs over the target's tokens and
-  is folded into b);
+  t = a + b * target_tokens + c * [some request verified] (a drafting request's MTP catch-up runs over its
+  target tokens and is folded into b and c; a request that does not draft defers its catch-up, so a plain step costs
+  the target alone, and the deferred rows are caught up in the first step it drafts again: part of c);
 - acceptance: each request's accepted drafts per verify (an exponential average), and the engine-wide one for
   requests that have none yet;
 - per step, with B decoding requests last step and the fitted costs: a token of plain decoding costs
@@ -72,6 +73,11 @@ class SpecController:
             self.decisions["probes"] += 1
             return not on
         return on
+
+    @property
+    def drafting(self) -> bool:
+        """The last step decision: whether drafting was on (requests that do not draft defer their MTP catch-up)."""
+        return self._draft_step
 
     def wants(self, r_state) -> bool:
         """Whether this request drafts in the coming step."""

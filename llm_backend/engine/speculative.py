@@ -28,6 +28,15 @@ One engine step of a speculating request whose last token t_L (at slot L) is not
    (a prefill chunk, a plain decode token, or the accepted drafts) are recomputed from the target's hidden states,
    overwriting what drafting wrote there. The scheduler then rolls the rejected positions back (RequestKV.truncate).
 
+Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, its catch-up is not run;
+the target's hidden states of its final positions are kept instead (`MTPState.pending`, at most the window's
+W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
+request drafts again, the kept rows are caught up in one batched pass before drafting (`_resume`), so a request
+that does not draft costs the target's step alone. Before the request's KV enters the prefix cache (a prompt
+chunk's checkpoint, a finished request) the scheduler calls `before_cache`, which catches the rows up the same way:
+the cache never holds a window whose MTP entries were skipped. Rows dropped past the window are counted as
+`spec_catch_up_skipped_tokens`: the compute deferral saved.
+
 Each request keeps `MTPState`: the next slot to fill and, per layer, the hidden input for it. A segment that does
 not start there (a prefix-cache hit, a recomputation after preemption) has no H_l(start - 1) — no cache keeps hidden
 states — and uses H_l(start) in its place for that one entry: an approximation that can only change how many
@@ -64,6 +73,15 @@ class MTPState:
     q: list[torch.Tensor] = field(default_factory=list)  # draft distributions (sampled requests)
     at_draft: list[torch.Tensor | None] = field(default_factory=list)  # H_l(L) from drafting, l >= 1
     accept_ema: float | None = None  # accepted drafts per verify, averaged (spec_control.py)
+    # Deferred catch-up: H_0(s) for slots [next_slot, end) whose MTP entries are not computed yet.
+    pending: list[torch.Tensor] = field(default_factory=list)
+    floor: int = 0  # no MTP attention reads a slot before this one (raised when deferred rows were dropped)
+    wanted: bool = True  # whether the controller let this request draft the last time it was asked
+
+    @property
+    def end(self) -> int:
+        """The slot after the last final position this state covers (computed or kept in `pending`)."""
+        return self.next_slot + len(self.pending)
 
     def first_slot(self, layer: int) -> int:
         """Layer `layer`'s first entry: its input H_layer reads the layer below at the slot before."""
@@ -72,7 +90,7 @@ class MTPState:
     @property
     def ready(self) -> bool:
         """Whether drafting can start at next_slot (the main hidden state before it is known)."""
-        return bool(self.inputs) and self.inputs[0] is not None
+        return bool(self.inputs) and (self.inputs[0] is not None or bool(self.pending))
 
 
 @dataclass
@@ -81,6 +99,8 @@ class SpecStats:
     verifies: int = 0
     drafted: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
+    deferred: int = 0  # catch-up rows kept while not drafting
+    resumed: int = 0  # ... of them caught up later (drafting resumed, or before the prefix cache took them)
 
     def __post_init__(self):
         self.drafted = [0] * self.steps
@@ -101,6 +121,8 @@ class SpecStats:
             "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted, self.drafted)],
             # tokens per verify step: the accepted drafts and the target's own token
             "mean_accept_length": round((acc + self.verifies) / self.verifies, 4) if self.verifies else 0.0,
+            "catch_up_deferred_tokens": self.deferred,
+            "catch_up_skipped_tokens": self.deferred - self.resumed,
         }
 
 
@@ -148,6 +170,7 @@ class SpeculativeRunner(ModelRunner):
         super().__init__(model, full_slots, swa_slots)
         self.mtp, self.steps, self.layers, self.prefill_mtp = mtp, steps, layers, prefill_mtp
         self.depth = steps if layers == "chain" else 1  # MTP layers whose KV is kept
+        self.window = mtp.kv_config().sliding_window  # MTP entries older than this are never read
         self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
         self.stats = SpecStats(steps)
         self.control = SpecController(steps, auto=auto)
@@ -159,8 +182,16 @@ class SpeculativeRunner(ModelRunner):
         """The scheduler's question for a decoding request: how many draft positions to verify this step (K, or
         0 when its MTP state is not at its last token or the measured costs say drafting does not pay)."""
         st = r.spec
-        ready = st is not None and st.ready and st.next_slot == len(r.tokens) - 1
-        return self.steps if ready and self.control.wants(st) else 0
+        if st is None or not st.ready or st.end != len(r.tokens) - 1:
+            return 0
+        st.wanted = self.control.wants(st)
+        return self.steps if st.wanted else 0
+
+    def before_cache(self, r: Request) -> None:
+        """The scheduler's call before r's KV enters the prefix cache: deferred MTP entries are computed first."""
+        if r.spec is not None and r.spec.pending and r.kv is not None:
+            with torch.inference_mode():
+                self._run_catch_up([self._pending_plan(r)])
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
@@ -177,6 +208,7 @@ class SpeculativeRunner(ModelRunner):
     def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:
         verifying = [s for s in segments if s.drafts]
         if verifying:
+            self._resume(verifying)
             self._draft(verifying)
         load = self.kv_loads.start_load() if self.kv_loads is not None else None
         try:
@@ -206,7 +238,7 @@ class SpeculativeRunner(ModelRunner):
     def _state(self, r: Request, start: int) -> MTPState:
         """The request's MTP state for a segment starting at `start` (a fresh one when it does not continue)."""
         st = r.spec
-        if st is None or st.next_slot != start:
+        if st is None or st.end != start:
             origin = 0 if self.prefill_mtp else max(0, len(r.prompt) - 1)
             st = MTPState(origin, start, [None] * self.depth)
             r.spec = st
@@ -224,8 +256,9 @@ class SpeculativeRunner(ModelRunner):
         for u in runs:
             st, kv = u.request.spec, u.request.kv
             assert st is not None and kv is not None
-            o = st.first_slot(layer)  # the layer's sequence starts there
-            seqs.append(SeqSlots(None, kv.swa[o:], u.first - o, len(u.tokens)))
+            o = st.first_slot(layer)  # the layer's sequence starts there (its positions count from it)
+            lo = max(o, st.floor)  # ... and its attention from here
+            seqs.append(SeqSlots(None, kv.swa[lo:], u.first - lo, len(u.tokens)))
             positions.extend(range(u.first - o, u.first - o + len(u.tokens)))
         paged = PagedBatch(self.pools, seqs)
         out = self.mtp.step(
@@ -350,8 +383,9 @@ class SpeculativeRunner(ModelRunner):
 
     # ----------------------------------------------------------------------------------- catch up
     def _catch_up(self, segments: list[Segment], hidden: list[torch.Tensor], results: list[SegmentResult]) -> None:
-        """Step 3: every kept layer's entries for the slots this step made final, from the target's hidden states;
-        then each state moves to the slot after them."""
+        """Step 3: every kept layer's entries for the slots this step made final, from the target's hidden states
+        (deferred for requests that are not drafting, see the module docstring); then each state moves to the slot
+        after them."""
         plans = []
         for s, h, res in zip(segments, hidden, results):
             if res.error:
@@ -362,12 +396,61 @@ class SpeculativeRunner(ModelRunner):
             if s.drafts:  # [L] + the accepted drafts; the entries at L were written while drafting
                 st = r.spec
                 final = [r.tokens[s.start]] + [a.token for a in res.accepted]
-                start = s.start + 1
-            else:
-                st = self._state(r, s.start)
-                final = r.tokens[s.start : s.start + own]
-                start = s.start
-            plans.append((s, st, h, final, start))
+                plans.append((s, st, h, final, s.start + 1))
+                continue
+            st = self._state(r, s.start)
+            if self._defers(st):
+                self._keep(st, h[:own])
+                continue
+            if st.pending:  # caught up now: the kept rows first, then this segment's
+                s, h = Segment(r, st.next_slot, len(st.pending) + own), torch.cat([torch.stack(st.pending), h[:own]])
+                st.pending = []
+            plans.append((s, st, h, r.tokens[s.start : s.start + s.n - s.drafts], s.start))
+        self._run_catch_up(plans)
+
+    def _defers(self, st: MTPState) -> bool:
+        """Whether this request's catch-up waits: the controller measures and has drafting off for it."""
+        return self.control.auto and not (self.control.drafting and st.wanted)
+
+    def _keep(self, st: MTPState, rows: torch.Tensor) -> None:
+        """Keeps a deferred segment's hidden states (copies: the step's tensor is freed), at most the window's."""
+        st.pending.extend(rows.clone().unbind(0))
+        self.stats.deferred += rows.shape[0]
+        drop = len(st.pending) - self.window
+        if drop > 0:  # those entries would be out of the window before anything reads them
+            self._drop(st, drop)
+
+    def _drop(self, st: MTPState, n: int) -> None:
+        """Drops the first n kept rows: their entries are never computed, so no attention may read them (their
+        windows reached slots already freed); the first kept entry is computed with the approximation of the
+        module docstring for layers above the first."""
+        st.inputs = [st.pending[n - 1]] + [None] * (self.depth - 1)
+        st.next_slot += n
+        st.floor = st.next_slot
+        del st.pending[:n]
+
+    def _pending_plan(self, r: Request):
+        """A catch-up plan over the request's kept rows (those whose SWA slot is still live)."""
+        st, kv = r.spec, r.kv
+        assert st is not None and kv is not None
+        live = next((j for j in range(len(st.pending)) if kv.swa[st.next_slot + j] is not None), len(st.pending))
+        if live:  # released since (the window moved on): never read again
+            self._drop(st, live)
+        rows, start = st.pending, st.next_slot
+        st.pending = []
+        self.stats.resumed += len(rows)
+        seg = Segment(r, start, len(rows))
+        h = torch.stack(rows) if rows else torch.empty(0)
+        return seg, st, h, r.tokens[start : start + len(rows)], start
+
+    def _resume(self, segments: list[Segment]) -> None:
+        """Before drafting: the deferred entries of the requests that draft again, in one batched pass."""
+        plans = [self._pending_plan(s.request) for s in segments if s.request.spec.pending]
+        self._run_catch_up([p for p in plans if p[0].n])
+
+    def _run_catch_up(self, plans) -> None:
+        """The catch-up passes (one batched pass per layer) over plans (segment, state, hidden, final tokens,
+        first slot), then each state's inputs for its next slot."""
         outs: dict[int, dict[int, _Run]] = {}  # layer -> request id -> run
         for layer in range(self.depth):
             runs = []
@@ -382,6 +465,8 @@ class SpeculativeRunner(ModelRunner):
             self._run_layer(layer, runs)
             outs[layer] = {u.request.id: u for u in runs}
         for s, st, h, final, _ in plans:
+            if not final:
+                continue
             last = s.start + len(final) - 1  # the last final slot
             inputs: list[torch.Tensor | None] = [h[last - s.start]]
             for layer in range(1, self.depth):

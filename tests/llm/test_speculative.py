@@ -386,3 +386,90 @@ def test_outputs_longer_than_the_window_with_rejected_drafts(model, prefix_cache
     s = llm.stats()
     assert s["spec_drafted_tokens"] > s["spec_accepted_tokens"]
     idle(llm)
+
+
+def scripted(llm, on, log):
+    """Replaces the controller's decision with `on(step)` (auto stays as configured: it decides whether plain
+    steps defer their catch-up) and logs every drafting request's (id, slot, drafts)."""
+    runner, control = llm.runner, llm.runner.control
+
+    def wants(st):
+        control._draft_step = on(control.step)
+        return control._draft_step
+
+    control.wants = wants
+    draft = runner._draft
+
+    def logged(segments):
+        draft(segments)
+        log.extend((s.request.id, s.start, tuple(s.request.spec.drafts)) for s in segments)
+
+    runner._draft = logged
+
+
+def run_scripted(model, ps, sp, on, auto, **kw):
+    llm = engine(model, speculative_steps=3, speculative_auto=auto, **kw)
+    log: list = []
+    scripted(llm, on, log)
+    return llm, outputs(llm, ps, sp), log
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_deferred_catch_up_drafts_exactly_what_the_eager_one_drafts(model, prefix_cache):
+    """While drafting is off the MTP catch-up waits (`MTPState.pending`) and runs in one pass when drafting
+    resumes: every draft after the resume equals the one of a run that caught up on every step (the random MTP
+    layers make a draft a sensitive function of their KV), and outputs equal plain decoding."""
+    ps = prompts(n=3, seed=11, lo=5, hi=60)
+    sp = SamplingParams(max_tokens=70, ignore_eos=True)
+    want = outputs(engine(model, enable_prefix_cache=prefix_cache), ps, sp)
+
+    def on(step):
+        return not 8 <= step < 50  # off for 42 steps: less than the window, nothing dropped
+
+    eager, got_eager, log_eager = run_scripted(model, ps, sp, on, auto=False, enable_prefix_cache=prefix_cache)
+    lazy, got_lazy, log_lazy = run_scripted(model, ps, sp, on, auto=True, enable_prefix_cache=prefix_cache)
+    assert got_eager == got_lazy == want
+    assert log_lazy == log_eager and any(start > 60 for _, start, _ in log_lazy)  # drafts after the resume too
+    s = lazy.stats()
+    assert s["spec_catch_up_deferred_tokens"] > 0 and s["spec_catch_up_skipped_tokens"] == 0
+    assert eager.stats()["spec_catch_up_deferred_tokens"] == 0
+    idle(lazy)
+
+
+def test_a_long_pause_keeps_only_the_window_and_outputs_stay_identical(model):
+    w = CFG.sliding_window
+    ps = prompts(n=2, seed=12, lo=5, hi=30)
+    sp = SamplingParams(max_tokens=w + 60, ignore_eos=True)
+    want = outputs(engine(model), ps, sp)
+    llm, got, log = run_scripted(model, ps, sp, lambda step: not 4 <= step < w + 30, auto=True)
+    assert got == want
+    s = llm.stats()
+    assert s["spec_catch_up_skipped_tokens"] > 0  # rows past the window were never computed
+    assert any(start > w + 30 for _, start, _ in log)  # and drafting resumed after them
+    for r in (*llm.scheduler.running, *llm.scheduler.waiting):
+        assert r.spec is None or len(r.spec.pending) <= w
+    idle(llm)
+
+
+def test_the_prefix_cache_never_takes_a_window_whose_mtp_entries_were_deferred(model):
+    """A first turn that never drafts (its catch-up deferred to the end) leaves its KV in the tree; a second turn
+    that hits it drafts from that window's MTP entries: they must be the ones an eager catch-up computes."""
+    p = prompts(n=1, seed=13, lo=20, hi=40)[0]
+    sp1 = SamplingParams(max_tokens=50, ignore_eos=True)
+    sp2 = SamplingParams(max_tokens=20, ignore_eos=True)
+    logs = []
+    for auto in (False, True):
+        llm = engine(model, speculative_steps=3, speculative_auto=auto)
+        log: list = []
+        scripted(llm, lambda step: False, log)
+        first = outputs(llm, [p], sp1)[0]
+        assert not log
+        scripted(llm, lambda step: True, log)
+        second = p + first + [7, 8, 9]
+        res = llm.generate(prompt_token_ids=[second], sampling_params=sp2)[0]
+        assert res.usage.cached_tokens > len(p)  # the first turn's output was hit
+        logs.append((res.output_token_ids, [d for _, _, d in log]))
+        if auto:
+            assert llm.stats()["spec_catch_up_deferred_tokens"] >= 49
+        idle(llm)
+    assert logs[0] == logs[1]
