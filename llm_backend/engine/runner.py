@@ -37,8 +37,10 @@ class ModelRunner:
         """Draft positions a decoding request verifies this step: none without speculative decoding."""
         return 0
 
-    def before_cache(self, r) -> None:
-        """Called by the scheduler before r's KV enters the prefix cache: nothing is deferred here."""
+    def before_cache(self, r) -> bool:
+        """Called by the scheduler before r's KV enters the prefix cache (False: do not cache it); nothing is
+        deferred here."""
+        return True
 
     def metrics(self) -> dict:
         return {}

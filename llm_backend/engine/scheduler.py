@@ -93,7 +93,7 @@ class Scheduler:
         max_prefill_tokens: int = 0,
         prefill_order: str = "fewest_left",
         draft_tokens: Callable[[Request], int] | None = None,
-        before_cache: Callable[[Request], None] | None = None,
+        before_cache: Callable[[Request], bool] | None = None,
     ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
@@ -110,8 +110,9 @@ class Scheduler:
         self.prefill_order = prefill_order
         # Draft positions a decoding request verifies this step (speculative decoding), 0 = plain decoding.
         self.draft_tokens = draft_tokens or (lambda r: 0)
-        # Called before a request's KV enters the prefix cache (the speculative runner completes deferred work).
-        self.before_cache = before_cache or (lambda r: None)
+        # Called before a request's KV enters the prefix cache (the speculative runner completes deferred work);
+        # False: the KV must not be cached.
+        self.before_cache = before_cache or (lambda r: True)
         self.drafted_tokens = self.accepted_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the oldest first
@@ -316,8 +317,7 @@ class Scheduler:
             kv = r.kv
             assert kv is not None, "a running request has its KV"
             prompt_chunk = self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt)
-            if prompt_chunk:
-                self.before_cache(r)
+            if prompt_chunk and self.before_cache(r):
                 kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
             if res.sampled is not None:
                 self._take_tokens(r, seg, res)
@@ -386,9 +386,7 @@ class Scheduler:
             log.warning("request %d failed: %s", r.id, error)
         if r.kv is not None:
             cache_result = self.enable_prefix_cache and reason in ("stop", "length")
-            if cache_result:
-                self.before_cache(r)
-            r.kv.finish(cache_result=cache_result)
+            r.kv.finish(cache_result=cache_result and self.before_cache(r))
             r.kv = None
         self._uncached.pop(r.id, None)
         if r.on_finish:

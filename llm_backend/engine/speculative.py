@@ -45,6 +45,7 @@ drafts are accepted, never the output.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -59,6 +60,8 @@ from .scheduler import Segment, SegmentResult
 from .spec_control import SpecController
 
 DRAFT_LAYERS = ("chain", "first")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -187,11 +190,19 @@ class SpeculativeRunner(ModelRunner):
         st.wanted = self.control.wants(st)
         return self.steps if st.wanted else 0
 
-    def before_cache(self, r: Request) -> None:
-        """The scheduler's call before r's KV enters the prefix cache: deferred MTP entries are computed first."""
-        if r.spec is not None and r.spec.pending and r.kv is not None:
+    def before_cache(self, r: Request) -> bool:
+        """The scheduler's call before r's KV enters the prefix cache: deferred MTP entries are computed first.
+        False (the KV is not cached) when that fails: the cache never takes a window with skipped entries."""
+        if r.spec is None or not r.spec.pending or r.kv is None:
+            return True
+        try:
             with torch.inference_mode():
                 self._run_catch_up([self._pending_plan(r)])
+        except Exception:
+            log.exception("request %d: the deferred MTP catch-up failed; its KV is not cached", r.id)
+            r.spec = None
+            return False
+        return True
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
@@ -403,19 +414,23 @@ class SpeculativeRunner(ModelRunner):
                 self._keep(st, h[:own])
                 continue
             if st.pending:  # caught up now: the kept rows first, then this segment's
-                s, h = Segment(r, st.next_slot, len(st.pending) + own), torch.cat([torch.stack(st.pending), h[:own]])
-                st.pending = []
-            plans.append((s, st, h, r.tokens[s.start : s.start + s.n - s.drafts], s.start))
+                self._keep(st, h[:own], deferred=False)
+                plans.append(self._pending_plan(r))
+                continue
+            plans.append((s, st, h, r.tokens[s.start : s.start + own], s.start))
         self._run_catch_up(plans)
 
     def _defers(self, st: MTPState) -> bool:
         """Whether this request's catch-up waits: the controller measures and has drafting off for it."""
         return self.control.auto and not (self.control.drafting and st.wanted)
 
-    def _keep(self, st: MTPState, rows: torch.Tensor) -> None:
+    def _keep(self, st: MTPState, rows: torch.Tensor, deferred: bool = True) -> None:
         """Keeps a deferred segment's hidden states (copies: the step's tensor is freed), at most the window's."""
         st.pending.extend(rows.clone().unbind(0))
-        self.stats.deferred += rows.shape[0]
+        if deferred:
+            self.stats.deferred += rows.shape[0]
+        else:
+            self.stats.resumed -= rows.shape[0]  # caught up at once: not deferred work
         drop = len(st.pending) - self.window
         if drop > 0:  # those entries would be out of the window before anything reads them
             self._drop(st, drop)
@@ -436,6 +451,11 @@ class SpeculativeRunner(ModelRunner):
         live = next((j for j in range(len(st.pending)) if kv.swa[st.next_slot + j] is not None), len(st.pending))
         if live:  # released since (the window moved on): never read again
             self._drop(st, live)
+        # The first kept entry's window reaches back W - 1 slots: attention starts after the last freed one.
+        lo = max(st.floor, st.next_slot - self.window + 1, 0)
+        freed = [p for p in range(lo, st.next_slot) if kv.swa[p] is None]
+        if freed:
+            st.floor = freed[-1] + 1
         rows, start = st.pending, st.next_slot
         st.pending = []
         self.stats.resumed += len(rows)

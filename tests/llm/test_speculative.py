@@ -414,6 +414,24 @@ def run_scripted(model, ps, sp, on, auto, **kw):
     return llm, outputs(llm, ps, sp), log
 
 
+def test_a_request_that_never_drafts_past_the_window_is_cached_at_its_end(model):
+    """Regression (found by `bench spec`'s 128-256 bucket): at the end of a request that deferred past the window,
+    the catch-up before caching read SWA slots its first kept entry's window had lost; it failed the whole step."""
+    w = CFG.sliding_window
+    ps = prompts(n=1, seed=14, lo=5, hi=40)
+    sp = SamplingParams(max_tokens=w + 50, ignore_eos=True)
+    want = outputs(engine(model, page_size=1), ps, sp)
+    llm, got, log = run_scripted(model, ps, sp, lambda step: False, auto=True, page_size=1)
+    assert got == want and not log
+    s = llm.stats()
+    assert (
+        s["spec_catch_up_skipped_tokens"] > 0 and s["spec_catch_up_deferred_tokens"] > s["spec_catch_up_skipped_tokens"]
+    )
+    res = llm.generate(prompt_token_ids=[ps[0] + want[0] + [7, 8, 9]], sampling_params=GREEDY)[0]
+    assert res.usage.cached_tokens > len(ps[0]) + w  # the cached window is the one its end caught up
+    idle(llm)
+
+
 @pytest.mark.parametrize("prefix_cache", [True, False])
 def test_a_deferred_catch_up_drafts_exactly_what_the_eager_one_drafts(model, prefix_cache):
     """While drafting is off the MTP catch-up waits (`MTPState.pending`) and runs in one pass when drafting
