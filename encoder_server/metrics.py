@@ -25,6 +25,13 @@ class EncoderMetrics:
             "encoder_stage_busy_seconds", "seconds a stage's workers spent working", ["stage"], registry=r
         )
         self.workers = Gauge("encoder_stage_workers", "parallel workers of a stage", ["stage"], registry=r)
+        self.worker_seconds = Gauge(
+            "encoder_stage_worker_seconds",
+            "a stage's workers integrated over time (busy seconds / its change = utilisation, also while the "
+            "worker count changes)",
+            ["stage"],
+            registry=r,
+        )
         self.queue_depth = Gauge("encoder_queue_depth", "items waiting in a stage's input queue", ["queue"], registry=r)
         self.pending = Gauge("encoder_pending_items", "items admitted and not yet answered", registry=r)
         self.batch_items = Histogram(

@@ -256,9 +256,12 @@ class EncodePipeline:
             "decode": max(1, c.decode_workers),
             "preprocess": c.preprocess_threads,
         }
+        started = time.monotonic()
         for stage, n in workers.items():
             m.workers.labels(stage).set(n)
+            m.worker_seconds.labels(stage).set_function(lambda n=n: n * (time.monotonic() - started))
         m.workers.labels("encode").set_function(lambda: self.tuner.workers)
+        m.worker_seconds.labels("encode").set_function(self.tuner.worker_seconds)
         m.forward_threads.set_function(lambda: self.tuner.threads)
         m.batch_budget.set_function(lambda: self.batcher.budget.tokens)
         for name, q in (

@@ -164,7 +164,23 @@ class ForwardTuner:
         self.decode_pids = decode_pids
         self.policy = policy
         self.threads = threads  # 0: torch's default (a fixed --torch-threads, or no tuner)
-        self.workers = 1
+        self._workers = 1
+        self._since = time.monotonic()
+        self._worker_s = 0.0  # workers integrated over time until `_since`
+
+    @property
+    def workers(self) -> int:
+        return self._workers
+
+    @workers.setter
+    def workers(self, n: int) -> None:
+        now = time.monotonic()
+        self._worker_s += self._workers * (now - self._since)
+        self._workers, self._since = n, now
+
+    def worker_seconds(self) -> float:
+        """The forward's workers integrated over time: the denominator of its busy fraction across shape changes."""
+        return self._worker_s + self._workers * (time.monotonic() - self._since)
 
     def apply(self, shape: Shape) -> None:
         self.threads, self.workers = shape.threads, shape.workers

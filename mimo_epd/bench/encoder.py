@@ -21,7 +21,8 @@ from /proc, over the measured window). Outputs are checked: each distinct image 
 mode and compared with `naive` (full decode, no draft): relative L2 per image. Tolerance: 1e-4 for the
 peers (same pixels; float rounding of a different normalize/patchify order), 0.05 for `pipelined` (its JPEG
 draft decode; the bound README documents and tests/encoder/test_pipeline_switches.py checks).
-Our stage busy fractions come from the server's Prometheus counters: busy seconds / (wall x workers).
+Our stage busy fractions come from the server's Prometheus counters: busy seconds / worker seconds (the stage's
+workers integrated over the run, so a forward whose worker count the tuner moved reads at most 1).
 
 `ratios.cores_busy` gives every mode's cores busy; `modes.pipelined.forward` the forward's shape (workers,
 threads) and batch budget the tuner and the queue-following budget ended at; `--forward-shapes 1x1,1x2,2x1`
@@ -130,8 +131,12 @@ def _server_stats(port: int, before: dict, after: dict, t0: float, t1: float) ->
     busy = {}
     for st in STAGES:
         key = f'encoder_stage_busy_seconds_total{{stage="{st}"}}'
-        workers = after.get(f'encoder_stage_workers{{stage="{st}"}}', 1.0)
-        busy[st] = round((after.get(key, 0.0) - before.get(key, 0.0)) / ((t1 - t0) * workers), 3)
+        ws = f'encoder_stage_worker_seconds{{stage="{st}"}}'
+        if ws in after and ws in before:  # workers integrated over the run: right when the forward's shape moved
+            capacity = after[ws] - before[ws]
+        else:
+            capacity = (t1 - t0) * after.get(f'encoder_stage_workers{{stage="{st}"}}', 1.0)
+        busy[st] = round((after.get(key, 0.0) - before.get(key, 0.0)) / max(capacity, 1e-9), 3)
     stats["stage_busy"] = busy
     compute = {k: v for k, v in busy.items() if k != "fetch"}
     stats["bottleneck_stage"] = max(compute, key=compute.get)

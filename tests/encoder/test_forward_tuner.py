@@ -147,3 +147,20 @@ def test_fixed_worker_count_tunes_threads_only():
     seen = drive(p, Machine(cores=4, decoders=1))
     assert {s.workers for s in seen} == {2} and settled(seen) == Shape(2, 2)
     assert shapes(2, 3, 3) == [Shape(3, 1)]  # more workers than cores: asked for, one thread each
+
+
+def test_worker_seconds_integrate_the_worker_count_across_shape_changes(monkeypatch):
+    """The busy fraction's denominator: a forward that ran 1 worker for 3 s then 2 workers for 1 s had 5 worker
+    seconds (dividing by the count at the end, 8, made a busy forward read 1.75 in a bench run)."""
+    from encoder_server.pipeline import tuner as mod
+
+    now = [100.0]
+    monkeypatch.setattr(mod.time, "monotonic", lambda: now[0])
+    t = mod.ForwardTuner(lambda: (0.0, 0), lambda: [], ForwardPolicy(2, max_workers=2))
+    now[0] += 3.0
+    t.apply(Shape(2, 1))
+    now[0] += 1.0
+    assert t.workers == 2 and t.worker_seconds() == 5.0
+    t.apply(Shape(1, 2))
+    now[0] += 2.0
+    assert t.worker_seconds() == 7.0
