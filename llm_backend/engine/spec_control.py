@@ -15,7 +15,13 @@ about what one token does, on a CPU every token costs. So the rule measures inst
   t0 / B, t0 = a + b * (other tokens + B); a request is worth drafting when E_r * t0 / B >= K * b (its
   extra verify tokens), and the step drafts when the requests worth it together save more than c, the chain's
   fixed cost. Until the fit has seen `min_steps` of each kind it alternates them (steps with no decoding
-  request count as plain); from then on every `probe_every` steps it does the opposite of what it decided, so both kinds keep being measured and a bad phase never switches it off for good.
+  request count as plain); from then on it sometimes does the opposite of what it decided (a probe), so both kinds
+  keep being measured and a bad phase never switches it off for good (a step probe inverts the step's decision; a
+  request probe lets the requests the per-request rule keeps off draft in a drafting step). Probes start
+  `probe_every` steps apart and
+  the gap doubles while probing confirms the decision, up to `max_probe_gap` (a probe with drafting off costs the
+  deferred MTP catch-up of every request: at batch 16 on a CPU about four plain steps); a changed decision
+  resets the gap.
 """
 
 from __future__ import annotations
@@ -25,9 +31,39 @@ import torch
 FEATURES = 3  # 1, target tokens, any verify
 
 
+class ProbeSchedule:
+    """When to try the other choice: `first` steps after a decision changed, then at doubling gaps up to `cap`."""
+
+    def __init__(self, first: int, cap: int):
+        self.first, self.cap = first, max(first, cap)
+        self.gap, self.next = first, first
+        self.last: bool | None = None
+
+    def due(self, step: int, decision: bool = True) -> bool:
+        if decision != self.last:
+            self.last, self.gap = decision, self.first
+            self.next = min(self.next, step + self.gap)
+        if step < self.next:
+            return False
+        self.gap = min(2 * self.gap, self.cap)
+        self.next = step + self.gap
+        return True
+
+
 class SpecController:
-    def __init__(self, steps: int, decay: float = 0.98, probe_every: int = 32, min_steps: int = 8, auto: bool = True):
+    def __init__(
+        self,
+        steps: int,
+        decay: float = 0.98,
+        probe_every: int = 32,
+        min_steps: int = 8,
+        auto: bool = True,
+        max_probe_gap: int = 1024,
+    ):
         self.steps, self.decay, self.probe_every, self.min_steps, self.auto = steps, decay, probe_every, min_steps, auto
+        self._step_probes = ProbeSchedule(probe_every, max_probe_gap)  # a step that does the opposite
+        self._request_probes = ProbeSchedule(probe_every, max_probe_gap)  # requests the rule keeps off draft
+        self._probe_requests = False
         self.xtx = torch.zeros(FEATURES, FEATURES, dtype=torch.float64)
         self.xty = torch.zeros(FEATURES, dtype=torch.float64)
         self.seen = [0, 0]  # steps observed without / with a verify
@@ -69,7 +105,7 @@ class SpecController:
         per_token = (a + b * (other + B)) / B
         worth = self.global_accept * per_token - self.steps * b
         on = B * worth > c
-        if self.step % self.probe_every == 0:
+        if self._step_probes.due(self.step, on):
             self.decisions["probes"] += 1
             return not on
         return on
@@ -84,6 +120,7 @@ class SpecController:
         if self._decided_at != self.step:
             self._decided_at = self.step
             self._draft_step = self._decide()
+            self._probe_requests = self.auto and self._draft_step and self._request_probes.due(self.step)
             self.decisions["on" if self._draft_step else "off"] += 1
         if not self._draft_step:
             return False
@@ -92,7 +129,7 @@ class SpecController:
         a, b, c = self.costs()
         B, other = self._last_batch
         per_token = (a + b * (other + B)) / B
-        return r_state.accept_ema * per_token >= self.steps * b or self.step % self.probe_every == 0
+        return r_state.accept_ema * per_token >= self.steps * b or self._probe_requests
 
     def as_dict(self) -> dict:
         a, b, c = self.costs() if min(self.seen) else (0.0, 0.0, 0.0)

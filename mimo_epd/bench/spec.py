@@ -81,22 +81,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
-def run_mode(model, opts: dict, prompts: list[list[int]], params: list, batch: int, threads: int) -> dict:
-    """One engine with `opts` runs `prompts` (request i with `params[i]`), at most `batch` at a time."""
-    import torch
-
-    from llm_backend import LLM, SamplingParams
-
-    torch.set_num_threads(threads)
-    llm = LLM(model, max_running=batch, kv_cache_tokens=32768, swa_cache_tokens=8192, **opts)
-    # warm-up: one short request (allocations, the first kernels)
-    llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(max_tokens=4))
-    stamps: dict[int, list[float]] = {}
-
-    def on_token(r, _tok, _lp):
-        stamps.setdefault(r.id, []).append(time.perf_counter())
-
-    start = time.perf_counter()
+def _drive(llm, prompts: list[list[int]], params: list, batch: int, on_token) -> list:
+    """Runs `prompts` (request i with `params[i]`) on `llm`, at most `batch` at a time; returns the requests."""
     reqs = []
     pending = list(zip(prompts, params))
     while pending or llm.has_work():
@@ -104,6 +90,34 @@ def run_mode(model, opts: dict, prompts: list[list[int]], params: list, batch: i
             prompt, sp = pending.pop(0)
             reqs.append(llm.add_request(prompt, sp, on_token=on_token))
         llm.step()
+    return reqs
+
+
+def run_mode(
+    model, opts: dict, prompts: list[list[int]], params: list, batch: int, threads: int, warm: bool = True
+) -> dict:
+    """One engine with `opts` runs `prompts` (request i with `params[i]`), at most `batch` at a time."""
+    import torch
+
+    from llm_backend import LLM, SamplingParams
+
+    torch.set_num_threads(threads)
+    llm = LLM(model, max_running=batch, kv_cache_tokens=32768, swa_cache_tokens=8192, **opts)
+    # warm-up: one short request (allocations, the first kernels); with `warm`, the whole workload once more, so
+    # the timed pass sees a server that has been running (the auto controller's fit measured, not exploring), then
+    # the prefix cache is emptied so the timed pass computes every prompt
+    llm.generate(prompt_token_ids=[prompts[0]], sampling_params=SamplingParams(max_tokens=4))
+    if warm:
+        _drive(llm, prompts, params, batch, None)
+        llm.cache.evict_full(10**9)
+        llm.cache.evict_swa(10**9)
+    stamps: dict[int, list[float]] = {}
+
+    def on_token(r, _tok, _lp):
+        stamps.setdefault(r.id, []).append(time.perf_counter())
+
+    start = time.perf_counter()
+    reqs = _drive(llm, prompts, params, batch, on_token)
     wall = time.perf_counter() - start
     itl, tpot, ttft = [], [], []
     for r in reqs:
@@ -167,7 +181,7 @@ def main(args) -> dict:
         results[key] = {}
         for mode in modes:
             log(f"{key} {mode}")
-            results[key][mode] = run_mode(model, MODES[mode], prompts, params, batch, args.threads)
+            results[key][mode] = run_mode(model, MODES[mode], prompts, params, batch, args.threads, not args.no_warm)
         ref = results[key]["off"]["_outputs"] if "off" in results[key] else None
         for r in results[key].values():
             outs = r.pop("_outputs")
@@ -182,6 +196,7 @@ def main(args) -> dict:
             "threads": args.threads,
             "workloads": {k: {"requests": n, "batch": int(k[1:].split("_")[0])} for k, n in requests.items()},
             "greedy": True,
+            "warm_pass": not args.no_warm,
             "itl": "time between consecutive tokens as a client sees them (an accepted run arrives at once)",
         },
         "modes": results,
@@ -224,10 +239,16 @@ def _ratios(results: dict) -> dict:
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="a model with MTP layers (default: tiny, the shipped one)")
     p.add_argument("--modes", default="", help=f"comma-separated subset of {', '.join(MODES)} (default: all)")
-    p.add_argument("--requests-b1", type=int, default=8, help="requests of the batch-1 workloads (default: 8)")
+    p.add_argument("--requests-b1", type=int, default=16, help="requests of the batch-1 workloads (default: 16)")
     p.add_argument("--requests-batch", type=int, default=32, help="requests of the batch-16 workloads (default: 32)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    p.add_argument(
+        "--no-warm",
+        action="store_true",
+        help="time each mode's first pass over the workload (default: one untimed pass first, the prefix cache "
+        "emptied after it: the auto controller has measured, as in a server that has been running)",
+    )
     p.add_argument("--sim", action="store_true", help="price the modes on the simulator's cost model instead")
     p.add_argument("--shape", default="flash", choices=("flash", "pro"), help="--sim: model shape (default: flash)")
     p.add_argument(

@@ -491,3 +491,21 @@ def test_the_prefix_cache_never_takes_a_window_whose_mtp_entries_were_deferred(m
             assert llm.stats()["spec_catch_up_deferred_tokens"] >= 49
         idle(llm)
     assert logs[0] == logs[1]
+
+
+def test_probes_back_off_while_they_confirm_the_decision():
+    """A probe with drafting off pays every request's deferred catch-up: probes double their gap while the decision
+    holds (32, 64, 128, ... steps), so a long off phase costs a few probes, not one every 32 steps."""
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=32, min_steps=4, max_probe_gap=256)
+    st = type("S", (), {"accept_ema": 0.1})()
+    probes = []
+    for _ in range(1200):
+        on = ctl.wants(st)
+        if on:
+            probes.append(ctl.step)
+        ctl.observe(0.002 + 0.004 * (16 * (1 + 3 * on)) + 0.003 * on, 16 * (1 + 3 * on), on, 16)
+    gaps = [b - a for a, b in zip(probes[4:], probes[5:])]  # after the first measurements
+    assert gaps and gaps[-1] == 256 and gaps == sorted(gaps), probes
+    assert len(probes) < 4 + 1200 // 32 // 2
