@@ -169,6 +169,7 @@ def main(args) -> dict:
     modes = list(MODES) if not args.modes else args.modes.split(",")
     results: dict[str, dict] = {}
     requests: dict[str, int] = {}
+    spreads: list[dict] = []
     identical = True
     for batch, bucket in workloads:
         n = args.requests_b1 if batch == 1 else args.requests_batch
@@ -178,15 +179,17 @@ def main(args) -> dict:
         params = [bucket_params(bucket, i) for i in range(n)]
         key = f"b{batch}_{bucket}"
         requests[key] = n
-        results[key] = {}
-        for mode in modes:
-            log(f"{key} {mode}")
-            results[key][mode] = run_mode(model, MODES[mode], prompts, params, batch, args.threads, not args.no_warm)
-        ref = results[key]["off"]["_outputs"] if "off" in results[key] else None
-        for r in results[key].values():
-            outs = r.pop("_outputs")
-            r["outputs_equal_off"] = ref is not None and outs == ref
-            identical &= r["outputs_equal_off"]
+        runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        for rep in range(args.repeats):  # modes interleaved: a slow phase of the machine hits all of them
+            for mode in modes:
+                log(f"{key} {mode}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
+                runs[mode].append(run_mode(model, MODES[mode], prompts, params, batch, args.threads, not args.no_warm))
+        ref = runs["off"][0]["_outputs"] if "off" in runs else None
+        for mode_runs in runs.values():
+            for r in mode_runs:
+                identical &= ref is not None and r["_outputs"] == ref
+        results[key] = {mode: _median_run(mode_runs, ref) for mode, mode_runs in runs.items()}
+        spreads.append(_paired_spread(key, runs))
     ratios = _ratios(results)
     k3 = [r["k3"]["mean_accept_length"] for r in results.values() if "k3" in r]
     return {
@@ -203,6 +206,7 @@ def main(args) -> dict:
         "greedy_identical": identical,
         "accept_length_k3": round(statistics.fmean(k3), 4) if k3 else None,
         "ratios": ratios,
+        **({"ratios_range": {k: v for d in spreads for k, v in d.items()}} if args.repeats > 1 else {}),
     }
 
 
@@ -213,6 +217,29 @@ def bucket_params(bucket: str, i: int):
     if bucket == "128_256":
         return SamplingParams(max_tokens=128 + 8 * (i % 16), ignore_eos=True)
     return SamplingParams(max_tokens=24 if bucket == "quick" else 128)
+
+
+def _median_run(runs: list[dict], ref) -> dict:
+    """The run with the median tokens/s (all its figures from that one run), with every run's tokens/s."""
+    order = sorted(runs, key=lambda r: r["tokens_per_s"])
+    out = dict(order[(len(order) - 1) // 2])
+    out["outputs_equal_off"] = ref is not None and all(r["_outputs"] == ref for r in runs)
+    if len(runs) > 1:
+        out["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+    out.pop("_outputs")
+    return out
+
+
+def _paired_spread(key: str, runs: dict[str, list[dict]]) -> dict:
+    """[min, max] over repetitions of each mode's tokens/s over `off`'s in the same repetition."""
+    if "off" not in runs or len(runs["off"]) < 2:
+        return {}
+    out = {}
+    for mode in ("k3", "k3_auto"):
+        if mode in runs:
+            paired = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[mode], runs["off"])]
+            out[f"speedup_{mode}_{key}"] = [round(min(paired), 3), round(max(paired), 3)]
+    return out
 
 
 def _ratios(results: dict) -> dict:
@@ -243,6 +270,13 @@ def add_arguments(p) -> None:
     p.add_argument("--requests-batch", type=int, default=32, help="requests of the batch-16 workloads (default: 32)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: 2)")
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every mode, interleaved; each mode reports its median run, `ratios_range` the paired "
+        "spread (default: 1)",
+    )
     p.add_argument(
         "--no-warm",
         action="store_true",
