@@ -28,7 +28,9 @@ One engine step of a speculating request whose last token t_L (at slot L) is not
    (a prefill chunk, a plain decode token, or the accepted drafts) are recomputed from the target's hidden states,
    overwriting what drafting wrote there. The scheduler then rolls the rejected positions back (RequestKV.truncate).
 
-Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, its catch-up is not run;
+Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, its decode tokens'
+catch-up is not run (prompt chunks still catch up in their step: the prefix cache takes them at once, and a
+per-request pass then would only cost more);
 the target's hidden states of its final positions are kept instead (`MTPState.pending`, at most the window's
 W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
 request drafts again, the kept rows are caught up in one batched pass before drafting (`_resume`), so a request
@@ -410,7 +412,7 @@ class SpeculativeRunner(ModelRunner):
                 plans.append((s, st, h, final, s.start + 1))
                 continue
             st = self._state(r, s.start)
-            if self._defers(st):
+            if self._defers(st) and s.start >= len(r.prompt):  # prompt chunks: the cache checkpoints them at once
                 self._keep(st, h[:own])
                 continue
             if st.pending:  # caught up now: the kept rows first, then this segment's
