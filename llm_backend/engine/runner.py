@@ -37,10 +37,10 @@ class ModelRunner:
         """Draft positions a decoding request verifies this step: none without speculative decoding."""
         return 0
 
-    def before_cache(self, r) -> bool:
-        """Called by the scheduler before r's KV enters the prefix cache (False: do not cache it); nothing is
-        deferred here."""
-        return True
+    def before_cache(self, requests: list) -> list[bool]:
+        """Called by the scheduler before these requests' KV enters the prefix cache (False: do not cache that
+        one); nothing is deferred here."""
+        return [True] * len(requests)
 
     def metrics(self) -> dict:
         return {}

@@ -93,7 +93,7 @@ class Scheduler:
         max_prefill_tokens: int = 0,
         prefill_order: str = "fewest_left",
         draft_tokens: Callable[[Request], int] | None = None,
-        before_cache: Callable[[Request], bool] | None = None,
+        before_cache: Callable[[list[Request]], list[bool]] | None = None,
     ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
@@ -110,9 +110,9 @@ class Scheduler:
         self.prefill_order = prefill_order
         # Draft positions a decoding request verifies this step (speculative decoding), 0 = plain decoding.
         self.draft_tokens = draft_tokens or (lambda r: 0)
-        # Called before a request's KV enters the prefix cache (the speculative runner completes deferred work);
-        # False: the KV must not be cached.
-        self.before_cache = before_cache or (lambda r: True)
+        # Called before requests' KV enters the prefix cache, all of a step's at once (the speculative runner
+        # completes deferred work in one batched pass); a False: that request's KV must not be cached.
+        self.before_cache = before_cache or (lambda rs: [True] * len(rs))
         self.drafted_tokens = self.accepted_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the oldest first
@@ -305,6 +305,7 @@ class Scheduler:
 
     def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
         """Step 4: bookkeeping after the runner ran `segments`."""
+        ended: list[Request] = []
         for seg, res in zip(segments, results):
             r = seg.request
             if r.done:
@@ -317,7 +318,7 @@ class Scheduler:
             kv = r.kv
             assert kv is not None, "a running request has its KV"
             prompt_chunk = self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt)
-            if prompt_chunk and self.before_cache(r):
+            if prompt_chunk and self.before_cache([r])[0]:
                 kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
             if res.sampled is not None:
                 self._take_tokens(r, seg, res)
@@ -326,7 +327,10 @@ class Scheduler:
             self.peak_swa_per_request = max(self.peak_swa_per_request, kv.own_swa_live())
             if r.finish_reason == "" and r.aborted == "" and self._stopped(r):
                 self.running.remove(r)
-                self.finish(r, self._stopped(r))
+                ended.append(r)
+        may_cache = self.before_cache(ended) if self.enable_prefix_cache and ended else [False] * len(ended)
+        for r, ok in zip(ended, may_cache):
+            self.finish(r, self._stopped(r), may_cache=ok)
 
     def _take_tokens(self, r: Request, seg: Segment, res: SegmentResult) -> None:
         """Appends the segment's accepted drafts and its sampled token, up to the first that ends the request; the
@@ -371,7 +375,8 @@ class Scheduler:
             return "length"
         return ""
 
-    def finish(self, r: Request, reason: str, error: str = "", code: str = "") -> None:
+    def finish(self, r: Request, reason: str, error: str = "", code: str = "", may_cache: bool | None = None) -> None:
+        """Ends r; `may_cache`: the before-cache call already made for it (complete() makes one for a step's)."""
         if r.done:
             return
         r.finish_reason, r.error, r.error_code = reason, error, code
@@ -386,7 +391,9 @@ class Scheduler:
             log.warning("request %d failed: %s", r.id, error)
         if r.kv is not None:
             cache_result = self.enable_prefix_cache and reason in ("stop", "length")
-            r.kv.finish(cache_result=cache_result and self.before_cache(r))
+            if cache_result and may_cache is None:
+                may_cache = self.before_cache([r])[0]
+            r.kv.finish(cache_result=cache_result and bool(may_cache))
             r.kv = None
         self._uncached.pop(r.id, None)
         if r.on_finish:

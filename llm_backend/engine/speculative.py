@@ -192,19 +192,25 @@ class SpeculativeRunner(ModelRunner):
         st.wanted = self.control.wants(st)
         return self.steps if st.wanted else 0
 
-    def before_cache(self, r: Request) -> bool:
-        """The scheduler's call before r's KV enters the prefix cache: deferred MTP entries are computed first.
-        False (the KV is not cached) when that fails: the cache never takes a window with skipped entries."""
-        if r.spec is None or not r.spec.pending or r.kv is None:
-            return True
+    def before_cache(self, requests: list[Request]) -> list[bool]:
+        """The scheduler's call before these requests' KV enters the prefix cache: their deferred MTP entries are
+        computed first, in one batched pass. False (that KV is not cached) when it fails: the cache never takes
+        a window with skipped entries."""
+        todo = [r for r in requests if r.spec is not None and r.spec.pending and r.kv is not None]
+        if not todo:
+            return [True] * len(requests)
         try:
             with torch.inference_mode():
-                self._run_catch_up([self._pending_plan(r)])
+                self._run_catch_up([self._pending_plan(r) for r in todo])
         except Exception:
-            log.exception("request %d: the deferred MTP catch-up failed; its KV is not cached", r.id)
-            r.spec = None
-            return False
-        return True
+            log.exception(
+                "the deferred MTP catch-up of requests %s failed; their KV is not cached", [r.id for r in todo]
+            )
+            for r in todo:
+                r.spec = None
+            failed = {r.id for r in todo}
+            return [r.id not in failed for r in requests]
+        return [True] * len(requests)
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
