@@ -167,6 +167,7 @@ def main(args) -> dict:
     if quick:
         workloads = [(1, "quick"), (4, "quick")]
     modes = list(MODES) if not args.modes else args.modes.split(",")
+    warm = not (args.no_warm or quick)  # a smoke run checks the modes, it measures nothing
     results: dict[str, dict] = {}
     requests: dict[str, int] = {}
     spreads: list[dict] = []
@@ -183,7 +184,7 @@ def main(args) -> dict:
         for rep in range(args.repeats):  # modes interleaved: a slow phase of the machine hits all of them
             for mode in modes:
                 log(f"{key} {mode}" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
-                runs[mode].append(run_mode(model, MODES[mode], prompts, params, batch, args.threads, not args.no_warm))
+                runs[mode].append(run_mode(model, MODES[mode], prompts, params, batch, args.threads, warm))
         ref = runs["off"][0]["_outputs"] if "off" in runs else None
         for mode_runs in runs.values():
             for r in mode_runs:
@@ -199,7 +200,7 @@ def main(args) -> dict:
             "threads": args.threads,
             "workloads": {k: {"requests": n, "batch": int(k[1:].split("_")[0])} for k, n in requests.items()},
             "greedy": True,
-            "warm_pass": not args.no_warm,
+            "warm_pass": warm,
             "itl": "time between consecutive tokens as a client sees them (an accepted run arrives at once)",
         },
         "modes": results,
@@ -281,7 +282,8 @@ def add_arguments(p) -> None:
         "--no-warm",
         action="store_true",
         help="time each mode's first pass over the workload (default: one untimed pass first, the prefix cache "
-        "emptied after it: the auto controller has measured, as in a server that has been running)",
+        "emptied after it: the auto controller has measured, as in a server that has been running; --quick "
+        "never warms)",
     )
     p.add_argument("--sim", action="store_true", help="price the modes on the simulator's cost model instead")
     p.add_argument("--shape", default="flash", choices=("flash", "pro"), help="--sim: model shape (default: flash)")
