@@ -18,10 +18,9 @@ about what one token does, on a CPU every token costs. So the rule measures inst
   request count as plain); from then on it sometimes does the opposite of what it decided (a probe), so both kinds
   keep being measured and a bad phase never switches it off for good (a step probe inverts the step's decision; a
   request probe lets the requests the per-request rule keeps off draft in a drafting step). Probes start
-  `probe_every` steps apart and
-  the gap doubles while probing confirms the decision, up to `max_probe_gap` (a probe with drafting off costs the
-  deferred MTP catch-up of every request: at batch 16 on a CPU about four plain steps); a changed decision
-  resets the gap.
+  `probe_every` steps apart and the gap doubles while probing confirms the decision, up to `max_probe_gap` (a
+  probe with drafting off costs the deferred MTP catch-up of every request: at batch 16 on a CPU about four plain
+  steps); a changed decision resets the gap.
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class SpecController:
         auto: bool = True,
         max_probe_gap: int = 1024,
     ):
-        self.steps, self.decay, self.probe_every, self.min_steps, self.auto = steps, decay, probe_every, min_steps, auto
+        self.steps, self.decay, self.min_steps, self.auto = steps, decay, min_steps, auto
         self._step_probes = ProbeSchedule(probe_every, max_probe_gap)  # a step that does the opposite
         self._request_probes = ProbeSchedule(probe_every, max_probe_gap)  # requests the rule keeps off draft
         self._probe_requests = False

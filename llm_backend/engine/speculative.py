@@ -28,11 +28,10 @@ One engine step of a speculating request whose last token t_L (at slot L) is not
    (a prefill chunk, a plain decode token, or the accepted drafts) are recomputed from the target's hidden states,
    overwriting what drafting wrote there. The scheduler then rolls the rejected positions back (RequestKV.truncate).
 
-Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, its decode tokens'
-catch-up is not run (prompt chunks still catch up in their step: the prefix cache takes them at once, and a
-per-request pass then would only cost more);
-the target's hidden states of its final positions are kept instead (`MTPState.pending`, at most the window's
-W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
+Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, the catch-up over its
+decode tokens is not run (prompt chunks still catch up in their step: the prefix cache takes them at once, and a
+per-request pass then would only cost more); the target's hidden states of its final positions are kept instead
+(`MTPState.pending`, at most the window's W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
 request drafts again, the kept rows are caught up in one batched pass before drafting (`_resume`), so a request
 that does not draft costs the target's step alone. Before the request's KV enters the prefix cache (a prompt
 chunk's checkpoint, a finished request) the scheduler calls `before_cache`, which catches the rows up the same way:
@@ -423,7 +422,7 @@ class SpeculativeRunner(ModelRunner):
                 continue
             if st.pending:  # caught up now: the kept rows first, then this segment's
                 self._keep(st, h[:own], deferred=False)
-                plans.append(self._pending_plan(r))
+                plans.append(self._pending_plan(r, new=own))
                 continue
             plans.append((s, st, h, r.tokens[s.start : s.start + own], s.start))
         self._run_catch_up(plans)
@@ -437,8 +436,6 @@ class SpeculativeRunner(ModelRunner):
         st.pending.extend(rows.clone().unbind(0))
         if deferred:
             self.stats.deferred += rows.shape[0]
-        else:
-            self.stats.resumed -= rows.shape[0]  # caught up at once: not deferred work
         drop = len(st.pending) - self.window
         if drop > 0:  # those entries would be out of the window before anything reads them
             self._drop(st, drop)
@@ -452,8 +449,9 @@ class SpeculativeRunner(ModelRunner):
         st.floor = st.next_slot
         del st.pending[:n]
 
-    def _pending_plan(self, r: Request):
-        """A catch-up plan over the request's kept rows (those whose SWA slot is still live)."""
+    def _pending_plan(self, r: Request, new: int = 0):
+        """A catch-up plan over the request's kept rows (those whose SWA slot is still live); the last `new` of
+        them were kept this step and not deferred."""
         st, kv = r.spec, r.kv
         assert st is not None and kv is not None
         live = next((j for j in range(len(st.pending)) if kv.swa[st.next_slot + j] is not None), len(st.pending))
@@ -466,7 +464,7 @@ class SpeculativeRunner(ModelRunner):
             st.floor = freed[-1] + 1
         rows, start = st.pending, st.next_slot
         st.pending = []
-        self.stats.resumed += len(rows)
+        self.stats.resumed += max(0, len(rows) - new)
         seg = Segment(r, start, len(rows))
         h = torch.stack(rows) if rows else torch.empty(0)
         return seg, st, h, r.tokens[start : start + len(rows)], start
