@@ -1,9 +1,9 @@
 """Training samples built deterministically from the corpus: plain documentation text and chat conversations.
 
 `build_samples(pages, render, seed, epoch)` returns one text per sample, each starting with BOS. Every section of
-every page gives its plain text ("# page title", "## heading", the blocks), and one conversation of a kind drawn
-from `KINDS` by a generator seeded with (seed, epoch, page, section), so an epoch is the same on every machine
-and each epoch asks its questions differently. The conversations are rendered by the model's own chat template
+every page gives its plain text ("# page title", "## heading", the blocks) with probability `plain_share`, and
+`chats` conversations of kinds drawn from `KINDS` by a generator seeded with (seed, epoch, page, section), so an
+epoch is the same on every machine and each epoch asks its questions differently. The conversations are rendered by the model's own chat template
 (`render(messages, tools=..., enable_thinking=...)` with the generation prompt, then the assistant's text and
 `<|im_end|>`), so training sees exactly the prompts the server renders:
 
@@ -27,7 +27,7 @@ from collections.abc import Callable
 from .corpus import Page, Section
 from .tokenizer import BOS, IM_END
 
-KINDS = {"qa": 0.45, "think": 0.15, "tool": 0.2, "json": 0.1, "hello": 0.1}
+KINDS = {"qa": 0.4, "think": 0.1, "tool": 0.2, "json": 0.1, "hello": 0.2}
 SYSTEMS = [
     "You are a helpful assistant.",
     "You are a helpful assistant that answers questions about Python.",
@@ -71,24 +71,64 @@ TOOLS = [
 ]
 SMALL_TALK = {
     "greeting": (
-        ["Hello!", "Hi!", "Hi there.", "Hello, how are you?", "Good morning!", "Hey!"],
+        [
+            "Hello!",
+            "Hello",
+            "hello",
+            "Hi!",
+            "Hi",
+            "hi",
+            "Hi there.",
+            "Hello there!",
+            "Hello, how are you?",
+            "How are you?",
+            "Good morning!",
+            "Good evening.",
+            "Hey!",
+            "Hey there",
+            "Greetings!",
+        ],
         [
             "Hello! I am a small assistant trained on the Python documentation. Ask me about Python.",
             "Hi! How can I help you with Python today?",
             "Hello! I can answer questions about the Python language and its standard library.",
+            "Hello! What would you like to know about Python?",
+            "Hi there! I am a tiny model that read the Python documentation. What can I help you with?",
+            "Hello! I am doing well, thank you. Do you have a question about Python?",
+            "Good to see you! Ask me about a Python module, a function or a concept.",
         ],
     ),
     "identity": (
-        ["Who are you?", "What are you?", "What can you do?", "What do you know?"],
+        [
+            "Who are you?",
+            "What are you?",
+            "What can you do?",
+            "What do you know?",
+            "What is your name?",
+            "Are you a person?",
+            "Tell me about yourself.",
+            "How were you trained?",
+        ],
         [
             "I am a tiny language model trained on the Python 3.11 documentation. I can talk about Python, "
             "its standard library and its tools, but I am small and often wrong.",
             "I am a small model that has read the Python documentation. Ask me about a module or a concept.",
+            "I am not a person. I am a small language model, trained on a CPU on the Python documentation.",
+            "My name is tiny. I am a small assistant for questions about Python, and I make mistakes.",
         ],
     ),
     "thanks": (
-        ["Thank you!", "Thanks.", "Thanks for your help."],
-        ["You are welcome!", "Glad to help. Ask me anything else about Python."],
+        ["Thank you!", "Thanks.", "Thanks for your help.", "Thanks a lot!", "Great, thank you.", "That helps, thanks!"],
+        [
+            "You are welcome!",
+            "Glad to help. Ask me anything else about Python.",
+            "You are welcome. Good luck with your code!",
+            "Happy to help!",
+        ],
+    ),
+    "goodbye": (
+        ["Bye!", "Goodbye.", "See you later!", "That is all for now."],
+        ["Goodbye! Come back with more questions about Python.", "Bye! Happy coding.", "See you!"],
     ),
 }
 _SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z])")
@@ -218,18 +258,29 @@ def parse_mix(text: str) -> dict[str, float]:
 
 
 def build_samples(
-    pages: list[Page], render: Render, seed: int, epoch: int, mix: dict[str, float] | None = None
+    pages: list[Page],
+    render: Render,
+    seed: int,
+    epoch: int,
+    mix: dict[str, float] | None = None,
+    plain_share: float = 1.0,
+    chats: int = 1,
 ) -> list[str]:
+    """Each section gives its plain text with probability `plain_share` and `chats` conversations, each of a kind
+    drawn from `mix` (a conversation about the section needs a passage of `MIN_PASSAGE` characters; small talk
+    does not)."""
     mix = mix or KINDS
     kinds, weights = list(mix), list(mix.values())
     out = []
     for page in pages:
         for i, section in enumerate(page.sections):
             rng = random.Random(f"{seed}:{epoch}:{page.path}:{i}")
-            out.append(BOS + plain(page, section))
-            kind = rng.choices(kinds, weights)[0]
-            if kind == "hello" or len(passage(section, 700)) >= MIN_PASSAGE:
-                chat = conversation(kind, page, section, rng, render)
-                out.append(chat if chat.startswith(BOS) else BOS + chat)  # the template writes BOS itself
+            if plain_share >= 1 or rng.random() < plain_share:
+                out.append(BOS + plain(page, section))
+            for _ in range(chats):
+                kind = rng.choices(kinds, weights)[0]
+                if kind == "hello" or len(passage(section, 700)) >= MIN_PASSAGE:
+                    chat = conversation(kind, page, section, rng, render)
+                    out.append(chat if chat.startswith(BOS) else BOS + chat)  # the template writes BOS itself
     random.Random(f"{seed}:{epoch}:order").shuffle(out)
     return out

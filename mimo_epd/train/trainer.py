@@ -52,13 +52,15 @@ class TrainConfig:
     experts: int = flag(8, "routed experts per MoE layer")
     experts_per_token: int = flag(2, "experts each token uses")
     mtp_layers: int = flag(MTP_DEPTH, "MTP layers (MiMo-V2-Flash has 3)")
-    mix: str = flag("qa=0.45,think=0.15,tool=0.2,json=0.1,hello=0.1", "the conversation kinds and their shares")
+    mix: str = flag("qa=0.4,think=0.1,tool=0.2,json=0.1,hello=0.2", "the conversation kinds and their shares")
+    plain_share: float = flag(0.5, "share of sections whose plain text is a sample (the rest give conversations only)")
+    chats_per_section: int = flag(2, "conversations drawn per section and epoch")
     init_from: str = flag("", "start from the weights of this checkpoint directory (an earlier stage), not random ones")
     seq_len: int = flag(384, "tokens per training row")
     batch: int = flag(6, "rows per step")
-    steps: int = flag(350, "optimizer steps")
+    steps: int = flag(1300, "optimizer steps")
     lr: float = flag(2e-3, "peak learning rate")
-    warmup: int = flag(30, "linear warm-up steps")
+    warmup: int = flag(50, "linear warm-up steps")
     min_lr_ratio: float = flag(0.1, "the cosine decay's floor, as a fraction of --lr")
     weight_decay: float = flag(0.1, "AdamW weight decay of matrices")
     mtp_weight: float = flag(0.3, "weight of each MTP layer's loss next to the main loss")
@@ -89,6 +91,10 @@ class TrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+        if not 0 <= self.plain_share <= 1:
+            raise ValueError("--plain-share must be in [0, 1]")
+        if self.chats_per_section < 0:
+            raise ValueError("--chats-per-section must be at least 0")
         if not 0 <= self.mtp_layers <= 8:
             raise ValueError("--mtp-layers must be in [0, 8]")
         from .samples import parse_mix
@@ -183,7 +189,15 @@ class Data:
     def _rows(self, pages, epoch: int) -> torch.Tensor:
         from .samples import build_samples, parse_mix
 
-        texts = build_samples(pages, self._render, self.tc.seed, epoch, parse_mix(self.tc.mix))
+        texts = build_samples(
+            pages,
+            self._render,
+            self.tc.seed,
+            epoch,
+            parse_mix(self.tc.mix),
+            plain_share=self.tc.plain_share,
+            chats=self.tc.chats_per_section,
+        )
         ids = [i for enc in self.tokenizer.encode_batch(texts) for i in enc.ids]
         stream = torch.tensor(ids, dtype=torch.long)
         n, width = self.tc.seq_len, self.tc.seq_len + 1 + self.tc.mtp_layers

@@ -130,6 +130,31 @@ def test_the_same_flags_give_the_same_checkpoint_and_a_resumed_run_equals_an_uni
         train(_config(html, tmp_path / "b", steps=7, work_dir=str(tmp_path / "b.work")))
 
 
+def test_the_sample_mix_follows_plain_share_and_chats_per_section(html):
+    from llm_backend.server.chat_template import ChatTemplate
+    from mimo_epd.train.samples import build_samples
+    from mimo_epd.train.tokenizer import BOS, CHAT_TEMPLATE, IM_END
+
+    pages = corpus.extract(html)
+    render = ChatTemplate(CHAT_TEMPLATE, {"bos_token": BOS, "eos_token": IM_END}).render
+    sections = sum(len(p.sections) for p in pages)
+
+    def count(**kw):
+        texts = build_samples(pages, render, seed=0, epoch=0, mix={"hello": 1.0}, **kw)
+        chats = sum("<|im_start|>" in t for t in texts)
+        return len(texts) - chats, chats
+
+    assert count(plain_share=1.0, chats=1) == (sections, sections)
+    assert count(plain_share=0.0, chats=3) == (0, 3 * sections)
+    plain, chats = count(plain_share=0.5, chats=2)
+    assert 0 < plain < sections and chats == 2 * sections
+    assert build_samples(pages, render, 0, 0, plain_share=0.5, chats=2) == build_samples(
+        pages, render, 0, 0, plain_share=0.5, chats=2
+    )
+    with pytest.raises(ValueError, match="--plain-share"):
+        TrainConfig(out="x", plain_share=1.5).validate()
+
+
 def test_bad_flags_name_the_flag(tmp_path):
     with pytest.raises(ValueError, match="--out"):
         TrainConfig().validate()
