@@ -1,6 +1,6 @@
 """The README's chat example against a real `mimo-epd llm` on the default model (the shipped trained `tiny`), with
 the official `openai` client: the answer is the offline engine's greedy output, streams identically, and is a
-well-formed turn; whether it is readable English is tested too, and known not to be yet (docs/model.md)."""
+well-formed turn in words (not a tool call or markup: the answer docs/model.md shows)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,8 @@ def test_the_readme_chat_example_is_the_engines_greedy_turn(answer):
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
 
 
-@pytest.mark.xfail(strict=True, reason="the shipped model answers the greeting with a tool call (docs/model.md)")
 def test_the_readme_chat_example_answers_in_words(answer):
-    text = answer[1].choices[0].message.content
+    message = answer[1].choices[0].message
+    text = message.content
+    assert not message.tool_calls and "<" not in text, text
     assert len([w for w in text.split() if w.isalpha()]) >= 3, text
