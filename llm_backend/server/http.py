@@ -256,7 +256,9 @@ class LLMHTTPServer:
         resp = await self._open_sse(request)
         offset = 0
         out = ChatOutput(req.agentic.thinking, req.agentic.tools)
-        try:
+
+        async def events() -> None:
+            nonlocal offset
             if chat:
                 await self._send(
                     resp,
@@ -313,12 +315,25 @@ class LLMHTTPServer:
                         resp,
                         proto.completion_chunk(rid, model, created, ev.text, None, lp, include_usage=req.include_usage),
                     )
-        except ServeError as e:
-            await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
-        finally:
-            gen.cancel()  # a no-op once finished; frees the KV of a request whose client went away
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
+
+        return await self._run_stream(resp, gen, rid, events)
+
+    @classmethod
+    async def _run_stream(cls, resp: web.StreamResponse, gen, rid: str, events) -> web.StreamResponse:
+        """Sends the stream's events (`await events()`), then `[DONE]`; a ServeError on the way becomes an error
+        event. A client that closes the stream first (or the router in front, ending it while it drains) only
+        cancels the request: its KV is freed and nothing is logged as an error."""
+        try:
+            try:
+                await events()
+            except ServeError as e:
+                await cls._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
+            finally:
+                gen.cancel()  # a no-op once finished; frees the KV of a request whose client went away
+            await cls._send(resp, "[DONE]")
+            await resp.write_eof()
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the transport is closing
+            log.info("%s: the client closed the stream before its end; the request is cancelled", rid)
         return resp
 
     async def generate(self, request):
@@ -335,7 +350,9 @@ class LLMHTTPServer:
         gen = self.core.start(prep, params, req.stop)
         resp = await self._open_sse(request)
         text, ids = [], []
-        try:
+
+        async def events() -> None:
+            nonlocal ids
             async for ev in gen.events():
                 if isinstance(ev, Final):
                     await self._send(
@@ -358,13 +375,8 @@ class LLMHTTPServer:
                             "meta_info": proto.generate_meta(rid, None, len(ids), len(prep.prompt)),
                         },
                     )
-        except ServeError as e:
-            await self._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
-        finally:
-            gen.cancel()
-        await self._send(resp, "[DONE]")
-        await resp.write_eof()
-        return resp
+
+        return await self._run_stream(resp, gen, rid, events)
 
 
 async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:

@@ -345,7 +345,10 @@ class HTTPFront:
             try:
                 async for chunk in chunks:
                     await self._write(resp, chunk, sse, body_parts)
-            except aiohttp.ClientError as e:  # the worker went away mid-response
+            except aiohttp.ClientError as e:  # the worker went away mid-response, or the client did
+                if _client_gone(request):  # our writes failed: nothing to tell; closing `up` aborts the request
+                    log.info("the client closed a response from LLM worker %s before its end", target)
+                    return resp
                 if stream is None:  # a plain body: nothing more can be said
                     log.warning("LLM worker %s broke off a response: %s", target, e)
                     raise
@@ -354,7 +357,8 @@ class HTTPFront:
                     await self._end_stream(resp, sse, f"the LLM worker broke off the stream ({type(e).__name__})")
                     return resp
             if stream is not None and stream.was_cut:
-                await self._end_stream(resp, sse, "the server is shutting down (--drain-timeout-s)")
+                if not _client_gone(request):
+                    await self._end_stream(resp, sse, "the server is shutting down (--drain-timeout-s)")
                 return resp
             if sse is not None and (rest := sse.flush()):
                 await resp.write(rest)
@@ -478,3 +482,8 @@ class HTTPFront:
         if cached is not None:
             router.report(choice, cached)
         return resp, None
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Whether the client's side of the connection is closed (writes to it fail with ConnectionResetError)."""
+    return request.transport is None or request.transport.is_closing()

@@ -236,3 +236,35 @@ async def test_errors_never_take_the_worker_down(worker):
         async with s.get(f"http://{worker.http_address}/health") as r:
             assert r.status == 200
     assert worker.proc.poll() is None
+
+
+async def test_a_stream_whose_client_closed_ends_quietly_and_cancels_the_request(caplog):
+    """The race the drain test met: the client's transport is closing when the worker writes its next event
+    (aiohttp raises ClientConnectionResetError before it cancels the handler). The request is cancelled and the
+    stream ends without an error reaching the edge's 500 handler."""
+    from llm_backend.server.http import LLMHTTPServer
+
+    class ClosedResponse:
+        writes = 0
+
+        async def write(self, data):
+            self.writes += 1
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+
+        async def write_eof(self):
+            raise AssertionError("no EOF after a failed write")
+
+    class Gen:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def events():
+        await LLMHTTPServer._send(resp, {"choices": []})
+
+    resp, gen = ClosedResponse(), Gen()
+    with caplog.at_level("INFO", logger="llm_backend.server.http"):
+        assert await LLMHTTPServer._run_stream(resp, gen, "chatcmpl-x", events) is resp
+    assert gen.cancelled and resp.writes == 1
+    assert any("closed the stream before its end" in r.message for r in caplog.records)
