@@ -38,7 +38,7 @@ serve: $(VENV)/.installed
 	$(VENV)/bin/mimo-epd serve $(ARGS)
 
 test: lint
-	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
