@@ -316,7 +316,8 @@ class EncodePipeline:
     async def _encode(self, items: list[ItemRequest]) -> list[ItemResult]:
         loop = asyncio.get_running_loop()
         reply = ReplyBudget(self.config.max_message_mb << 20)
-        jobs = [Job(i, it, loop.create_future(), reply=reply) for i, it in enumerate(items)]
+        fetches: dict = {}  # one download per URL for the request's items
+        jobs = [Job(i, it, loop.create_future(), reply=reply, fetches=fetches) for i, it in enumerate(items)]
         try:
             for job in jobs:
                 await self._step(job, self.stages.check)

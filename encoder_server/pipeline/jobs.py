@@ -98,6 +98,7 @@ class Job:
     key_extra: str = ""  # what the item's options add to its content key (its MediaKind's `prepare`)
     reply: ReplyBudget | None = None  # its request's reply size budget
     charged: int = 0  # bytes charged to `reply` for this item
+    fetches: dict | None = None  # its request's downloads by (URL, byte limit): one per URL (`Stages.read`)
 
     @property
     def wanted(self) -> bool:

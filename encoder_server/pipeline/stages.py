@@ -115,7 +115,7 @@ class Stages:
         identical item in flight when it can."""
         t0 = time.perf_counter()
         kind = kind_of(job.request.modality)
-        job.data = await self.fetcher.fetch(job.request.source, kind.max_bytes(self.config))
+        job.data = await self.read(job, kind.max_bytes(self.config))
         digest = bytes_digest(job.data)
         self.account(job, "fetch", t0)
         if job.request.content_hash and normalize_digest(job.request.content_hash) != digest:
@@ -129,6 +129,19 @@ class Stages:
         if not self.inflight.lead_or_follow(job):
             return Next.ATTACHED
         return kind.route
+
+    async def read(self, job: Job, max_bytes: int | None) -> bytes:
+        """The item's bytes. Items of one request with the same URL (a video and its soundtrack, under
+        use_audio_in_video; the same image twice) share one download, and its failure."""
+        src, memo = job.request.source, job.fetches
+        if memo is None or src.kind != "url":
+            return await self.fetcher.fetch(src, max_bytes)
+        key = (src.value, max_bytes)
+        fut = memo.get(key)
+        if fut is None:
+            fut = memo[key] = asyncio.ensure_future(self.fetcher.fetch(src, max_bytes))
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if nobody waits
+        return await asyncio.shield(fut)  # one item giving up does not cancel the others' download
 
     async def decode(self, job: Job) -> Next:
         t0 = time.perf_counter()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -71,9 +72,16 @@ class ServeError(Exception):
         return ServeError(grpc.StatusCode.INVALID_ARGUMENT, message, param=param, err_code=err_code)
 
 
-def media_error(code: grpc.StatusCode, details: str) -> ServeError:
-    """The encoder's status as the API reports it: a size limit is 413, the encoder at capacity 429."""
+def media_error(code: grpc.StatusCode, details: str, names: list[str] | None = None) -> ServeError:
+    """The encoder's status as the API reports it: a size limit is 413, the encoder at capacity 429. With the
+    request's `names` of its items (the field of each, then what it is of that field: `AUDIO_TRACK`), an
+    "item N: ..." reply names the item in its message and its field as `param`."""
     details = details or code.name
+    param = "media"
+    m = re.match(r"item (\d+): ", details)
+    if m and names and int(m[1]) < len(names):
+        param = names[int(m[1])].split(", ")[0]
+        details = f"item {m[1]} ({names[int(m[1])]}): {details[m.end() :]}"
     status = None
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED) and (
         "larger than the limit" in details or "over the limit" in details
@@ -81,8 +89,29 @@ def media_error(code: grpc.StatusCode, details: str) -> ServeError:
         status = 413
     retry = 1.0 if code == grpc.StatusCode.RESOURCE_EXHAUSTED and status is None else None
     return ServeError(
-        code, f"encoder: {details}", http_status=status, param="media", retry_after=retry, err_code="media_error"
+        code, f"encoder: {details}", http_status=status, param=param, retry_after=retry, err_code="media_error"
     )
+
+
+AUDIO_TRACK = ", its audio track (use_audio_in_video)"  # appended to a video's name for its soundtrack
+
+
+def with_audio_tracks(items) -> tuple[list[encoder_pb2.MediaItem], list[str]]:
+    """The media items with each video followed by its soundtrack, an AUDIO item of the same source (Qwen2.5-Omni's
+    `use_audio_in_video`), and the name of each (`media[i]`)."""
+    out, names = [], []
+    for i, it in enumerate(items):
+        out.append(it)
+        names.append(f"media[{i}]")
+        if it.modality == encoder_pb2.VIDEO:
+            track = encoder_pb2.MediaItem()
+            track.CopyFrom(it)
+            track.modality = encoder_pb2.AUDIO
+            track.ClearField("video")
+            track.content_hash = ""  # the video's hash names the same bytes, but a client may set it per item
+            out.append(track)
+            names.append(f"media[{i}]{AUDIO_TRACK}")
+    return out, names
 
 
 def placeholder_ids(content_key: str, n: int, vocab: int) -> list[int]:
@@ -217,7 +246,7 @@ class GenerationCore:
 
     # ------------------------------------------------------------------------------------ media
     async def encode_media(
-        self, items: list[encoder_pb2.MediaItem], timeout: float | None
+        self, items: list[encoder_pb2.MediaItem], timeout: float | None, names: list[str] | None = None
     ) -> tuple[list[int], dict[int, torch.Tensor]]:
         if not items:
             return [], {}
@@ -230,7 +259,7 @@ class GenerationCore:
         try:
             resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items)), timeout=timeout)
         except grpc.aio.AioRpcError as e:
-            raise media_error(e.code(), e.details()) from None
+            raise media_error(e.code(), e.details(), names) from None
         hidden = self.engine.model.config.hidden_size
         ids, rows = [], []
         for i, it in enumerate(resp.items):
@@ -255,6 +284,7 @@ class GenerationCore:
         text: str | None = None,
         token_ids: list[int] | None = None,
         media_items=(),
+        media_names: list[str] | None = None,
         add_special_tokens: bool = True,
         timeout: float | None = None,
     ) -> Prepared:
@@ -266,7 +296,7 @@ class GenerationCore:
             ids = self.encode_text(text or "", add_special_tokens)
         if not ids:
             raise ServeError.invalid("the prompt is empty", param="prompt")
-        media_ids, media = await self.encode_media(list(media_items), timeout)
+        media_ids, media = await self.encode_media(list(media_items), timeout, media_names)
         prompt = ids[:1] + media_ids + ids[1:] if media_ids else ids
         return Prepared(prompt, media, len(media_ids), arrival, list(media_items))
 

@@ -15,7 +15,7 @@ from llm_backend.agentic.request import constraint_from_proto
 from llm_backend.agentic.tools import ToolError
 from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
 
-from .core import Final, GenerationCore, ServeError
+from .core import Final, GenerationCore, ServeError, with_audio_tracks
 
 SERVICE_NAME = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 
@@ -35,10 +35,12 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                 spec = constraint_from_proto(request.constraint)
             except ToolError as e:
                 raise ServeError.invalid(str(e), param=e.param) from None
+            media, names = with_audio_tracks(request.media) if request.use_audio_in_video else (request.media, None)
             prep = await core.prepare(
                 text=request.prompt,
                 token_ids=list(request.prompt_token_ids) or None,
-                media_items=list(request.media),
+                media_items=list(media),
+                media_names=names,
                 timeout=context.time_remaining(),
             )
             prep.prefill_address = request.prefill_address

@@ -186,7 +186,11 @@ class LLMHTTPServer:
         if req.kind == "chat":
             text = self.template.render(req.messages, add_generation_prompt=True, **req.agentic.render_kwargs())
             prep = await core.prepare(
-                text=text, media_items=req.media, add_special_tokens=False, timeout=self.media_timeout_s
+                text=text,
+                media_items=req.media,
+                media_names=req.media_names,
+                add_special_tokens=False,
+                timeout=self.media_timeout_s,
             )
         else:
             prep = await core.prepare(

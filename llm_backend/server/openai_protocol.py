@@ -24,6 +24,7 @@ from mimo_epd.common.http_edge import ERROR_TYPES, error_body  # noqa: F401 (the
 from mimo_epd.common.prompt_rules import (
     MAX_TOP_LOGPROBS,
     RuleError,
+    audio_in_video,
     is_token_ids,
     media_url,
     normalize_messages,
@@ -31,7 +32,7 @@ from mimo_epd.common.prompt_rules import (
 )
 from mimo_epd.v1 import encoder_pb2
 
-from .core import Final, ServeError
+from .core import AUDIO_TRACK, Final, ServeError
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GenRequest:
     text: str | None = None
     token_ids: list[int] | None = None
     media: list[encoder_pb2.MediaItem] = field(default_factory=list)
+    media_names: list[str] = field(default_factory=list)  # the field of each media item (errors name it)
     max_tokens: int | None = None
     sampling: dict = field(default_factory=dict)  # temperature, top_p, top_k, seed, logprobs
     ignore_eos: bool = False
@@ -185,12 +187,15 @@ def parse_chat(body) -> GenRequest:
     _common(body, req)
     try:
         req.agentic = parse_agentic(body, chat=True)
-        req.messages, refs = normalize_messages(body.get("messages"), build=template_message)
+        req.messages, refs = normalize_messages(
+            body.get("messages"), build=template_message, audio_in_video=audio_in_video(body)
+        )
     except RuleError as e:
         raise _bad(e.param, e.message) from None
     except ToolError as e:
         raise _bad(e.param, e.detail) from None
     req.media += [_media_item(ref) for ref in refs]
+    req.media_names += [ref.param + (AUDIO_TRACK if ref.track_of else "") for ref in refs]
     lp = _bool(body, "logprobs")
     top = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
     if top and not lp:

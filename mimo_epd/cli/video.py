@@ -146,6 +146,13 @@ def add_make_test_video_flags(mv) -> None:
     mv.add_argument("--fps", type=int, default=30, help="frame rate (default: 30)")
     mv.add_argument("--gop", type=int, default=250, help="keyframe interval in frames (default: 250)")
     mv.add_argument("--preset", default="veryfast", help="x264 preset (default: veryfast)")
+    mv.add_argument(
+        "--with-audio",
+        type=int,
+        default=0,
+        metavar="HZ",
+        help="also write a speech-like AAC soundtrack at this sample rate, e.g. 16000 (default: 0, no audio)",
+    )
     mv.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -163,6 +170,7 @@ def run_make_test_video(args) -> int:
                 fps=args.fps,
                 gop=args.gop,
                 preset=args.preset,
+                audio_rate=args.with_audio,
                 progress=lambda i, n: bar.update(total=n, written=i),
             )
         except ValueError as e:

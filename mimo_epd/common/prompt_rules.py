@@ -10,7 +10,11 @@ decides those ids lives here, once:
   part's URL is `{"url": ...}` or a bare string) and `input_audio` parts (`{"data": base64, "format": "wav" |
   "mp3" | ...}`, OpenAI's shape); an assistant message with no content is an empty string. Media parts become
   `{"type": "image" | "video" | "audio"}` for the template and are returned separately with the field path
-  that names them, in order.
+  that names them, in order. With `audio_in_video` (`use_audio_in_video`, Qwen2.5-Omni's per-request flag)
+  every video part is followed by an audio part for its soundtrack: one more `{"type": "audio"}` for the
+  template and one more `MediaRef` of kind "audio", with the same URL, `track_of` the video's field.
+- `audio_in_video(body)`: that flag, read from the body's `use_audio_in_video` or, vLLM's way for
+  Qwen2.5-Omni, `mm_processor_kwargs.use_audio_in_video` (a boolean; the two must not disagree).
 - `media_url`: the URL schemes a media item may use (http, https, data).
 - `encode_text`: text to ids with the engine tokenizer; with special tokens (BOS) for a raw prompt, without
   for text a chat template rendered with its own (as transformers tokenizes `apply_chat_template` output).
@@ -67,6 +71,27 @@ class MediaRef:
     url: str
     param: str
     data: bytes | None = None
+    track_of: str = ""  # an audio track: the field of the video it is the soundtrack of
+
+
+def audio_in_video(body) -> bool:
+    """The request's `use_audio_in_video` flag (default false); raises RuleError naming a bad value."""
+    if not isinstance(body, dict):
+        return False
+    found: list[tuple[str, bool]] = []
+    if "use_audio_in_video" in body:
+        found.append(("use_audio_in_video", body["use_audio_in_video"]))
+    kwargs = body.get("mm_processor_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise RuleError("mm_processor_kwargs", f"expected an object, got {type_name(kwargs)}")
+    if kwargs and "use_audio_in_video" in kwargs:
+        found.append(("mm_processor_kwargs.use_audio_in_video", kwargs["use_audio_in_video"]))
+    for param, v in found:
+        if not isinstance(v, bool):
+            raise RuleError(param, f"expected a boolean, got {type_name(v)}")
+    if len(found) == 2 and found[0][1] != found[1][1]:
+        raise RuleError("mm_processor_kwargs.use_audio_in_video", "disagrees with use_audio_in_video")
+    return bool(found and found[0][1])
 
 
 def media_url(url, param: str) -> str:
@@ -79,22 +104,26 @@ def media_url(url, param: str) -> str:
     return url
 
 
-def _part(part, pp: str, media: list[MediaRef]) -> dict:
+def _part(part, pp: str, media: list[MediaRef], audio_in_video: bool) -> list[dict]:
     if not isinstance(part, dict):
         raise RuleError(pp, f"expected an object, got {type_name(part)}")
     kind = part.get("type")
     if kind == "text":
         if not isinstance(part.get("text"), str):
             raise RuleError(f"{pp}.text", "expected a string")
-        return {"type": "text", "text": part["text"]}
+        return [{"type": "text", "text": part["text"]}]
     if isinstance(kind, str) and kind in MEDIA_PARTS:
         ref = part.get(kind)
         url = ref.get("url") if isinstance(ref, dict) else ref
-        media.append(MediaRef(MEDIA_PARTS[kind], media_url(url, f"{pp}.{kind}.url"), f"{pp}.{kind}.url"))
-        return {"type": MEDIA_PARTS[kind]}
+        param = f"{pp}.{kind}.url"
+        media.append(MediaRef(MEDIA_PARTS[kind], media_url(url, param), param))
+        if kind == "video_url" and audio_in_video:  # its soundtrack follows it
+            media.append(MediaRef("audio", media[-1].url, param, track_of=param))
+            return [{"type": "video"}, {"type": "audio"}]
+        return [{"type": MEDIA_PARTS[kind]}]
     if kind == "input_audio":
         media.append(_input_audio(part.get("input_audio"), f"{pp}.input_audio"))
-        return {"type": "audio"}
+        return [{"type": "audio"}]
     shown = repr(kind[:64]) if isinstance(kind, str) else type_name(kind)
     raise RuleError(f"{pp}.type", f"unsupported content part {shown} (text, {', '.join(MEDIA_PARTS)}, input_audio)")
 
@@ -119,12 +148,15 @@ def _plain(message: dict, role: str, param: str, content) -> dict:
     return {"role": role, "content": content}
 
 
-def normalize_messages(messages, roles: dict[str, str] = ROLES, build=_plain) -> tuple[list[dict], list[MediaRef]]:
+def normalize_messages(
+    messages, roles: dict[str, str] = ROLES, build=_plain, audio_in_video: bool = False
+) -> tuple[list[dict], list[MediaRef]]:
     """(the messages as the chat template sees them, their media parts in order); raises RuleError.
 
     `roles` maps the accepted roles to the template's; `build(message, role, param, content)` makes one
     template message from the checked role and content (a seam for fields beside them, e.g. tool calls; it may
-    raise its own ValueError naming the field). Worker and router must pass the same two."""
+    raise its own ValueError naming the field). `audio_in_video`: each video part brings its soundtrack as an
+    audio part right after it. Worker and router must pass the same three."""
     if messages is None:
         raise RuleError("messages", "is required")
     if not isinstance(messages, list):
@@ -149,7 +181,7 @@ def normalize_messages(messages, roles: dict[str, str] = ROLES, build=_plain) ->
             continue
         if not isinstance(content, list):
             raise RuleError(f"{p}.content", f"expected a string or an array of parts, got {type_name(content)}")
-        parts = [_part(part, f"{p}.content[{j}]", media) for j, part in enumerate(content)]
+        parts = [q for j, part in enumerate(content) for q in _part(part, f"{p}.content[{j}]", media, audio_in_video)]
         out.append(build(m, roles[role], p, parts))
     return out, media
 

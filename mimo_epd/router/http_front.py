@@ -41,7 +41,7 @@ from llm_backend.agentic.tools import ToolError, template_message
 from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
-from mimo_epd.common.prompt_rules import RuleError, encode_text, is_token_ids, normalize_messages
+from mimo_epd.common.prompt_rules import RuleError, audio_in_video, encode_text, is_token_ids, normalize_messages
 
 log = logging.getLogger(__name__)
 
@@ -92,10 +92,10 @@ class Unroutable(ValueError):
     """The body is not a request the front can tokenize (the worker will say why): route by load."""
 
 
-def chat_messages(messages) -> tuple[list[dict], bool]:
+def chat_messages(messages, audio_in_video: bool = False) -> tuple[list[dict], bool]:
     """The messages as the worker's template sees them (the shared prompt rules), and whether any carries media."""
     try:
-        out, media = normalize_messages(messages, build=template_message)  # as the worker renders them
+        out, media = normalize_messages(messages, build=template_message, audio_in_video=audio_in_video)
     except (RuleError, ToolError) as e:
         raise Unroutable(str(e)) from None
     return out, bool(media)
@@ -115,7 +115,11 @@ class Tokenizer:
         if not isinstance(body, dict):
             raise Unroutable("body")
         if kind == "chat":
-            messages, media = chat_messages(body.get("messages"))
+            try:
+                flag = audio_in_video(body)
+            except RuleError as e:
+                raise Unroutable(str(e)) from None
+            messages, media = chat_messages(body.get("messages"), flag)
             try:
                 text = self.template.render(messages, add_generation_prompt=True)
             except ValueError as e:  # ChatTemplateError: the worker reports it

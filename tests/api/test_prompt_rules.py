@@ -16,8 +16,9 @@ from llm_backend.agentic.tools import ToolError, template_message
 from llm_backend.server import openai_protocol as proto
 from llm_backend.server.core import ServeError
 from mimo_epd.common.parent import pid_alive
-from mimo_epd.common.prompt_rules import RuleError, encode_text, normalize_messages
+from mimo_epd.common.prompt_rules import RuleError, audio_in_video, encode_text, normalize_messages
 from mimo_epd.router.http_front import Unroutable, chat_messages
+from mimo_epd.v1.encoder_pb2 import AUDIO, IMAGE, VIDEO
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
@@ -130,3 +131,62 @@ def test_audio_parts():
         with pytest.raises(RuleError) as ei:
             normalize_messages([{"role": "user", "content": [{"type": "input_audio", "input_audio": ref}]}])
         assert ei.value.param == param
+
+
+def test_use_audio_in_video_puts_each_videos_soundtrack_after_it():
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}},
+                {"type": "text", "text": "and"},
+                {"type": "image_url", "image_url": "https://example.com/a.jpg"},
+                {"type": "video_url", "video_url": "https://example.com/w.mp4"},
+            ],
+        }
+    ]
+    out, refs = normalize_messages(messages, audio_in_video=True)
+    assert [p["type"] for p in out[0]["content"]] == ["video", "audio", "text", "image", "video", "audio"]
+    assert [(r.kind, r.url.rsplit("/", 1)[1], r.track_of) for r in refs] == [
+        ("video", "v.mp4", ""),
+        ("audio", "v.mp4", "messages[0].content[0].video_url.url"),
+        ("image", "a.jpg", ""),
+        ("video", "w.mp4", ""),
+        ("audio", "w.mp4", "messages[0].content[3].video_url.url"),
+    ]
+    plain_out, plain_refs = normalize_messages(messages)
+    assert len(plain_refs) == 3 and [p["type"] for p in plain_out[0]["content"]][:2] == ["video", "text"]
+    # The worker and the router read the flag alike and agree on the result.
+    body = {"messages": messages, "mm_processor_kwargs": {"use_audio_in_video": True}}
+    req = proto.parse_chat(body)
+    assert req.messages == normalize_messages(messages, build=template_message, audio_in_video=True)[0]
+    assert [m.modality for m in req.media] == [VIDEO, AUDIO, IMAGE, VIDEO, AUDIO]
+    assert req.media[1].url == req.media[0].url
+    assert req.media_names[1] == "messages[0].content[0].video_url.url, its audio track (use_audio_in_video)"
+    assert chat_messages(messages, True) == (req.messages, True)
+
+
+@pytest.mark.parametrize(
+    "body, want",
+    [
+        ({}, False),
+        ({"use_audio_in_video": True}, True),
+        ({"use_audio_in_video": False}, False),
+        ({"mm_processor_kwargs": {"use_audio_in_video": True}}, True),
+        ({"mm_processor_kwargs": {}}, False),
+        ({"mm_processor_kwargs": None}, False),
+        ({"use_audio_in_video": True, "mm_processor_kwargs": {"use_audio_in_video": True}}, True),
+        ({"use_audio_in_video": 1}, "use_audio_in_video"),
+        ({"use_audio_in_video": None}, "use_audio_in_video"),
+        ({"mm_processor_kwargs": "x"}, "mm_processor_kwargs"),
+        ({"mm_processor_kwargs": {"use_audio_in_video": "true"}}, "mm_processor_kwargs.use_audio_in_video"),
+        ({"use_audio_in_video": False, "mm_processor_kwargs": {"use_audio_in_video": True}}, "disagrees"),
+    ],
+)
+def test_the_use_audio_in_video_flag(body, want):
+    if isinstance(want, bool):
+        assert audio_in_video(body) is want
+        return
+    with pytest.raises(RuleError) as ei:
+        audio_in_video(body)
+    assert want in (ei.value.param if want != "disagrees" else ei.value.message)

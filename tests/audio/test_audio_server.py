@@ -11,6 +11,7 @@ import torch
 
 from encoder_server.models.audio_loader import load_audio_model
 from mimo_epd.testing.audio_gen import make_test_audio
+from mimo_epd.testing.video_gen import make_test_video
 from mimo_epd.v1 import encoder_pb2 as pb
 from tests.audio.reference import hf_embedding, pyav_samples
 from tests.conftest import encode_image, start_server, textured
@@ -30,6 +31,8 @@ def files(tmp_path_factory):
     ]:
         out[name] = str(d / name)
         make_test_audio(out[name], seconds, **kw)
+    out["talk.mp4"] = str(d / "talk.mp4")  # a video with a soundtrack (use_audio_in_video)
+    make_test_video(out["talk.mp4"], 3.0, width=96, height=64, audio_rate=16000, seed=5)
     return out
 
 
@@ -85,9 +88,20 @@ def test_images_and_audio_in_one_request(server, files):
     assert r.items[0].content_key != r.items[1].content_key
 
 
-def test_bad_audio_is_refused_naming_the_item(server, files, tmp_path):
-    from mimo_epd.testing.video_gen import make_test_video
+def test_the_soundtrack_of_a_video_equals_the_transformers_reference(server, files):
+    """use_audio_in_video sends a video's bytes twice, as VIDEO and as AUDIO: the audio item is its first audio
+    stream, embedded as transformers embeds that stream (PyAV's `streams.audio[0]`, the feature extractor, the
+    tower), and the two items never share a key."""
+    data = open(files["talk.mp4"], "rb").read()
+    r = encode(server.address, pb.MediaItem(data=data, modality=pb.VIDEO), pb.MediaItem(data=data, modality=pb.AUDIO))
+    video, audio = r.items
+    assert video.num_tokens > 0 and video.video.frames_sampled > 0
+    _check(audio, files["talk.mp4"])
+    assert 75 <= audio.num_tokens <= 78 and audio.audio.codec == "aac"  # 3 s (+ AAC's padding frames): 75 tokens
+    assert video.content_key != audio.content_key
 
+
+def test_bad_audio_is_refused_naming_the_item(server, files, tmp_path):
     video = str(tmp_path / "silent.mp4")
     make_test_video(video, 0.5, width=64, height=48)
     wav = open(files["clip.wav"], "rb").read()
