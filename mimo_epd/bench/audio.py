@@ -8,10 +8,14 @@ under load.
   weights). Each runs in its own process, so its peak RSS (VmHWM, decoders included for ours) is its own.
   `outputs_match`: the two embeddings have the same shape and a relative L2 difference under 1e-4.
 - `clips`: `--clips` short clips (2-10 s, distinct bytes, so no cache hits) sent at `--concurrency` through
-  our real encoder server (gRPC on loopback, decode processes, the batcher) vs a peer that a transformers
-  user would write: a thread pool running the transformers path per request with its own model copy
-  (`clips_peer`). QPS and P90.
-`ratios`: `hour_vs_transformers` (their seconds / ours) and `clips_qps_vs_peer` (ours / theirs).
+  our real encoder server (gRPC on loopback, decode processes, the batcher) vs the two servers a transformers
+  user would write (`clips_peer`), in-process (no RPC to pay): a thread pool decoding with PyAV and
+  featurising with `WhisperFeatureExtractor`, then one `Qwen2AudioEncoder` run per request
+  (`peer_per_request`) or behind a dynamic batcher that gathers concurrent requests' windows into one forward
+  (`peer_batched`, `WindowBatcher`: up to 16 windows or 5 ms, as the image peer batches). QPS and P90;
+  `clips.outputs_match`: every clip's embedding equal across the three (relative L2 under 1e-4).
+`ratios`: `hour_vs_transformers` (their seconds / ours), `clips_qps_vs_peer` and `clips_p90_vs_peer` (ours /
+the batched peer), and the same `_per_request`.
 """
 
 from __future__ import annotations
@@ -98,14 +102,16 @@ def _clips(n: int, cache: Path) -> list[bytes]:
     return out
 
 
-def clips_ours(clips: list[bytes], concurrency: int) -> dict:
+def clips_ours(clips: list[bytes], concurrency: int) -> tuple[dict, list]:
     import grpc
+    import numpy as np
 
     from mimo_epd.testing.servers import start_server
     from mimo_epd.v1 import encoder_pb2 as pb
     from mimo_epd.v1 import encoder_pb2_grpc
 
     srv = start_server(["--decode-workers", "2", "--cache-bytes", "0"])
+    out: list = [None] * len(clips)
     try:
 
         async def go():
@@ -113,7 +119,9 @@ def clips_ours(clips: list[bytes], concurrency: int) -> dict:
                 stub = encoder_pb2_grpc.EncoderStub(ch)
 
                 async def send(i):
-                    await stub.Encode(pb.EncodeRequest(items=[pb.MediaItem(data=clips[i], modality=pb.AUDIO)]))
+                    r = await stub.Encode(pb.EncodeRequest(items=[pb.MediaItem(data=clips[i], modality=pb.AUDIO)]))
+                    e = r.items[0].embedding
+                    out[i] = np.frombuffer(e.data, "<f4").reshape(tuple(e.shape))
 
                 await send(0)  # warm-up
                 return await closed_loop(send, len(clips), concurrency)
@@ -121,31 +129,101 @@ def clips_ours(clips: list[bytes], concurrency: int) -> dict:
         lat, wall, failures = asyncio.run(go())
     finally:
         srv.stop()
-    return {**latency_stats(lat, wall), "failures": failures}
+    return {**latency_stats(lat, wall), "failures": failures}, out
 
 
-def clips_peer(clips: list[bytes], concurrency: int) -> dict:
-    """A transformers user's server: requests on a thread pool of `concurrency`, each decoded with PyAV,
-    featurised with `WhisperFeatureExtractor` and encoded by `Qwen2AudioEncoder` (one model, shared)."""
+class WindowBatcher:
+    """The batched transformers server's model thread: the windows of concurrent requests gathered into one
+    forward (up to `max_windows`, or what arrived within `max_wait_s` of the first), as the image peer's
+    dynamic batcher does; each request gets back its own windows' valid tokens."""
+
+    def __init__(self, enc, proj, max_windows: int = 16, max_wait_s: float = 0.005):
+        import queue
+        import threading
+
+        self.enc, self.proj, self.max_windows, self.max_wait_s = enc, proj, max_windows, max_wait_s
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="peer-batcher", daemon=True)
+        self.thread.start()
+
+    def encode(self, feats, frames):
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self.q.put((feats, frames, fut))
+        return fut.result()
+
+    def close(self) -> None:
+        self.q.put(None)
+        self.thread.join()
+
+    def _gather(self, first) -> list:
+        import queue
+
+        batch, n = [first], first[0].shape[0]
+        deadline = time.monotonic() + self.max_wait_s
+        while n < self.max_windows:
+            try:
+                item = self.q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if item is None:
+                self.q.put(None)
+                break
+            batch.append(item)
+            n += item[0].shape[0]
+        return batch
+
+    def _loop(self) -> None:
+        import torch
+
+        from mimo_epd.bench.peers import hf_audio
+
+        while (first := self.q.get()) is not None:
+            batch = self._gather(first)
+            try:
+                frames = torch.cat([b[1] for b in batch])
+                out = hf_audio.encode_windows(self.enc, self.proj, torch.cat([b[0] for b in batch]), frames)
+                sizes = [int(self.enc._get_feat_extract_output_lengths(b[1])[1].sum()) for b in batch]
+                for b, part in zip(batch, torch.split(out, sizes)):
+                    b[2].set_result(part)
+            except Exception as e:  # noqa: BLE001 - every waiting request gets the failure
+                for b in batch:
+                    b[2].set_exception(e)
+
+
+def clips_peer(clips: list[bytes], concurrency: int, batched: bool) -> tuple[dict, list]:
+    """A transformers user's server: requests on a thread pool of `concurrency`, each decoded with PyAV and
+    featurised with `WhisperFeatureExtractor`; `Qwen2AudioEncoder` (one model) runs each request's windows
+    itself (`batched` false) or behind `WindowBatcher` (true)."""
     import concurrent.futures
     import tempfile
+
+    from transformers import WhisperFeatureExtractor
 
     from encoder_server.models.audio_loader import load_audio_model
     from mimo_epd.bench.peers import hf_audio
 
     ours = load_audio_model("tiny").module
     enc, proj = hf_audio.hf_modules(ours)
-    from transformers import WhisperFeatureExtractor
-
     fe = WhisperFeatureExtractor(feature_size=ours.config.num_mel_bins)
+    batcher = WindowBatcher(enc, proj) if batched else None
+    out: list = [None] * len(clips)
 
-    def one(data: bytes) -> None:
+    def one(i: int) -> None:
         with tempfile.NamedTemporaryFile(suffix=".wav") as f:
-            f.write(data)
+            f.write(clips[i])
             f.flush()
             samples = hf_audio.load_pyav(f.name)
-        b = fe(samples, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
-        hf_audio.encode_windows(enc, proj, b["input_features"], b["attention_mask"].sum(-1))
+        w = fe.n_samples
+        windows = [samples[j : j + w] for j in range(0, samples.size, w)]
+        b = fe(windows, sampling_rate=16000, return_tensors="pt", return_attention_mask=True)
+        feats, frames = b["input_features"], b["attention_mask"].sum(-1)
+        if batcher is not None:
+            emb = batcher.encode(feats, frames)
+        else:
+            emb = hf_audio.encode_windows(enc, proj, feats, frames)
+        out[i] = emb.numpy()
 
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)
 
@@ -153,7 +231,7 @@ def clips_peer(clips: list[bytes], concurrency: int) -> dict:
         loop = asyncio.get_running_loop()
 
         async def send(i):
-            await loop.run_in_executor(pool, one, clips[i])
+            await loop.run_in_executor(pool, one, i)
 
         await send(0)
         return await closed_loop(send, len(clips), concurrency)
@@ -162,7 +240,20 @@ def clips_peer(clips: list[bytes], concurrency: int) -> dict:
         lat, wall, failures = asyncio.run(go())
     finally:
         pool.shutdown()
-    return {**latency_stats(lat, wall), "failures": failures}
+        if batcher is not None:
+            batcher.close()
+    return {**latency_stats(lat, wall), "failures": failures}, out
+
+
+def _clips_match(a: list, b: list) -> bool:
+    import numpy as np
+
+    for x, y in zip(a, b):
+        if x is None or y is None or x.shape != y.shape:
+            return False
+        if np.linalg.norm(x - y) > MATCH_REL_L2 * max(np.linalg.norm(y), 1e-12):
+            return False
+    return True
 
 
 def main(args) -> dict:
@@ -172,16 +263,33 @@ def main(args) -> dict:
         args.minutes, args.clips = 2.0, 16
     h = hour(args, cache)
     clips = _clips(args.clips, cache)
-    ours, peer = clips_ours(clips, args.concurrency), clips_peer(clips, args.concurrency)
+    ours, a = clips_ours(clips, args.concurrency)
+    batched, b = clips_peer(clips, args.concurrency, batched=True)
+    per_request, c = clips_peer(clips, args.concurrency, batched=False)
+    clips_match = _clips_match(a, b) and _clips_match(a, c)
+
+    def ratio(x, y):
+        return round(x / y, 3) if y else None
+
     return {
         "bench": "audio",
         "bounded": args.quick or args.minutes < 60,
         "hour": h,
-        "clips": {"n": len(clips), "concurrency": args.concurrency, "ours": ours, "peer": peer},
-        "outputs_match": h["outputs_match"],
+        "clips": {
+            "n": len(clips),
+            "concurrency": args.concurrency,
+            "ours": ours,
+            "peer_batched": batched,
+            "peer_per_request": per_request,
+            "outputs_match": clips_match,
+        },
+        "outputs_match": h["outputs_match"] and clips_match,
         "ratios": {
             "hour_vs_transformers": round(h["transformers"]["seconds"] / h["ours"]["seconds"], 3),
-            "clips_qps_vs_peer": round(ours["qps"] / peer["qps"], 3) if peer["qps"] else None,
+            "clips_qps_vs_peer": ratio(ours["qps"], batched["qps"]),
+            "clips_p90_vs_peer": ratio(ours["p90_ms"], batched["p90_ms"]),
+            "clips_qps_vs_peer_per_request": ratio(ours["qps"], per_request["qps"]),
+            "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], per_request["p90_ms"]),
         },
     }
 

@@ -267,7 +267,15 @@ def test_audio_quick():
     out = run_bench("audio")
     no_grades(out)
     assert out["bounded"] and out["outputs_match"] and out["hour"]["rel_l2"] < 1e-4
-    assert set(out["ratios"]) == {"hour_vs_transformers", "clips_qps_vs_peer"}
+    assert set(out["ratios"]) == {
+        "hour_vs_transformers",
+        "clips_qps_vs_peer",
+        "clips_p90_vs_peer",
+        "clips_qps_vs_peer_per_request",
+        "clips_p90_vs_peer_per_request",
+    }
     for side in ("ours", "transformers"):
         assert out["hour"][side]["seconds"] > 0 and out["hour"][side]["peak_rss_mb"] > 0
-    assert out["clips"]["ours"]["failures"] == 0 and out["clips"]["peer"]["failures"] == 0
+    assert out["clips"]["outputs_match"]  # every clip's embedding equal across ours and both peers
+    for side in ("ours", "peer_batched", "peer_per_request"):
+        assert out["clips"][side]["failures"] == 0 and out["clips"][side]["requests"] == out["clips"]["n"]
