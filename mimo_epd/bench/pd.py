@@ -6,7 +6,10 @@ long-context mix), arrivals are replayed at several rates (the trace's own times
 drawn at a Poisson rate). Reported: goodput = the highest tested rate at which at least `--slo-share` of the
 requests meet both the TTFT and the TPOT SLO (stated in the JSON), TTFT and TPOT P50/P90 at the middle rate, and the
 transfer bytes per request against a full-KV transfer. The best split is the one with the highest goodput (ties:
-the lower TTFT P90 at the middle rate). Ratios compare it with colocated. It reports; it does not grade.
+the lower TTFT P90 at the middle rate). Ratios compare it with colocated. Prefill placement: the best split again at
+the middle rate with the prefill worker chosen by `affinity` and by `round_robin` (`--prefill-policies`), the
+prefill side's cached fraction and TTFT for each (`prefill_affinity_cached_vs_round_robin`,
+`prefill_affinity_ttft_p90_vs_round_robin`). It reports; it does not grade.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def add_arguments(p) -> None:
         "(default: 2048, the worker's default)",
     )
     p.add_argument("--unit", type=int, default=16, help="real tokens per simulated token (default: 16)")
+    p.add_argument(
+        "--prefill-policies",
+        default="affinity,round_robin",
+        help="at the best split and the middle rate, place the prefill worker by each of these routing policies "
+        "(the decode worker by affinity): the prefill side's cache hit rate and TTFT (default: affinity,round_robin)",
+    )
 
 
 def log(msg: str) -> None:
@@ -73,7 +82,7 @@ def _trace(name: str, args, factor: float):
     return long_context_mix(args.requests, args.long_rate * factor, seed=1, unit=args.unit, shares=(0.9, 0.1, 0.0))
 
 
-def _run(cost, cfg, split, reqs, args) -> tuple[list, dict]:
+def _run(cost, cfg, split, reqs, args, prefill_policy: str = "affinity") -> tuple[list, dict]:
     from mimo_epd.sim.fleet import Fleet
     from mimo_epd.sim.pd import Network, PDFleet
 
@@ -89,9 +98,11 @@ def _run(cost, cfg, split, reqs, args) -> tuple[list, dict]:
         d,
         network=Network(args.bandwidth_gbit_s, args.latency_s),
         local_prefill_tokens=args.local_prefill_tokens,
+        prefill_policy=prefill_policy,
     )
     res = pd.run(reqs)
-    extra = {k: res[k] for k in ("transfer_bytes_per_request", "full_kv_bytes_per_request", "local_prefills")}
+    keys = ("transfer_bytes_per_request", "full_kv_bytes_per_request", "local_prefills", "prefill_cached_fraction")
+    extra = {k: res[k] for k in keys}
     return [f for w in pd.decode for f in w.finished], extra
 
 
@@ -145,6 +156,37 @@ def _one(shape_name: str, trace: str, args, rates: list[float]) -> dict:
     return out
 
 
+def _prefill_placement(shape_name: str, trace: str, args, split, factor: float) -> dict:
+    """The best split at the middle rate with the prefill worker placed by each of `--prefill-policies` (the
+    decode worker by affinity throughout): the prefill side's cache hit rate and the TTFT it buys."""
+    cost, cfg = _config(shape_name, args)
+    reqs = _trace(trace, args, factor)
+    out = {}
+    for name in [x.strip() for x in args.prefill_policies.split(",") if x.strip()]:
+        finished, extra = _run(cost, cfg, split, reqs, args, prefill_policy=name)
+        ttft, _ = _latencies(finished)
+        out[name] = {
+            "prefill_cached_fraction": round(extra["prefill_cached_fraction"], 4),
+            "local_prefills": extra["local_prefills"],
+            "ttft_p50_s": _pct(ttft, 0.5),
+            "ttft_p90_s": _pct(ttft, 0.9),
+        }
+        log(f"{shape_name} {trace} prefill placed by {name}: {out[name]}")
+    return out
+
+
+def _placement_ratios(rows: dict) -> dict:
+    a, rr = rows.get("affinity"), rows.get("round_robin")
+    if not a or not rr:
+        return {}
+    return {
+        "prefill_affinity_cached_vs_round_robin": round(a["prefill_cached_fraction"] / rr["prefill_cached_fraction"], 3)
+        if rr["prefill_cached_fraction"]
+        else None,
+        "prefill_affinity_ttft_p90_vs_round_robin": round(a["ttft_p90_s"] / max(rr["ttft_p90_s"], 1e-9), 3),
+    }
+
+
 def _best(rows: dict) -> str:
     splits = [m for m in rows if m != "colocated"]
     return max(splits, key=lambda m: (rows[m]["goodput_rate_factor"], -rows[m]["at_middle_rate"]["ttft_p90_s"]))
@@ -160,7 +202,9 @@ def main(args) -> dict:
             col, b = rows["colocated"], rows[best]
             cm, bm = col["at_middle_rate"], b["at_middle_rate"]
             key = f"{shape_name}/{trace}"
-            results[key] = {"best_split": best, "modes": rows}
+            p = int(best.split("P:")[0])
+            placement = _prefill_placement(shape_name, trace, args, (p, args.workers - p), rates[len(rates) // 2])
+            results[key] = {"best_split": best, "modes": rows, "prefill_placement": placement}
             ratios[key] = {
                 "goodput_disagg_vs_colocated": round(b["goodput_rate_factor"] / col["goodput_rate_factor"], 3)
                 if col["goodput_rate_factor"]
@@ -170,6 +214,7 @@ def main(args) -> dict:
                 "transfer_bytes_vs_full_kv": round(
                     bm["transfer_bytes_per_request"] / max(bm["full_kv_bytes_per_request"], 1), 4
                 ),
+                **_placement_ratios(placement),
             }
     return {
         "benchmark": "pd",

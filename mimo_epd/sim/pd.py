@@ -3,8 +3,9 @@ real `DecodeScheduler` (llm_backend/pd/decode.py) on the decode side and the rea
 and a network cost for each KV transfer.
 
 Per request: the decode worker is picked by the routing policy over the decode workers (its predicted prefix is
-its own cache's window-safe match, its load what it holds), the prefill worker by the policy over the prefill
-workers; a request whose uncached prompt is at most `local_prefill_tokens`, or that arrives while every prefill
+its own cache's window-safe match, its load what it holds), the prefill worker by `prefill_policy` (default: the
+same policy) over the prefill workers, whose own radix caches make a repeated prefix cheaper to prefill (the
+prefill side's hit rate is reported as `prefill_cached_fraction`); a request whose uncached prompt is at most `local_prefill_tokens`, or that arrives while every prefill
 worker has more than `max_prefill_queue` tokens queued, is prefilled on its decode worker (conditional
 disaggregation, the decode scheduler's own rule). When the decode scheduler reserves the pages it starts the
 transfer: the prompt is submitted to the prefill worker as a one-token request. When that finishes at time t, the
@@ -66,6 +67,7 @@ class PDFleet:
         network: Network | None = None,
         local_prefill_tokens: int = 0,
         max_prefill_queue: int = -1,
+        prefill_policy: str | None = None,
     ):
         self.cost, self.unit, self.net = cost, config.unit, network or Network()
         self.max_prefill_queue = max_prefill_queue
@@ -79,6 +81,8 @@ class PDFleet:
             w.scheduler.configure(settings)
             w.scheduler.start_transfer = lambda r, room, k=k: self._start(k, r, room)
         self.policy = make_policy(policy)
+        self.prefill_policy = make_policy(prefill_policy or policy)
+        self.prefill_prompt_tokens = self.prefill_cached_tokens = 0
         self.events: list = []  # (time, seq, kind, payload)
         self._seq = 0
         self._kick: set[tuple[str, int]] = set()
@@ -86,7 +90,7 @@ class PDFleet:
         self.now = 0.0
 
     # ------------------------------------------------------------------------------------------ routing
-    def _rank(self, workers: list[SimWorker], spec: SimRequest) -> int:
+    def _rank(self, workers: list[SimWorker], spec: SimRequest, policy) -> int:
         cands = []
         for w in workers:
             load = w.load()
@@ -101,12 +105,12 @@ class PDFleet:
                 )
             )
         view = RequestView(spec.prompt_len, self.unit, ())
-        order = self.policy.rank(view, cands)
+        order = policy.rank(view, cands)
         return [w.name for w in workers].index(order[0])
 
     def _arrive(self, spec: SimRequest) -> None:
-        k = self._rank(self.decode, spec)
-        p = self._rank(self.prefill, spec) if self.prefill else -1
+        k = self._rank(self.decode, spec, self.policy)
+        p = self._rank(self.prefill, spec, self.prefill_policy) if self.prefill else -1
         lim = self.max_prefill_queue
         if p >= 0 and lim >= 0 and all(w.load()["queued_tokens"] > lim for w in self.prefill):
             p = -1
@@ -129,6 +133,8 @@ class PDFleet:
 
     def _prefilled(self, p: int, fin) -> None:
         k, r, room = fin.meta["pd"]
+        self.prefill_prompt_tokens += fin.prompt_len
+        self.prefill_cached_tokens += fin.cached_tokens
         sh, rule = self.cost.shape, room.rule
         U = self.unit
         page = self.decode[k].config.page_size
@@ -204,6 +210,7 @@ class PDFleet:
         res["transfer_bytes_per_request"] = sum(x["bytes"] for x in self.transfers) / n
         res["full_kv_bytes_per_request"] = sum(x["full_kv_bytes"] for x in self.transfers) / n
         res["local_prefills"] = sum(w.scheduler.local for w in self.decode)
+        res["prefill_cached_fraction"] = self.prefill_cached_tokens / max(1, self.prefill_prompt_tokens)
         return res
 
 

@@ -56,3 +56,32 @@ def test_bench_pd_quick_reports_every_split_and_the_ratios():
     r = out["ratios"]["flash/mooncake"]
     assert 0 < r["transfer_bytes_vs_full_kv"] < 1
     assert {"goodput_disagg_vs_colocated", "ttft_p90_disagg_vs_colocated", "tpot_p90_disagg_vs_colocated"} <= set(r)
+    placed = res["prefill_placement"]
+    assert set(placed) == {"affinity", "round_robin"}
+    assert {"prefill_affinity_cached_vs_round_robin", "prefill_affinity_ttft_p90_vs_round_robin"} <= set(r)
+
+
+def _sessions(turns: int, sessions: int, length: int) -> list[SimRequest]:
+    """`sessions` conversations whose turn t re-sends the turn before it plus `length` new tokens."""
+    out, i = [], 0
+    for t in range(turns):
+        for s in range(sessions):
+            prompt = [(s << 24) + j for j in range((t + 1) * length // 16)]
+            out.append(SimRequest(i, 2.0 * t + 0.01 * s, prompt, (t + 1) * length, 4))
+            i += 1
+    return out
+
+
+def test_prefill_placed_by_affinity_finds_the_sessions_prefix_round_robin_does_not():
+    def run(policy):
+        shape = get_shape("flash")
+        cost = CostModel(shape, load_profile("h200", None))
+        cfg = WorkerConfig(full_tokens=1 << 20, swa_tokens=1 << 16, page_size=128, chunk_size=8192, unit=16)
+        fleet = PDFleet(cost, cfg, 2, 1, prefill_policy=policy)
+        return fleet.run(_sessions(4, 3, 8192))
+
+    aff, rr = run("affinity"), run("round_robin")
+    assert aff["transfers"] == rr["transfers"] == 12
+    # affinity: turns 2-4 of a session prefill where turn 1 did, finding (t-1)/t of the prompt cached
+    assert aff["prefill_cached_fraction"] > 0.45
+    assert rr["prefill_cached_fraction"] < 0.8 * aff["prefill_cached_fraction"]
