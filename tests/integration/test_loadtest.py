@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.integration
 
 
-def test_headless_locust_run_with_urls_and_bytes(tmp_path):
+def test_headless_locust_run_with_urls_bytes_and_audio(tmp_path):
     r = subprocess.run(
         [
             sys.executable,
@@ -32,6 +32,8 @@ def test_headless_locust_run_with_urls_and_bytes(tmp_path):
             "--run-time",
             "4s",
             "--urls",
+            "--audio-fraction",
+            "0.3",
             "--csv-dir",
             str(tmp_path),
         ],
@@ -44,7 +46,9 @@ def test_headless_locust_run_with_urls_and_bytes(tmp_path):
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["failures"] == 0 and summary["requests"] > 0 and summary["failures_by_status"] == {}
     assert summary["qps"] > 0 and summary["p90_ms"] > 0
-    assert set(summary["by_task"]) == {"Encode url", "Encode bytes"}
+    # a third of the requests carry a 2-8 s audio clip (AUDIO items) instead of an image
+    assert set(summary["by_task"]) == {"Encode url", "Encode bytes", "Encode audio"}
+    assert summary["audio_fraction"] == 0.3
     assert (tmp_path / "locust_stats.csv").exists() and (tmp_path / "locust_stats_history.csv").exists()
 
 
