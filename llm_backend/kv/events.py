@@ -149,6 +149,11 @@ class KVEventPublisher:
                 pass
 
     # ----------------------------------------------------------------------------------- readers
+    def position(self) -> str:
+        """ "EPOCH:SEQ": where the log stands now (a response carries it; kv_events.proto)."""
+        with self._lock:
+            return f"{self.epoch}:{self.seq}"
+
     def changes_since(self, epoch: str, since: int) -> tuple[bool, int, list[int], list[int]]:
         """(reset, seq, hashes, states): the changes after `since`, or the whole mirror when `reset`."""
         with self._lock:

@@ -152,6 +152,7 @@ class Final:
     kv_transfer_bytes: int = 0  # decode role: KV bytes a prefill worker wrote for this request
     kv_transfer_s: float = 0.0  # and the seconds of those writes
     prefill_address: str = ""  # the prefill worker that computed the prompt ("" = this worker)
+    kv_events_position: str = ""  # "EPOCH:SEQ" of the worker's KV-event log once this request was cached
 
 
 @dataclass
@@ -191,6 +192,8 @@ class GenerationCore:
             )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
         self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
+        # Set by the worker: "EPOCH:SEQ" of its KV-event log, reported with each final ("" = no events published).
+        self.kv_events_position = lambda: ""
         # Extra keyword arguments of engine.add_request for one prepared request (the decode role's ticket).
         self.request_options = lambda prep: {}
 
@@ -475,6 +478,7 @@ class Generation:
             int(getattr(r.pd, "bytes", 0)),
             float(getattr(r.pd, "transfer_s", 0.0)),
             str(getattr(r.pd, "used", "")),
+            core.kv_events_position(),  # read after the engine cached the request (finish() before on_finish)
         )
         if m is not None:
             m.on_finish(final)

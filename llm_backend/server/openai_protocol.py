@@ -304,7 +304,7 @@ def new_id(prefix: str) -> str:
 
 
 def usage(final: Final) -> dict:
-    return {
+    out = {
         "prompt_tokens": final.prompt_tokens,
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
@@ -314,6 +314,9 @@ def usage(final: Final) -> dict:
             "rejected_prediction_tokens": final.rejected_prediction_tokens,
         },
     }
+    if final.kv_events_position:  # an extension (docs/api.md): routers wait for their index to reach it
+        out["kv_events_position"] = final.kv_events_position
+    return out
 
 
 def token_piece(tokenizer, token_id: int) -> tuple[str, list[int]]:
@@ -432,4 +435,6 @@ def generate_meta(rid: str, final: Final | None, completion_tokens: int, prompt_
             ttft=round(final.ttft_s, 6),
             media_tokens=final.media_tokens,
         )
+        if final.kv_events_position:
+            meta["kv_events_position"] = final.kv_events_position
     return meta

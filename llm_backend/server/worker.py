@@ -51,7 +51,7 @@ async def serve_llm(
     srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
-    attach_kv_events(engine, srv.server, model=name)
+    core.kv_events_position = attach_kv_events(engine, srv.server, model=name).position
     xfer = _attach_role(engine, core, srv, host)
     await srv.start()
     runner = None

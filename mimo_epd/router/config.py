@@ -35,6 +35,11 @@ class LLMRouterConfig:
         3.0, "a worker's or encoder's registration and index entries expire this long after its last heartbeat"
     )
     poll_wait_ms: int = flag(500, "long-poll wait of the KV-event feeds")
+    index_sync_ms: int = flag(
+        250,
+        "how long a pick waits for the index to reach what a worker has already answered (the KV-event position its "
+        "response carries), so an agent's next turn is routed on its previous one; 0 = never wait",
+    )
     discovery_interval_s: float = flag(0.5, "seconds between reads of the registry")
     down_s: float = flag(
         5.0, "a worker that failed a call is skipped this long, or until its feed answers again", name="worker_down_s"
@@ -51,6 +56,8 @@ class LLMRouterConfig:
             raise ValueError(f"--llm-policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         if self.member_ttl_s <= 0 or self.poll_wait_ms <= 0 or self.discovery_interval_s <= 0:
             raise ValueError("--member-ttl-s, --poll-wait-ms and --discovery-interval-s must be positive")
+        if self.index_sync_ms < 0:
+            raise ValueError(f"--index-sync-ms must be >= 0, got {self.index_sync_ms}")
         if self.down_s < 0 or self.weights.tree_blocks < 1:
             raise ValueError("--worker-down-s must be >= 0 and --cache-aware-tree-blocks positive")
 

@@ -90,6 +90,7 @@ class WorkerFeed:
         self.owner = owner or uuid.uuid4().hex
         self.on_reply = on_reply  # callback(feed, reply) after each applied poll
         self.epoch, self.seq = "", 0
+        self.resyncs = 0  # full snapshots asked for because the state had dropped this worker's entries
         self.ok: bool | None = False  # the last poll answered; None = another relay holds the lease
         self.block_size = 0
         self._channel = grpc.aio.insecure_channel(
@@ -132,6 +133,7 @@ class WorkerFeed:
                 "block_size": reply.block_size,
                 "role": reply.role or "both",
                 "epoch": reply.epoch,
+                "kv_seq": reply.seq,
                 "queued_tokens": load.queued_tokens,
                 "running_tokens": load.running_tokens,
                 "waiting": load.waiting,
@@ -139,7 +141,9 @@ class WorkerFeed:
                 "updated": f"{time.time():.3f}",
             }
             try:
-                await self.state.apply(self.id, reply.reset, list(reply.hashes), list(reply.states), fields, self.ttl_s)
+                continued = await self.state.apply(
+                    self.id, reply.reset, list(reply.hashes), list(reply.states), fields, self.ttl_s
+                )
             except StateUnavailable as e:
                 log.warning(
                     "LLM worker %s: events not stored (%s); a full snapshot is written when it answers", self.address, e
@@ -154,6 +158,16 @@ class WorkerFeed:
                     len(reply.hashes) if reply.reset else -1,
                     reply.block_size,
                 )
+            if not continued:  # its entries had expired under us: this delta sits on nothing, rewrite everything
+                log.warning(
+                    "LLM worker %s: its index entries had expired (this feed stalled past --member-ttl-s %gs); "
+                    "asking for a full snapshot",
+                    self.address,
+                    self.ttl_s,
+                )
+                self.resyncs += 1
+                self.epoch, self.seq = "", 0
+                continue
             self.ok, self.epoch, self.seq, self.block_size = True, reply.epoch, reply.seq, reply.block_size
             if self.on_reply:
                 self.on_reply(self, reply)

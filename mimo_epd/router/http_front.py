@@ -160,6 +160,16 @@ def cached_tokens(obj) -> int | None:
     return None
 
 
+def kv_events_position(obj) -> str:
+    """The worker's KV-event position in a response body or its usage event ("" when absent; router/sync.py)."""
+    if not isinstance(obj, dict):
+        return ""
+    for part in (obj.get("usage"), obj.get("meta_info")):
+        if isinstance(part, dict) and isinstance(part.get("kv_events_position"), str):
+            return part["kv_events_position"]
+    return ""
+
+
 class SSEFilter:
     """Reads an SSE stream as it passes: the cached tokens of its usage event, and (when the client did not ask
     for usage and the front did) the usage taken out again."""
@@ -168,6 +178,7 @@ class SSEFilter:
         self.strip = strip_usage
         self.buf = b""
         self.cached: int | None = None
+        self.position = ""
         self.events = 0
 
     def feed(self, chunk: bytes) -> bytes:
@@ -197,6 +208,7 @@ class SSEFilter:
         n = cached_tokens(obj)
         if n is not None:
             self.cached = n
+            self.position = kv_events_position(obj) or self.position
         if not self.strip or not isinstance(obj, dict) or "usage" not in obj:
             return event
         if obj.get("choices") == [] and obj.get("usage") is not None:
@@ -473,18 +485,19 @@ class HTTPFront:
         if streaming and up.status == 200:
             sse = SSEFilter(strip)
             resp = await self._relay(request, up, choice.http_address, first, sse=sse)
-            cached = sse.cached
+            cached, position = sse.cached, sse.position
         else:
             parts: list[bytes] = []
             resp = await self._relay(request, up, choice.http_address, first, body_parts=parts)
-            cached = None
+            cached, position = None, ""
             if up.status == 200:
                 try:
-                    cached = cached_tokens(json.loads(b"".join(parts)))
+                    body = json.loads(b"".join(parts))
+                    cached, position = cached_tokens(body), kv_events_position(body)
                 except ValueError:
                     pass
         if cached is not None:
-            router.report(choice, cached)
+            router.report(choice, cached, position)
         return resp, None
 
 

@@ -20,7 +20,11 @@ The HTTP front (mimo_epd/router/http_front.py) makes the same decisions through 
 
     choices = await router.pick(prompt_token_ids)      # ordered: try choices[0], then the next on failure
     flight = router.started(choice, len(prompt_token_ids), front="http"); ...; router.finished(flight)
-    router.report(choice, cached_tokens)                # what the worker said it reused vs. the prediction
+    router.report(choice, cached_tokens, position)      # what the worker said it reused vs. the prediction
+
+A pick first waits (at most `--index-sync-ms`) for the index to hold what the workers have already answered
+(router/sync.py: each response names its worker's KV-event position), so an agent's immediate next turn is
+routed on its previous one.
 
 Metrics (mimo_epd/router/metrics.py): requests per worker, retries, the prediction error, the degraded flag, the
 index size per worker. A worker marked down is re-checked through its gRPC health service every 100 ms on the
@@ -48,6 +52,7 @@ from .index import block_hashes, predict_tokens
 from .metrics import RouterMetrics
 from .policies import Candidate, RequestView, make_policy
 from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
+from .sync import IndexSync
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +134,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
         self._recent: dict[str, OrderedDict[int, float]] = {}  # worker -> block hash -> remembered until
+        self.sync = IndexSync(self.state, self.feeds, config.index_sync_ms)  # read-your-writes (sync.py)
         self.metrics = RouterMetrics(self)
         self.on_change = None  # callback(live worker ids)
         for spec in filter(None, (s.strip() for s in config.workers.split(","))):
@@ -292,6 +298,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         states: dict[str, list[int]] = {}
         if not self.degraded:
             try:
+                await self.sync.wait([w.id for w in workers])  # the index has what they answered, or the wait ended
                 states = await self.state.lookup(hashes, [w.id for w in workers])
             except StateUnavailable as e:
                 self._degrade(e)
@@ -390,7 +397,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         w.local_queued = sum(f.prompt_tokens - f.choice.predicted_tokens for f in fl if not f.streaming)
         w.local_running = sum(f.prompt_tokens + f.generated for f in fl if f.streaming)
 
-    def report(self, choice: Choice, cached_tokens: int) -> None:
+    def report(self, choice: Choice, cached_tokens: int, kv_events_position: str = "") -> None:
+        """A worker's answer: its cached tokens against the prediction, and where its KV-event log stood then."""
+        self.sync.expect(choice.worker, kv_events_position)
         s = self.stats
         s["predictions"] += 1
         s["predicted_tokens"] += choice.predicted_tokens
@@ -518,7 +527,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                     if msg.HasField("delta"):
                         self.progressed(flight, max(1, len(msg.delta.token_ids)))
                     elif msg.HasField("final"):
-                        self.report(choice, msg.final.cached_tokens)
+                        self.report(choice, msg.final.cached_tokens, msg.final.kv_events_position)
                     yield msg
                 return
             except grpc.aio.AioRpcError as e:

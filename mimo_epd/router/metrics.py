@@ -9,7 +9,11 @@
   `router_prediction_under_tokens_total` (predicted but not reused);
   `router_predicted_tokens_total` / `router_cached_tokens_total`;
 - `router_state_degraded`: 1 while the state (Redis) is unreachable and routing is by load only;
-- `router_index_blocks{worker}`: blocks the index holds for each worker; `router_live_workers`.
+- `router_index_blocks{worker}`: blocks the index holds for each worker; `router_live_workers`;
+- `router_index_sync_waits_total`, `router_index_sync_seconds_total`, `router_index_sync_timeouts_total`: picks
+  that waited for the index to reach a worker's last answer (router/sync.py), the time spent, and the waits that
+  ran out (`--index-sync-ms`); `router_feed_resyncs_total`: full snapshots a feed asked for because the state
+  had dropped its worker's entries.
 
 `mimo-epd router --metrics-port P` serves them on P; `serve --metrics-port P` merges them into the node's one
 endpoint (label `process="router"`, mimo_epd/node_metrics.py).
@@ -18,7 +22,7 @@ endpoint (label `process="router"`, mimo_epd/node_metrics.py).
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from mimo_epd.common.metrics_http import MetricsServer
 
@@ -100,3 +104,17 @@ class _IndexCollector:
         for w, n in sorted(self.metrics.index_blocks.items()):
             g.add_metric([w], float(n))
         yield g
+        router = self.metrics.router
+        st = router.sync.stats
+        yield CounterMetricFamily("router_index_sync_waits", "picks that waited for the index", value=st["waits"])
+        yield CounterMetricFamily(
+            "router_index_sync_seconds", "seconds picks waited for the index", value=st["wait_seconds"]
+        )
+        yield CounterMetricFamily(
+            "router_index_sync_timeouts", "index waits that ran out (--index-sync-ms)", value=st["timeouts"]
+        )
+        yield CounterMetricFamily(
+            "router_feed_resyncs",
+            "full snapshots feeds asked for because the state had dropped their worker's entries",
+            value=sum(f.resyncs for f in router.feeds.values()),
+        )

@@ -7,7 +7,7 @@ discovery task for good. So:
 
 - `member(mid, fields)`: a member record, checked: `kind` llm | encoder, `address` (and an llm worker's
   optional `http_address`) a `host:port` with a port in 1..65535 and a host without spaces, `%` or `/`;
-  `block_size` an integer in 1..65536; the load fields integers >= 0. A record that breaks a rule is `None`
+  `block_size` an integer in 1..65536; the load fields and `kv_seq` integers >= 0. A record that breaks a rule is `None`
   (the reason in `BadRecord`), skipped by the caller and counted.
 - `kv_state(value)`: a KV-index value (a block's state, small non-negative integer); anything else is
   treated as absent and counted.
@@ -68,7 +68,7 @@ def member(mid: str, fields: dict) -> dict:
             check_address(fields["http_address"], "http_address")
         if fields.get("block_size") not in (None, ""):
             _int(fields["block_size"], "block_size", 1, MAX_BLOCK_SIZE)
-        for k in LOAD_FIELDS:
+        for k in (*LOAD_FIELDS, "kv_seq"):
             _int(fields.get(k) or 0, k, 0, 1 << 62)
     return fields
 

@@ -13,6 +13,13 @@ machines are found. Layout (prefix `mimo` by default):
 Every key but the set has a TTL that the member's heartbeat (for a worker: each event poll) refreshes, so a
 dead worker's entries expire with its heartbeat. One writer per worker key: the relay holding the lease.
 
+`apply` returns whether it continued a live record: a relay that stalls past the TTL (a starved process) finds
+the worker's entries gone, and a delta written onto nothing would leave the index missing every block stored
+before it, for good. Then `apply` answers False and the feed asks its worker for a full snapshot at once.
+
+A member record also carries `epoch` and `kv_seq` (the worker's KV-event log position the index has reached);
+`position(member)` reads them, so a router can wait for the index to catch up with what a worker has answered.
+
 A Redis error raises `StateUnavailable`; the LLM router then routes by load only (its own counts) until the
 state answers again, and says so in its logs and metrics.
 """
@@ -49,9 +56,16 @@ class MemoryState:
         self._members: dict[str, tuple[float, dict]] = {}  # id -> (expires at, fields)
         self._leases: dict[str, tuple[str, float]] = {}
 
-    async def apply(self, worker: str, reset: bool, hashes, states, member: dict, ttl_s: float) -> None:
+    async def apply(self, worker: str, reset: bool, hashes, states, member: dict, ttl_s: float) -> bool:
+        """Writes a feed's changes; False when the worker's record had expired (and its index was dropped)."""
+        live = worker in self._members
         self.index.apply(worker, reset, hashes, states)
         await self.register(worker, member, ttl_s)
+        return reset or live
+
+    async def position(self, member_id: str) -> str:
+        f = self._members.get(member_id, (0, {}))[1]
+        return f"{f.get('epoch', '')}:{f.get('kv_seq', '')}" if f.get("kv_seq") else ""
 
     async def lookup(self, hashes, workers) -> dict[str, list[int]]:
         return self.index.states(hashes, workers)
@@ -120,9 +134,11 @@ class RedisState:
     def _member(self, member_id: str) -> str:
         return f"{self.p}:member:{member_id}"
 
-    async def apply(self, worker: str, reset: bool, hashes, states, member: dict, ttl_s: float) -> None:
+    async def apply(self, worker: str, reset: bool, hashes, states, member: dict, ttl_s: float) -> bool:
+        """Writes a feed's changes in one transaction; False when the worker's record had expired before it."""
         ms = max(1, int(ttl_s * 1000))
         pipe = self.r.pipeline(transaction=True)
+        pipe.pexpire(self._member(worker), ms)  # 0: the record (and the index with it, same TTL) had expired
         kv = self._kv(worker)
         if reset:
             pipe.delete(kv)
@@ -140,7 +156,12 @@ class RedisState:
             pipe.hset(kv, mapping=stored)
         pipe.pexpire(kv, ms)
         self._register(pipe, worker, member, ms)
-        await self._run(pipe.execute())
+        results = await self._run(pipe.execute())
+        return reset or bool(results[0])
+
+    async def position(self, member_id: str) -> str:
+        epoch, seq = await self._run(self.r.hmget(self._member(member_id), ["epoch", "kv_seq"]))
+        return f"{epoch.decode(errors='replace')}:{seq.decode(errors='replace')}" if epoch and seq else ""
 
     def _register(self, pipe, member_id: str, fields: dict, ms: int) -> None:
         key = self._member(member_id)

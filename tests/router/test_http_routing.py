@@ -55,6 +55,9 @@ def run_session(c: openai.OpenAI, s: int, turns: int) -> list[tuple[int, int]]:
         msgs.append({"role": "user", "content": f"session {s}, question {t}: what do they eat in winter?"})
         r = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, extra_body={"ignore_eos": True})
         out.append((r.usage.prompt_tokens, r.usage.prompt_tokens_details.cached_tokens))
+        # the worker's KV-event position, which the router waits for before the next turn (router/sync.py)
+        epoch, _, seq = (r.usage.model_extra or {}).get("kv_events_position", "").rpartition(":")
+        assert epoch and int(seq) > 0, r.usage
         msgs.append({"role": "assistant", "content": r.choices[0].message.content})
     return out
 

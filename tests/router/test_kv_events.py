@@ -109,3 +109,63 @@ def test_chained_hash_names_the_whole_prefix():
     assert block_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, known=a[:1]) == a
     big = block_hashes([300 + (1 << 39)] * 4, 4)  # media placeholder ids hash like tokens
     assert big != block_hashes([300] * 4, 4)
+
+
+async def test_a_feed_that_stalls_past_its_ttl_rewrites_the_whole_index():
+    """A relay starved past --member-ttl-s finds its worker's record (and index) gone: the delta it was writing
+    sits on nothing, so it asks for a full snapshot, and the index ends equal to the worker's mirror (before the
+    fix it kept only the blocks stored after the stall, for good)."""
+    import asyncio
+
+    import grpc
+
+    from llm_backend.kv.events import KVEventsService
+    from mimo_epd.router.discovery import WorkerFeed
+    from mimo_epd.router.state import MemoryState
+    from mimo_epd.v1 import kv_events_pb2_grpc
+
+    class GatedState(MemoryState):  # its writes can be held back, as a starved relay's are
+        def __init__(self):
+            super().__init__()
+            self.gate = asyncio.Event()
+            self.gate.set()
+
+        async def apply(self, *a, **kw):
+            await self.gate.wait()
+            return await super().apply(*a, **kw)
+
+    rng = random.Random(7)
+    cache = SWARadixCache(SlotPool("full", 400, 1), SlotPool("swa", 200), 8, 1)
+    pub = KVEventPublisher(cache, 4)
+    server = grpc.aio.server()
+    servicer = type("S", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(pub)
+    kv_events_pb2_grpc.add_KVEventsServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    state = GatedState()
+    feed = WorkerFeed(state, f"127.0.0.1:{port}", {"kind": "llm"}, ttl_s=0.3, wait_ms=50).start()
+
+    def indexed() -> dict[int, int]:
+        got = state.index.states(list(pub.blocks), [feed.id])[feed.id]
+        return {h: s for h, s in zip(pub.blocks, got) if s != ABSENT}
+
+    async def until(cond, timeout=10.0):
+        deadline = asyncio.get_running_loop().time() + timeout
+        while not cond() and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+        return cond()
+
+    try:
+        for _ in range(6):
+            run_request(cache, [rng.randrange(30) for _ in range(24)], rng)
+        assert pub.blocks and await until(lambda: indexed() == pub.blocks)
+        state.gate.clear()  # the relay stalls ...
+        await asyncio.sleep(0.1)
+        run_request(cache, [rng.randrange(30) for _ in range(24)], rng)  # ... with a delta in hand
+        await asyncio.sleep(0.5)
+        assert feed.id not in await state.members()  # its record expired, the index was dropped
+        state.gate.set()
+        assert await until(lambda: feed.resyncs == 1 and indexed() == pub.blocks), (feed.resyncs, len(indexed()))
+    finally:
+        await feed.stop()
+        await server.stop(0)

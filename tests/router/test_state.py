@@ -33,6 +33,18 @@ async def exercise(state) -> None:
     assert await state.lease("w1", "other", 0.3)
     await state.unregister("w2")
     assert set(await state.members("llm")) == {"w1"}
+    # the index position a relay writes with each apply; a delta onto a record that expired meanwhile is refused
+    w3 = {"kind": "llm", "address": "a:4", "epoch": "e9", "kv_seq": 2}
+    assert await state.apply("w3", True, [7, 8], [USABLE, USABLE], w3, 0.3)
+    assert await state.position("w3") == "e9:2" and await state.position("nobody") == ""
+    assert await state.apply("w3", False, [8], [STORED], {"kv_seq": 3}, 0.3)  # live: continued
+    assert await state.position("w3") == "e9:3"
+    await asyncio.sleep(0.5)
+    assert "w3" not in await state.members("llm")  # expired (and its index with it)
+    assert not await state.apply("w3", False, [9], [USABLE], {**w3, "kv_seq": 4}, 5)  # a delta on nothing
+    assert await state.apply("w3", True, [7, 9], [USABLE, USABLE], {**w3, "kv_seq": 4}, 5)  # the snapshot is taken
+    assert (await state.lookup([7], ["w3"]))["w3"] == [USABLE]
+    await state.unregister("w3")
 
 
 async def test_memory_state():

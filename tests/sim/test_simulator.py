@@ -199,20 +199,25 @@ def test_cached_tokens_equal_the_live_engine():
 
 def test_validate_calibrates_here_and_reports_both_profiles():
     """With calibrate_here the profile fitted on this machine's steps is judged next to the given one on the
-    same live run; a profile scaled 3x too slow is worse than this machine's own fit, and says so."""
+    same live run; a profile scaled 10x too slow is worse than this machine's own fit, and says so. (10x, not
+    less: machines of this kind differ by up to 2x from the one that fitted the committed profile.)"""
+    import math
     from dataclasses import replace
 
     from llm_backend.sim.calibrate import cpu_model
 
     slow = load_profile("cpu-measured")
-    slow = replace(slow, coefficients={k: 3 * v for k, v in slow.coefficients.items()}, fitted_on={"cpu": "other"})
+    slow = replace(slow, coefficients={k: 10 * v for k, v in slow.coefficients.items()}, fitted_on={"cpu": "other"})
     res = validate(slow, seed=5, waves=2, calibrate_here=True, train_seed=1)
     cal = res["calibration"]
     assert cal["same_machine"] is False and cal["this_machine"]["cpu"] == cpu_model()
     assert res["step_time_error"] == cal["this_machine"]["per_step_median_error"]
     assert res["step_time_error_committed_profile"] == cal["committed_profile"]["per_step_median_error"]
     assert res["step_time_error"] < res["step_time_error_committed_profile"]
-    assert cal["measured_vs_committed_prediction"] < 0.6  # the slow profile predicts about 3x the time
+    slow_ratio = cal["measured_vs_committed_prediction"]
+    assert slow_ratio < 0.5  # the slow profile predicts several times the measured time
+    own_ratio = cal["this_machine"]["measured_s"] / cal["this_machine"]["predicted_s"]
+    assert abs(math.log(own_ratio)) < abs(math.log(slow_ratio))  # this machine's fit predicts the total better
     assert cal["profile"]["fitted_on"]["cpu"] == cpu_model()
 
 
