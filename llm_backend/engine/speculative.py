@@ -33,10 +33,14 @@ decode tokens is not run (prompt chunks still catch up in their step: the prefix
 per-request pass then would only cost more); the target's hidden states of its final positions are kept instead
 (`MTPState.pending`, at most the window's W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
 request drafts again, the kept rows are caught up in one batched pass before drafting (`_resume`), so a request
-that does not draft costs the target's step alone. Before the request's KV enters the prefix cache (a prompt
-chunk's checkpoint, a finished request) the scheduler calls `before_cache`, which catches the rows up the same way:
-the cache never holds a window whose MTP entries were skipped. Rows dropped past the window are counted as
-`spec_catch_up_skipped_tokens`: the compute deferral saved.
+that does not draft costs the target's step alone. A request that ends while not drafting is not caught up at
+all: before its KV enters the prefix cache (`before_cache`) the SWA slots of its deferred rows are marked stale
+(`stale_slots`), a later request that hits that prefix starts its MTP attention after the last stale slot of its
+window (`_stale_floor`, so it drafts from its own new tokens only: fewer accepted drafts at first, the same
+output), and a catch-up that writes a slot clears its mark. Invariant: no MTP attention reads a slot whose entry
+was not computed. Rows never computed are counted as `spec_catch_up_skipped_tokens` (dropped past the window,
+or left stale: `spec_catch_up_left_stale_tokens`). A stale mark is the device pool's: an entry that the host or
+store tier copies out and back in comes back unmarked, and can then only feed a draft, never an output.
 
 Each request keeps `MTPState`: the next slot to fill and, per layer, the hidden input for it. A segment that does
 not start there (a prefix-cache hit, a recomputation after preemption) has no H_l(start - 1) — no cache keeps hidden
@@ -104,7 +108,8 @@ class SpecStats:
     drafted: list[int] = field(default_factory=list)  # per draft position
     accepted: list[int] = field(default_factory=list)
     deferred: int = 0  # catch-up rows kept while not drafting
-    resumed: int = 0  # ... of them caught up later (drafting resumed, or before the prefix cache took them)
+    resumed: int = 0  # ... of them caught up later (drafting resumed)
+    left_stale: int = 0  # ... of them never computed although their slots entered the prefix cache (marked stale)
 
     def __post_init__(self):
         self.drafted = [0] * self.steps
@@ -127,6 +132,7 @@ class SpecStats:
             "mean_accept_length": round((acc + self.verifies) / self.verifies, 4) if self.verifies else 0.0,
             "catch_up_deferred_tokens": self.deferred,
             "catch_up_skipped_tokens": self.deferred - self.resumed,
+            "catch_up_left_stale_tokens": self.left_stale,
         }
 
 
@@ -178,6 +184,10 @@ class SpeculativeRunner(ModelRunner):
         self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
         self.stats = SpecStats(steps)
         self.control = SpecController(steps, auto=auto)
+        self._resume_s = 0.0  # this step's time resuming deferred catch-ups
+        # SWA slots whose MTP entries were never computed (a request ended with deferred rows, before_cache):
+        # such a slot may be in the prefix cache, and no MTP attention reads it; a catch-up that writes it clears it.
+        self.stale_slots: set[int] = set()
 
     def metrics(self) -> dict:
         return {**{f"spec_{k}": v for k, v in self.stats.as_dict().items()}, "spec_control": self.control.as_dict()}
@@ -192,35 +202,44 @@ class SpeculativeRunner(ModelRunner):
         return self.steps if st.wanted else 0
 
     def before_cache(self, requests: list[Request]) -> list[bool]:
-        """The scheduler's call before these requests' KV enters the prefix cache: their deferred MTP entries are
-        computed first, in one batched pass. False (that KV is not cached) when it fails: the cache never takes
-        a window with skipped entries."""
-        todo = [r for r in requests if r.spec is not None and r.spec.pending and r.kv is not None]
-        if not todo:
-            return [True] * len(requests)
-        try:
-            with torch.inference_mode():
-                self._run_catch_up([self._pending_plan(r) for r in todo])
-        except Exception:
-            log.exception(
-                "the deferred MTP catch-up of requests %s failed; their KV is not cached", [r.id for r in todo]
-            )
-            for r in todo:
-                r.spec = None
-            failed = {r.id for r in todo}
-            return [r.id not in failed for r in requests]
+        """The scheduler's call before these requests' KV enters the prefix cache. A request that still has
+        deferred rows (it ended while not drafting) is not caught up: computing up to W rows through every MTP
+        layer only for a later turn's drafts cost as much as a tenth of its decoding. Its slots are marked stale
+        instead (`stale_slots`), and no MTP attention ever reads a stale slot (`_stale_floor`). Always True."""
+        for r in requests:
+            st, kv = r.spec, r.kv
+            if st is None or kv is None or not st.pending:
+                continue
+            slots = [kv.swa[st.next_slot + j] for j in range(len(st.pending))]
+            self.stale_slots.update(s for s in slots if s is not None)
+            self.stats.left_stale += sum(s is not None for s in slots)
+            st.pending = []
         return [True] * len(requests)
+
+    def _stale_floor(self, r: Request, start: int) -> int:
+        """The first slot a fresh MTP state at `start` may attend to: after the last stale one of the window
+        before it (a cached prefix whose MTP entries were left uncomputed), else 0."""
+        kv = r.kv
+        if not self.stale_slots or kv is None:
+            return 0
+        for p in range(start - 1, max(0, start - self.window) - 1, -1):
+            s = kv.swa[p] if p < len(kv.swa) else None
+            if s is not None and s in self.stale_slots:
+                return p + 1
+        return 0
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
         t0 = time.perf_counter()
+        self._resume_s = 0.0
         with torch.inference_mode():
             results = self._execute(segments, kvs)
         decoding = sum(1 for s in segments if s.n - s.drafts == 1 and s.samples)
-        verified = any(s.drafts for s in segments)
-        self.control.observe(time.perf_counter() - t0, sum(s.n for s in segments), verified, decoding)
+        drafting = sum(1 for s in segments if s.drafts)
+        seconds = time.perf_counter() - t0 - self._resume_s  # resumes are timed apart (spec_control.py)
+        self.control.observe(seconds, sum(s.n for s in segments), drafting > 0, decoding, drafting)
         return results
 
     def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:
@@ -258,7 +277,7 @@ class SpeculativeRunner(ModelRunner):
         st = r.spec
         if st is None or st.end != start:
             origin = 0 if self.prefill_mtp else max(0, len(r.prompt) - 1)
-            st = MTPState(origin, start, [None] * self.depth)
+            st = MTPState(origin, start, [None] * self.depth, floor=self._stale_floor(r, start))
             r.spec = st
         return st
 
@@ -470,9 +489,17 @@ class SpeculativeRunner(ModelRunner):
         return seg, st, h, r.tokens[start : start + len(rows)], start
 
     def _resume(self, segments: list[Segment]) -> None:
-        """Before drafting: the deferred entries of the requests that draft again, in one batched pass."""
+        """Before drafting: the deferred entries of the requests that draft again, in one batched pass (timed: the
+        controller leaves it out of the step's cost)."""
+        t0 = time.perf_counter()
         plans = [self._pending_plan(s.request) for s in segments if s.request.spec.pending]
-        self._run_catch_up([p for p in plans if p[0].n])
+        plans = [p for p in plans if p[0].n]
+        if not plans:
+            return
+        self._run_catch_up(plans)
+        seconds = time.perf_counter() - t0
+        self._resume_s += seconds
+        self.control.resumed(sum(p[0].n for p in plans), seconds)
 
     def _run_catch_up(self, plans) -> None:
         """The catch-up passes (one batched pass per layer) over plans (segment, state, hidden, final tokens,
@@ -493,6 +520,10 @@ class SpeculativeRunner(ModelRunner):
         for s, st, h, final, _ in plans:
             if not final:
                 continue
+            if self.stale_slots:  # computed now (slot s.start by the draft pass): valid again
+                kv = s.request.kv
+                assert kv is not None
+                self.stale_slots.difference_update(kv.swa[p] for p in range(s.start, s.start + len(final)))
             last = s.start + len(final) - 1  # the last final slot
             inputs: list[torch.Tensor | None] = [h[last - s.start]]
             for layer in range(1, self.depth):

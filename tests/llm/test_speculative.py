@@ -287,38 +287,59 @@ def test_logprobs_are_the_targets(model):
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4, rtol=0)
 
 
-def _fed(controller, a, b, c, accept, steps=60):
-    """Observations of a machine whose step time is a + b * tokens + c * [verify]."""
+def _fed(controller, a, b, c, accept, steps=60, d=0.0):
+    """Observations of a machine whose step time is a + b * tokens + c * [verify] + d * drafting requests (8
+    decoding requests; verify steps with 8, 1 or 4 of them drafting)."""
     from llm_backend.engine.speculative import MTPState
 
     st = MTPState(0, 0, [None])
     for i in range(steps):
         verified = i % 2 == 0
         B = 8
-        tokens = B * (1 + controller.steps * verified) + (64 if i % 5 == 0 else 0)
-        controller.observe(a + b * tokens + c * verified, tokens, verified, B)
-        if verified:
-            for _ in range(B):
-                controller.accepted(st, accept)
+        n = (8, 1, 4)[(i // 2) % 3] if verified else 0
+        tokens = B + controller.steps * n + (64 if i % 5 == 0 else 0)
+        controller.observe(a + b * tokens + c * verified + d * n, tokens, verified, B, n)
+        for _ in range(n):
+            controller.accepted(st, accept)
     return st
 
 
 @pytest.mark.parametrize(
     "costs,accept,drafts",
     [
-        ((0.010, 0.00002, 0.001), 2.5, True),  # a GPU-like machine: tokens nearly free, drafts accepted
-        ((0.002, 0.004, 0.003), 2.5, False),  # a CPU-like machine: every verify token costs a decode step
-        ((0.010, 0.00002, 0.001), 0.0, False),  # nothing is ever accepted
+        ((0.010, 0.00002, 0.001, 0.0002), 2.5, True),  # a GPU-like machine: tokens nearly free, drafts accepted
+        ((0.002, 0.004, 0.003, 0.0), 2.5, False),  # a CPU-like machine: every verify token costs a decode step
+        ((0.010, 0.00002, 0.001, 0.0002), 0.0, False),  # nothing is ever accepted
+        ((0.010, 0.00002, 0.001, 0.004), 2.5, False),  # verify tokens are free, but each drafter costs 3 tokens
     ],
 )
 def test_the_controller_drafts_only_when_the_measured_costs_pay(costs, accept, drafts):
     from llm_backend.engine.spec_control import SpecController
 
     ctl = SpecController(3, probe_every=10**9)
-    st = _fed(ctl, *costs, accept)
-    a, b, c = ctl.costs()
-    assert abs(b - costs[1]) < 1e-4 and abs(c - costs[2]) < 1e-3  # the fit recovers the machine's costs
+    st = _fed(ctl, *costs[:3], accept, d=costs[3])
+    a, b, c, d = ctl.costs()
+    # the fit recovers the machine's costs, the fixed chain and the per-drafter cost apart
+    assert abs(b - costs[1]) < 1e-4 and abs(c - costs[2]) < 1e-3 and abs(d - costs[3]) < 1e-4, ctl.costs()
     assert ctl.wants(st) is drafts
+
+
+def test_a_probe_of_drafting_drafts_for_a_few_requests_only():
+    """With drafting off, a probe lets 1 request draft, the next probe_requests (each drafter first resumes up to W
+    deferred rows: a probe of the whole batch of 16 cost several plain steps)."""
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=8, min_steps=2, max_probe_gap=8, probe_requests=4)
+    _fed(ctl, 0.002, 0.004, 0.003, 0.5)  # a CPU-like machine: off
+    sizes = []
+    for _ in range(40):
+        n = sum(ctl.wants(type("S", (), {"accept_ema": 0.5})()) for _ in range(16))
+        if n:
+            sizes.append(n)
+        ctl.observe(0.002 + 0.004 * (16 + 3 * n) + 0.003 * (n > 0), 16 + 3 * n, n > 0, 16, n)
+    assert sizes[:4] == [1, 4, 1, 4], sizes
+    ctl.resumed(128, 0.02)
+    assert ctl.as_dict()["resume_ms_per_row"] == pytest.approx(0.1562, abs=1e-3)
 
 
 def test_the_controller_probes_the_other_choice():
@@ -424,11 +445,9 @@ def test_a_request_that_never_drafts_past_the_window_is_cached_at_its_end(model)
     llm, got, log = run_scripted(model, ps, sp, lambda step: False, auto=True, page_size=1)
     assert got == want and not log
     s = llm.stats()
-    assert (
-        s["spec_catch_up_skipped_tokens"] > 0 and s["spec_catch_up_deferred_tokens"] > s["spec_catch_up_skipped_tokens"]
-    )
+    assert s["spec_catch_up_skipped_tokens"] > 0 and s["spec_catch_up_left_stale_tokens"] > 0
     res = llm.generate(prompt_token_ids=[ps[0] + want[0] + [7, 8, 9]], sampling_params=GREEDY)[0]
-    assert res.usage.cached_tokens > len(ps[0]) + w  # the cached window is the one its end caught up
+    assert res.usage.cached_tokens > len(ps[0]) + w  # its whole window was cached
     idle(llm)
 
 
@@ -469,28 +488,52 @@ def test_a_long_pause_keeps_only_the_window_and_outputs_stay_identical(model):
     idle(llm)
 
 
-def test_the_prefix_cache_never_takes_a_window_whose_mtp_entries_were_deferred(model):
-    """A first turn that never drafts (its catch-up deferred to the end) leaves its KV in the tree; a second turn
-    that hits it drafts from that window's MTP entries: they must be the ones an eager catch-up computes."""
+def no_stale_reads(llm):
+    """Wraps the runner's MTP layer pass: every run's attention (from max(origin, floor) up to its first slot)
+    must read no stale slot (one whose MTP entry was never computed)."""
+    runner = llm.runner
+    run_layer = runner._run_layer
+    reads = []
+
+    def checked(layer, runs):
+        for u in runs:
+            st, kv = u.request.spec, u.request.kv
+            lo = max(st.first_slot(layer), st.floor)
+            read = [kv.swa[p] for p in range(lo, u.first)]
+            assert not runner.stale_slots.intersection(read), (u.request.id, layer, lo, u.first)
+            reads.append((u.request.id, lo))
+        run_layer(layer, runs)
+
+    runner._run_layer = checked
+    return reads
+
+
+def test_a_window_whose_mtp_entries_were_deferred_is_cached_stale_and_never_read(model):
+    """A first turn that never drafts ends with its catch-up deferred: its KV enters the tree at once (no catch-up
+    of up to W rows through every MTP layer), its slots marked stale. A second turn that hits it drafts with MTP
+    attention starting after the stale slots (never reading an entry that was not computed), and its output is
+    plain decoding's."""
     p = prompts(n=1, seed=13, lo=20, hi=40)[0]
     sp1 = SamplingParams(max_tokens=50, ignore_eos=True)
     sp2 = SamplingParams(max_tokens=20, ignore_eos=True)
-    logs = []
-    for auto in (False, True):
-        llm = engine(model, speculative_steps=3, speculative_auto=auto)
-        log: list = []
-        scripted(llm, lambda step: False, log)
-        first = outputs(llm, [p], sp1)[0]
-        assert not log
-        scripted(llm, lambda step: True, log)
-        second = p + first + [7, 8, 9]
-        res = llm.generate(prompt_token_ids=[second], sampling_params=sp2)[0]
-        assert res.usage.cached_tokens > len(p)  # the first turn's output was hit
-        logs.append((res.output_token_ids, [d for _, _, d in log]))
-        if auto:
-            assert llm.stats()["spec_catch_up_deferred_tokens"] >= 49
-        idle(llm)
-    assert logs[0] == logs[1]
+    plain = engine(model)
+    first_want = outputs(plain, [p], sp1)[0]
+    second = p + first_want + [7, 8, 9]
+    second_want = outputs(plain, [second], sp2)[0]
+    llm = engine(model, speculative_steps=3, speculative_auto=True)
+    reads = no_stale_reads(llm)
+    log: list = []
+    scripted(llm, lambda step: False, log)
+    assert outputs(llm, [p], sp1)[0] == first_want and not log
+    s = llm.stats()
+    assert s["spec_catch_up_left_stale_tokens"] >= 49 and llm.runner.stale_slots
+    scripted(llm, lambda step: True, log)
+    res = llm.generate(prompt_token_ids=[second], sampling_params=sp2)[0]
+    assert res.usage.cached_tokens > len(p) and res.output_token_ids == second_want
+    assert log and all(start >= len(second) - 1 for _, start, _ in log)  # it drafted
+    floors = {lo for rid, lo in reads if rid == res.request_id}
+    assert max(floors) >= len(p) + 1  # its MTP attention started past the first turn's stale window
+    idle(llm)
 
 
 def test_probes_back_off_while_they_confirm_the_decision():
