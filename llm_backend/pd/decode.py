@@ -12,7 +12,8 @@ SGLang's handshake shape, one room per attempt:
    through `KVTransfer/Prefill` (gRPC, `PrefillClient`); the request waits in `transferring`, holding its pages.
 3. The prefill worker writes the KV straight into those slots (Mooncake) and sends the first token last. The
    request then checkpoints its prompt pages into the tree (the next turn of the conversation matches them, so it
-   transfers only its new tokens), appends the first token and decodes like any other.
+   transfers only its new tokens), appends the first token and decodes like any other. A seeded request takes the
+   prefill side's generator state with the first token, so its samples are the ones a colocated worker draws.
 
 Failure rules (docs/pd.md): a transfer fails, its pages are freed (never cached: they may be half written) and the
 request ends with an error coded "unavailable" (gRPC UNAVAILABLE, HTTP 503), never as a normal finish, when the
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import grpc
+import torch
 
 from llm_backend.engine.sampler import Sampled
 from llm_backend.engine.scheduler import Scheduler
@@ -227,6 +229,17 @@ class DecodeScheduler(Scheduler):
             self.clock() + self.transfer_timeout_s,
         )
 
+    @staticmethod
+    def _continue_rng(r, state: bytes) -> None:
+        """A seeded request goes on from the prefill side's generator state, so its samples are the colocated ones
+        (a state of another device's generator does not fit: logged, the request keeps its own seeded one)."""
+        if r.generator is None or not state:
+            return
+        try:
+            r.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except (RuntimeError, ValueError) as e:
+            log.warning("request %d: the prefill side's random state does not fit this generator (%s)", r.id, e)
+
     def _activate(self, r, done) -> None:
         """Step 3: the KV is in; the prompt's pages go into the tree and the first token is appended."""
         ticket, kv = r.pd, r.kv
@@ -237,6 +250,7 @@ class DecodeScheduler(Scheduler):
         if self.enable_prefix_cache:
             kv.checkpoint()
         self._append(r, Sampled(done.first_token, done.logprob, [(t.token_id, t.logprob) for t in done.top_logprobs]))
+        self._continue_rng(r, done.rng_state)
         stop = r.aborted or self._stopped(r)
         if stop:
             self.finish(r, stop)

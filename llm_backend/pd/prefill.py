@@ -226,6 +226,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
                     bytes=room.bytes,
                     transfer_s=room.transfer_s,
                     prefill_s=time.monotonic() - t0,
+                    rng_state=r.generator.get_state().numpy().tobytes() if r.generator is not None else b"",
                 )
             )
         except ServeError as e:

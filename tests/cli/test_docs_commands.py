@@ -4,7 +4,8 @@ same one throughout its block) and a `serve` without `--port` gets free ports; t
 placeholders (R, <this machine's address>, <router>) are 127.0.0.1, with a Redis started for R; the image URL on
 example.com is a local media server's (the node is started allowing it); `photo.jpg` is a generated photo; load tests
 run 5 s. Server commands (`serve`, `router`, `llm`, `encoder`, `redis-server`) are started and stopped at the block's
-end (each must exit 0); the rest must succeed and answer without an error.
+end (each must exit 0): consecutive ones together (a Redis first), as a shell's `&` would; the rest must succeed
+and answer without an error.
 """
 
 import os
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,19 @@ def run_block(block: str, cwd: Path, ports: dict[str, str] | None = None) -> Non
         redis = RedisServer(cwd, int(ports["6379"]))
         redis.start()
     servers: list[Server] = []
+    starting: list[str] = []  # consecutive server commands, started together (each waits for its own ready line)
+
+    def start_all() -> None:
+        if starting:
+            with ThreadPoolExecutor(len(starting)) as ex:
+                futures = [ex.submit(Server, c, cwd) for c in starting]
+                for f in futures:  # every one is waited for (and kept for stopping) before a failure is raised
+                    if f.exception() is None:
+                        servers.append(f.result())
+                for f in futures:
+                    f.result()
+            starting.clear()
+
     try:
         for command in commands(block):
             command = localise(command, ports)
@@ -135,8 +150,13 @@ def run_block(block: str, cwd: Path, ports: dict[str, str] | None = None) -> Non
                 if " serve" in command:  # as the README test: free ports for what the command leaves default
                     command += "" if "--port" in command else " --port 0"
                     command += "" if "--http-port" in command else " --http-port 0"
-                servers.append(Server(command, cwd))
+                if split_env(command)[1][0] == "redis-server":  # what the others connect to: up first
+                    start_all()
+                    servers.append(Server(command, cwd))
+                else:
+                    starting.append(command)
                 continue
+            start_all()
             for attempt in range(5):  # a router finds the workers of a node that joined within a second or so
                 r = subprocess.run(command, shell=True, cwd=cwd, capture_output=True, text=True, timeout=300)
                 if r.returncode == 0 or attempt == 4:
@@ -144,6 +164,7 @@ def run_block(block: str, cwd: Path, ports: dict[str, str] | None = None) -> Non
                 time.sleep(1)
             assert r.returncode == 0, f"{command}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-3000:]}"
             assert '"error"' not in r.stdout, f"{command}\n{r.stdout[-2000:]}"
+        start_all()  # a block of servers only: they must start (and stop cleanly)
     finally:
         codes = [(s.command, s.stop(), "".join(s.log)[-6000:]) for s in reversed(servers)]
         if redis is not None:

@@ -102,6 +102,30 @@ def test_multi_turn_greedy_equals_colocated_and_turn_two_moves_only_new_tokens(f
     assert m["llm_pd_remote_prefills"] >= 2 and m["llm_pd_transfer_bytes"] >= f1.kv_transfer_bytes
 
 
+def test_seeded_sampling_equals_colocated(fleet):
+    """Temperature 1 with a seed: the prefill worker samples the first token, the decode worker the rest from the
+    prefill side's generator state (PrefillDone.rng_state), so every token is the colocated worker's; another
+    seed gives another output (the comparison can fail)."""
+    both, pre, dec = fleet
+    prompt = [1] + [(5 * i) % 200 + 3 for i in range(60)]
+
+    def sampled(address, seed):
+        req = generator_pb2.GenerateRequest(
+            prompt_token_ids=prompt,
+            sampling=generator_pb2.SamplingOptions(
+                max_tokens=24, ignore_eos=True, temperature=1.0, top_k=50, seed=seed, has_seed=True
+            ),
+        )
+        toks, final = stream(address, req)
+        return toks, final
+
+    a, _ = sampled(both.address, 7)
+    b, fb = sampled(dec.address, 7)
+    assert fb.prefill_address == pre.address and len(b) == 24
+    assert a == b
+    assert sampled(dec.address, 8)[0] != b
+
+
 def test_image_prompt_equals_colocated(fleet):
     both, pre, dec = fleet
     img = encode_image(textured(200, 300, seed=5), "JPEG")
