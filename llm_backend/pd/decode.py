@@ -243,7 +243,7 @@ class DecodeScheduler(Scheduler):
     def _activate(self, r, done) -> None:
         """Step 3: the KV is in; the prompt's pages go into the tree and the first token is appended."""
         ticket, kv = r.pd, r.kv
-        ticket.used, ticket.bytes, ticket.transfer_s = r.pd.room.prefill, int(done.bytes), float(done.transfer_s)
+        ticket.used, ticket.bytes, ticket.transfer_s = r.pd.room.prefill, int(done.kv_bytes), float(done.transfer_s)
         self.bytes_received += ticket.bytes
         self.transfer_s += ticket.transfer_s
         self._blocked = False

@@ -223,7 +223,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
                     first_token=tok,
                     logprob=lp if lp is not None else 0.0,
                     top_logprobs=[pd_pb2.TopLogprob(token_id=a, logprob=b) for a, b in top],
-                    bytes=room.bytes,
+                    kv_bytes=room.bytes,
                     transfer_s=room.transfer_s,
                     prefill_s=time.monotonic() - t0,
                     rng_state=r.generator.get_state().numpy().tobytes() if r.generator is not None else b"",

@@ -70,22 +70,22 @@ class PrefillAccepted(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillDone(_message.Message):
-    __slots__ = ("first_token", "logprob", "top_logprobs", "bytes", "transfer_s", "prefill_s", "rng_state")
+    __slots__ = ("first_token", "logprob", "top_logprobs", "kv_bytes", "transfer_s", "prefill_s", "rng_state")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     RNG_STATE_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
-    bytes: int
+    kv_bytes: int
     transfer_s: float
     prefill_s: float
     rng_state: bytes
-    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., rng_state: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., kv_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., rng_state: _Optional[bytes] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("accepted", "done")
