@@ -134,7 +134,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._rechecks: dict[str, asyncio.Task] = {}
         self._recent: dict[str, OrderedDict[int, float]] = {}  # worker -> block hash -> remembered until
-        self.sync = IndexSync(self.state, self.feeds, config.index_sync_ms)  # read-your-writes (sync.py)
+        # read-your-writes (sync.py)
+        self.sync = IndexSync(self.state, self.feeds, config.index_sync_ms, config.member_ttl_s)
         self.metrics = RouterMetrics(self)
         self.on_change = None  # callback(live worker ids)
         for spec in filter(None, (s.strip() for s in config.workers.split(","))):

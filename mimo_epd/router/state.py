@@ -9,6 +9,8 @@ machines are found. Layout (prefix `mimo` by default):
     {p}:member:{id}      HASH  kind, address, node, model, block_size, epoch, queued_tokens, running_tokens, ...
     {p}:members          SET   member ids (a member whose key has expired is dropped from it by the next reader)
     {p}:relay:{worker}   STRING the relay that currently writes this worker's events (a lease, see WorkerFeed)
+    {p}:answered:{worker} STRING "EPOCH:SEQ": the KV-event position of the worker's latest answer to any router
+                         (router/sync.py: every router waits for the index to reach it, not only the one answered)
 
 Every key but the set has a TTL that the member's heartbeat (for a worker: each event poll) refreshes, so a
 dead worker's entries expire with its heartbeat. One writer per worker key: the relay holding the lease.
@@ -62,6 +64,12 @@ class MemoryState:
         self.index.apply(worker, reset, hashes, states)
         await self.register(worker, member, ttl_s)
         return reset or live
+
+    async def answered(self, member_id: str, position: str, ttl_s: float) -> None:
+        pass  # one router: its own IndexSync already knows
+
+    async def answered_positions(self, member_ids) -> dict[str, str]:
+        return {}
 
     async def position(self, member_id: str) -> str:
         f = self._members.get(member_id, (0, {}))[1]
@@ -158,6 +166,17 @@ class RedisState:
         self._register(pipe, worker, member, ms)
         results = await self._run(pipe.execute())
         return reset or bool(results[0])
+
+    async def answered(self, member_id: str, position: str, ttl_s: float) -> None:
+        """What a worker last answered to any router (its KV-event position), for the other routers' waits."""
+        await self._run(self.r.set(f"{self.p}:answered:{member_id}", position, px=max(1, int(ttl_s * 1000))))
+
+    async def answered_positions(self, member_ids) -> dict[str, str]:
+        ids = list(member_ids)
+        if not ids:
+            return {}
+        vals = await self._run(self.r.mget([f"{self.p}:answered:{m}" for m in ids]))
+        return {m: v.decode(errors="replace") for m, v in zip(ids, vals) if v}
 
     async def position(self, member_id: str) -> str:
         epoch, seq = await self._run(self.r.hmget(self._member(member_id), ["epoch", "kv_seq"]))

@@ -12,7 +12,10 @@ but not the reply's).
     await sync.wait(worker ids)       # in pick(), before the index lookup
 
 `wait` returns when, for every listed worker with an expectation, the index has applied that worker's events up
-to the position (same epoch, seq >= it), or after `--index-sync-ms` in all. Where the index stands: the router's
+to the position (same epoch, seq >= it), or after `--index-sync-ms` in all. Routers sharing a Redis share the
+expectations too (`state.answered` writes a worker's latest answered position, `state.answered_positions` reads
+them in one MGET per pick), so a session whose turns alternate between routers is routed on its previous turn
+by either. Where the index stands: the router's
 own feed (`WorkerFeed.epoch/seq`) when it runs one, else the member record the relay writes (`epoch`, `kv_seq`;
 `state.position`). A worker that made a pick time out is not waited for again until its feed has caught up once
 (a stalled feed costs one wait, not one per request). Invariants: an expectation is only ever dropped when met or
@@ -36,19 +39,39 @@ def parse_position(text: str) -> tuple[str, int] | None:
 
 
 class IndexSync:
-    def __init__(self, state, feeds: dict, wait_ms: int):
-        self.state, self.feeds, self.wait_s = state, feeds, wait_ms / 1e3
+    def __init__(self, state, feeds: dict, wait_ms: int, ttl_s: float = 3.0):
+        self.state, self.feeds, self.wait_s, self.ttl_s = state, feeds, wait_ms / 1e3, ttl_s
+        self._writes: set[asyncio.Task] = set()
         self.wants: dict[str, tuple[str, int]] = {}  # worker -> (epoch, seq) its last answer reported
         self.lagging: set[str] = set()  # timed out: not waited for until met once
+        self.met: dict[str, tuple[str, int]] = {}  # worker -> the last expectation met (a shared one is not re-read)
         self.stats = {"waits": 0, "wait_seconds": 0.0, "timeouts": 0}
 
     def expect(self, worker: str, position: str) -> None:
         want = parse_position(position)
         if want is None or self.wait_s <= 0:
             return
+        self._want(worker, want)
+        try:
+            task = asyncio.get_running_loop().create_task(self._share(worker, position))
+        except RuntimeError:  # no loop (a synchronous caller): this router's own wait still applies
+            return
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    def _want(self, worker: str, want: tuple[str, int]) -> None:
+        done = self.met.get(worker)
+        if done is not None and done[0] == want[0] and done[1] >= want[1]:
+            return
         old = self.wants.get(worker)
         if old is None or old[0] != want[0] or old[1] < want[1]:
             self.wants[worker] = want
+
+    async def _share(self, worker: str, position: str) -> None:
+        try:
+            await self.state.answered(worker, position, self.ttl_s)
+        except Exception as e:  # StateUnavailable: the router degrades on its next read; never fatal here
+            log.debug("sharing %s's answered position failed: %s", worker, e)
 
     async def _applied(self, worker: str) -> tuple[str, int] | None:
         feed = self.feeds.get(worker)
@@ -62,6 +85,7 @@ class IndexSync:
             return True
         got = await self._applied(worker)
         if got is not None and got[0] == want[0] and got[1] >= want[1]:
+            self.met[worker] = got
             if self.wants.get(worker) == want:
                 del self.wants[worker]
             self.lagging.discard(worker)
@@ -71,6 +95,12 @@ class IndexSync:
     async def wait(self, workers) -> None:
         """Until the index holds every listed worker's answered events, or --index-sync-ms (raises StateUnavailable
         from a state read, like a lookup)."""
+        if self.wait_s <= 0:
+            return
+        for w, text in (await self.state.answered_positions(workers)).items():  # other routers' answers
+            want = parse_position(text)
+            if want is not None:
+                self._want(w, want)
         pending = [w for w in workers if w in self.wants]
         if not pending:
             return

@@ -94,3 +94,30 @@ async def test_a_relay_elsewhere_is_read_from_the_state():
     t0 = time.monotonic()
     await asyncio.gather(sync.wait(["w"]), relay())
     assert time.monotonic() - t0 < 1.0 and sync.wants == {} and sync.stats["timeouts"] == 0
+
+
+async def test_routers_on_one_redis_wait_for_each_others_answers(redis_server):
+    """Router A hears a worker's answer; router B, on the same Redis, routes that session's next turn: B waits for
+    the index (written by the worker's relay) to reach A's answer too, and does not re-read a met one."""
+    from mimo_epd.router.state import RedisState
+
+    a_state, b_state, relay = (RedisState(redis_server.url) for _ in range(3))
+    try:
+        await relay.apply("w", True, [1], [2], {"kind": "llm", "address": "a:1", "epoch": "e1", "kv_seq": 3}, 5)
+        a, b = IndexSync(a_state, {}, 2000), IndexSync(b_state, {}, 2000)
+        a.expect("w", "e1:5")
+        await asyncio.sleep(0.05)  # A's shared write
+        assert await b_state.answered_positions(["w", "other"]) == {"w": "e1:5"}
+
+        async def relay_catches_up():
+            await asyncio.sleep(0.1)
+            await relay.apply("w", False, [2], [2], {"epoch": "e1", "kv_seq": 5}, 5)
+
+        t0 = time.monotonic()
+        await asyncio.gather(b.wait(["w", "other"]), relay_catches_up())
+        assert 0.09 < time.monotonic() - t0 < 1.5 and b.stats["waits"] == 1 and b.stats["timeouts"] == 0
+        await b.wait(["w"])  # met: the shared position is not waited for again
+        assert b.stats["waits"] == 1 and b.wants == {}
+    finally:
+        for s in (a_state, b_state, relay):
+            await s.close()
