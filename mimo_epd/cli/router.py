@@ -53,6 +53,7 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
 
     from mimo_epd.common.auth import use_internal_key
     from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals
+    from mimo_epd.common.shutdown import STEP_S, bounded
     from mimo_epd.router.encoder import EncoderRouter, RouterConfig
     from mimo_epd.router.llm import LLMRouter
     from mimo_epd.router.state import MemoryState, open_state
@@ -96,15 +97,15 @@ async def serve_router(proc: RouterProcessConfig, config) -> int:
         stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
         srv.announce()
         await stop.wait()
-        await srv.stop(proc.grace_period_s)
+        await bounded(srv.stop(proc.grace_period_s), proc.grace_period_s + STEP_S, "stopping the gRPC server")
         return 0
-    finally:
+    finally:  # every step bounded and named when it overruns: a router always exits
         if front is not None:
-            await front.close()
-        await llm_router.close()
-        await llm_router.metrics.close()
+            await bounded(front.close(), proc.grace_period_s + STEP_S, "closing the HTTP front")
+        await bounded(llm_router.close(), STEP_S, "closing the LLM router (its loops, feeds, channels, state)")
+        await bounded(llm_router.metrics.close(), STEP_S, "closing the metrics server")
         if encoders is not None:
-            await encoders.close()
+            await bounded(encoders.close(), STEP_S, "closing the encoder router")
 
 
 def _run(args) -> int:

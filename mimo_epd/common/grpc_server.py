@@ -128,24 +128,14 @@ async def set_serving(health: health_aio.HealthServicer, services: list[str], se
 def stop_on_signals(stop: asyncio.Event) -> None:
     """SIGTERM / SIGINT set `stop` (graceful shutdown); SIGUSR1 writes every asyncio task's stack to stderr (what
     a server that does not stop is waiting for: `kill -USR1 PID`). Silently skipped off the main thread."""
+    from mimo_epd.common.shutdown import dump_tasks
+
     loop = asyncio.get_running_loop()
     for sig, handler in ((signal.SIGTERM, stop.set), (signal.SIGINT, stop.set), (signal.SIGUSR1, dump_tasks)):
         try:
             loop.add_signal_handler(sig, handler)
         except (NotImplementedError, RuntimeError):
             pass
-
-
-def dump_tasks() -> None:
-    """Every task of the running loop with the stack it is suspended in, on stderr."""
-    import sys
-
-    tasks = asyncio.all_tasks()
-    print(f"--- {len(tasks)} asyncio tasks (SIGUSR1) ---", file=sys.stderr)
-    for task in tasks:
-        frames = " <- ".join(f"{f.f_code.co_name} ({f.f_code.co_filename}:{f.f_lineno})" for f in task.get_stack())
-        print(f"{task.get_name()}: {frames or task.get_coro()!r}", file=sys.stderr)
-    sys.stderr.flush()
 
 
 def shown_host(host: str) -> str:

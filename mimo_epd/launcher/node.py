@@ -32,6 +32,7 @@ from encoder_server.config import EncoderServerConfig
 from mimo_epd.common import flags
 from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
+from mimo_epd.common.shutdown import STEP_S, bounded
 from mimo_epd.router.encoder import EncoderRouter, NoVisionRouter, RouterConfig
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc
 
@@ -366,24 +367,6 @@ async def join_node(enc: EncoderServerConfig, node: NodeConfig, encoders: list[C
         if shm.created:
             shm.unlink()
         shm.close()
-
-
-# A shutdown step that takes longer than this is abandoned with a warning naming it: a node always exits.
-STEP_S = 10.0
-
-
-async def bounded(step, seconds: float, what: str) -> None:
-    """Awaits one shutdown step for at most `seconds`; past that it is cancelled and named in the log."""
-    t0 = time.monotonic()
-    try:
-        await asyncio.wait_for(step, seconds)
-    except TimeoutError:
-        log.warning("shutdown: %s took over %gs; abandoned", what, seconds)
-    except Exception as err:  # noqa: BLE001 - one step failing does not keep the others from running
-        log.warning("shutdown: %s failed: %s", what, err)
-    else:
-        if time.monotonic() - t0 > 2:
-            log.info("shutdown: %s took %.1fs", what, time.monotonic() - t0)
 
 
 async def leave_join(health, health_task, supervisor, feeds, heartbeats, state) -> None:

@@ -32,6 +32,7 @@ from llm_backend.sim.engine import SimWorker, WorkerConfig
 from llm_backend.sim.metrics import summarize
 from llm_backend.sim.trace import SimRequest
 from mimo_epd.router.policies import Candidate, RequestView, make_policy
+from mimo_epd.v1 import pd_pb2
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,8 @@ class PDFleet:
                 "seconds": done - fin.first_token,
             }
         )
-        payload = SimpleNamespace(first_token=0, logprob=0.0, top_logprobs=[], bytes=nbytes, transfer_s=wire)
+        # the message a real prefill worker sends last (pd.proto), so the simulator reads what the live path reads
+        payload = pd_pb2.PrefillDone(first_token=0, logprob=0.0, kv_bytes=nbytes, transfer_s=wire, prefill_s=prefill_s)
         self._push(done, "kv", (k, r, room, payload))
 
     def _push(self, t: float, kind: str, payload) -> None:
