@@ -13,6 +13,7 @@ import asyncio
 import logging
 import sys
 import time
+from typing import Any
 
 log = logging.getLogger("mimo_epd")
 
@@ -37,7 +38,9 @@ async def bounded(step, seconds: float, what: str) -> None:
 def await_chain(task: asyncio.Task) -> str:
     """`outer (file:line) <- inner (file:line) <- ...`: the coroutines a task is suspended in, outermost first.
     (`Task.get_stack()` gives only the outermost frame of a suspended coroutine.)"""
-    out, coro, seen = [], task.get_coro(), 0
+    out: list[str] = []
+    coro: Any = task.get_coro()
+    seen = 0
     while coro is not None and seen < 64:
         frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None) or getattr(coro, "ag_frame", None)
         if frame is None:  # a future or a C-level awaitable: the chain ends at the coroutine awaiting it
