@@ -175,6 +175,13 @@ class LLMConfig:
         "pages are freed",
         _PD,
     )
+    pd_fence_timeout_s: float = flag(
+        30.0,
+        "decode role: a room given up on keeps its reserved slots until its prefill worker confirms it writes no more "
+        "(KVTransfer/Release) or is gone; a prefill worker that answers neither for this long (it hangs) has them "
+        "freed anyway, with a warning",
+        _PD,
+    )
     pd_local_prefill_tokens: int = flag(
         2048,
         "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
@@ -235,8 +242,10 @@ class LLMConfig:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
-        if self.pd_transfer_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
-            raise ValueError("--pd-transfer-timeout-s must be positive and --pd-protocol tcp or rdma")
+        if self.pd_transfer_timeout_s <= 0 or self.pd_fence_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
+            raise ValueError(
+                "--pd-transfer-timeout-s and --pd-fence-timeout-s must be positive and --pd-protocol tcp or rdma"
+            )
         if self.role != "both" and self.speculative_steps:
             raise ValueError(f"--role {self.role} runs without --speculative-steps (the MTP layers' KV is not moved)")
         if self.role not in ("both", "prefill", "decode"):

@@ -15,12 +15,18 @@ SGLang's handshake shape, one room per attempt:
    transfers only its new tokens), appends the first token and decodes like any other. A seeded request takes the
    prefill side's generator state with the first token, so its samples are the ones a colocated worker draws.
 
-Failure rules (docs/pd.md): a transfer fails, its pages are freed (never cached: they may be half written) and the
-request ends with an error coded "unavailable" (gRPC UNAVAILABLE, HTTP 503), never as a normal finish, when the
-stream to the prefill worker breaks (it died), when it sends nothing for `--pd-transfer-timeout-s` (it hangs; it
-sends a keep-alive every second), or when the prefill worker refuses the room. An abort (the client went away)
-cancels the stream, which makes the prefill worker drop its side, and frees the pages at once. This worker's
-health never depends on a prefill worker: without one it prefills locally.
+Failure rules (docs/pd.md): a transfer fails and the request ends with an error coded "unavailable" (gRPC
+UNAVAILABLE, HTTP 503), never as a normal finish, when the stream to the prefill worker breaks (it died), when it
+sends nothing for `--pd-transfer-timeout-s` (it hangs; it sends a keep-alive every second), or when the prefill
+worker refuses the room. An abort (the client went away) ends the request at once. This worker's health never
+depends on a prefill worker: without one it prefills locally.
+
+Fencing: the pages of a room given up on (failed, timed out, aborted) are never cached (they may be half written)
+and are not freed at once either: they stay *fenced* (held, counted in `pd_fenced_rooms`) until the prefill
+worker answers `KVTransfer/Release` (it closed the room: no write of it in flight, none to come) or turns out to be
+gone (UNAVAILABLE: a dead process writes nothing), so a late write can never land in slots another request was
+given. A prefill worker that answers neither for `--pd-fence-timeout-s` (it hangs) has them freed anyway, with a
+warning (`pd_fence_expired`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -45,6 +52,9 @@ from .rule import TransferRule
 from .transfer import KVTransferEngine
 
 log = logging.getLogger(__name__)
+# One KVTransfer/Release call's deadline, and the pause before it is asked again (a prefill worker that hangs).
+RELEASE_RPC_S = 2.0
+RELEASE_RETRY_S = 0.5
 
 
 @dataclass
@@ -81,14 +91,17 @@ class DecodeScheduler(Scheduler):
     def configure(self, cfg) -> None:
         self.local_prefill_tokens = cfg.pd_local_prefill_tokens
         self.transfer_timeout_s = cfg.pd_transfer_timeout_s
-        # Set by the worker (attach_decode): start(request, room) opens the stream; cancel(room) closes it.
+        self.fence_timeout_s = cfg.pd_fence_timeout_s
+        # Set by the worker (attach_decode): start(request, room) opens the stream; release(room) closes it and
+        # posts "released" once the prefill worker writes no more (without a worker: at once).
         self.start_transfer: Callable[[Any, DecodeRoom], None] | None = None
-        self.cancel_transfer: Callable[[DecodeRoom], None] = lambda room: None
+        self.release_transfer: Callable[[DecodeRoom], None] = lambda room: self.post(None, room.name, "released")
         self.pd_waiting: list = []
         self.transferring: list = []
+        self.fenced: dict[str, tuple[RequestKV, float]] = {}  # room -> (its pages, when they are freed anyway)
         self.inbox: deque = deque()  # (request, room name, kind, payload) from the stream's thread
         self._blocked = False
-        self.remote = self.local = self.failed = self.timeouts = self.aborted_transfers = 0
+        self.remote = self.local = self.failed = self.timeouts = self.aborted_transfers = self.fence_expired = 0
         self.bytes_received = 0
         self.transfer_s = 0.0
 
@@ -103,6 +116,8 @@ class DecodeScheduler(Scheduler):
             "pd_transfer_seconds": self.transfer_s,
             "pd_transferring": len(self.transferring),
             "pd_waiting_for_transfer": len(self.pd_waiting),
+            "pd_fenced_rooms": len(self.fenced),
+            "pd_fence_expired": self.fence_expired,
         }
 
     def load_views(self):
@@ -129,7 +144,9 @@ class DecodeScheduler(Scheduler):
         if self.pd_waiting and not self._blocked and len(self.transferring) < self.max_running:
             return True
         now = self.clock()
-        return any(r.aborted or now > r.pd.room.deadline for r in self.transferring)
+        return any(r.aborted or now > r.pd.room.deadline for r in self.transferring) or any(
+            now > deadline for _, deadline in self.fenced.values()
+        )
 
     def post(self, r, room: str, kind: str, payload: Any = None) -> None:
         """News of a room from the stream (any thread; the engine's wake() makes the loop read it)."""
@@ -145,6 +162,9 @@ class DecodeScheduler(Scheduler):
     def _read_inbox(self) -> None:
         while self.inbox:
             r, name, kind, payload = self.inbox.popleft()
+            if kind == "released":
+                self._unfence(name, payload)
+                continue
             room = getattr(r.pd, "room", None)
             if r not in self.transferring or room is None or room.name != name:
                 continue  # a room that already ended (timed out, aborted)
@@ -156,6 +176,7 @@ class DecodeScheduler(Scheduler):
             else:
                 self.transferring.remove(r)
                 self.failed += 1
+                self._fence(r)
                 self._end_transfer(r, "error", payload)
 
     def _expire(self) -> None:
@@ -165,18 +186,43 @@ class DecodeScheduler(Scheduler):
             if r.aborted:
                 self.transferring.remove(r)
                 self.aborted_transfers += 1
-                self.cancel_transfer(room)
+                self._fence(r)
                 self.finish(r, r.aborted)
             elif now > room.deadline:
                 self.transferring.remove(r)
                 self.timeouts += 1
-                self.cancel_transfer(room)
+                self._fence(r)
                 self._end_transfer(
                     r, "error", f"no news from prefill worker {room.prefill} for {self.transfer_timeout_s:g} s"
                 )
         for r in [r for r in self.pd_waiting if r.aborted]:
             self.pd_waiting.remove(r)
             self.finish(r, r.aborted)
+        for name in [n for n, (_, deadline) in self.fenced.items() if now > deadline]:
+            self.fence_expired += 1
+            log.warning(
+                "room %s: its prefill worker confirmed neither that it stopped writing nor that it is gone in %g s "
+                "(--pd-fence-timeout-s); freeing its slots anyway",
+                name,
+                self.fence_timeout_s,
+            )
+            self._unfence(name, "expired")
+
+    def _fence(self, r) -> None:
+        """A room given up on: its pages leave the request (never cached) and wait for the prefill worker's
+        Release before they are freed (module docstring, "Fencing")."""
+        room = r.pd.room
+        room.cancelled = True
+        if r.kv is not None:
+            self.fenced[room.name] = (r.kv, self.clock() + self.fence_timeout_s)
+            r.kv = None
+        self.release_transfer(room)
+
+    def _unfence(self, name: str, why: Any = None) -> None:
+        entry = self.fenced.pop(name, None)
+        if entry is not None:
+            log.info("room %s: its slots are freed (%s)", name, why or "released")
+            entry[0].finish(cache_result=False)
 
     def _end_transfer(self, r, reason: str, why: str) -> None:
         self._blocked = False
@@ -305,10 +351,32 @@ class PrefillClient:
         """Called on the engine thread: the stream runs on the loop."""
         asyncio.run_coroutine_threadsafe(self._run(r, room), self.loop)
 
-    def cancel(self, room: DecodeRoom) -> None:
+    def release(self, room: DecodeRoom) -> None:
+        """Called on the engine thread for a room given up on: the stream is cancelled, then `KVTransfer/Release`
+        is asked until the prefill worker answers (it closed the room) or is found gone; then "released" is posted
+        and the scheduler frees the room's slots."""
         room.cancelled = True
+        asyncio.run_coroutine_threadsafe(self._release(room), self.loop)
+
+    async def _release(self, room: DecodeRoom) -> None:
+        sched = self.engine.scheduler
         if room.call is not None:
-            self.loop.call_soon_threadsafe(room.call.cancel)
+            room.call.cancel()
+        deadline = time.monotonic() + sched.fence_timeout_s
+        why = "the fence timed out"
+        while time.monotonic() < deadline:
+            try:
+                reply = await self._stub(room.prefill).Release(
+                    pd_pb2.ReleaseRequest(room=room.name), timeout=min(RELEASE_RPC_S, deadline - time.monotonic())
+                )
+                why = "closed by the prefill worker" if reply.known else "the prefill worker never opened it"
+                break
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNAVAILABLE:  # the process is gone (or unreachable: it writes nothing)
+                    why = f"the prefill worker is gone ({e.details()})"
+                    break
+                await asyncio.sleep(RELEASE_RETRY_S)  # it hangs: asked again until the fence times out
+        self.engine.wake(lambda: sched.post(None, room.name, "released", why))
 
     async def _run(self, r, room: DecodeRoom) -> None:
         sched = self.engine.scheduler
@@ -350,7 +418,7 @@ def attach_decode(engine, core, host: str, cfg) -> KVTransferEngine:
     xfer = KVTransferEngine(engine.pools, host, cfg.pd_protocol, cfg.pd_device)
     client = PrefillClient(engine, xfer, asyncio.get_running_loop())
     sched = engine.scheduler
-    sched.start_transfer, sched.cancel_transfer = client.start, client.cancel
+    sched.start_transfer, sched.release_transfer = client.start, client.release
     picker = PrefillPicker(cfg.pd_prefill)
 
     def ticket(prep) -> dict:

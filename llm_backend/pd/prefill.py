@@ -13,14 +13,25 @@ finishes as any other: its pages go into this worker's tree (cached, not held fo
 Failure rules (docs/pd.md): a failed write (the decode worker is gone) aborts the request here, which frees its
 slots at the next step, and fails the stream with UNAVAILABLE; a cancelled stream (the decode side gave up, or
 its client did) aborts it the same way. Nothing here waits for a peer: a room never outlives its stream.
+
+Fencing: a room is *closed* before it leaves this worker (its stream ended, or the decode side called
+`KVTransfer/Release`). `Room.write` runs under the room's lock and refuses a closed room, and closing takes the
+lock, so once `close()` returns no write of the room is in flight and none can follow. `Release` answers only
+then; the decode worker frees the slots it reserved for a room it gave up on only after that answer (or once this
+process is gone), so a late write can never land in slots that were given to another request. A Release that
+arrives before its room (the decode side gave up before the Prefill call got here) leaves a tombstone, and the
+room is refused when it comes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -37,6 +48,9 @@ SERVICE_NAME = pd_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 # Seconds between keep-alive events on a room's stream while its request waits or runs (the decode side's
 # --pd-transfer-timeout-s counts from the last event).
 KEEPALIVE_S = 1.0
+# Room names released before their Prefill call arrived, kept this long (and at most this many) to refuse it.
+TOMBSTONE_S = 600.0
+MAX_TOMBSTONES = 65536
 
 
 @dataclass
@@ -54,9 +68,24 @@ class Room:
     bytes: int = 0
     transfer_s: float = 0.0
     error: str = ""
+    closed: bool = False
+    request: Any = None  # this worker's request computing the room, once added
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def close(self) -> None:
+        """No write of this room is in flight after this returns, and none can start (blocks while one runs)."""
+        with self.lock:
+            self.closed = True
 
     def write(self, kv, end: int) -> None:
-        """Writes the wanted KV of positions [sent, end) from the request's slots; raises TransferError."""
+        """Writes the wanted KV of positions [sent, end) from the request's slots; raises TransferError (also when
+        the room was closed: the decode side may have given its slots to another request)."""
+        with self.lock:
+            if self.closed:
+                raise TransferError(f"room {self.name} was closed; its slots are not ours to write")
+            self._write(kv, end)
+
+    def _write(self, kv, end: int) -> None:
         if end <= self.sent:
             return
         rule = self.rule
@@ -81,13 +110,14 @@ class PrefillScheduler(Scheduler):
     """The scheduler of a prefill worker: each forward's KV goes to its room before the bookkeeping."""
 
     def configure(self, cfg) -> None:
-        self.rooms_served = self.write_failures = self.bytes_written = 0
+        self.rooms_served = self.write_failures = self.bytes_written = self.rooms_released = 0
 
     def metrics(self) -> dict:
         return {
             "pd_rooms_served": self.rooms_served,
             "pd_write_failures": self.write_failures,
             "pd_bytes_written": self.bytes_written,
+            "pd_rooms_released": self.rooms_released,
         }
 
     def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
@@ -101,8 +131,11 @@ class PrefillScheduler(Scheduler):
                     self.bytes_written += room.bytes - before
                 except TransferError as e:
                     room.error = str(e)
-                    self.write_failures += 1
-                    log.warning("room %s: %s; dropping it", room.name, e)
+                    if room.closed:  # released by the decode side between the check and the write
+                        log.info("room %s: %s", room.name, e)
+                    else:
+                        self.write_failures += 1
+                        log.warning("room %s: %s; dropping it", room.name, e)
                     r.aborted = "abort"  # freed at the next step, nothing of it sampled
                     continue
             keep_s.append(seg)
@@ -117,6 +150,35 @@ def _layout(msg) -> PoolLayout:
 class PrefillService(pd_pb2_grpc.KVTransferServicer):
     def __init__(self, core, xfer: KVTransferEngine):
         self.core, self.xfer = core, xfer
+        self.rooms: dict[str, Room] = {}  # open or closing; a room leaves only once closed
+        self.tombstones: OrderedDict[str, float] = OrderedDict()  # released before they arrived -> when
+
+    async def _close(self, room: Room) -> None:
+        """Closes a room off the event loop (a write in flight is waited for) and forgets it."""
+        await asyncio.get_running_loop().run_in_executor(None, room.close)
+        if self.rooms.get(room.name) is room:
+            del self.rooms[room.name]
+
+    def _tombstone(self, name: str) -> None:
+        now = time.monotonic()
+        self.tombstones[name] = now
+        while self.tombstones and (
+            len(self.tombstones) > MAX_TOMBSTONES or next(iter(self.tombstones.values())) < now - TOMBSTONE_S
+        ):
+            self.tombstones.popitem(last=False)
+
+    async def Release(self, request, context):
+        """The decode side gave up on a room: it is closed (its request aborted) before this answers."""
+        self.core.engine.scheduler.rooms_released += 1
+        room = self.rooms.get(request.room)
+        if room is None:
+            self._tombstone(request.room)
+            return pd_pb2.ReleaseReply(known=False)
+        room.error = room.error or "released by the decode side"
+        if room.request is not None and not room.request.done:
+            self.core.engine.abort(room.request)
+        await self._close(room)
+        return pd_pb2.ReleaseReply(known=True, kv_bytes=room.bytes)
 
     def _room(self, request) -> Room:
         """The room of a request, checked field by field (ServeError INVALID_ARGUMENT naming the field)."""
@@ -126,6 +188,8 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
         n = len(request.prompt_token_ids)
         if not request.room or not request.session:
             raise ServeError.invalid("room and session are required", param="room")
+        if request.room in self.tombstones or request.room in self.rooms:
+            raise ServeError(grpc.StatusCode.FAILED_PRECONDITION, f"room {request.room} was released or is open")
         try:
             rule = TransferRule(n, request.decode_prefix, engine.model.config.window, request.page_size or 1)
             peer = _layout(request)
@@ -166,10 +230,11 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
         from llm_backend.server.core import ServeError
 
         core, engine = self.core, self.core.engine
-        r = None
+        r = room = None
         try:
             core.check_serving()
             room = self._room(request)
+            self.rooms[room.name] = room
             ids, media = await self._prompt(request, context)
             params = SamplingParams(
                 max_tokens=1,
@@ -202,6 +267,9 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
                     on_finish=lambda req: loop.call_soon_threadsafe(events.put_nowait, "end"),
                     pd=room,
                 )
+                room.request = r
+                if room.closed:  # released while it was being added
+                    engine.abort(r)
             except OverloadedError as e:
                 raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill worker is overloaded: {e}") from None
             except ValueError as e:
@@ -235,10 +303,18 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             if r is not None and not r.done:
                 log.info("room %s: the decode side went away; aborting its prefill", request.room)
                 engine.abort(r)
+            if room is not None:  # closed off the loop; gone from the registry once no write can come
+                asyncio.ensure_future(self._close(room))
 
 
 def attach_prefill(engine, core, server, host: str, protocol: str = "tcp", device: str = "") -> KVTransferEngine:
     """Starts this worker's transfer engine on its pools and adds the KVTransfer service to `server` (a GrpcServer)."""
     xfer = KVTransferEngine(engine.pools, host, protocol, device)
-    server.add(pd_pb2_grpc.add_KVTransferServicer_to_server, PrefillService(core, xfer), SERVICE_NAME)
+    # Release is answered while the worker drains too: a decode worker waits for it to free the room's slots.
+    server.add(
+        pd_pb2_grpc.add_KVTransferServicer_to_server,
+        PrefillService(core, xfer),
+        SERVICE_NAME,
+        always_answered=("Release",),
+    )
     return xfer

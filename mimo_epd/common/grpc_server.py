@@ -39,12 +39,13 @@ class Drain(grpc.aio.ServerInterceptor):
     def __init__(self) -> None:
         self.in_flight = 0
         self.draining = False
+        self.not_drained: tuple[str, ...] = _NOT_DRAINED  # method prefixes answered to the end, not waited for
         self._idle = asyncio.Event()
         self._idle.set()
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
-        if handler is None or details.method.startswith(_NOT_DRAINED):
+        if handler is None or details.method.startswith(self.not_drained):
             return handler
         if handler.unary_unary is not None:
             inner = handler.unary_unary
@@ -188,12 +189,14 @@ class GrpcServer:
         self.health: health_aio.HealthServicer | None = None
         self.port = 0
 
-    def add(self, add_to_server, servicer, service: str = "") -> None:
+    def add(self, add_to_server, servicer, service: str = "", always_answered: tuple[str, ...] = ()) -> None:
         """Registers `servicer` with its generated `add_*Servicer_to_server`; `service` (its full name) is
-        listed in health and reflection."""
+        listed in health and reflection. `always_answered`: method names of it that are answered while the
+        server drains too (a peer's clean-up call, never refused with the drain's UNAVAILABLE)."""
         add_to_server(servicer, self.server)
         if service:
             self.services.append(service)
+        self.drain.not_drained += tuple(f"/{service}/{m}" for m in always_answered)
 
     @property
     def address(self) -> str:

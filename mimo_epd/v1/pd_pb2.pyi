@@ -87,6 +87,20 @@ class PrefillDone(_message.Message):
     rng_state: bytes
     def __init__(self, first_token: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ..., kv_bytes: _Optional[int] = ..., transfer_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., rng_state: _Optional[bytes] = ...) -> None: ...
 
+class ReleaseRequest(_message.Message):
+    __slots__ = ("room",)
+    ROOM_FIELD_NUMBER: _ClassVar[int]
+    room: str
+    def __init__(self, room: _Optional[str] = ...) -> None: ...
+
+class ReleaseReply(_message.Message):
+    __slots__ = ("known", "kv_bytes")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    kv_bytes: int
+    def __init__(self, known: _Optional[bool] = ..., kv_bytes: _Optional[int] = ...) -> None: ...
+
 class PrefillEvent(_message.Message):
     __slots__ = ("accepted", "done")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]

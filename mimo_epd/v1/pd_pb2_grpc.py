@@ -39,6 +39,11 @@ class KVTransferStub:
                 request_serializer=mimo__epd_dot_v1_dot_pd__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=mimo__epd_dot_v1_dot_pd__pb2.PrefillEvent.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/mimo_epd.v1.KVTransfer/Release',
+                request_serializer=mimo__epd_dot_v1_dot_pd__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=mimo__epd_dot_v1_dot_pd__pb2.ReleaseReply.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -52,6 +57,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Release(self, request, context):
+        """Closes a room and answers once no write of it is in flight or can come. The decode worker keeps a room's
+        reserved slots (fenced) until this answers, so a late write never lands in slots given to another request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=mimo__epd_dot_v1_dot_pd__pb2.PrefillRequest.FromString,
                     response_serializer=mimo__epd_dot_v1_dot_pd__pb2.PrefillEvent.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=mimo__epd_dot_v1_dot_pd__pb2.ReleaseRequest.FromString,
+                    response_serializer=mimo__epd_dot_v1_dot_pd__pb2.ReleaseReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class KVTransfer:
             '/mimo_epd.v1.KVTransfer/Prefill',
             mimo__epd_dot_v1_dot_pd__pb2.PrefillRequest.SerializeToString,
             mimo__epd_dot_v1_dot_pd__pb2.PrefillEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mimo_epd.v1.KVTransfer/Release',
+            mimo__epd_dot_v1_dot_pd__pb2.ReleaseRequest.SerializeToString,
+            mimo__epd_dot_v1_dot_pd__pb2.ReleaseReply.FromString,
             options,
             channel_credentials,
             insecure,

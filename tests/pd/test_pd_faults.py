@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from mimo_epd.testing.servers import scrape
-from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+from mimo_epd.v1 import generator_pb2, generator_pb2_grpc, pd_pb2, pd_pb2_grpc
 from tests.conftest import start_server
 
 pytestmark = pytest.mark.integration
@@ -46,6 +46,7 @@ def idle(s) -> bool:
         and m["llm_kv_swa_request_slots"] == 0
         and m["llm_requests_running"] == 0
         and m.get("llm_pd_transferring", 0) == 0
+        and m.get("llm_pd_fenced_rooms", 0) == 0
     )
 
 
@@ -98,13 +99,19 @@ def test_prefill_worker_lost_mid_transfer_frees_the_decode_side(how):
             took = time.monotonic() - t0
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE and "KV transfer failed" in ei.value.details()
         assert took < 2.0 + 3.0  # the timeout (hang) or at once (kill): seconds, not minutes
+        if how == "hang":
+            # The hung worker may still write the room: its slots stay fenced (held, never reused) meanwhile.
+            time.sleep(1.0)
+            m = scrape(port(dec))
+            assert m["llm_pd_fenced_rooms"] == 1 and m["llm_kv_full_request_slots"] > 0, m
+            pre.proc.send_signal(signal.SIGCONT)  # it answers the Release, closes the room and drops its side
+            wait_for(lambda: idle(pre), "the prefill side's slots freed", 30)
+            assert scrape(port(pre))["llm_pd_rooms_released"] >= 1
         wait_for(lambda: idle(dec), "the decode side's pages freed", 10)
         m = scrape(port(dec))
         assert m["llm_pd_transfer_failures" if how == "kill" else "llm_pd_transfer_timeouts"] == 1
+        assert m["llm_pd_fenced_rooms"] == 0 and m["llm_pd_fence_expired"] == 0
         assert serving(dec)  # the decode worker's health does not depend on its prefill peer
-        if how == "hang":
-            pre.proc.send_signal(signal.SIGCONT)  # it wakes to a cancelled stream and drops its room
-            wait_for(lambda: idle(pre), "the prefill side's slots freed", 30)
     finally:
         for s in (dec, pre):
             s.stop()
@@ -137,7 +144,16 @@ def test_client_cancel_during_transfer_frees_both_sides():
                 fut.result(timeout=60)
         wait_for(lambda: idle(dec), "the decode side freed", 10)
         wait_for(lambda: idle(pre), "the prefill side freed", 15)
-        assert scrape(port(dec))["llm_pd_transfer_aborts"] == 1
+        m = scrape(port(dec))
+        assert m["llm_pd_transfer_aborts"] == 1 and m["llm_pd_fenced_rooms"] == 0 and m["llm_pd_fence_expired"] == 0
+        # the decode side freed the pages only after the prefill worker closed the room (KVTransfer/Release)
+        assert scrape(port(pre))["llm_pd_rooms_released"] == 1
+        # a room released before its Prefill call arrives is refused when it comes (it may not write freed slots)
+        stub = pd_pb2_grpc.KVTransferStub(grpc.insecure_channel(pre.address))
+        assert not stub.Release(pd_pb2.ReleaseRequest(room="late-1"), timeout=10).known
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Prefill(pd_pb2.PrefillRequest(room="late-1", session="x:1", prompt_token_ids=[1, 2]), timeout=10))
+        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "released" in ei.value.details()
     finally:
         for s in (dec, pre):
             s.stop()
