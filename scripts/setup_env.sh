@@ -24,6 +24,21 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' && [ "$(id -u)" = 0 ]
 fi
 $PIP install -q -e "$TARGET"
 
+# --- Mooncake's CUDA build where a GPU is present ---------------------------------------------------
+# Both wheels are the `mooncake` package; the CPU one is the declared dependency, so `pip install -e .` puts it back
+# and the swap runs after every install (as pillow-simd's below). The CUDA build registers GPU memory (the KV pools
+# on the device) with the transfer engine and does GPUDirect RDMA; it needs the CUDA runtime, so it goes only where
+# `nvidia-smi` lists a GPU. MOONCAKE_WHEEL=cpu keeps the CPU wheel anyway.
+MOONCAKE_VERSION=$("$VENV/bin/python" -c "import importlib.metadata as m; print(m.version('mooncake-transfer-engine-non-cuda'))" 2>/dev/null || true)
+if [ "${MOONCAKE_WHEEL:-auto}" != cpu ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU '; then
+  echo "setup: a GPU is present: Mooncake's CUDA transfer engine ${MOONCAKE_VERSION} replaces the CPU wheel"
+  $PIP uninstall -q -y mooncake-transfer-engine-non-cuda >/dev/null 2>&1 || true
+  $PIP install -q --no-deps "mooncake-transfer-engine${MOONCAKE_VERSION:+==$MOONCAKE_VERSION}" || {
+    echo "notice: the CUDA transfer engine did not install; back to the CPU wheel (KV pools on the GPU cannot be registered)"
+    $PIP install -q --no-deps "mooncake-transfer-engine-non-cuda${MOONCAKE_VERSION:+==$MOONCAKE_VERSION}"
+  }
+fi
+
 # --- pillow-simd --------------------------------------------------------------------------------
 # Built once into $VENV/.wheels. `pip install -e .` re-installs plain pillow (a declared dependency)
 # over it, so the swap runs after every install: remove both, install the simd wheel.
