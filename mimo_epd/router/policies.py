@@ -7,11 +7,16 @@ Policies are pure functions of that view plus, for `round_robin` / ties and `cac
 their own small state updated only through `observe(request, worker)`; the same sequence of calls gives the
 same answers, so a simulator can run them as they are.
 
-- `affinity` (default): score = match_weight x prefix_match_fraction - load_weight x normalized_load
+- `affinity` (default): a request that some worker's cache holds more than `new_threshold` of (a returning
+  session) is scored: match_weight x prefix_match_fraction - load_weight x normalized_load
   - queued_prefill_weight x normalized_prefill, where normalized_load = (queued + running tokens) / the largest such
   load among the candidates and normalized_prefill = (the request's uncached tokens on that worker + its
   queued prompt tokens) / the largest such figure: the prefill the request would wait behind and run, which is
-  what its TTFT is made of (kv_cost's prefill term, normalized like the load).
+  what its TTFT is made of (kv_cost's prefill term, normalized like the load). A request no cache holds (a new
+  session) goes to the worker this router has sent the fewest distinct blocks (`RoutedBlocks`), then the least
+  loaded: sessions come back, so spreading their first turns by footprint rather than by the load of the moment
+  evens the load to come (SGLang's gateway places its cold requests by the same signal; docs/routing.md has the
+  measurement that made this the rule).
 - `round_robin`: the next worker in turn.
 - `least_load`: the fewest queued + running tokens.
 - `cache_aware` (SGLang's gateway): load = requests in flight on the worker (SGLang counts the requests it sent
@@ -63,6 +68,12 @@ class PolicyConfig:
         "affinity: weight of the normalized queued + own uncached prefill tokens",
         name="affinity_queued_prefill_weight",
     )
+    new_threshold: float = flag(
+        0.1,
+        "affinity: a request no worker's cache holds more than this fraction of is a new session, placed on the "
+        "worker sent the fewest distinct blocks (-1 = never: scored like any other)",
+        name="affinity_new_session_threshold",
+    )
     balance_abs: int = flag(
         64, "cache_aware: load gap in tokens that counts as imbalance", name="cache_aware_balance_abs"
     )
@@ -72,7 +83,7 @@ class PolicyConfig:
     )
     tree_blocks: int = flag(
         1 << 16,
-        "cache_aware: blocks remembered per worker in its approximate tree (oldest forgotten first)",
+        "cache_aware and affinity: blocks remembered per worker of what this router sent it (oldest forgotten first)",
         name="cache_aware_tree_blocks",
     )
     prefill_weight: float = flag(
@@ -122,12 +133,55 @@ def match_fraction(request: RequestView, c: Candidate) -> float:
     return min(1.0, c.matched_tokens / request.num_tokens) if request.num_tokens else 0.0
 
 
+class RoutedBlocks:
+    """What a router sent where: per worker, the block hashes of the prompts routed to it, LRU-bounded to `limit`
+    blocks per worker. Updated when a request is routed, so a burst of requests sees its own earlier picks (the
+    index learns of a prompt's blocks only once the worker has computed them)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.trees: dict[str, OrderedDict[int, None]] = {}
+
+    def add(self, worker: str, hashes) -> None:
+        tree = self.trees.setdefault(worker, OrderedDict())
+        for h in hashes:
+            tree[h] = None
+            tree.move_to_end(h)
+        while len(tree) > self.limit:
+            tree.popitem(last=False)
+
+    def match(self, worker: str, hashes) -> int:
+        """Leading blocks of `hashes` routed to `worker` before."""
+        tree = self.trees.get(worker)
+        n = 0
+        if tree:
+            for h in hashes:
+                if h not in tree:
+                    break
+                n += 1
+        return n
+
+    def size(self, worker: str) -> int:
+        return len(self.trees.get(worker, ()))
+
+    def forget(self, worker: str) -> None:
+        self.trees.pop(worker, None)
+
+
 class Affinity(Policy):
     name = "affinity"
+
+    def __init__(self, config: PolicyConfig | None = None):
+        super().__init__(config)
+        self.routed = RoutedBlocks(self.config.tree_blocks)
 
     def _keys(self, request, candidates):
         top = max(c.load for c in candidates)
         cfg = self.config
+        if cfg.new_threshold >= 0 and max(match_fraction(request, c) for c in candidates) <= cfg.new_threshold:
+            # a new session: fewest distinct blocks sent, then the least loaded (keys compare lexicographically
+            # through the size's integer part: the load term stays below 1)
+            return [self.routed.size(c.worker) + (c.load / top if top else 0.0) * 0.5 for c in candidates]
         prefill = [max(0, request.num_tokens - c.matched_tokens) + c.queued_tokens for c in candidates]
         top_prefill = max(prefill)
         return [
@@ -138,6 +192,12 @@ class Affinity(Policy):
             )
             for c, pf in zip(candidates, prefill)
         ]
+
+    def observe(self, request, worker):
+        self.routed.add(worker, request.block_hashes)
+
+    def forget(self, worker: str) -> None:
+        self.routed.forget(worker)
 
 
 class KVCost(Policy):
@@ -159,17 +219,10 @@ class CacheAware(Policy):
 
     def __init__(self, config: PolicyConfig | None = None):
         super().__init__(config)
-        self.trees: dict[str, OrderedDict[int, None]] = {}
+        self.routed = RoutedBlocks(self.config.tree_blocks)
 
     def approx_match(self, request: RequestView, worker: str) -> int:
-        tree = self.trees.get(worker)
-        n = 0
-        if tree:
-            for h in request.block_hashes:
-                if h not in tree:
-                    break
-                n += 1
-        return min(request.num_tokens, n * request.block_size)
+        return min(request.num_tokens, self.routed.match(worker, request.block_hashes) * request.block_size)
 
     def rank(self, request, candidates):
         if not candidates:
@@ -189,21 +242,16 @@ class CacheAware(Policy):
             if max(frac) > cfg.cache_threshold:
                 order = sorted(range(n), key=lambda i: (-frac[i], loads[i], *rot(i)))
             else:
-                size = [len(self.trees.get(c.worker, ())) for c in candidates]
+                size = [self.routed.size(c.worker) for c in candidates]
                 order = sorted(range(n), key=lambda i: (size[i], loads[i], *rot(i)))
         self._turn += 1
         return [candidates[i].worker for i in order]
 
     def observe(self, request, worker):
-        tree = self.trees.setdefault(worker, OrderedDict())
-        for h in request.block_hashes:
-            tree[h] = None
-            tree.move_to_end(h)
-        while len(tree) > self.config.tree_blocks:
-            tree.popitem(last=False)
+        self.routed.add(worker, request.block_hashes)
 
     def forget(self, worker: str) -> None:
-        self.trees.pop(worker, None)
+        self.routed.forget(worker)
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (Affinity, RoundRobin, LeastLoad, CacheAware, KVCost)}

@@ -72,7 +72,7 @@ def test_cache_aware_follows_sglang_thresholds():
 def test_cache_aware_trees_are_bounded():
     p = make_policy("cache_aware", PolicyConfig(tree_blocks=8))
     p.observe(RequestView(320, 16, tuple(range(20))), "x")
-    assert len(p.trees["x"]) == 8 and p.approx_match(RequestView(320, 16, tuple(range(20))), "x") == 0
+    assert len(p.routed.trees["x"]) == 8 and p.approx_match(RequestView(320, 16, tuple(range(20))), "x") == 0
 
 
 def test_kv_cost_is_dynamo_formula():
@@ -100,3 +100,22 @@ def test_policies_are_deterministic_and_names_are_checked():
     with pytest.raises(ValueError, match="unknown routing policy 'x'"):
         make_policy("x")
     assert make_policy("affinity").rank(REQ, []) == []
+
+
+def test_affinity_places_new_sessions_by_what_it_sent_each_worker_then_load():
+    p = make_policy("affinity")
+    a, b = RequestView(320, 16, tuple(range(20))), RequestView(320, 16, tuple(range(100, 120)))
+    p.observe(a, "x")  # x has been sent 20 blocks, y nothing
+    # a cold request (no match anywhere) goes to y although y is busier: footprint first, then load
+    assert p.rank(b, [C("x", 0, 0, 0), C("y", 0, 0, 5000)])[0] == "y"
+    p.observe(b, "y")
+    # equal footprints: the least loaded
+    c = RequestView(320, 16, tuple(range(200, 220)))
+    assert p.rank(c, [C("x", 0, 0, 900), C("y", 0, 0, 100)])[0] == "y"
+    # a returning session (match above the threshold) is scored as before: its cache wins over the footprint
+    assert p.rank(a, [C("x", 300, 0, 900), C("y", 0, 0, 100)])[0] == "x"
+    # the rule is a flag: -1 scores every request (the cold one then goes to the least loaded)
+    q = make_policy("affinity", PolicyConfig(new_threshold=-1))
+    q.observe(a, "y")
+    assert q.rank(b, [C("x", 0, 0, 0), C("y", 0, 0, 5000)])[0] == "x"
+    assert q.rank(b, [C("x", 0, 0, 5000), C("y", 0, 0, 0)])[0] == "y"
