@@ -46,6 +46,7 @@ import torch
 from llm_backend.engine.sampler import Sampled
 from llm_backend.engine.scheduler import Scheduler
 from llm_backend.kv import PoolExhausted, RequestKV
+from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
 
 from .rule import TransferRule
@@ -318,7 +319,9 @@ class PrefillClient:
         if address not in self._stubs:
             mb = self.max_message_mb << 20
             ch = grpc.aio.insecure_channel(
-                address, options=[("grpc.max_receive_message_length", mb), ("grpc.max_send_message_length", mb)]
+                address,
+                options=[("grpc.max_receive_message_length", mb), ("grpc.max_send_message_length", mb)],
+                interceptors=client_interceptors(),  # the internal key, when the prefill worker wants one
             )
             self._stubs[address] = pd_pb2_grpc.KVTransferStub(ch)
         return self._stubs[address]

@@ -157,3 +157,30 @@ def test_client_cancel_during_transfer_frees_both_sides():
     finally:
         for s in (dec, pre):
             s.stop()
+
+
+def test_a_pair_with_an_internal_key_transfers():
+    """Both roles guarded by --internal-api-key: the decode worker's control channel carries the key (without it
+    every remote prefill failed UNAUTHENTICATED), and a caller without the key is refused."""
+    key = ["--internal-api-key", "pd-secret"]
+    pre = start_server(COMMON + key + ["--role", "prefill"], "llm")
+    dec = start_server(
+        COMMON + key + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"], "llm"
+    )
+    try:
+        stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(dec.address))
+        req = generator_pb2.GenerateRequest(
+            prompt_token_ids=[1] + list(range(3, 203)), sampling=generator_pb2.SamplingOptions(max_tokens=4)
+        )
+        msgs = list(stub.Generate(req, timeout=120, metadata=(("authorization", "Bearer pd-secret"),)))
+        assert sum(len(m.delta.token_ids) for m in msgs if m.HasField("delta")) == 4
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(req, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        transfers = pd_pb2_grpc.KVTransferStub(grpc.insecure_channel(pre.address))
+        with pytest.raises(grpc.RpcError) as ei:
+            transfers.Release(pd_pb2.ReleaseRequest(room="x"), timeout=10)
+        assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        for s in (dec, pre):
+            s.stop()
