@@ -153,6 +153,12 @@ class LLMConfig:
         "turn drafting off for a request or a step when the measured step costs and acceptance say it does not pay",
         _SPEC,
     )
+    speculative_auto_margin: float = flag(
+        0.1,
+        "auto: drafting must save at least this fraction of a plain step's time (so the fit's noise does not turn it "
+        "on where it only breaks even)",
+        _SPEC,
+    )
     # --- prefill / decode disaggregation (docs/pd.md) -------------------------------------------
     role: str = flag(
         "both",
@@ -238,6 +244,8 @@ class LLMConfig:
                 parse_url(self.kv_store)
         if self.kv_store_segment_bytes <= 0 or self.kv_store_buffer_bytes <= 0:
             raise ValueError("--kv-store-segment-bytes and --kv-store-buffer-bytes must be positive")
+        if self.speculative_auto_margin < 0:
+            raise ValueError(f"--speculative-auto-margin must be >= 0, got {self.speculative_auto_margin}")
         if self.speculative_steps < 0:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:

@@ -141,6 +141,7 @@ class LLM:
             cfg.speculative_layers,
             cfg.prefill_mtp,
             cfg.speculative_auto,
+            cfg.speculative_auto_margin,
         )
 
     def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:

@@ -16,7 +16,9 @@ about what one token does, on a CPU every token costs. So the rule measures inst
 - per step, with B decoding requests last step and the fitted costs: a token of plain decoding costs
   t0 / B, t0 = a + b * (other tokens + B); a request is worth drafting when E_r * t0 / B >= K * b + d (its
   extra verify tokens and its drafting), and the step drafts when the requests worth it together save more than
-  c. Until the fit has seen `min_steps` of each kind it alternates them (steps with no decoding request count as
+  c by at least `margin` of a plain step's time (t0; a request: its saving exceeds its cost by `margin` of a
+  plain token's). The margin keeps the fit's noise (a step's time moves ±25 % on a busy CPU) from turning
+  drafting on where it only breaks even; where drafting pays (a GPU: 1.3-1.7x) it changes nothing. Until the fit has seen `min_steps` of each kind it alternates them (steps with no decoding request count as
   plain); from then on it sometimes does the opposite of what it decided (a probe), so both kinds keep being
   measured and a bad phase never switches it off for good (a step probe inverts the step's decision; a request
   probe lets the requests the per-request rule keeps off draft in a drafting step). A probe that turns drafting
@@ -62,8 +64,10 @@ class SpecController:
         auto: bool = True,
         max_probe_gap: int = 1024,
         probe_requests: int = 4,
+        margin: float = 0.1,
     ):
         self.steps, self.decay, self.min_steps, self.auto = steps, decay, min_steps, auto
+        self.margin = max(0.0, margin)
         self.probe_requests = max(1, probe_requests)
         self._probe_sizes = 0  # probes that turned drafting on so far (their size alternates 1, probe_requests)
         self._probe_left: int | None = None  # drafters still allowed in this step (None = no limit)
@@ -116,12 +120,16 @@ class SpecController:
             self._costs_at = (self.step, self.costs())
         return self._costs_at[1]
 
+    def _plain_token(self) -> float:
+        """What one decoding request's token costs in a plain step of the last step's shape (t0 / B)."""
+        a, b, _, _ = self._step_costs()
+        B, other = self._last_batch
+        return (a + b * (other + B)) / B
+
     def _gain(self, accept: float) -> float:
         """What drafting saves per request and step, with `accept` expected accepted drafts (negative: it costs)."""
-        a, b, c, d = self._step_costs()
-        B, other = self._last_batch
-        per_token = (a + b * (other + B)) / B
-        return accept * per_token - self.steps * b - d
+        _, b, _, d = self._step_costs()
+        return accept * self._plain_token() - self.steps * b - d
 
     # ----------------------------------------------------------------------------------- decisions
     def _decide(self) -> bool:
@@ -131,7 +139,7 @@ class SpecController:
             return self.seen[1] <= self.seen[0]  # never see a plain step (bench spec at batch 16 saw 2 in 195)
         c = self._step_costs()[2]
         B = self._last_batch[0]
-        on = B * self._gain(self.global_accept) > c
+        on = B * self._gain(self.global_accept) > c + self.margin * B * self._plain_token()
         if self._step_probes.due(self.step, on):
             self.decisions["probes"] += 1
             if not on:  # a few drafters only: each resumes its deferred rows first
@@ -160,7 +168,7 @@ class SpecController:
             return self._probe_left >= 0
         if not self.auto or r_state.accept_ema is None or min(self.seen) < self.min_steps:
             return True
-        return self._gain(r_state.accept_ema) >= 0 or self._probe_requests
+        return self._gain(r_state.accept_ema) >= self.margin * self._plain_token() or self._probe_requests
 
     def as_dict(self) -> dict:
         a, b, c, d = self.costs() if min(self.seen) else (0.0, 0.0, 0.0, 0.0)
@@ -177,4 +185,5 @@ class SpecController:
             "steps_seen": {"plain": self.seen[0], "verify": self.seen[1]},
             "decisions": dict(self.decisions),
             "accept_ema": round(self.global_accept, 3),
+            "margin": self.margin,
         }

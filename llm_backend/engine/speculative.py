@@ -168,6 +168,7 @@ class SpeculativeRunner(ModelRunner):
         layers: str = "chain",
         prefill_mtp: bool = True,
         auto: bool = True,
+        auto_margin: float = 0.1,
     ):
         mtp = getattr(model.model, "mtp", None)
         if mtp is None:
@@ -183,7 +184,7 @@ class SpeculativeRunner(ModelRunner):
         self.window = mtp.kv_config().sliding_window  # MTP entries older than this are never read
         self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
         self.stats = SpecStats(steps)
-        self.control = SpecController(steps, auto=auto)
+        self.control = SpecController(steps, auto=auto, margin=auto_margin)
         self._resume_s = 0.0  # this step's time resuming deferred catch-ups
         # SWA slots whose MTP entries were never computed (a request ended with deferred rows, before_cache):
         # such a slot may be in the prefix cache, and no MTP attention reads it; a catch-up that writes it clears it.

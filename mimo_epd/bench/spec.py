@@ -6,7 +6,9 @@ Modes (one engine each, the same requests, the same greedy settings):
   (`--speculative-auto` off: the raw effect of K);
 - `k3_no_prefill_mtp`: K = 3 with the MTP layers seeing only generated tokens;
 - `k3_first_layer`: K = 3 with MTP layer 1 reused for every draft step (the way vLLM runs MiMo: the peer);
-- `k3_auto`: K = 3 with the measured on/off rule (engine/spec_control.py), what serving uses.
+- `k3_auto`: K = 3 with the measured on/off rule (engine/spec_control.py), what serving uses;
+- `k3_auto_no_margin`: the same rule drafting whenever the fit says it saves anything (`--speculative-auto-margin 0`,
+  the rule before the margin).
 
 Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once, 16 running), in the report's
 two output-length buckets: 0-128 (greedy, at most 128 tokens, stopping at EOS like a user's request) and 128-256
@@ -55,6 +57,7 @@ MODES = {
     "k3_no_prefill_mtp": dict(speculative_steps=3, speculative_auto=False, prefill_mtp=False),
     "k3_first_layer": dict(speculative_steps=3, speculative_auto=False, speculative_layers="first"),
     "k3_auto": dict(speculative_steps=3, speculative_auto=True),
+    "k3_auto_no_margin": dict(speculative_steps=3, speculative_auto=True, speculative_auto_margin=0.0),
 }
 
 
@@ -236,7 +239,7 @@ def _paired_spread(key: str, runs: dict[str, list[dict]]) -> dict:
     if "off" not in runs or len(runs["off"]) < 2:
         return {}
     out = {}
-    for mode in ("k3", "k3_auto"):
+    for mode in ("k3", "k3_auto", "k3_auto_no_margin"):
         if mode in runs:
             paired = [r["tokens_per_s"] / o["tokens_per_s"] for r, o in zip(runs[mode], runs["off"])]
             out[f"speedup_{mode}_{key}"] = [round(min(paired), 3), round(max(paired), 3)]
@@ -256,6 +259,7 @@ def _ratios(results: dict) -> dict:
         tag = key  # b1_0_128, ...
         out[f"speedup_k3_{tag}"] = ratio(tps(key, "k3"), tps(key, "off"))
         out[f"speedup_k3_auto_{tag}"] = ratio(tps(key, "k3_auto"), tps(key, "off"))
+        out[f"speedup_k3_auto_no_margin_{tag}"] = ratio(tps(key, "k3_auto_no_margin"), tps(key, "off"))
         out[f"prefill_mtp_vs_without_{tag}"] = ratio(tps(key, "k3"), tps(key, "k3_no_prefill_mtp"))
         out[f"all_layers_vs_one_reused_{tag}"] = ratio(tps(key, "k3"), tps(key, "k3_first_layer"))
     if "b1_0_128" in results:

@@ -324,6 +324,20 @@ def test_the_controller_drafts_only_when_the_measured_costs_pay(costs, accept, d
     assert ctl.wants(st) is drafts
 
 
+def test_the_margin_keeps_drafting_off_where_it_only_breaks_even():
+    """Drafting that saves a little (8 x 0.4 ms against a 32 ms plain step, under the fit's noise on a busy CPU)
+    stays off with the default margin (10 % of a plain step) and is on without one; a clear saving is on with it."""
+    from llm_backend.engine.spec_control import SpecController
+
+    def decide(margin, accept):
+        ctl = SpecController(3, probe_every=10**9, margin=margin)
+        return ctl.wants(_fed(ctl, 0.016, 0.002, 0.001, accept))
+
+    assert decide(0.0, 1.6) is True  # saves 8 x (1.6 x 4 ms - 6 ms) = 3.2 ms > the chain's 1 ms
+    assert decide(0.1, 1.6) is False  # ... but not 1 ms + 10 % of 32 ms
+    assert decide(0.1, 2.5) is True  # 8 x 4 ms = 32 ms saved: on
+
+
 def test_a_probe_of_drafting_drafts_for_a_few_requests_only():
     """With drafting off, a probe lets 1 request draft, the next probe_requests (each drafter first resumes up to W
     deferred rows: a probe of the whole batch of 16 cost several plain steps)."""
