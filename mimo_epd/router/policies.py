@@ -14,7 +14,8 @@ same answers, so a simulator can run them as they are.
   queued prompt tokens) / the largest such figure: the prefill the request would wait behind and run, which is
   what its TTFT is made of (kv_cost's prefill term, normalized like the load). A request no cache holds (a new
   session) goes to the worker this router has sent the fewest distinct blocks (`RoutedBlocks`), then the least
-  loaded: sessions come back, so spreading their first turns by footprint rather than by the load of the moment
+  loaded (unless this router's own record says it sent the prompt's prefix somewhere: the index has not caught up
+  yet, and that record's match is scored instead): sessions come back, so spreading their first turns by footprint rather than by the load of the moment
   evens the load to come (SGLang's gateway places its cold requests by the same signal; docs/routing.md has the
   measurement that made this the rule).
 - `round_robin`: the next worker in turn.
@@ -178,19 +179,27 @@ class Affinity(Policy):
     def _keys(self, request, candidates):
         top = max(c.load for c in candidates)
         cfg = self.config
-        if cfg.new_threshold >= 0 and max(match_fraction(request, c) for c in candidates) <= cfg.new_threshold:
-            # a new session: fewest distinct blocks sent, then the least loaded (keys compare lexicographically
-            # through the size's integer part: the load term stays below 1)
-            return [self.routed.size(c.worker) + (c.load / top if top else 0.0) * 0.5 for c in candidates]
-        prefill = [max(0, request.num_tokens - c.matched_tokens) + c.queued_tokens for c in candidates]
+        matched = [c.matched_tokens for c in candidates]
+        if cfg.new_threshold >= 0 and max(matched) <= cfg.new_threshold * request.num_tokens:
+            # The index knows no worker holding it. If this router sent its prefix somewhere, the index has not
+            # caught up yet (a worker publishes a prompt's blocks only once it cached them, a feed a poll later,
+            # and an entry of a relay that stalls past its TTL expires): its own memory predicts the match.
+            sent = [self.routed.match(c.worker, request.block_hashes) * request.block_size for c in candidates]
+            if max(sent) <= cfg.new_threshold * request.num_tokens:
+                # a new session: fewest distinct blocks sent, then the least loaded (keys compare
+                # lexicographically through the size's integer part: the load term stays below 1)
+                return [self.routed.size(c.worker) + (c.load / top if top else 0.0) * 0.5 for c in candidates]
+            matched = [min(request.num_tokens, n) for n in sent]
+        prefill = [max(0, request.num_tokens - m) + c.queued_tokens for c, m in zip(candidates, matched)]
         top_prefill = max(prefill)
+        n = request.num_tokens
         return [
             -(
-                cfg.match_weight * match_fraction(request, c)
+                cfg.match_weight * (min(1.0, m / n) if n else 0.0)
                 - cfg.load_weight * (c.load / top if top else 0.0)
                 - cfg.queued_prefill_weight * (pf / top_prefill if top_prefill else 0.0)
             )
-            for c, pf in zip(candidates, prefill)
+            for c, m, pf in zip(candidates, matched, prefill)
         ]
 
     def observe(self, request, worker):

@@ -119,3 +119,16 @@ def test_affinity_places_new_sessions_by_what_it_sent_each_worker_then_load():
     q.observe(a, "y")
     assert q.rank(b, [C("x", 0, 0, 0), C("y", 0, 0, 5000)])[0] == "x"
     assert q.rank(b, [C("x", 0, 0, 5000), C("y", 0, 0, 0)])[0] == "y"
+
+
+def test_affinity_trusts_its_own_record_while_the_index_lags():
+    """Turn 2 of a session whose turn 1 this router sent to x, before the index has x's blocks (matched 0 for
+    everyone): not a new session, x is picked on the router's own record, although y is emptier and idle."""
+    p = make_policy("affinity")
+    turn1 = RequestView(160, 16, tuple(range(10)))
+    p.observe(turn1, "x")
+    p.observe(RequestView(64, 16, tuple(range(500, 504))), "y")
+    turn2 = RequestView(320, 16, tuple(range(20)))  # turn 1's 10 blocks, then 10 new ones
+    assert p.rank(turn2, [C("x", 0, 0, 500), C("y", 0, 0, 0)])[0] == "x"
+    # a session it never saw is new: footprint first (y has fewer blocks)
+    assert p.rank(RequestView(320, 16, tuple(range(900, 920))), [C("x", 0, 0, 0), C("y", 0, 0, 500)])[0] == "y"
