@@ -357,8 +357,7 @@ class PrefillClient:
     def release(self, room: DecodeRoom) -> None:
         """Called on the engine thread for a room given up on: the stream is cancelled, then `KVTransfer/Release`
         is asked until the prefill worker answers (it closed the room) or is found gone; then "released" is posted
-        and the scheduler frees the room's slots."""
-        room.cancelled = True
+        and the scheduler frees the room's slots (the scheduler has marked the room cancelled)."""
         asyncio.run_coroutine_threadsafe(self._release(room), self.loop)
 
     async def _release(self, room: DecodeRoom) -> None:

@@ -130,10 +130,6 @@ class LeastLoad(Policy):
         return [float(c.load) for c in candidates]
 
 
-def match_fraction(request: RequestView, c: Candidate) -> float:
-    return min(1.0, c.matched_tokens / request.num_tokens) if request.num_tokens else 0.0
-
-
 class RoutedBlocks:
     """What a router sent where: per worker, the block hashes of the prompts routed to it, LRU-bounded to `limit`
     blocks per worker. Updated when a request is routed, so a burst of requests sees its own earlier picks (the
