@@ -39,6 +39,8 @@ from .records import LOAD_FIELDS, BadRecord, BadRecords, kv_state, member
 __all__ = ["LOAD_FIELDS", "MemoryState", "RedisState", "StateUnavailable", "open_state"]
 
 log = logging.getLogger(__name__)
+# Seconds a Redis client's close may take before it is abandoned.
+CLOSE_S = 5.0
 
 
 class StateUnavailable(RuntimeError):
@@ -256,7 +258,17 @@ class RedisState:
             return False
 
     async def close(self) -> None:
-        await self.r.aclose()
+        """Closes the client's connections; bounded (redis-py's close waits for each socket to finish closing, which
+        a peer that stopped answering never lets it do): past `CLOSE_S` the connections are left to the
+        garbage collector, with a warning."""
+        import asyncio
+
+        try:
+            await asyncio.wait_for(self.r.aclose(), CLOSE_S)
+        except TimeoutError:
+            log.warning("redis %s: closing the client took over %gs; abandoned", self.url, CLOSE_S)
+        except OSError as e:
+            log.warning("redis %s: closing the client failed: %s", self.url, e)
 
 
 def open_state(spec: str, prefix: str = "mimo"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from llm_backend.kv.events import STORED, block_hashes
+from mimo_epd.common.shutdown import await_chain
 from mimo_epd.router.config import LLMRouterConfig
 from mimo_epd.router.llm import LLMRouter
 from mimo_epd.router.records import BadRecord, check_address, kv_state, member
@@ -76,8 +77,19 @@ async def _scenario(url: str) -> None:
         await writer.close()
 
 
+async def _bounded(coro, seconds: float) -> None:
+    """Runs `coro`; past `seconds` fails naming where it waits (a hang reads as a location, not a timeout)."""
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if not done:
+        chain = await_chain(task)
+        task.cancel()
+        raise AssertionError(f"the scenario did not end in {seconds:g} s; it waits in {chain}")
+    task.result()
+
+
 def test_garbage_in_redis_is_skipped_counted_and_discovery_lives(redis_server):
-    asyncio.run(_scenario(redis_server.url))
+    asyncio.run(_bounded(_scenario(redis_server.url), 120))
 
 
 async def _dead_loop() -> None:
