@@ -28,16 +28,18 @@ One engine step of a speculating request whose last token t_L (at slot L) is not
    (a prefill chunk, a plain decode token, or the accepted drafts) are recomputed from the target's hidden states,
    overwriting what drafting wrote there. The scheduler then rolls the rejected positions back (RequestKV.truncate).
 
-Deferred catch-up: while the controller (spec_control.py) has drafting off for a request, the catch-up over its
-decode tokens is not run (prompt chunks still catch up in their step: the prefix cache takes them at once, and a
-per-request pass then would only cost more); the target's hidden states of its final positions are kept instead
-(`MTPState.pending`, at most the window's W rows: an MTP entry older than the window is never read again, and its SWA slot is freed anyway). When the
-request drafts again, the kept rows are caught up in one batched pass before drafting (`_resume`), so a request
-that does not draft costs the target's step alone. A request that ends while not drafting is not caught up at
-all: before its KV enters the prefix cache (`before_cache`) the SWA slots of its deferred rows are marked stale
-(`stale_slots`), a later request that hits that prefix starts its MTP attention after the last stale slot of its
-window (`_stale_floor`, so it drafts from its own new tokens only: fewer accepted drafts at first, the same
-output), and a catch-up that writes a slot clears its mark. Invariant: no MTP attention reads a slot whose entry
+Deferred catch-up: while the controller (spec_control.py) has drafting off, the catch-up over a request's final
+positions is not run, its prompt chunks' included (prefill MTP deferred: with short answers the prompt is most of
+the MTP work, and it pays only if the request drafts); the target's hidden states of those positions are kept
+instead (`MTPState.pending`, at most the window's W rows: an MTP entry older than the window is never read again,
+and its SWA slot is freed anyway). When the request drafts, the kept rows are caught up in one batched pass before
+drafting (`_resume`), so its first draft still sees the prompt's last W positions, and a request that does not
+draft costs the target's step alone. Whenever its KV enters the prefix cache (`before_cache`: a prompt chunk's
+checkpoint while it runs, and its end) the SWA slots of its kept rows are marked stale (`stale_slots`); a later
+request that hits that prefix starts its MTP attention after the last stale slot of its window (`_stale_floor`, so
+it drafts from its own new tokens only: fewer accepted drafts at first, the same output), and a catch-up that
+writes a slot clears its mark (the owner's resume, typically). A request that ends while not drafting is never
+caught up. Invariant: no MTP attention reads a slot whose entry
 was not computed. Rows never computed are counted as `spec_catch_up_skipped_tokens` (dropped past the window,
 or left stale: `spec_catch_up_left_stale_tokens`). A stale mark is the device pool's: an entry that the host or
 store tier copies out and back in comes back unmarked, and can then only feed a draft, never an output.
@@ -83,6 +85,7 @@ class MTPState:
     accept_ema: float | None = None  # accepted drafts per verify, averaged (spec_control.py)
     # Deferred catch-up: H_0(s) for slots [next_slot, end) whose MTP entries are not computed yet.
     pending: list[torch.Tensor] = field(default_factory=list)
+    marked: int = 0  # the first `marked` kept rows have their SWA slots marked stale (before_cache)
     floor: int = 0  # no MTP attention reads a slot before this one (raised when deferred rows were dropped)
     wanted: bool = True  # whether the controller let this request draft the last time it was asked
 
@@ -203,19 +206,24 @@ class SpeculativeRunner(ModelRunner):
         return self.steps if st.wanted else 0
 
     def before_cache(self, requests: list[Request]) -> list[bool]:
-        """The scheduler's call before these requests' KV enters the prefix cache. A request that still has
-        deferred rows (it ended while not drafting) is not caught up: computing up to W rows through every MTP
-        layer only for a later turn's drafts cost as much as a tenth of its decoding. Its slots are marked stale
-        instead (`stale_slots`), and no MTP attention ever reads a stale slot (`_stale_floor`). Always True."""
+        """The scheduler's call before these requests' KV enters the prefix cache (a running request's prompt
+        chunk, or a request's end). Deferred rows are not caught up for it: computing up to W rows through every
+        MTP layer only for a later turn's drafts cost as much as a tenth of a request's decoding. Their slots are
+        marked stale instead (`stale_slots`), so no other request's MTP attention reads them (`_stale_floor`);
+        the rows stay kept, and a request that drafts later catches them up (clearing the marks). Always True."""
         for r in requests:
             st, kv = r.spec, r.kv
-            if st is None or kv is None or not st.pending:
+            if st is None or kv is None or st.marked >= len(st.pending):
                 continue
-            slots = [kv.swa[st.next_slot + j] for j in range(len(st.pending))]
-            self.stale_slots.update(s for s in slots if s is not None)
-            self.stats.left_stale += sum(s is not None for s in slots)
-            st.pending = []
+            self._mark_stale(kv, st.next_slot + st.marked, len(st.pending) - st.marked)
+            st.marked = len(st.pending)
         return [True] * len(requests)
+
+    def _mark_stale(self, kv, first: int, n: int) -> None:
+        """Marks the live SWA slots of positions [first, first + n) stale: their MTP entries are not computed."""
+        slots = [kv.swa[p] for p in range(first, min(first + n, len(kv.swa))) if kv.swa[p] is not None]
+        self.stale_slots.update(slots)
+        self.stats.left_stale += len(slots)
 
     def _stale_floor(self, r: Request, start: int) -> int:
         """The first slot a fresh MTP state at `start` may attend to: after the last stale one of the window
@@ -437,11 +445,11 @@ class SpeculativeRunner(ModelRunner):
                 plans.append((s, st, h, final, s.start + 1))
                 continue
             st = self._state(r, s.start)
-            if self._defers(st) and s.start >= len(r.prompt):  # prompt chunks: the cache checkpoints them at once
-                self._keep(st, h[:own])
+            if self._defers(st):
+                self._keep(r, h[:own])
                 continue
             if st.pending:  # caught up now: the kept rows first, then this segment's
-                self._keep(st, h[:own], deferred=False)
+                self._keep(r, h[:own], deferred=False)
                 plans.append(self._pending_plan(r, new=own))
                 continue
             plans.append((s, st, h, r.tokens[s.start : s.start + own], s.start))
@@ -451,22 +459,36 @@ class SpeculativeRunner(ModelRunner):
         """Whether this request's catch-up waits: the controller measures and has drafting off for it."""
         return self.control.auto and not (self.control.drafting and st.wanted)
 
-    def _keep(self, st: MTPState, rows: torch.Tensor, deferred: bool = True) -> None:
+    def _keep(self, r: Request, rows: torch.Tensor, deferred: bool = True) -> None:
         """Keeps a deferred segment's hidden states (copies: the step's tensor is freed), at most the window's."""
-        st.pending.extend(rows.clone().unbind(0))
+        st, kv = r.spec, r.kv
+        assert st is not None and kv is not None
         if deferred:
             self.stats.deferred += rows.shape[0]
+        skip = rows.shape[0] - self.window - 1  # a long prompt chunk: only its last W rows (and one input) matter
+        if skip > 0:
+            self._drop(st, len(st.pending), r)  # everything kept before it falls out of the window
+            self._mark_stale(kv, st.next_slot, skip)  # prompt slots stay live (and cached): never computed
+            st.next_slot += skip
+            rows = rows[skip:]
+        st.pending.extend(rows.clone().unbind(0))
         drop = len(st.pending) - self.window
         if drop > 0:  # those entries would be out of the window before anything reads them
-            self._drop(st, drop)
+            self._drop(st, drop, r)
 
-    def _drop(self, st: MTPState, n: int) -> None:
-        """Drops the first n kept rows: their entries are never computed, so no attention may read them (their
-        windows reached slots already freed); the first kept entry is computed with the approximation of the
-        module docstring for layers above the first."""
-        st.inputs = [st.pending[n - 1]] + [None] * (self.depth - 1)
+    def _drop(self, st: MTPState, n: int, r: Request | None = None) -> None:
+        """Drops the first n kept rows: their entries are never computed, so no attention of this request reads
+        them (`floor`); the first kept entry is computed with the approximation of the module docstring for layers
+        above the first. Generated positions that leave the window lose their SWA slots; a prompt's stay live (and
+        cached), so with `r` given those are marked stale for other requests."""
+        if r is not None and r.kv is not None and n > st.marked:
+            first = st.next_slot + st.marked
+            self._mark_stale(r.kv, first, min(st.next_slot + n, len(r.prompt)) - first)
+        if n:
+            st.inputs = [st.pending[n - 1]] + [None] * (self.depth - 1)
         st.next_slot += n
         st.floor = st.next_slot
+        st.marked = max(0, st.marked - n)
         del st.pending[:n]
 
     def _pending_plan(self, r: Request, new: int = 0):
@@ -485,6 +507,8 @@ class SpeculativeRunner(ModelRunner):
         rows, start = st.pending, st.next_slot
         st.pending = []
         self.stats.resumed += max(0, len(rows) - new)
+        self.stats.left_stale -= sum(kv.swa[start + j] is not None for j in range(st.marked))  # computed after all
+        st.marked = 0
         seg = Segment(r, start, len(rows))
         h = torch.stack(rows) if rows else torch.empty(0)
         return seg, st, h, r.tokens[start : start + len(rows)], start

@@ -550,6 +550,75 @@ def test_a_window_whose_mtp_entries_were_deferred_is_cached_stale_and_never_read
     idle(llm)
 
 
+def off_from_the_start(llm) -> None:
+    """The controller's last decision reads "off" before the first step (a server whose drafting is off), so the
+    first prompt chunks defer their catch-up too."""
+    llm.runner.control._draft_step = False
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_a_deferred_prompt_catch_up_drafts_exactly_what_prefill_mtp_drafts(model, prefix_cache):
+    """Prefill MTP deferred: while drafting is off a prompt chunk's MTP catch-up waits like a decode token's, and
+    when drafting starts the kept rows are caught up first, so every draft equals the one of a run that ran the
+    MTP layers over every prompt chunk (prompts shorter than the window: nothing dropped). The prompt's slots were
+    marked stale while they waited in the tree (a checkpointed prompt chunk) and are valid again once computed."""
+    ps = prompts(n=3, seed=21, lo=70, hi=120)  # two chunks of 64 each
+    sp = SamplingParams(max_tokens=40, ignore_eos=True)
+    want = outputs(engine(model, enable_prefix_cache=prefix_cache), ps, sp)
+
+    def on(step):
+        return step >= 6
+
+    eager, got_eager, log_eager = run_scripted(model, ps, sp, on, auto=False, enable_prefix_cache=prefix_cache)
+    lazy = engine(model, speculative_steps=3, speculative_auto=True, enable_prefix_cache=prefix_cache)
+    log_lazy: list = []
+    scripted(lazy, on, log_lazy)
+    off_from_the_start(lazy)
+    reads = no_stale_reads(lazy)
+    got_lazy = outputs(lazy, ps, sp)
+    assert got_eager == got_lazy == want
+    assert log_lazy == log_eager and log_lazy
+    s = lazy.stats()
+    assert s["spec_catch_up_deferred_tokens"] >= sum(len(p) for p in ps)  # every prompt row waited
+    assert s["spec_catch_up_skipped_tokens"] == 0
+    assert s["spec_catch_up_left_stale_tokens"] == 0 and not lazy.runner.stale_slots  # all computed in the end
+    assert reads
+    idle(lazy)
+
+
+def test_a_long_prompt_deferred_keeps_its_window_and_marks_the_rest_stale(model):
+    """A prompt chunk longer than the window, deferred, keeps only its last W rows; the positions before them are
+    never computed, yet their slots sit in the tree (the chunk's checkpoint) until decoding releases them, so they
+    are marked stale: a request arriving meanwhile that shares a prefix ending among them never reads them (its
+    MTP attention starts after them) when it drafts, and both outputs are plain decoding's."""
+    w = CFG.sliding_window
+    p = prompts(n=1, seed=22, lo=w + 100, hi=w + 101)[0]
+    second = p[:90] + [5, 6, 7]
+    sp = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = engine(model, chunk_size=512)
+    want = outputs(plain, [p], sp) + outputs(plain, [second], sp)
+    llm = engine(model, speculative_steps=3, speculative_auto=True, chunk_size=512)
+    reads = no_stale_reads(llm)
+    log: list = []
+    scripted(llm, lambda step: step >= 1, log)
+    off_from_the_start(llm)
+    first = llm.add_request(p, sp)
+    llm.step()  # the whole prompt in one chunk, its catch-up deferred
+    st = first.spec
+    assert st is not None and len(st.pending) == w and st.next_slot == len(p) - w
+    assert llm.stats()["spec_catch_up_left_stale_tokens"] >= len(p)  # every prompt slot: cached, not computed
+    late = llm.add_request(second, sp)
+    while llm.has_work():
+        llm.step()
+    assert [first.output, late.output] == want
+    s = llm.stats()
+    assert s["spec_catch_up_skipped_tokens"] == len(p) - w
+    assert {rid for rid, _, _ in log} == {first.id, late.id}  # both drafted
+    floors = {lo for rid, lo in reads if rid == late.id}
+    assert floors and min(floors) >= 88  # its cached prefix (88 tokens, whole pages) was never computed
+    idle(llm)
+
+
 def test_probes_back_off_while_they_confirm_the_decision():
     """A probe with drafting off pays every request's deferred catch-up: probes double their gap while the decision
     holds (32, 64, 128, ... steps), so a long off phase costs a few probes, not one every 32 steps."""
