@@ -13,11 +13,12 @@ about what one token does, on a CPU every token costs. So the rule measures inst
   and its catch-up); a request that does not draft defers its catch-up, so a plain step costs the target alone;
 - acceptance: each request's accepted drafts per verify (an exponential average), and the engine-wide one for
   requests that have none yet;
-- per step, with B decoding requests last step and the fitted costs: a token of plain decoding costs
-  t0 / B, t0 = a + b * (other tokens + B); a request is worth drafting when E_r * t0 / B >= K * b + d (its
-  extra verify tokens and its drafting), and the step drafts when the requests worth it together save more than
-  c by at least `margin` of a plain step's time (t0; a request: its saving exceeds its cost by `margin` of a
-  plain token's). The margin keeps the fit's noise (a step's time moves ±25 % on a busy CPU) from turning
+- per step, with B the requests of the last step (decoding or prefilling: after a step of prompt chunks they
+  all decode) and the fitted costs: a token of plain decoding costs t0 / B, t0 = a + b * B (a plain decode step;
+  other requests' prompt tokens cost the same whether or not anyone drafts, so they are no part of what an
+  avoided step saves); a request is worth drafting when E_r * t0 / B >= K * b + d (its extra verify tokens and
+  its drafting), and the step drafts when the requests worth it together save more than c by at least `margin`
+  of a plain step's time (t0; a request: its saving exceeds its cost by `margin` of a plain token's). The margin keeps the fit's noise (a step's time moves ±25 % on a busy CPU) from turning
   drafting on where it only breaks even; where drafting pays (a GPU: 1.3-1.7x) it changes nothing. Until the fit has seen `min_steps` of each kind it alternates them (steps with no decoding request count as
   plain); from then on it sometimes does the opposite of what it decided (a probe), so both kinds keep being
   measured and a bad phase never switches it off for good (a step probe inverts the step's decision; a request
@@ -81,21 +82,23 @@ class SpecController:
         self.step = 0
         self._decided_at = -1
         self._draft_step = True
-        self._last_batch = (1, 0)  # (decoding requests, other target tokens) of the last step
+        self._last_batch = 1  # requests in the last step: the batch the next step's decision prices
         self.decisions = {"on": 0, "off": 0, "probes": 0}
         self.resume = {"rows": 0, "seconds": 0.0}  # deferred catch-ups resumed when drafting came back
         self._costs_at: tuple[int, tuple[float, float, float, float]] = (-1, (0.0, 0.0, 0.0, 0.0))
 
     # ----------------------------------------------------------------------------------- measurements
-    def observe(self, seconds: float, target_tokens: int, verified: bool, decoding: int, drafting: int = -1) -> None:
-        """A step's time (less its resumes), target tokens, whether any request verified, decoding requests and
-        drafting requests (-1: all decoding requests when verified)."""
+    def observe(
+        self, seconds: float, target_tokens: int, verified: bool, decoding: int, drafting: int = -1, requests: int = -1
+    ) -> None:
+        """A step's time (less its resumes), target tokens, whether any request verified, decoding requests,
+        drafting requests (-1: all decoding requests when verified) and requests in it (-1: the decoding ones)."""
         drafting = (decoding if verified else 0) if drafting < 0 else drafting
         x = torch.tensor([1.0, target_tokens, float(verified), float(drafting)], dtype=torch.float64)
         self.xtx = self.decay * self.xtx + torch.outer(x, x)
         self.xty = self.decay * self.xty + x * seconds
         self.seen[int(verified)] += 1
-        self._last_batch = (max(1, decoding), max(0, target_tokens - decoding * (1 + self.steps * verified)))
+        self._last_batch = max(1, decoding if requests < 0 else requests)
         self.step += 1
 
     def resumed(self, rows: int, seconds: float) -> None:
@@ -121,10 +124,10 @@ class SpecController:
         return self._costs_at[1]
 
     def _plain_token(self) -> float:
-        """What one decoding request's token costs in a plain step of the last step's shape (t0 / B)."""
+        """What one decoding request's token costs in a plain decode step of the last step's batch (t0 / B)."""
         a, b, _, _ = self._step_costs()
-        B, other = self._last_batch
-        return (a + b * (other + B)) / B
+        B = self._last_batch
+        return (a + b * B) / B
 
     def _gain(self, accept: float) -> float:
         """What drafting saves per request and step, with `accept` expected accepted drafts (negative: it costs)."""
@@ -138,7 +141,7 @@ class SpecController:
         if min(self.seen) < self.min_steps:  # measure both kinds first: a batch that always drafts would
             return self.seen[1] <= self.seen[0]  # never see a plain step (bench spec at batch 16 saw 2 in 195)
         c = self._step_costs()[2]
-        B = self._last_batch[0]
+        B = self._last_batch
         on = B * self._gain(self.global_accept) > c + self.margin * B * self._plain_token()
         if self._step_probes.due(self.step, on):
             self.decisions["probes"] += 1

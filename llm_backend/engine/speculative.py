@@ -248,7 +248,7 @@ class SpeculativeRunner(ModelRunner):
         decoding = sum(1 for s in segments if s.n - s.drafts == 1 and s.samples)
         drafting = sum(1 for s in segments if s.drafts)
         seconds = time.perf_counter() - t0 - self._resume_s  # resumes are timed apart (spec_control.py)
-        self.control.observe(seconds, sum(s.n for s in segments), drafting > 0, decoding, drafting)
+        self.control.observe(seconds, sum(s.n for s in segments), drafting > 0, decoding, drafting, len(segments))
         return results
 
     def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:

@@ -338,6 +338,26 @@ def test_the_margin_keeps_drafting_off_where_it_only_breaks_even():
     assert decide(0.1, 2.5) is True  # 8 x 4 ms = 32 ms saved: on
 
 
+def test_a_step_of_prompt_chunks_does_not_turn_drafting_on_for_the_batch_after_it():
+    """Regression (bench spec, batch 16, 0-128): after a step of 16 prompt chunks (no decoding request) the rule
+    priced the next step as one request whose plain token cost the whole prefill step, so all 16 drafted (55 ms
+    against 15); it prices the next step's batch (the 16 requests) and a plain decode step (prompt tokens cost the
+    same either way)."""
+    from llm_backend.engine.spec_control import SpecController
+
+    ctl = SpecController(3, probe_every=10**9)
+    st = _fed(ctl, 0.002, 0.004, 0.003, 2.5)  # CPU-like: off
+    assert ctl.wants(st) is False
+    ctl.observe(0.002 + 0.004 * 480, 480, False, 0, 0, 16)  # 16 prompt chunks of 30 tokens
+    assert ctl.wants(st) is False
+    ctl.observe(0.002 + 0.004 * 16, 16, False, 16, 0, 16)
+    gpu = SpecController(3, probe_every=10**9)
+    st = _fed(gpu, 0.010, 0.00002, 0.001, 2.5, d=0.0002)  # GPU-like: on, before and after a prefill step
+    assert gpu.wants(st) is True
+    gpu.observe(0.010 + 0.00002 * 480, 480, False, 0, 0, 16)
+    assert gpu.wants(st) is True
+
+
 def test_a_probe_of_drafting_drafts_for_a_few_requests_only():
     """With drafting off, a probe lets 1 request draft, the next probe_requests (each drafter first resumes up to W
     deferred rows: a probe of the whole batch of 16 cost several plain steps)."""
