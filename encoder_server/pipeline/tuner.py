@@ -17,8 +17,12 @@ and `ForwardPolicy.decide` moves one step at a time:
    cores were not oversubscribed, the decoders' use grew because the forward fed them faster);
 2. forward busy >= BOTTLENECK and budget left: up one level of total threads (an untried shape there
    first: 1 x n+1 and, with two workers allowed, 2 x (n+1)/2 are both tried; the better one is kept);
+   with no level left within the budget, a shape one level over it is tried for a window (untried, or on
+   an explore window: the budget is rounded, 1.4 cores left read 1, and a decoder that waits on the
+   forward leaves its core idle), and kept by the exception of 1 only where it measured faster;
 3. forward busy < SLACK (it waits for work): down one level, giving cores to the decoders;
-4. otherwise to a measured shape that fits and encodes BETTER x faster, if one exists.
+4. otherwise to a measured shape that fits (or is over the budget and measured BETTER x faster than every
+   shape that fits) and encodes BETTER x faster than the current one, if one exists.
 A move to a shape measured slower than the current one is never taken, except on every `explore_every`-th
 window, which re-tries the best alternative (load changes). Invariants: every shape's workers x threads is
 at most the cores; a shape over the budget is kept only while it measures faster than every shape within
@@ -123,20 +127,30 @@ class ForwardPolicy:
             down = self._best(fits, level=max(s.cores for s in fits))
             if down not in self.rate or self.rate[cur] <= self.BETTER * self.rate[down]:
                 return down
+        allowed = fits + self._faster_over_budget(fits)
         explore = self.windows % self.explore_every == 0
         if busy >= self.BOTTLENECK:  # 2. the forward is the slow stage: one level up, or the other shape here
-            same = [s for s in fits if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]
+            same = [s for s in allowed if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]
             if same:
                 return same[0]
-            up = [s for s in fits if s.cores > cur.cores]
+            up = [s for s in allowed if s.cores > cur.cores]
+            if not up:  # 2b. none within the budget: the cores the budget rounded away may still be idle
+                up = [s for s in self.options if s.cores > cur.cores and (s not in self.rate or explore)]
             if up:
                 target = self._best(up, level=min(s.cores for s in up))
                 if self._may_move(cur, target, explore):
                     return target
         elif busy < self.SLACK and cur.cores > 1:  # 3. the forward waits for work: give a core back
             return self._best(fits, level=cur.cores - 1)
-        better = [s for s in fits if s in self.rate and self.rate[s] > self.BETTER * self.rate[cur]]  # 4.
+        better = [s for s in allowed if s in self.rate and self.rate[s] > self.BETTER * self.rate[cur]]  # 4.
         return max(better, key=self.rate.__getitem__) if better else cur
+
+    def _faster_over_budget(self, fits: list[Shape]) -> list[Shape]:
+        """Measured shapes over the budget that encode BETTER x faster than every measured shape within it."""
+        best = max((self.rate[s] for s in fits if s in self.rate), default=None)
+        if best is None:
+            return []
+        return [s for s in self.options if s.cores > self.budget and s in self.rate and self.rate[s] > self.BETTER * best]
 
     def _best(self, candidates: list[Shape], level: int) -> Shape:
         """At `level` total threads: an untried shape first, else the fastest measured."""
