@@ -150,7 +150,9 @@ class ForwardPolicy:
         best = max((self.rate[s] for s in fits if s in self.rate), default=None)
         if best is None:
             return []
-        return [s for s in self.options if s.cores > self.budget and s in self.rate and self.rate[s] > self.BETTER * best]
+        return [
+            s for s in self.options if s.cores > self.budget and s in self.rate and self.rate[s] > self.BETTER * best
+        ]
 
     def _best(self, candidates: list[Shape], level: int) -> Shape:
         """At `level` total threads: an untried shape first, else the fastest measured."""
