@@ -86,7 +86,7 @@ class EncodePipeline:
         self.inflight = InflightTable()
         stats = self.batcher.stats
         self.tuner = ForwardTuner(
-            lambda: (stats.busy_s, stats.patches),
+            lambda: (stats.busy_s, stats.patches, stats.batches),
             self.decode_pool.worker_pids,
             ForwardPolicy(usable_cores(), self.max_forward_workers, 1 if tuned else self.max_forward_workers),
             config.torch_threads or 0,

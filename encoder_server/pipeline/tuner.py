@@ -167,7 +167,13 @@ class ForwardPolicy:
 class ForwardTuner:
     """Samples the measurements every `window_s` and applies `policy`'s decision.
 
-    `stats()` returns (forward busy seconds, patches) so far; `decode_pids()` the decode processes."""
+    `stats()` returns (forward busy seconds, patches) so far, or (busy seconds, patches, forwards); with the
+    forward count a window lasts until each worker finished `min_forwards` forwards (at most `max_windows`
+    windows of `window_s`): a large tower's forward takes about a second, and a 1.5-s window that sees one or
+    two of them measures its rate to ±50 %. `decode_pids()` the decode processes."""
+
+    MIN_FORWARDS = 3  # forwards per worker a window must see before it is judged
+    MAX_WINDOWS = 4  # ... unless it has lasted this many windows
 
     def __init__(
         self,
@@ -201,14 +207,23 @@ class ForwardTuner:
     def apply(self, shape: Shape) -> None:
         self.threads, self.workers = shape.threads, shape.workers
 
+    def _sample(self) -> tuple[float, int, int | None]:
+        busy, patches, *forwards = self.stats()
+        return busy, patches, forwards[0] if forwards else None
+
     async def run(self, window_s: float = 1.5) -> None:
         self.apply(self.policy.current)
-        busy0, patches0 = self.stats()
+        busy0, patches0, forwards0 = self._sample()
         cpu0, t0 = cpu_seconds(self.decode_pids()), time.perf_counter()
+        waited = 0
         while True:
             await asyncio.sleep(window_s)
-            busy1, patches1 = self.stats()
+            waited += 1
+            busy1, patches1, forwards1 = self._sample()
+            seen = None if forwards1 is None or forwards0 is None else forwards1 - forwards0
+            if seen is not None and seen < self.MIN_FORWARDS * self.workers and waited < self.MAX_WINDOWS:
+                continue  # too few forwards to judge yet (or idle): the window goes on
             cpu1, t1 = cpu_seconds(self.decode_pids()), time.perf_counter()
             w = Window(t1 - t0, busy1 - busy0, max(0.0, cpu1 - cpu0), patches1 - patches0)
             self.apply(self.policy.decide(w))
-            busy0, patches0, cpu0, t0 = busy1, patches1, cpu1, t1
+            busy0, patches0, forwards0, cpu0, t0, waited = busy1, patches1, forwards1, cpu1, t1, 0

@@ -166,6 +166,42 @@ def test_tuner_loop_applies_the_policy():
     assert (tuner.workers, tuner.threads) == (1, 2)
 
 
+def test_a_window_waits_for_enough_forwards():
+    """Slow forwards (a large tower: about one per window) are judged over windows that saw MIN_FORWARDS of them
+    per worker (up to MAX_WINDOWS windows), not over one or two."""
+    import asyncio
+
+    from encoder_server.pipeline.tuner import ForwardTuner
+
+    clock = {"windows": 0}
+    decided = []
+
+    class Policy(ForwardPolicy):
+        def decide(self, w):
+            decided.append((clock["windows"], w.patches))
+            return super().decide(w)
+
+    def stats():  # one forward of 1000 patches per window, busy all the time
+        n = clock["windows"]
+        return float(n), 1000 * n, n
+
+    tuner = ForwardTuner(stats, lambda: [], Policy(2))
+    tuner.MAX_WINDOWS = 10**6  # only the forward count closes a window here
+
+    async def main():
+        task = asyncio.create_task(tuner.run(window_s=0.01))
+        for _ in range(400):
+            await asyncio.sleep(0.01)
+            clock["windows"] += 1
+            if len(decided) >= 2:
+                break
+        task.cancel()
+
+    asyncio.run(main())
+    assert len(decided) >= 2
+    assert all(patches >= ForwardTuner.MIN_FORWARDS * 1000 for _, patches in decided), decided
+
+
 def test_fixed_worker_count_tunes_threads_only():
     p = ForwardPolicy(4, max_workers=2, min_workers=2)
     assert {s.workers for s in p.options} == {2} and p.current == Shape(2, 1)
