@@ -32,7 +32,11 @@ WORKER_ARGS = [
 ]
 
 
-def generate(address: str, prompt: str, max_tokens: int = 2, timeout: float = 60) -> tuple[dict, int]:
+def generate(
+    address: str, prompt: str, max_tokens: int = 2, timeout: float = 60, streaming: threading.Event | None = None
+) -> tuple[dict, int]:
+    """One request through `address`: (its final's prompt and cached tokens, tokens streamed); `streaming` is set
+    at its first token."""
     with grpc.insecure_channel(address) as ch:
         stub = generator_pb2_grpc.GeneratorStub(ch)
         tokens, final = 0, None
@@ -42,6 +46,8 @@ def generate(address: str, prompt: str, max_tokens: int = 2, timeout: float = 60
         ):
             if m.HasField("delta"):
                 tokens += len(m.delta.token_ids)
+                if streaming is not None:
+                    streaming.set()
             else:
                 final = m.final
     return {"prompt": final.prompt_tokens, "cached": final.cached_tokens}, tokens
@@ -138,17 +144,19 @@ def test_a_killed_worker_loses_only_its_in_flight_requests():
     r = router("--workers", ",".join(w.address for w in ws), "--llm-policy", "round_robin")
     try:
         results: dict[int, object] = {}
+        streaming = [threading.Event() for _ in range(4)]
 
         def client(i: int) -> None:
             try:
-                results[i] = generate(r.address, f"request {i} " * 20, max_tokens=400)
+                results[i] = generate(r.address, f"request {i} " * 20, max_tokens=400, streaming=streaming[i])
             except grpc.RpcError as e:
                 results[i] = e.code()
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(3.0)  # all four are streaming, two on each worker
+        for e in streaming:  # all four are streaming, two on each worker (a fixed 3-s sleep let a fast machine
+            assert e.wait(60)  # finish all 400 tokens first)
         ws[0].proc.send_signal(signal.SIGKILL)
         for t in threads:
             t.join(120)
