@@ -395,6 +395,7 @@ class Scheduler:
                 may_cache = self.before_cache([r])[0]
             r.kv.finish(cache_result=cache_result and bool(may_cache))
             r.kv = None
+        r.spec = None  # the runner's per-request state (speculation's kept hidden rows) goes with the KV
         self._uncached.pop(r.id, None)
         if r.on_finish:
             r.on_finish(r)
