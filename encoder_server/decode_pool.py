@@ -26,6 +26,7 @@ import uuid
 
 import numpy as np
 
+from mimo_epd.common.malloc import keep_freed_memory
 from mimo_epd.common.parent import exit_with_parent  # re-exported: video/decode.py takes it from here
 
 from .decoders import DECODERS, check_decoder_name
@@ -68,6 +69,7 @@ def _worker_init(arena_path: str | None, slot_bytes: int, max_image_pixels: int)
 
     ignore_sigint()
     exit_with_parent()
+    keep_freed_memory()  # every item allocates the same few MB: reuse them instead of faulting fresh pages in
     Image.MAX_IMAGE_PIXELS = max_image_pixels
     if arena_path:
         try:

@@ -91,11 +91,26 @@ class PatchEmbed(nn.Module):
             mean, std = (t.to(w.device, torch.float32).view(1, -1, 1) for t in norm)
             w32 = w.float() / std
             bias = -(w32 * mean).sum(dim=(1, 2))
-            x = pixel_values.reshape(-1, w[0].numel()).to(torch.float32)
-            out = torch.addmm(bias, x, w32.reshape(w.shape[0], -1).t())
-            return out.to(w.dtype)
+            x = pixel_values.reshape(-1, w[0].numel())
+            return uint8_linear(x, w32.reshape(w.shape[0], -1).t(), bias).to(w.dtype)
         x = pixel_values.reshape(-1, w[0].numel()).to(w.dtype)
         return x @ w.reshape(w.shape[0], -1).t()
+
+
+def uint8_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """uint8 rows [S, K] @ fp32 `weight_t` [K, N] + `bias`, converted to fp32 `rows` rows at a time into one
+    reused buffer. The whole batch converted at once is S x K x 4 bytes (a packed batch of seven images is
+    57 MB): over glibc's largest mmap threshold (32 MB), so every forward maps fresh pages and faults each
+    one in, and the conversion cost more than the GEMM (py-spy on a loaded server). A 2.4-MB buffer stays
+    in cache: 3x faster on a CPU, the same sums."""
+    if x.device.type != "cpu" or x.shape[0] <= rows:
+        return torch.addmm(bias, x.to(torch.float32), weight_t)
+    out = torch.empty(x.shape[0], weight_t.shape[1], dtype=torch.float32)
+    buf = torch.empty(rows, x.shape[1], dtype=torch.float32)
+    for a in range(0, x.shape[0], rows):
+        n = min(rows, x.shape[0] - a)
+        torch.addmm(bias, buf[:n].copy_(x[a : a + n]), weight_t, out=out[a : a + n])
+    return out
 
 
 class VisionMLP(nn.Module):

@@ -17,6 +17,7 @@ from dataclasses import replace
 import grpc
 import torch
 
+from mimo_epd.common.malloc import keep_freed_memory
 from mimo_epd.common.proc_stat import usable_cores
 
 from ..audio.decode import AudioLimits
@@ -233,6 +234,7 @@ class EncodePipeline:
         c = self.config
         if c.torch_threads > 0:
             torch.set_num_threads(c.torch_threads)
+        keep_freed_memory()  # each forward allocates the same activations again (mimo_epd/common/malloc.py)
         await self.fetcher.start()
         await self.decode_pool.start()  # workers start now, not on the first request
         # The warm-up runs the tower too, so it runs where every tower call runs: the batcher's forward thread.

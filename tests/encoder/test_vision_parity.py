@@ -208,3 +208,21 @@ def test_uint8_patches_with_folded_normalization(pair):
         load_vision_model("tiny")(torch.zeros(16, 588, dtype=torch.uint8), torch.tensor([[1, 4, 4]]))
     ours.patch_embed.set_input_normalization(cfg.mean, cfg.std)
     assert (ours(raw, grid) - ours(pv, grid)).abs().max().item() <= 1e-5
+
+
+def test_uint8_patch_embedding_in_row_chunks_equals_one_conversion():
+    """`uint8_linear` converts a big batch 1024 rows at a time into one buffer (a batch converted whole maps
+    and faults in tens of MB per forward): the same sums as converting all rows at once, for a row count
+    that is not a multiple of the chunk, and a chunk size of 1 row."""
+    from encoder_server.models.qwen2_5_vision import uint8_linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (2500, 588), dtype=torch.uint8, generator=g)
+    w = torch.randn(588, 32, generator=g)
+    b = torch.randn(32, generator=g)
+    want = torch.addmm(b, x.float(), w)
+    for rows in (1024, 7, 1):
+        got = uint8_linear(x[:300] if rows == 1 else x, w, b, rows=rows)
+        ref = want[:300] if rows == 1 else want
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
