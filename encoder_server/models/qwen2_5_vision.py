@@ -306,6 +306,28 @@ def item_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     return F.pad(per.cumsum(0, dtype=torch.int32), (1, 0))
 
 
+CPU_ACTIVATION_BYTES = 16 << 20
+
+
+def cpu_groups(grid_thw: torch.Tensor, width: int, limit: int = CPU_ACTIVATION_BYTES) -> list[tuple[int, int]]:
+    """Consecutive item ranges [a, b) whose patches x `width` fp32 values stay within `limit` bytes (an item
+    over it alone). On a CPU a packed forward pays for its activations' size: glibc maps an allocation over
+    32 MB fresh and faults every page in on each forward, and an activation over the caches streams through
+    memory. The large benchmark tower (qkv 576 wide) forwarding seven images at once spent 390 ms per image
+    with 47,000 page faults per image; one image at a time 303 ms and none. The tiny tower (96 wide) keeps
+    its batches whole up to 43,000 patches, where batching still saves per-forward overhead."""
+    per_item = (grid_thw.prod(-1) * width * 4).tolist()
+    groups, start, size = [], 0, 0
+    for i, n in enumerate(per_item):
+        if i > start and size + n > limit:
+            groups.append((start, i))
+            start, size = i, 0
+        size += n
+    if per_item:
+        groups.append((start, len(per_item)))
+    return groups
+
+
 class Qwen2_5VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -331,9 +353,29 @@ class Qwen2_5VisionTower(nn.Module):
 
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [S, C*T*P*P] (packed), grid_thw [n, 3] -> [S / merge^2, out_hidden_size]."""
-        cfg = self.config
+        """pixel_values [S, C*T*P*P] (packed), grid_thw [n, 3] -> [S / merge^2, out_hidden_size].
+
+        On a CPU a packed batch whose widest activation would pass `CPU_ACTIVATION_BYTES` runs as consecutive
+        groups of whole items (`cpu_groups`): items never interact, so the rows are the same."""
         grid_thw = grid_thw.to("cpu", torch.long)
+        groups = cpu_groups(grid_thw, self.activation_width, CPU_ACTIVATION_BYTES) if self.device.type == "cpu" else []
+        if len(groups) <= 1:
+            return self._forward_packed(pixel_values, grid_thw)
+        sizes = (grid_thw.prod(-1)).tolist()
+        out, row = [], 0
+        for a, b in groups:
+            n = sum(sizes[a:b])
+            out.append(self._forward_packed(pixel_values[row : row + n], grid_thw[a:b]))
+            row += n
+        return torch.cat(out)
+
+    @property
+    def activation_width(self) -> int:
+        """Floats per patch row of the widest activation a block allocates (qkv, or the MLP's gate and up)."""
+        return max(3 * self.config.hidden_size, self.config.intermediate_size)
+
+    def _forward_packed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
         unit = cfg.spatial_merge_size**2
         dev = self.device
 

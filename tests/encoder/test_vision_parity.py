@@ -226,3 +226,43 @@ def test_uint8_patch_embedding_in_row_chunks_equals_one_conversion():
         ref = want[:300] if rows == 1 else want
         assert got.shape == ref.shape
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+
+
+def test_cpu_groups_keep_each_groups_activations_within_the_limit():
+    from encoder_server.models.qwen2_5_vision import cpu_groups
+
+    grid = torch.tensor([[1, 10, 10], [1, 10, 10], [1, 20, 20], [1, 4, 4], [1, 4, 4], [2, 8, 8]])
+    # width 1: an item costs 4 bytes per patch (100, 100, 400, 16, 16, 128 patches)
+    assert cpu_groups(grid, 1, limit=4 * 10_000) == [(0, 6)]
+    assert cpu_groups(grid, 1, limit=4 * 200) == [(0, 2), (2, 3), (3, 6)]  # the 400-patch item alone, over it
+    assert cpu_groups(grid, 1, limit=4 * 160) == [(0, 1), (1, 2), (2, 3), (3, 6)]
+    assert cpu_groups(grid, 1, limit=4 * 159) == [(0, 1), (1, 2), (2, 3), (3, 5), (5, 6)]
+    assert cpu_groups(grid[:0], 1) == []
+
+
+def test_a_batch_forwarded_in_groups_equals_the_packed_forward(pair, monkeypatch):
+    """On a CPU a batch whose widest activation passes CPU_ACTIVATION_BYTES runs as groups of whole items;
+    with the limit lowered so that every image and the clip form groups of their own, the rows are those of
+    one packed forward and of transformers."""
+    import encoder_server.models.qwen2_5_vision as vision
+
+    hf, ours, cfg = pair
+    imgs = [textured(h, w, seed=20 + i) for i, (h, w) in enumerate(SIZES)]
+    pv, grid = preprocess_images(imgs, cfg, resize_backend="torch")
+    clip = torch.tensor([[2, 8, 12]])
+    pv = torch.cat([pv, torch.randn(int(clip.prod()), pv.shape[1])])
+    grid = torch.cat([grid, clip])
+    packed = ours(pv, grid)
+    smallest = int(grid.prod(-1).min()) * ours.activation_width * 4
+    monkeypatch.setattr(vision, "CPU_ACTIVATION_BYTES", smallest)
+    assert len(vision.cpu_groups(grid, ours.activation_width, vision.CPU_ACTIVATION_BYTES)) == len(grid)
+    calls = []
+    forward_packed = ours._forward_packed
+    monkeypatch.setattr(ours, "_forward_packed", lambda p, g: calls.append(len(g)) or forward_packed(p, g))
+    grouped = ours(pv, grid)
+    assert calls == [1] * len(grid)
+    assert grouped.shape == packed.shape
+    assert (grouped - packed).abs().max().item() <= 1e-5
+    with torch.no_grad():
+        ref = hf(pv, grid_thw=grid).pooler_output
+    assert (grouped - ref).abs().max().item() <= TOL
