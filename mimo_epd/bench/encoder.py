@@ -28,6 +28,9 @@ draft decode; the bound README documents and tests/encoder/test_pipeline_switche
 Our stage busy fractions come from the server's Prometheus counters: busy seconds / worker seconds (the stage's
 workers integrated over the run, so a forward whose worker count the tuner moved reads at most 1).
 
+`--repeats N` runs every mode N times, interleaved (each mode once, then again: a slow phase of the machine, and
+this VM's speed moves 20-30 % between identical runs, hits every mode of a repetition alike); each mode reports
+its median-QPS run and `ratios_range` ours over each peer within each repetition, min and max.
 `ratios.cores_busy` gives every mode's cores busy; `modes.pipelined.forward` the forward's shape (workers,
 threads) and batch budget the tuner and the queue-following budget ended at; `--forward-shapes 1x1,1x2,2x1`
 adds ours with each shape fixed (what the tuner chooses between). The machine is in the JSON's `machine`.
@@ -288,25 +291,32 @@ def ratios(modes: dict) -> dict:
     }
 
 
-def forward_shapes(spec: str, model_arg: str, ckpt: str, media: MediaServer, names, warmup, args) -> dict:
-    """Ours with the forward's shape fixed (`WxT`: --forward-workers W --torch-threads T), next to the tuned
-    default: what the tuner chooses between, measured on this machine."""
+def shape_flags(spec: str) -> dict[str, list[str]]:
+    """`--forward-shapes 1x2,2x1` -> {"pipelined 1x2": [--forward-workers 1 --torch-threads 2], ...}: ours with
+    the forward's shape fixed, next to the tuned default: what the tuner chooses between, on this machine."""
     out = {}
-    for shape in spec.split(","):
+    for shape in filter(None, spec.split(",")):
         w, t = (int(v) for v in shape.lower().split("x"))
-        r = run_mode(
-            f"pipelined {shape}",
-            model_arg,
-            ckpt,
-            media,
-            names,
-            warmup,
-            args.concurrency,
-            flags=["--forward-workers", str(w), "--torch-threads", str(t)],
-            warm_s=args.warm_s,
-        )
-        out[shape] = {k: r.get(k) for k in ("qps", "p90_ms", "cpu_s_per_image", "server_cpu_util", "avg_batch_items")}
-        out[shape]["encode_busy"] = r["stage_busy"]["encode"]
+        out[f"pipelined {shape}"] = ["--forward-workers", str(w), "--torch-threads", str(t)]
+    return out
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median QPS (all its figures from that one run), with every run's QPS when repeated."""
+    out = dict(sorted(runs, key=lambda r: r["qps"])[(len(runs) - 1) // 2])
+    if len(runs) > 1:
+        out["qps_runs"] = [r["qps"] for r in runs]
+    return out
+
+
+def paired_range(runs: dict[str, list[dict]]) -> dict:
+    """[min, max] over repetitions of ours' QPS over each peer's in the same repetition (a slow phase of the
+    machine hits every mode of a repetition alike)."""
+    out = {}
+    for peer in ("peer_per_request", "peer_batched", "naive"):
+        r = [p["qps"] / q["qps"] for p, q in zip(runs["pipelined"], runs[peer]) if q["qps"]]
+        if r:
+            out[f"qps_vs_{peer}"] = [round(min(r), 3), round(max(r), 3)]
     return out
 
 
@@ -318,18 +328,29 @@ def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
     n = args.requests if size == "tiny" else max(8, args.requests // 4)
     names = request_names(mix, args.per_size, n)
     warmup = request_names(mix, args.per_size, max(4, 2 * len(mix)))
-    outputs: dict = {}
-    modes = {}
-    for mode in ("naive", "pipelined", "peer_per_request", "peer_batched"):
-        outputs[mode] = {}
-        modes[mode] = run_mode(
-            mode, model_arg, ckpt, media, names, warmup, args.concurrency, outputs[mode], warm_s=args.warm_s
-        )
-        log(f"{size}/{mode} done")
+    shapes = shape_flags(args.forward_shapes)
+    plan = {mode: None for mode in ("naive", "pipelined", "peer_per_request", "peer_batched")} | shapes
+    outputs: dict = {mode: {} for mode in ("naive", "pipelined", "peer_per_request", "peer_batched")}
+    runs: dict[str, list[dict]] = {mode: [] for mode in plan}
+    for rep in range(args.repeats):  # modes interleaved: a slow phase of the machine hits all of them
+        for mode, flags in plan.items():
+            keep = outputs.get(mode) if rep == 0 else None  # outputs are checked once, on the first repetition
+            runs[mode].append(
+                run_mode(mode, model_arg, ckpt, media, names, warmup, args.concurrency, keep, flags, args.warm_s)
+            )
+            log(f"{size}/{mode} done" + (f" (run {rep + 1} of {args.repeats})" if args.repeats > 1 else ""))
+    modes = {mode: median_run(runs[mode]) for mode in outputs}
     result = {"requests": n, "modes": modes, "ratios": ratios(modes), "outputs_check": check_outputs(outputs)}
+    if args.repeats > 1:
+        result["ratios_range"] = paired_range(runs)
     result["outputs_match"] = all(c["match"] for c in result["outputs_check"].values())
-    if args.forward_shapes:
-        result["forward_shapes"] = forward_shapes(args.forward_shapes, model_arg, ckpt, media, names, warmup, args)
+    if shapes:
+        keys = ("qps", "p90_ms", "cpu_s_per_image", "server_cpu_util", "avg_batch_items", "qps_runs")
+        fixed = {mode.split()[1]: median_run(runs[mode]) for mode in shapes}
+        result["forward_shapes"] = {
+            shape: {k: r[k] for k in keys if k in r} | {"encode_busy": r["stage_busy"]["encode"]}
+            for shape, r in fixed.items()
+        }
     if size == "tiny" and args.decoders:
         decoders = {}
         for dec in ("turbo", "pil", "torchvision", "dali"):
@@ -377,6 +398,7 @@ def main(args) -> dict:
         "bench": "encoder",
         "config": {
             "requests": args.requests,
+            "repeats": args.repeats,
             "warm_s": args.warm_s,
             "concurrency": args.concurrency,
             "mix": args.mix,
@@ -403,13 +425,17 @@ def main(args) -> dict:
     with tempfile.TemporaryDirectory() as workdir, MediaServer(images) as media:
         tiny = run_size("tiny", media, mix, args, workdir)
         out.update(
-            {k: tiny[k] for k in ("modes", "ratios", "outputs_check", "outputs_match", "forward_shapes") if k in tiny}
+            {
+                k: tiny[k]
+                for k in ("modes", "ratios", "ratios_range", "outputs_check", "outputs_match", "forward_shapes")
+                if k in tiny
+            }
         )
         if "decoders" in tiny:
             out["decoders"] = tiny["decoders"]
         if args.model_size in ("both", "large"):
             large = run_size("large", media, mix, args, workdir)
-            keys = ("requests", "modes", "ratios", "outputs_check", "outputs_match", "forward_shapes")
+            keys = ("requests", "modes", "ratios", "ratios_range", "outputs_check", "outputs_match", "forward_shapes")
             out["large"] = {k: large[k] for k in keys if k in large}
             out["outputs_match"] = out["outputs_match"] and large["outputs_match"]
     out["seconds"] = round(time.perf_counter() - t0, 1)
@@ -465,5 +491,12 @@ def add_arguments(p) -> None:
         default=10.0,
         help="seconds of the measured load, untimed, before each mode's measured pass, every mode alike: ours is "
         "then measured with its forward tuner settled, as a server that has been running (default: 10; --quick: 0)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of every mode, interleaved (naive, pipelined, the peers, the fixed shapes; then again); each "
+        "mode reports its median-QPS run, `ratios_range` ours over each peer per repetition, min and max (default: 1)",
     )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): tiny only, 8 requests")

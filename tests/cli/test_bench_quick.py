@@ -279,3 +279,30 @@ def test_audio_quick():
     assert out["clips"]["outputs_match"]  # every clip's embedding equal across ours and both peers
     for side in ("ours", "peer_batched", "peer_per_request"):
         assert out["clips"][side]["failures"] == 0 and out["clips"][side]["requests"] == out["clips"]["n"]
+
+
+def test_encoder_bench_repeats_report_the_median_run_and_paired_ranges():
+    """`bench encoder --repeats N`: each mode's figures are its median-QPS run, whole; `ratios_range` pairs ours
+    with each peer within one repetition; `--forward-shapes` names ours with the shape fixed."""
+    from mimo_epd.bench.encoder import median_run, paired_range, shape_flags
+
+    runs = {
+        "pipelined": [{"qps": 30.0, "p90_ms": 1}, {"qps": 20.0, "p90_ms": 2}, {"qps": 40.0, "p90_ms": 3}],
+        "peer_per_request": [{"qps": 10.0}, {"qps": 10.0}, {"qps": 20.0}],
+        "peer_batched": [{"qps": 12.0}, {"qps": 8.0}, {"qps": 16.0}],
+        "naive": [{"qps": 10.0}, {"qps": 0.0}, {"qps": 10.0}],
+    }
+    med = median_run(runs["pipelined"])
+    assert med["qps"] == 30.0 and med["p90_ms"] == 1 and med["qps_runs"] == [30.0, 20.0, 40.0]
+    assert "qps_runs" not in median_run(runs["pipelined"][:1])
+    assert median_run(runs["pipelined"][:2])["qps"] == 20.0  # of two runs, the slower
+    assert paired_range(runs) == {
+        "qps_vs_peer_per_request": [2.0, 3.0],
+        "qps_vs_peer_batched": [2.5, 2.5],
+        "qps_vs_naive": [3.0, 4.0],  # a repetition whose peer served nothing is left out
+    }
+    assert shape_flags("1x2,2x1") == {
+        "pipelined 1x2": ["--forward-workers", "1", "--torch-threads", "2"],
+        "pipelined 2x1": ["--forward-workers", "2", "--torch-threads", "1"],
+    }
+    assert shape_flags("") == {}
