@@ -19,7 +19,8 @@ and `ForwardPolicy.decide` moves one step at a time:
    first: 1 x n+1 and, with two workers allowed, 2 x (n+1)/2 are both tried; the better one is kept);
    with no level left within the budget, a shape one level over it is tried for a window (untried, or on
    an explore window: the budget is rounded, 1.4 cores left read 1, and a decoder that waits on the
-   forward leaves its core idle), and kept by the exception of 1 only where it measured faster;
+   forward leaves its core idle), and kept by the exception of 1 only where it measured faster; a shape
+   kept over the budget that way has its level's other shape tried too (1x2 kept, 2x1 untried);
 3. forward busy < SLACK (it waits for work): down one level, giving cores to the decoders;
 4. otherwise to a measured shape that fits (or is over the budget and measured BETTER x faster than every
    shape that fits) and encodes BETTER x faster than the current one, if one exists.
@@ -130,7 +131,10 @@ class ForwardPolicy:
         allowed = fits + self._faster_over_budget(fits)
         explore = self.windows % self.explore_every == 0
         if busy >= self.BOTTLENECK:  # 2. the forward is the slow stage: one level up, or the other shape here
-            same = [s for s in allowed if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]
+            # Already over the budget at this level (rule 1 kept it: it measured faster than every shape that
+            # fits), the other shape of the level costs no more cores: it is tried too.
+            level = allowed if cur.cores <= self.budget else self.options
+            same = [s for s in level if s.cores == cur.cores and s != cur and (s not in self.rate or explore)]
             if same:
                 return same[0]
             up = [s for s in allowed if s.cores > cur.cores]

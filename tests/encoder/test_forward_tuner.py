@@ -225,3 +225,31 @@ def test_worker_seconds_integrate_the_worker_count_across_shape_changes(monkeypa
     t.apply(Shape(1, 2))
     now[0] += 2.0
     assert t.worker_seconds() == 7.0
+
+
+@dataclass
+class Contended(Machine):
+    """Where the cores bind, the forward runs slower than alone rather than idle: the server measures it in
+    progress the whole window (busy 0.88 at 1x2 in that run), where `Machine` counts only its uncontended
+    wall time."""
+
+    def window(self, s: Shape) -> Window:
+        w = super().window(s)
+        wall = self.forward_s / (self.speedup2 if s.threads >= 2 else 1.0) * (self.split_cost if s.workers > 1 else 1.0)
+        if w.patches / PATCHES_PER_ITEM / WINDOW_S < s.workers / wall * 0.999:  # the cores bind, not the forward
+            w.forward_busy_s = s.workers * WINDOW_S
+        return w
+
+
+def test_the_other_shape_of_a_level_kept_over_the_budget_is_tried_too():
+    """Found by `bench encoder` (Intel Xeon, tiny tower): with the budget at one core, the tuner tried 1x2 over
+    it, kept it (measured faster than 1x1), and never tried 2x1, which a fixed run measured faster still: the
+    other shape of a level already held over the budget costs no more cores, so it is tried and the faster
+    one kept."""
+    m = Contended(forward_s=0.1, decode_cpu_s=0.06, speedup2=1.8)
+    assert m.rate(Shape(1, 2)) > 1.05 * m.rate(Shape(1, 1)) and m.rate(Shape(2, 1)) > 1.05 * m.rate(Shape(1, 2))
+    p = ForwardPolicy(2, max_workers=2)
+    seen = drive(p, m)
+    assert p.budget == 1 and seen[0] == Shape(1, 2)
+    assert settled(seen) == Shape(2, 1) == max(shapes(2, 2), key=m.rate)
+    assert seen[-16:].count(Shape(2, 1)) >= 14
