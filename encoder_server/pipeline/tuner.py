@@ -9,7 +9,8 @@ window (`Window`: wall seconds, forward busy seconds, the decode processes' CPU 
 
     budget  = round(cores - decode cores in use)       (at least 1) -- what the decoders leave
     busy    = forward busy seconds / (window x workers)             -- is the forward the bottleneck?
-    rate    = patches / second, per shape (a running mean)
+    rate    = patches / second, per shape (a running mean over windows where the forward was the
+              bottleneck: a window the load left idle measures the load, not the shape)
 
 and `ForwardPolicy.decide` moves one step at a time:
 1. over budget (the decoders need cores back): to the best-rated shape that fits the budget, unless
@@ -106,19 +107,24 @@ class ForwardPolicy:
         self.windows += 1
         cur = self.current
         r = w.patches / w.seconds
-        self.rate[cur] = r if cur not in self.rate else self.ALPHA * r + (1 - self.ALPHA) * self.rate[cur]
         self.budget = max(1, min(self.cores, int(self.cores - w.decode_cpu_s / w.seconds + 0.5)))
         busy = w.forward_busy_s / (w.seconds * cur.workers)
+        if busy >= self.BOTTLENECK:  # a rate is what the shape can do, not what a lighter load asked of it
+            self.rate[cur] = r if cur not in self.rate else self.ALPHA * r + (1 - self.ALPHA) * self.rate[cur]
         nxt = self._step(cur, busy)
-        if nxt != cur:
-            log.debug(
-                "forward %s -> %s (busy %.2f, budget %d, patches/s %s)",
-                cur,
-                nxt,
-                busy,
-                self.budget,
-                {str(k): round(v) for k, v in self.rate.items()},
-            )
+        log.debug(
+            "forward window %d at %s: %.1f s, %d patches/s, busy %.2f, decoders %.2f cores, budget %d -> %s "
+            "(patches/s by shape %s)",
+            self.windows,
+            cur,
+            w.seconds,
+            r,
+            busy,
+            w.decode_cpu_s / w.seconds,
+            self.budget,
+            nxt,
+            {str(k): round(v) for k, v in self.rate.items()},
+        )
         self.current = nxt
         return nxt
 
@@ -126,7 +132,7 @@ class ForwardPolicy:
         fits = [s for s in self.options if s.cores <= self.budget] or self.options[:1]
         if cur.cores > self.budget:  # 1. the decoders need cores back, unless this measured faster than all that fit
             down = self._best(fits, level=max(s.cores for s in fits))
-            if down not in self.rate or self.rate[cur] <= self.BETTER * self.rate[down]:
+            if down not in self.rate or cur not in self.rate or self.rate[cur] <= self.BETTER * self.rate[down]:
                 return down
         allowed = fits + self._faster_over_budget(fits)
         explore = self.windows % self.explore_every == 0
@@ -146,7 +152,9 @@ class ForwardPolicy:
                     return target
         elif busy < self.SLACK and cur.cores > 1:  # 3. the forward waits for work: give a core back
             return self._best(fits, level=cur.cores - 1)
-        better = [s for s in allowed if s in self.rate and self.rate[s] > self.BETTER * self.rate[cur]]  # 4.
+        if cur not in self.rate:  # 4. (never saturated here: nothing to compare it with)
+            return cur
+        better = [s for s in allowed if s in self.rate and self.rate[s] > self.BETTER * self.rate[cur]]
         return max(better, key=self.rate.__getitem__) if better else cur
 
     def _faster_over_budget(self, fits: list[Shape]) -> list[Shape]:
@@ -174,7 +182,8 @@ class ForwardTuner:
     `stats()` returns (forward busy seconds, patches) so far, or (busy seconds, patches, forwards); with the
     forward count a window lasts until each worker finished `min_forwards` forwards (at most `max_windows`
     windows of `window_s`): a large tower's forward takes about a second, and a 1.5-s window that sees one or
-    two of them measures its rate to ±50 %. `decode_pids()` the decode processes."""
+    two of them measures its rate to ±50 %; and after a change of shape the next window starts once the
+    forwards in flight at the change have ended. `decode_pids()` the decode processes."""
 
     MIN_FORWARDS = 3  # forwards per worker a window must see before it is judged
     MAX_WINDOWS = 4  # ... unless it has lasted this many windows
@@ -229,5 +238,21 @@ class ForwardTuner:
                 continue  # too few forwards to judge yet (or idle): the window goes on
             cpu1, t1 = cpu_seconds(self.decode_pids()), time.perf_counter()
             w = Window(t1 - t0, busy1 - busy0, max(0.0, cpu1 - cpu0), patches1 - patches0)
+            before = self.workers, self.threads
             self.apply(self.policy.decide(w))
+            if (self.workers, self.threads) != before and forwards1 is not None:
+                # Forwards and patches count when a forward ends: the next window starts once the forwards in
+                # flight at the switch (at most the old worker count) have ended, so it measures the new shape
+                # alone (a large tower's forward lasts about a second: a third of a 3-forward window).
+                await self._settle(forwards1 + before[0], window_s)
+                busy1, patches1, forwards1 = self._sample()
+                cpu1, t1 = cpu_seconds(self.decode_pids()), time.perf_counter()
             busy0, patches0, forwards0, cpu0, t0, waited = busy1, patches1, forwards1, cpu1, t1, 0
+
+    async def _settle(self, forwards: int, window_s: float) -> None:
+        """Waits (up to MAX_WINDOWS windows) until the forward count reaches `forwards`."""
+        for _ in range(4 * self.MAX_WINDOWS):
+            _, _, seen = self._sample()
+            if seen is None or seen >= forwards:
+                return
+            await asyncio.sleep(window_s / 4)

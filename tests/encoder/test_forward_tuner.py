@@ -23,14 +23,17 @@ class Machine:
 
     def window(self, s: Shape) -> Window:
         """Steady state at shape `s`: throughput is the least of the forward's capacity, the decoders' and the
-        cores' (forward threads spin while they run: CPU = wall x threads)."""
+        cores' (forward threads spin while they run: CPU = wall x threads). Where the cores bind, every runnable
+        thread (forward threads and decoders) gets its share of them, so a forward is in progress longer than
+        its own wall time: a forward the cores slow down measures busy (0.88-0.99 at 1x2 on the 2-core Xeon),
+        a cheap one next to busy decoders still waits for work."""
         wall = self.forward_s / (self.speedup2 if s.threads >= 2 else 1.0) * (self.split_cost if s.workers > 1 else 1.0)
-        x = min(
-            s.workers / wall, self.decoders / self.decode_cpu_s, self.cores / (wall * s.threads + self.decode_cpu_s)
-        )
-        return Window(
-            WINDOW_S, x * wall * WINDOW_S, x * self.decode_cpu_s * WINDOW_S, int(x * WINDOW_S * PATCHES_PER_ITEM)
-        )
+        forward, decoders = s.workers / wall, self.decoders / self.decode_cpu_s
+        cores = self.cores / (wall * s.threads + self.decode_cpu_s)
+        x = min(forward, decoders, cores)
+        share = min(1.0, self.cores / (s.cores + self.decoders)) if cores < min(forward, decoders) else 1.0
+        busy = min(s.workers, x * wall / share)  # each runnable thread gets its share of the cores
+        return Window(WINDOW_S, busy * WINDOW_S, x * self.decode_cpu_s * WINDOW_S, int(x * WINDOW_S * PATCHES_PER_ITEM))
 
     def rate(self, s: Shape) -> float:
         return self.window(s).patches / WINDOW_S
@@ -227,29 +230,80 @@ def test_worker_seconds_integrate_the_worker_count_across_shape_changes(monkeypa
     assert t.worker_seconds() == 7.0
 
 
-@dataclass
-class Contended(Machine):
-    """Where the cores bind, the forward runs slower than alone rather than idle: the server measures it in
-    progress the whole window (busy 0.88 at 1x2 in that run), where `Machine` counts only its uncontended
-    wall time."""
-
-    def window(self, s: Shape) -> Window:
-        w = super().window(s)
-        wall = self.forward_s / (self.speedup2 if s.threads >= 2 else 1.0) * (self.split_cost if s.workers > 1 else 1.0)
-        if w.patches / PATCHES_PER_ITEM / WINDOW_S < s.workers / wall * 0.999:  # the cores bind, not the forward
-            w.forward_busy_s = s.workers * WINDOW_S
-        return w
-
-
 def test_the_other_shape_of_a_level_kept_over_the_budget_is_tried_too():
     """Found by `bench encoder` (Intel Xeon, tiny tower): with the budget at one core, the tuner tried 1x2 over
     it, kept it (measured faster than 1x1), and never tried 2x1, which a fixed run measured faster still: the
     other shape of a level already held over the budget costs no more cores, so it is tried and the faster
     one kept."""
-    m = Contended(forward_s=0.1, decode_cpu_s=0.06, speedup2=1.8)
+    m = Machine(forward_s=0.1, decode_cpu_s=0.06, speedup2=1.8)
     assert m.rate(Shape(1, 2)) > 1.05 * m.rate(Shape(1, 1)) and m.rate(Shape(2, 1)) > 1.05 * m.rate(Shape(1, 2))
     p = ForwardPolicy(2, max_workers=2)
     seen = drive(p, m)
     assert p.budget == 1 and seen[0] == Shape(1, 2)
     assert settled(seen) == Shape(2, 1) == max(shapes(2, 2), key=m.rate)
     assert seen[-16:].count(Shape(2, 1)) >= 14
+
+
+def test_a_window_the_load_left_the_forward_idle_rates_nothing():
+    """Found by the tuner's window log on the large tower (`bench encoder`'s sequence): a shape switched to just
+    as the load fell (a one-client pass) measured 8,629 patches/s at busy 0.41, what one client asked of it,
+    not what it could do; that rate kept the faster 2x1 from being tried again. A rate is recorded only from
+    a window where the forward was the bottleneck; a shape measured only under a light load counts as untried."""
+    p = ForwardPolicy(2, max_workers=2)
+    assert p.decide(Window(4.5, 0.94 * 4.5, 0.15 * 4.5, int(10421 * 4.5))) == Shape(1, 2)
+    assert p.decide(Window(6.0, 0.99 * 6.0, 0.06 * 6.0, int(10808 * 6.0))) == Shape(2, 1)
+    light = Window(6.0, 0.41 * 6.0 * 2, 0.08 * 6.0, int(8629 * 6.0))
+    assert p.decide(light) == Shape(1, 1)  # the forward waits for work: a core back
+    assert Shape(2, 1) not in p.rate
+    m = Machine(forward_s=0.1, decode_cpu_s=0.01, speedup2=1.1)  # saturated again; two workers are fastest here
+    assert max(shapes(2, 2), key=m.rate) == Shape(2, 1)
+    seen = drive(p, m, windows=3)
+    assert Shape(2, 1) in seen and seen[-1] == Shape(2, 1), seen
+
+
+def test_after_a_change_of_shape_the_next_window_starts_once_the_old_forwards_ended():
+    """Forwards count when they end: a window starting at a change of shape would credit the new shape with
+    the old one's forwards in flight (a large tower's forward is a third of a window). The loop waits for
+    them (the old worker count) before it starts the next window."""
+    import asyncio
+
+    from encoder_server.pipeline.tuner import ForwardTuner
+
+    clock = {"forwards": 0}
+    windows = []
+
+    class Policy(ForwardPolicy):
+        def decide(self, w):
+            windows.append(w)
+            return Shape(2, 1) if len(windows) == 1 else self.current  # one change, after the first window
+
+    def stats():
+        n = clock["forwards"]
+        return float(n), 1000 * n, n
+
+    tuner = ForwardTuner(stats, lambda: [], Policy(2, max_workers=2))
+    tuner.MIN_FORWARDS = 1
+    tuner.MAX_WINDOWS = 10**6  # only forward counts close a window or end the wait here
+
+    async def main():
+        task = asyncio.create_task(tuner.run(window_s=0.02))
+        await asyncio.sleep(0.01)
+        clock["forwards"] = 1  # the first window's forward
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if windows:
+                break
+        assert tuner.workers == 2
+        await asyncio.sleep(0.1)  # the old worker's forward in flight has not ended: no window starts
+        clock["forwards"] = 2  # it ends (credited to nobody)
+        await asyncio.sleep(0.05)
+        clock["forwards"] = 4  # two forwards of the new shape
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if len(windows) >= 2:
+                break
+        task.cancel()
+
+    asyncio.run(main())
+    assert len(windows) >= 2
+    assert windows[1].patches == 2000, windows  # the new shape's two forwards, not the old one's third
