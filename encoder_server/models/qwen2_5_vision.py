@@ -100,9 +100,9 @@ class PatchEmbed(nn.Module):
 def uint8_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, rows: int = 1024) -> torch.Tensor:
     """uint8 rows [S, K] @ fp32 `weight_t` [K, N] + `bias`, converted to fp32 `rows` rows at a time into one
     reused buffer. The whole batch converted at once is S x K x 4 bytes (a packed batch of seven images is
-    57 MB): over glibc's largest mmap threshold (32 MB), so every forward maps fresh pages and faults each
-    one in, and the conversion cost more than the GEMM (py-spy on a loaded server). A 2.4-MB buffer stays
-    in cache: 3x faster on a CPU, the same sums."""
+    57 MB): over the 32-MB mmap threshold (glibc's adaptive ceiling, and what `keep_freed_memory` sets), so
+    every forward maps fresh pages and faults each one in, and the conversion cost more than the GEMM (py-spy
+    on a loaded server). A 2.4-MB buffer stays in cache: 3x faster on a CPU, the same sums."""
     if x.device.type != "cpu" or x.shape[0] <= rows:
         return torch.addmm(bias, x.to(torch.float32), weight_t)
     out = torch.empty(x.shape[0], weight_t.shape[1], dtype=torch.float32)

@@ -18,7 +18,7 @@ log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses more on 64-bit (HEAP_MAX_SIZE / 2)
+MMAP_THRESHOLD_MAX = 32 << 20  # glibc's own ceiling for its adaptive threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
 def keep_freed_memory(trim_threshold: int = 64 << 20, mmap_threshold: int = MMAP_THRESHOLD_MAX) -> bool:
