@@ -83,6 +83,7 @@ NAIVE_FLAGS = [
     "pil",
 ]
 PIPELINED_FLAGS: list[str] = []
+MODES = ("naive", "pipelined", "peer_per_request", "peer_batched")  # every run; `--forward-shapes` adds more
 STAGES = ("fetch", "decode", "preprocess", "encode")
 PEER_MODULE = "mimo_epd.bench.peers.hf_encoder"
 PEER_TOLERANCE = 1e-4  # relative L2 vs naive: same pixels, different float order
@@ -329,8 +330,8 @@ def run_size(size: str, media: MediaServer, mix, args, workdir: str) -> dict:
     names = request_names(mix, args.per_size, n)
     warmup = request_names(mix, args.per_size, max(4, 2 * len(mix)))
     shapes = shape_flags(args.forward_shapes)
-    plan = {mode: None for mode in ("naive", "pipelined", "peer_per_request", "peer_batched")} | shapes
-    outputs: dict = {mode: {} for mode in ("naive", "pipelined", "peer_per_request", "peer_batched")}
+    plan = {mode: None for mode in MODES} | shapes
+    outputs: dict = {mode: {} for mode in MODES}
     runs: dict[str, list[dict]] = {mode: [] for mode in plan}
     for rep in range(args.repeats):  # modes interleaved: a slow phase of the machine hits all of them
         for mode, flags in plan.items():

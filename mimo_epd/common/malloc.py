@@ -11,7 +11,6 @@ What a process keeps is bounded by its peak working set plus the trim threshold.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -24,12 +23,10 @@ MMAP_THRESHOLD_MAX = 32 << 20  # glibc's own ceiling for its adaptive threshold 
 def keep_freed_memory(trim_threshold: int = 64 << 20, mmap_threshold: int = MMAP_THRESHOLD_MAX) -> bool:
     """Allocations up to `mmap_threshold` come from the heap, and up to `trim_threshold` bytes free at its top
     are kept. Returns whether glibc took both settings."""
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError, TypeError):
-        return False  # not glibc (musl, macOS): nothing to tune
+        mallopt = ctypes.CDLL(None).mallopt  # the process's own C library: no library search (no subprocess)
+    except (OSError, AttributeError):
+        return False  # no mallopt (musl, macOS): nothing to tune
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
     if not ok:
