@@ -17,7 +17,7 @@ their torch twin on the CPU (kernels/moe.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -28,6 +28,7 @@ from mimo_epd.common.layers import RMSNorm
 
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing
+from .quant import BlockFP8Experts, Fp8Spec, make_linear
 
 
 @dataclass
@@ -65,6 +66,15 @@ class MiMoV2FlashConfig:
     # Multi-token-prediction layers stored under `model.mtp.layers.{i}.*` (the key MiMo-7B and DeepSeek-V3 use;
     # transformers ignores it). 0 = the checkpoint's MTP weights, if any, are not loaded.
     num_nextn_predict_layers: int = 0
+    # Not in transformers' config either: the release's keys (llm_backend/models/released.py reads them).
+    swa_attention_sink: bool = True  # add_swa_attention_sink_bias: a per-head sink logit in sliding layers
+    full_attention_sink: bool = False  # add_full_attention_sink_bias: the same in full layers
+    attention_projection_layout: str = "split"  # or "fused_qkv" (V2.5 on): the loader de-interleaves it
+    quant: Fp8Spec | None = None  # block-FP8 linear layers (quantization_config), or None
+
+    # Fields transformers' MiMoV2FlashConfig does not have (to_hf_dict leaves them out).
+    OURS = ("num_nextn_predict_layers", "swa_num_key_value_heads", "swa_attention_sink", "full_attention_sink")
+    OURS += ("attention_projection_layout", "quant")
 
     def __post_init__(self):
         n = self.num_hidden_layers
@@ -89,6 +99,9 @@ class MiMoV2FlashConfig:
         """Tokens a sliding layer sees before the current one (the model's W)."""
         return self.sliding_window - 1
 
+    def has_sinks(self, layer: int) -> bool:
+        return self.swa_attention_sink if self.layer_types[layer] == "sliding_attention" else self.full_attention_sink
+
     def kv_heads(self, layer: int) -> int:
         if self.layer_types[layer] != "sliding_attention":
             return self.num_key_value_heads
@@ -107,7 +120,7 @@ class MiMoV2FlashConfig:
     def to_hf_dict(self) -> dict:
         """The config as transformers' MiMoV2FlashConfig reads it; a field that is not given (None) is left out, so
         transformers applies its own default (it refuses None for `max_position_embeddings`)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("quant",)}
         return {"model_type": "mimo_v2_flash", **{k: v for k, v in values.items() if v is not None}}
 
 
@@ -121,11 +134,13 @@ class SeqInput(NamedTuple):
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, intermediate: int):
+    def __init__(self, cfg: MiMoV2FlashConfig, intermediate: int, prefix: str = ""):
+        """`prefix`: the module's name in the checkpoint (`model.layers.0.mlp`), which says whether it is FP8."""
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
+        h, q = cfg.hidden_size, cfg.quant
+        self.gate_proj = make_linear(q, h, intermediate, f"{prefix}.gate_proj")
+        self.up_proj = make_linear(q, h, intermediate, f"{prefix}.up_proj")
+        self.down_proj = make_linear(q, intermediate, h, f"{prefix}.down_proj")
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -171,16 +186,21 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig):
+    def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = ""):
         super().__init__()
-        self.experts = Experts(cfg)
+        q = cfg.quant
+        if q is not None and q.quantized(f"{prefix}.experts"):
+            e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+            self.experts: nn.Module = BlockFP8Experts(e, h, i, q.block)
+        else:
+            self.experts = Experts(cfg)
         self.gate = TopkRouter(cfg)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         c = self.gate.cfg
-        if c.n_group == 1 and triton_enabled(x.device):  # fused routing + grouped expert GEMMs (kernels/moe.py)
+        if c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, Experts):  # fused routing + grouped expert GEMMs (kernels/moe.py)
             logits = F.linear(x.float(), self.gate.weight.float())
             weights, ids = topk_routing(
                 logits,
@@ -205,16 +225,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
+    def __init__(self, cfg: MiMoV2FlashConfig, layer: int, prefix: str = ""):
+        """`prefix`: the module's name in the checkpoint (default `model.layers.{layer}.self_attn`)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.sliding = cfg.layer_types[layer] == "sliding_attention"
-        hq, hkv = cfg.num_attention_heads, cfg.kv_heads(layer)
-        self.q_proj = nn.Linear(cfg.hidden_size, hq * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * cfg.v_head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(hq * cfg.v_head_dim, cfg.hidden_size, bias=False)
-        self.sinks = nn.Parameter(torch.empty(hq)) if self.sliding else None
+        hq, hkv, h, b = cfg.num_attention_heads, cfg.kv_heads(layer), cfg.hidden_size, cfg.attention_bias
+        p, q = prefix or f"model.layers.{layer}.self_attn", cfg.quant
+        if q is not None:
+            # The release tiles q/k/v scales per pre-split chunk, and rows de-interleaved from a fused QKV need not
+            # start on a block: one scale row per weight row keeps any of them exact (llm_backend/kernels/fp8.py).
+            q = replace(q, block=(1, q.block[1]))
+        self.q_proj = make_linear(q, h, hq * cfg.head_dim, f"{p}.q_proj", b)
+        self.k_proj = make_linear(q, h, hkv * cfg.head_dim, f"{p}.k_proj", b)
+        self.v_proj = make_linear(q, h, hkv * cfg.v_head_dim, f"{p}.v_proj", b)
+        self.o_proj = make_linear(cfg.quant, hq * cfg.v_head_dim, h, f"{p}.o_proj")
+        self.sinks = nn.Parameter(torch.empty(hq)) if cfg.has_sinks(layer) else None
         self.scale = cfg.head_dim**-0.5
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -231,7 +257,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer)
-        self.mlp = MoE(cfg) if cfg.mlp_layer_types[layer] == "sparse" else DenseMLP(cfg, cfg.intermediate_size)
+        p = f"model.layers.{layer}.mlp"
+        sparse = cfg.mlp_layer_types[layer] == "sparse"
+        self.mlp = MoE(cfg, p) if sparse else DenseMLP(cfg, cfg.intermediate_size, p)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -242,7 +270,8 @@ class Rotary(nn.Module):
         for kind in sorted(set(cfg.layer_types)):
             p = cfg.rope_parameters[kind]
             dim = int(cfg.head_dim * p.get("partial_rotary_factor", 0.334))
-            inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+            # On the CPU even while the model is built on the meta device (the loader's): computed, never loaded.
+            inv = 1.0 / (p["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float, device="cpu") / dim))
             self.register_buffer(f"{kind}_inv_freq", inv, persistent=False)
 
     def forward(self, positions: torch.Tensor, kind: str, dtype: torch.dtype):

@@ -55,9 +55,9 @@ class MTPLayer(nn.Module):
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, index)  # cfg is mtp_config(...): layer `index` is a sliding layer
+        self.self_attn = Attention(cfg, index, f"model.mtp.layers.{index}.self_attn")  # cfg: mtp_config(...), sliding
         self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = DenseMLP(cfg, cfg.intermediate_size)
+        self.mlp = DenseMLP(cfg, cfg.intermediate_size, f"model.mtp.layers.{index}.mlp")
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
     def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
