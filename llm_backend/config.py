@@ -22,8 +22,8 @@ class LLMConfig:
     # --- serving -------------------------------------------------------------------------------
     model: str = flag(
         "tiny",
-        "'tiny' (the shipped trained model), 'tiny-random' (seeded random weights, byte tokenizer) or a "
-        "mimo_v2_flash checkpoint directory",
+        "'tiny' (the shipped trained model), 'tiny-random' (seeded random weights, byte tokenizer) or a MiMo "
+        "checkpoint directory (mimo_v2_flash or mimo_v2, original or transformers layout, bf16 or FP8; docs/model.md)",
         _SERVE,
     )
     host: str = flag("127.0.0.1", "address to listen on", _SERVE)
@@ -35,6 +35,20 @@ class LLMConfig:
         "weights, activations and KV: float32, bfloat16, float16 or auto (bfloat16 on CUDA, else float32)",
         _SERVE,
         choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    fp8_weights: str = flag(
+        "keep",
+        "an FP8 checkpoint's linear layers: keep (FP8 in memory, about half of bf16's bytes; the Triton FP8 GEMM on "
+        "CUDA, dequantized per GEMM on a CPU) or dequantize (once at load into --dtype)",
+        _SERVE,
+        choices=("keep", "dequantize"),
+    )
+    quantization: str = flag(
+        "",
+        "fp8: quantize a bf16 checkpoint's linear layers to 128x128 block FP8 at load (vLLM's --quantization fp8); "
+        "empty = as stored",
+        _SERVE,
+        choices=("", "fp8"),
     )
     torch_threads: int = flag(0, "intra-op threads for the forward (0 = torch's default: every core)", _SERVE)
     encoder: str = flag(

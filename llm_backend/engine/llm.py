@@ -52,7 +52,11 @@ class LLM:
             cfg = replace(config, **kw)
         cfg.validate()
         self.config = cfg
-        self.model = load_llm(cfg.model, cfg.device, dtype or cfg.torch_dtype()) if isinstance(model, str) else model
+        if isinstance(model, str):
+            dt = dtype or cfg.torch_dtype()
+            self.model = load_llm(cfg.model, cfg.device, dt, cfg.fp8_weights, cfg.quantization, progress=True)
+        else:
+            self.model = model
         self.model_name = cfg.model if isinstance(model, str) else type(model).__name__
         mcfg = self.model.config
         self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer) if isinstance(model, str) else ByteTokenizer()

@@ -476,9 +476,9 @@ class _Reader:
         return buf.view(t.dtype).view(t.shape) if t.shape else buf.view(t.dtype).reshape(())
 
     def _report(self, final: bool = False) -> None:
-        if not self.progress:
-            return
         now = time.monotonic()
+        if not self.progress or now - self.t0 < 2.0:  # a load that takes under 2 s says nothing
+            return
         if not final and now - self.last < (0.5 if self.tty else 10.0):
             return
         self.last = now

@@ -28,6 +28,7 @@ COMMAND_MODULES = (
     "bench",
     "sim",
     "train",
+    "checkpoint",
     "version",
 )
 

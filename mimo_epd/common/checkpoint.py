@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from mimo_epd.common.model_names import TINY, TINY_RANDOM, resolve_model
 
 # The LLM architectures the workers load, and the vision towers the encoders run.
-LLM_TYPES = ("mimo_v2_flash",)
+LLM_TYPES = ("mimo_v2_flash", "mimo_v2")
 VISION_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
 BYTES = "bytes"  # --tokenizer bytes: one token per UTF-8 byte
 # `tiny-random`'s widths (llm_backend.models.TINY_LLM_CONFIG, encoder_server.models.TINY_VISION_CONFIG)

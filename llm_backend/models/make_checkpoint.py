@@ -1,0 +1,266 @@
+"""Random MiMo checkpoints in the exact layouts Xiaomi releases: config keys, tensor names, dtypes, shards, index.
+
+`write_checkpoint(out, like, weights, scale)` writes what `mimo-epd make-checkpoint` promises: a directory that
+loads through the same code as the downloaded model, small enough for the machine at hand, so a deployment can be
+rehearsed (and the loader tested) before 300 GB are fetched.
+
+What each `like` reproduces (docs/model.md has the table and the sources):
+- `v2-flash`: `model_type: mimo_v2_flash`, `MiMoV2FlashForCausalLM`, separate q/k/v whose FP8 scales are tiled per
+  pre-split chunk (n = num_key_value_heads; a full layer's k_proj of 4 x 192 rows carries 8 scale rows), full
+  attention at layer 0 and every 6th, KV heads 4 (full) / 8 (sliding), 3 MTP layers under `model.mtp.layers.{i}`.
+- `v2.5`: `model_type: mimo_v2`, `MiMoV2ForCausalLM`, `attention_projection_layout: fused_qkv`: one `qkv_proj` per
+  layer laid out `[Q_0|K_0|V_0|...|Q_n|K_n|V_n]` with each chunk's own block scales; `o_proj` left bf16
+  (`ignored_layers`), `store_dtype: fp8`, rope theta 1e7.
+- `v2.5-pro`: as v2.5 with 8 KV heads in both layer types (pre-split 8 ways), 70 layers' pattern (full at 0, 7, 15,
+  ...; scaled down keeps the first and the seventh), value scale 0.612.
+- `v2.6`: as v2.5 with a bf16 router (`moe_router_dtype`), 3 MTP layers, `layernorm_epsilon` 1e-6.
+
+Weights: `bf16` (as a bf16 release would be) or `fp8` (float8_e4m3fn, fp32 `weight_scale_inv` per 128 x 128 block;
+the router gate, its correction bias, norms, embeddings, LM head and `o_proj` as the release keeps them). Each
+weight's rows get a random magnitude, so neighbouring blocks have very different scales and a loader that
+applies a scale to the wrong rows is wrong by a lot, not by a little.
+
+The tokenizer, chat template and generation config are the shipped `tiny` model's (vocabulary 4096), so `serve DIR`
+answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+
+import torch
+
+from mimo_epd.common.model_names import resolve_model
+
+from ..kernels.fp8 import quantize
+
+LIKES = ("v2-flash", "v2.5", "v2.5-pro", "v2.6")
+WEIGHTS = ("bf16", "fp8")
+SCALES = ("tiny", "small")
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_full: int
+    kv_swa: int
+    head_dim: int
+    v_head_dim: int
+    experts: int
+    top_k: int
+    moe_inter: int
+    inter: int
+    window: int
+    mtp: int
+
+
+def shape_of(like: str, scale: str) -> Shape:
+    pro = like == "v2.5-pro"
+    mtp = 3 if like in ("v2-flash", "v2.6") else 0
+    if scale == "tiny":  # every projection <= 128 rows per chunk or a multiple of 128: transformers' FP8 path agrees
+        return Shape(256, 8, 16 if pro else 8, 8 if pro else 4, 8, 48, 32, 8, 2, 128, 512, 32, mtp)
+    return Shape(1024, 12, 32 if pro else 16, 8 if pro else 4, 8, 96, 64, 32, 4, 512, 2048, 128, mtp)
+
+
+def _pattern(like: str, n: int) -> list[int]:
+    """1 = sliding window (the release's hybrid_layer_pattern)."""
+    if like == "v2.5-pro":
+        full = {0, 7, 15, 23, 31, 39, 47, 55, 62, 69}
+        return [0 if i in full else 1 for i in range(n)]
+    return [0 if (i == 0 or (i + 1) % 6 == 0) else 1 for i in range(n)]
+
+
+def make_config(like: str, weights: str, s: Shape) -> dict:
+    """config.json with the release's keys (and only those)."""
+    flash = like == "v2-flash"
+    cfg: dict = {
+        "architectures": ["MiMoV2FlashForCausalLM" if flash else "MiMoV2ForCausalLM"],
+        "model_type": "mimo_v2_flash" if flash else "mimo_v2",
+        "vocab_size": 4096,
+        "hidden_size": s.hidden,
+        "intermediate_size": s.inter,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "swa_num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_full,
+        "swa_num_key_value_heads": s.kv_swa,
+        "head_dim": s.head_dim,
+        "swa_head_dim": s.head_dim,
+        "v_head_dim": s.v_head_dim,
+        "swa_v_head_dim": s.v_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 262144 if flash else 1048576,
+        "partial_rotary_factor": 0.334,
+        "rope_theta": 5000000.0 if flash else 10000000.0,
+        "swa_rope_theta": 10000.0,
+        "rope_scaling": None if flash else {"rope_type": "default", "type": "default"},
+        "sliding_window": s.window,
+        "sliding_window_size": s.window,
+        "attention_chunk_size": s.window,
+        "hybrid_layer_pattern": _pattern(like, s.layers),
+        "moe_layer_freq": [0] + [1] * (s.layers - 1),
+        "add_swa_attention_sink_bias": True,
+        "add_full_attention_sink_bias": False,
+        "attention_value_scale": 0.612 if like == "v2.5-pro" else 0.707,
+        "attention_bias": False,
+        "n_routed_experts": s.experts,
+        "num_experts_per_tok": s.top_k,
+        "moe_intermediate_size": s.moe_inter,
+        "n_shared_experts": None,
+        "routed_scaling_factor": None,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": 1,
+        "topk_group": 1,
+        "norm_topk_prob": True,
+        "layernorm_epsilon": 1e-6 if like == "v2.6" else 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": [2, 0],
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+        "use_cache": True,
+        "initializer_range": 0.02,
+    }
+    if not flash:
+        cfg["attention_projection_layout"] = "fused_qkv"
+        cfg["hybrid_block_size"] = None
+    if like == "v2.6":
+        cfg["moe_router_dtype"] = "bfloat16"
+    if s.mtp:
+        cfg["num_nextn_predict_layers"] = s.mtp
+    if weights == "fp8":
+        q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+        if not flash:
+            q["store_dtype"] = "fp8"
+            q["ignored_layers"] = [f"model.layers.{i}.self_attn.o_proj" for i in range(s.layers)]
+            q["ignored_layers"].append("model.decoder.self_attn.o_proj")
+        cfg["quantization_config"] = q
+    return cfg
+
+
+class _Rand:
+    def __init__(self, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+
+    def weight(self, rows: int, cols: int, std: float = 0.02) -> torch.Tensor:
+        """N(0, std) with a log-normal magnitude per row: block scales differ a lot between neighbouring rows."""
+        mag = torch.exp(0.7 * torch.randn(rows, 1, generator=self.g))
+        return torch.randn(rows, cols, generator=self.g) * std * mag
+
+    def vec(self, n: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(n, generator=self.g) * std
+
+
+class _Writer:
+    """Collects one file's tensors (weights in bf16 or FP8 + scales) and saves them."""
+
+    def __init__(self, fp8: bool):
+        self.fp8 = fp8
+        self.files: dict[str, dict[str, torch.Tensor]] = {}
+
+    def put(self, file: str, name: str, t: torch.Tensor, dtype=torch.bfloat16) -> None:
+        self.files.setdefault(file, {})[name] = t.to(dtype).contiguous()
+
+    def linear(self, file: str, name: str, w: torch.Tensor, chunks: int = 1, quantized: bool = True) -> None:
+        """A linear weight; FP8 with scales tiled per chunk of rows when `chunks` > 1 (the release's pre-split)."""
+        if not (self.fp8 and quantized):
+            self.put(file, f"{name}.weight", w)
+            return
+        qs, ss = zip(*(quantize(c) for c in w.chunk(chunks, dim=0)))
+        self.put(file, f"{name}.weight", torch.cat(qs), qs[0].dtype)
+        self.put(file, f"{name}.weight_scale_inv", torch.cat(ss), torch.float32)
+
+
+def _attention(w: _Writer, r: _Rand, file: str, p: str, like: str, s: Shape, sliding: bool) -> None:
+    hkv = s.kv_swa if sliding else s.kv_full
+    n = s.kv_full  # the release pre-splits for num_key_value_heads ranks
+    q = r.weight(s.heads * s.head_dim, s.hidden)
+    k = r.weight(hkv * s.head_dim, s.hidden)
+    v = r.weight(hkv * s.v_head_dim, s.hidden)
+    if like == "v2-flash":
+        for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            w.linear(file, f"{p}.{name}", t, chunks=n)
+    else:
+        fused = torch.cat([torch.cat(parts) for parts in zip(q.chunk(n), k.chunk(n), v.chunk(n))])
+        w.linear(file, f"{p}.qkv_proj", fused, chunks=n)
+    w.linear(file, f"{p}.o_proj", r.weight(s.hidden, s.heads * s.v_head_dim), quantized=like == "v2-flash")
+    if sliding:
+        w.put(file, f"{p}.attention_sink_bias", r.vec(s.heads))
+
+
+def _mlp(w: _Writer, r: _Rand, file: str, p: str, s: Shape, inter: int) -> None:
+    for name, (rows, cols) in (("gate_proj", (inter, s.hidden)), ("up_proj", (inter, s.hidden)), ("down_proj", (s.hidden, inter))):
+        w.linear(file, f"{p}.{name}", r.weight(rows, cols))
+
+
+def write_checkpoint(
+    out: str, like: str = "v2-flash", weights: str = "fp8", scale: str = "tiny", seed: int = 0, shards: int = 4
+) -> dict:
+    """Writes the checkpoint into `out` (created; must be empty or absent); returns a summary."""
+    if like not in LIKES or weights not in WEIGHTS or scale not in SCALES:
+        raise ValueError(f"like in {LIKES}, weights in {WEIGHTS}, scale in {SCALES}")
+    if os.path.isdir(out) and os.listdir(out):
+        raise ValueError(f"{out}: not empty")
+    os.makedirs(out, exist_ok=True)
+    s = shape_of(like, scale)
+    cfg = make_config(like, weights, s)
+    r, w = _Rand(seed), _Writer(weights == "fp8")
+    shards = max(1, min(shards, s.layers))
+    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    w.put(names[0], "model.embed_tokens.weight", r.weight(4096, s.hidden))
+    pattern = cfg["hybrid_layer_pattern"]
+    router_dtype = torch.bfloat16 if like == "v2.6" else torch.float32
+    for i in range(s.layers):
+        f, p = names[i * shards // s.layers], f"model.layers.{i}"
+        w.put(f, f"{p}.input_layernorm.weight", 1 + r.vec(s.hidden, 0.1))
+        w.put(f, f"{p}.post_attention_layernorm.weight", 1 + r.vec(s.hidden, 0.1))
+        _attention(w, r, f, f"{p}.self_attn", like, s, bool(pattern[i]))
+        if i == 0:
+            _mlp(w, r, f, f"{p}.mlp", s, s.inter)
+            continue
+        w.put(f, f"{p}.mlp.gate.weight", r.weight(s.experts, s.hidden, 0.2), router_dtype)
+        w.put(f, f"{p}.mlp.gate.e_score_correction_bias", r.vec(s.experts, 0.01), torch.float32)
+        for e in range(s.experts):
+            _mlp(w, r, f, f"{p}.mlp.experts.{e}", s, s.moe_inter)
+    w.put(names[-1], "model.norm.weight", 1 + r.vec(s.hidden, 0.1))
+    w.put(names[-1], "lm_head.weight", r.weight(4096, s.hidden))
+    mtp_like = "v2-flash" if like == "v2-flash" else like
+    for k in range(s.mtp):
+        f, p = "model_mtp.safetensors", f"model.mtp.layers.{k}"
+        for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
+            w.put(f, f"{p}.{norm}.weight", 1 + r.vec(s.hidden, 0.1))
+        w.put(f, f"{p}.eh_proj.weight", r.weight(s.hidden, 2 * s.hidden))
+        _attention(w, r, f, f"{p}.self_attn", mtp_like, s, True)
+        _mlp(w, r, f, f"{p}.mlp", s, s.inter)
+    from safetensors.torch import save_file
+
+    weight_map, total = {}, 0
+    for f, tensors in w.files.items():
+        save_file(tensors, os.path.join(out, f), metadata={"format": "pt"})
+        for name, t in tensors.items():
+            weight_map[name] = f
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as fh:
+        json.dump(index, fh, indent=2)
+    with open(os.path.join(out, "config.json"), "w") as fh:
+        json.dump(cfg, fh, indent=2)
+    tiny = resolve_model("tiny")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(tiny, name), os.path.join(out, name))
+    return {
+        "out": out,
+        "like": like,
+        "weights": weights,
+        "scale": scale,
+        "files": len(w.files),
+        "tensors": len(weight_map),
+        "bytes": total,
+        "model_type": cfg["model_type"],
+    }
