@@ -173,7 +173,11 @@ def _fp8_gemm_kernel(
         a_s = tl.load(as_ptr + rm * KB + kb, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptr + (rn // SCALE_BN) * stride_bsn + kb, mask=n_ok, other=0.0)
         acc += tl.dot(a, b, out_dtype=tl.float32) * a_s[:, None] * b_s[None, :]
-    tl.store(c_ptr + rm[:, None] * stride_cm + rn[None, :], acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        c_ptr + rm[:, None] * stride_cm + rn[None, :],
+        acc.to(c_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 def fp8_gemm(

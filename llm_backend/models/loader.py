@@ -46,7 +46,14 @@ from .released import ConfigError, qkv_chunks, read_config
 log = logging.getLogger("mimo_epd.llm.loader")
 
 # Weights of a multimodal checkpoint that the encoder's towers read, not the LLM.
-OTHER_TOWERS = ("visual.", "model.visual.", "audio_tower.", "model.audio_tower.", "audio_encoder.", "speech_embeddings.")
+OTHER_TOWERS = (
+    "visual.",
+    "model.visual.",
+    "audio_tower.",
+    "model.audio_tower.",
+    "audio_encoder.",
+    "speech_embeddings.",
+)
 _DTYPES = {
     "F64": torch.float64,
     "F32": torch.float32,
@@ -252,15 +259,21 @@ def _pieces(tensors: dict[str, Stored], cfg: MiMoV2FlashConfig, directory: str) 
         if m:
             layer, mtp = _layer_of(m.group(1))
             if cfg.attention_projection_layout != "fused_qkv":
-                raise _fail(t.file, f"tensor {name}: a fused qkv_proj, but config.json's attention_projection_layout is 'split'")
+                raise _fail(
+                    t.file, f"tensor {name}: a fused qkv_proj, but config.json's attention_projection_layout is 'split'"
+                )
             out.append(Piece("qkv", m.group(1), t, scale, layer=layer, mtp=mtp))
             continue
         m = _SPLIT_QKV.match(name)
         if m and cfg.attention_projection_layout == "fused_qkv":
-            raise _fail(t.file, f"tensor {name}: separate q/k/v, but config.json says attention_projection_layout fused_qkv")
+            raise _fail(
+                t.file, f"tensor {name}: separate q/k/v, but config.json says attention_projection_layout fused_qkv"
+            )
         if m and scale is not None:
             layer, mtp = _layer_of(m.group(1))
-            out.append(Piece("split_qkv", f"{m.group(1)}.{m.group(2)}", t, scale, part=m.group(2), layer=layer, mtp=mtp))
+            out.append(
+                Piece("split_qkv", f"{m.group(1)}.{m.group(2)}", t, scale, part=m.group(2), layer=layer, mtp=mtp)
+            )
             continue
         out.append(Piece("plain", _our_name(name), t, scale))
     return out
@@ -332,8 +345,9 @@ def _check_plan(plan: Plan, dtype: torch.dtype) -> None:
                 if cfg.quant is not None:  # a layer kept FP8 must be built FP8 (dequantized: cfg.quant is None)
                     raise _fail(w.file, f"tensor {w.name}: stored FP8 where the model expects {target.dtype}")
             filled.add(p.target)
-            if p.scale is not None and cfg.quant is not None:
+            if p.target + "_scale_inv" in params:  # an FP8 layer: kept as stored, or quantized at load
                 filled.add(p.target + "_scale_inv")
+            if p.scale is not None and cfg.quant is not None:
                 _same_shape(p.scale, params[p.target + "_scale_inv"].shape)
             elif p.scale is not None:
                 _same_shape(p.scale, scale_shape(*w.shape, plan.block))
@@ -378,8 +392,6 @@ def _expert_counts(plan: Plan) -> dict[str, dict[str, set[int]]]:
         if p.kind == "expert":
             out.setdefault(p.target, {}).setdefault(p.part, set()).add(p.expert)
     return out
-
-
 
 
 def _same_shape(t: Stored, shape) -> None:
@@ -484,7 +496,12 @@ class _Reader:
         self.last = now
         gb, rate = self.done / 1e9, self.done / 1e9 / max(now - self.t0, 1e-9)
         line = f"loading {self.label}: {gb:.2f} / {self.total / 1e9:.2f} GB ({100 * self.done / self.total:.0f} %), {rate:.2f} GB/s"
-        print(("\r" + line) if self.tty else line, end="\n" if (final or not self.tty) else "", file=sys.stderr, flush=True)
+        print(
+            ("\r" + line) if self.tty else line,
+            end="\n" if (final or not self.tty) else "",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def close(self) -> None:
         self._report(final=True)
@@ -596,15 +613,17 @@ def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, blo
         prefix = p.target.rsplit(".", 1)[0]
     if s is not None:
         layout = _scale_layout(p, n, chunk, block)
-        per_row = row_scales(s.float(), w.shape[0], block[0]) if layout == "plain" else torch.cat(
-            [row_scales(c, chunk, block[0]) for c in s.float().chunk(n, dim=0)]
+        per_row = (
+            row_scales(s.float(), w.shape[0], block[0])
+            if layout == "plain"
+            else torch.cat([row_scales(c, chunk, block[0]) for c in s.float().chunk(n, dim=0)])
         )
     for name, rows in parts:
         offset = sum(r for nm, r in parts[: [x[0] for x in parts].index(name)])
         sel = torch.cat([torch.arange(i * chunk + offset, i * chunk + offset + rows) for i in range(n)])
         target = f"{prefix}.{name}.weight"
-        if s is None:
-            targets.get(target).copy_(w[sel].to(targets.get(target).dtype))
+        if s is None:  # stored bf16: as is, or quantized now (--quantization fp8)
+            _put(targets, target, w[sel], None, block)
         elif f"{target}_scale_inv" in targets.meta:  # kept FP8: rows and their own scale rows
             targets.get(target).copy_(w[sel])
             targets.get(f"{target}_scale_inv").copy_(per_row[sel])

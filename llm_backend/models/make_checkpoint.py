@@ -195,7 +195,11 @@ def _attention(w: _Writer, r: _Rand, file: str, p: str, like: str, s: Shape, sli
 
 
 def _mlp(w: _Writer, r: _Rand, file: str, p: str, s: Shape, inter: int) -> None:
-    for name, (rows, cols) in (("gate_proj", (inter, s.hidden)), ("up_proj", (inter, s.hidden)), ("down_proj", (s.hidden, inter))):
+    for name, (rows, cols) in (
+        ("gate_proj", (inter, s.hidden)),
+        ("up_proj", (inter, s.hidden)),
+        ("down_proj", (s.hidden, inter)),
+    ):
         w.linear(file, f"{p}.{name}", r.weight(rows, cols))
 
 

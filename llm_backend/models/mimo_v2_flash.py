@@ -200,7 +200,9 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         c = self.gate.cfg
-        if c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, Experts):  # fused routing + grouped expert GEMMs (kernels/moe.py)
+        if (
+            c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, Experts)
+        ):  # fused routing + grouped expert GEMMs (kernels/moe.py)
             logits = F.linear(x.float(), self.gate.weight.float())
             weights, ids = topk_routing(
                 logits,

@@ -23,6 +23,7 @@ checks every weight against it, so a weight stored FP8 where the config says bf1
 from __future__ import annotations
 
 import re
+
 from .mimo_v2_flash import MiMoV2FlashConfig
 from .quant import Fp8Spec
 
@@ -201,12 +202,18 @@ def read_config(d: dict, path: str = "config.json") -> MiMoV2FlashConfig:
     for k in d:
         if k not in allowed:
             other = "transformers' converted" if k in _CONVERTED else "the original" if k in _ORIGINAL else ""
-            reason = f"a key of {other} layout in an {'original' if original else 'converted'}-layout config" if other else "not a key this loader understands"
+            reason = (
+                f"a key of {other} layout in an {'original' if original else 'converted'}-layout config"
+                if other
+                else "not a key this loader understands"
+            )
             raise _fail(path, k, reason)
     if d.get("hidden_act", "silu") != "silu":
         raise _fail(path, "hidden_act", f"{d['hidden_act']!r}: MiMo's MLPs are SwiGLU (silu)")
     rs = d.get("rope_scaling")
-    if rs not in (None, {}) and not (isinstance(rs, dict) and {rs.get("rope_type"), rs.get("type")} <= {"default", None}):
+    if rs not in (None, {}) and not (
+        isinstance(rs, dict) and {rs.get("rope_type"), rs.get("type")} <= {"default", None}
+    ):
         raise _fail(path, "rope_scaling", f"{rs!r}: rope scaling other than default is not supported")
     cfg = _read_original(d, path) if original else _read_converted(d, path)
     cfg.quant = _quantization(d.get("quantization_config"), path)
@@ -234,9 +241,14 @@ def _read_converted(d: dict, path: str) -> MiMoV2FlashConfig:
     if w is not None and "sliding_window" not in kw:
         kw["sliding_window"] = w + 1  # transformers' __post_init__ rule
     elif w is not None and kw["sliding_window"] != w + 1:
-        raise _fail(path, "sliding_window_size", f"{w} disagrees with sliding_window {kw['sliding_window']} (= W + 1 here)")
+        raise _fail(
+            path, "sliding_window_size", f"{w} disagrees with sliding_window {kw['sliding_window']} (= W + 1 here)"
+        )
     n = kw.get("num_hidden_layers", 48)
-    for key, values in (("layer_types", ("full_attention", "sliding_attention")), ("mlp_layer_types", ("dense", "sparse"))):
+    for key, values in (
+        ("layer_types", ("full_attention", "sliding_attention")),
+        ("mlp_layer_types", ("dense", "sparse")),
+    ):
         if key in kw and (len(kw[key]) != n or any(x not in values for x in kw[key])):
             raise _fail(path, key, f"expected {n} entries of {' / '.join(values)}")
     return MiMoV2FlashConfig(**kw)
@@ -250,7 +262,9 @@ def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
     for key in ("hybrid_layer_pattern", "sliding_window_size"):
         if d.get(key) is None:
             raise _fail(path, key, "missing (the original layout states it)")
-    kw["layer_types"] = ["sliding_attention" if x else "full_attention" for x in _pattern(d, "hybrid_layer_pattern", n, path)]
+    kw["layer_types"] = [
+        "sliding_attention" if x else "full_attention" for x in _pattern(d, "hybrid_layer_pattern", n, path)
+    ]
     if d.get("moe_layer_freq") is not None:
         kw["mlp_layer_types"] = ["sparse" if x else "dense" for x in _pattern(d, "moe_layer_freq", n, path)]
     elif d.get("first_k_dense_replace") is not None:
@@ -286,7 +300,11 @@ def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
         kw["rms_norm_eps"] = d["layernorm_epsilon"]
     rotary = d.get("partial_rotary_factor", 1.0)
     kw["rope_parameters"] = {
-        "full_attention": {"rope_type": "default", "rope_theta": float(d.get("rope_theta", 10000.0)), "partial_rotary_factor": rotary},
+        "full_attention": {
+            "rope_type": "default",
+            "rope_theta": float(d.get("rope_theta", 10000.0)),
+            "partial_rotary_factor": rotary,
+        },
         "sliding_attention": {
             "rope_type": "default",
             "rope_theta": float(d.get("swa_rope_theta", d.get("rope_theta", 10000.0))),
@@ -300,7 +318,9 @@ def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
     if d.get("moe_router_dtype") not in (None, "fp32", "float32", "bf16", "bfloat16"):
         raise _fail(path, "moe_router_dtype", f"{d['moe_router_dtype']!r} is not fp32 or bf16")
     if d.get("hybrid_block_size") is not None:
-        raise _fail(path, "hybrid_block_size", f"{d['hybrid_block_size']!r}: only null (per-layer patterns) is supported")
+        raise _fail(
+            path, "hybrid_block_size", f"{d['hybrid_block_size']!r}: only null (per-layer patterns) is supported"
+        )
     if d.get("n_shared_experts") not in (None, 0):
         raise _fail(path, "n_shared_experts", f"{d['n_shared_experts']!r}: MiMo has no shared experts")
     layout = d.get("attention_projection_layout", "split")

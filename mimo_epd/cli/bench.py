@@ -16,6 +16,11 @@ BENCHMARKS = (
         "encoder",
         "encoder QPS/latency: naive vs pipelined vs real peers (model-card path per request and batched)",
     ),
+    (
+        "load",
+        "load",
+        "loading a released-layout checkpoint: GB/s vs reading the files, peak RSS, FP8 vs bf16 resident and tokens/s",
+    ),
     ("kv", "kv_capacity", "KV capacity: concurrent sequences in a byte budget, hybrid dual pool vs full-only"),
     ("prefix-cache", "prefix_cache", "prefix-cache hit tokens on a real trace: SWA-aware vs full-KV vs unbounded"),
     ("engine", "engine", "LLM engine output tokens/s and TTFT vs transformers (continuous and static batching)"),
