@@ -37,11 +37,12 @@ class LLMConfig:
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     fp8_weights: str = flag(
-        "keep",
+        "auto",
         "an FP8 checkpoint's linear layers: keep (FP8 in memory, about half of bf16's bytes; the Triton FP8 GEMM on "
-        "CUDA, dequantized per GEMM on a CPU) or dequantize (once at load into --dtype)",
+        "CUDA, dequantized per GEMM on a CPU), dequantize (once at load into --dtype) or auto (keep on CUDA, "
+        "dequantize on a CPU, where per-GEMM dequantization decodes ~10x slower: docs/model.md)",
         _SERVE,
-        choices=("keep", "dequantize"),
+        choices=("auto", "keep", "dequantize"),
     )
     quantization: str = flag(
         "",

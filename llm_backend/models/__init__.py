@@ -87,8 +87,10 @@ def load_llm(
 ) -> MiMoV2FlashForCausalLM:
     """`tiny-random`, or a checkpoint directory in any released layout (`tiny` is the shipped one; loader.py).
     Weights stored in another dtype (the shipped bf16) are cast to `dtype`; the router stays fp32; FP8 layers stay
-    FP8 (`fp8_weights="dequantize"`: into `dtype` at load; `quantization="fp8"`: a bf16 checkpoint quantized at
-    load). MTP layers load when the config declares them."""
+    FP8 (`fp8_weights="dequantize"`: into `dtype` at load; `"auto"`: kept on CUDA, dequantized elsewhere;
+    `quantization="fp8"`: a bf16 checkpoint quantized at load). MTP layers load when the config declares them."""
+    if fp8_weights == "auto":
+        fp8_weights = "keep" if torch.device(device).type == "cuda" else "dequantize"
     if name_or_path == TINY_RANDOM:
         model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
         init_random_weights(model, TINY_SEED)

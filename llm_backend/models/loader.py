@@ -33,6 +33,7 @@ import os
 import re
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -312,12 +313,31 @@ def plan_checkpoint(
     elif quantization == "fp8":
         log.info("%s is stored FP8 already: --quantization fp8 changes nothing", directory)
     pieces = _pieces(tensors, cfg, directory)
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = MiMoV2FlashForCausalLM(cfg)
     stored = sum(p.weight.nbytes + (p.scale.nbytes if p.scale else 0) for p in pieces)
     plan = Plan(directory, cfg, pieces, model, files, stored, block)
     _check_plan(plan, dtype)
     return plan
+
+
+@contextmanager
+def _no_init():
+    """Layers built on the meta device skip their random init: the weights come from the files, and a meta
+    `normal_` costs a second of one-time tracing imports in every process that loads (transformers does the same)."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, _keep)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+def _keep(tensor, *args, **kwargs):
+    return tensor
 
 
 def _target_dtype(name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -471,11 +491,12 @@ class _Reader:
         self.files: dict[str, int] = {}
         self.tty = sys.stderr.isatty()
 
-    def read(self, t: Stored) -> torch.Tensor:
+    def read(self, t: Stored, into: torch.Tensor | None = None) -> torch.Tensor:
+        """The tensor's bytes, into `into` when given (a contiguous tensor of its dtype and size: no copy)."""
         fd = self.files.get(t.file)
         if fd is None:
             fd = self.files[t.file] = os.open(t.file, os.O_RDONLY)
-        buf = torch.empty(t.nbytes, dtype=torch.uint8)
+        buf = into.view(torch.uint8).reshape(-1) if into is not None else torch.empty(t.nbytes, dtype=torch.uint8)
         view = memoryview(buf.numpy())
         got = 0
         while got < t.nbytes:
@@ -544,9 +565,30 @@ def load_checkpoint(
     return _assemble(plan, targets)
 
 
+def _direct(plan: Plan, p: Piece, targets: _Targets) -> torch.Tensor | None:
+    """Where the piece's stored bytes can land as they are (same dtype, a contiguous slice), or None."""
+    if p.kind == "plain" and p.scale is None and f"{p.target}_scale_inv" not in targets.meta:
+        out = targets.get(p.target)
+    elif p.kind == "expert":
+        packed = f"{p.target}.{'down_proj' if p.part == 'down_proj' else 'gate_up_proj'}"
+        if (p.scale is None) == (f"{packed}_scale_inv" in targets.meta):
+            return None  # dequantized or quantized on the way
+        i = plan.cfg.moe_intermediate_size
+        rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[p.part]
+        out = targets.get(packed)[p.expert, rows]
+    else:
+        return None
+    ok = out.dtype == p.weight.dtype and out.is_contiguous() and tuple(out.shape) == p.weight.shape
+    return out if ok else None
+
+
 def _fill(plan: Plan, p: Piece, reader: _Reader, targets: _Targets) -> None:
     cfg = plan.cfg
-    w = reader.read(p.weight)
+    direct = _direct(plan, p, targets)
+    if direct is not None and p.kind == "plain":
+        reader.read(p.weight, into=direct)
+        return
+    w = reader.read(p.weight, into=direct)
     s = reader.read(p.scale) if p.scale is not None else None
     block = plan.block
     if p.kind == "plain":
@@ -561,15 +603,16 @@ def _fill(plan: Plan, p: Piece, reader: _Reader, targets: _Targets) -> None:
             assert isinstance(mod, BlockFP8Experts)
             bn = (mod.down_block if p.part == "down_proj" else mod.gate_up_block)[0]
             w, s = _fp8_pair(w, s, block)
-            targets.get(packed)[p.expert, rows] = w
+            if direct is None:
+                targets.get(packed)[p.expert, rows] = w
             srows = row_scales(s, w.shape[0], block[0]) if bn == 1 else s
             if bn != 1 and p.part == "up_proj":
                 rows = slice(i // bn, 2 * i // bn)
             elif bn != 1 and p.part == "gate_proj":
                 rows = slice(0, i // bn)
             targets.get(f"{packed}_scale_inv")[p.expert, rows] = srows
-        else:
-            targets.get(packed)[p.expert, rows] = _plain(w, s, block, targets.dtype)
+        elif direct is None:
+            targets.get(packed)[p.expert, rows] = _plain(w, s, block, targets.get(packed).dtype)
     else:
         _fill_qkv(plan, p, w, s, block, targets)
 

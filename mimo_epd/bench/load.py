@@ -2,7 +2,7 @@
 
 One checkpoint written by `make-checkpoint` (V2.5 layout: fused pre-split QKV, sharded, with an index) in FP8 and
 its bf16 twin (the same seed, so the same shapes). Each mode loads in a fresh process (peak RSS is that process's
-`ru_maxrss` over its RSS before the load, so imports do not count), then decodes greedily at batch 1:
+VmHWM over its RSS before the load, so imports do not count), then decodes greedily at batch 1:
 
 - `read`: the files read start to end into one reused buffer (the disk / page-cache limit the loader is held to);
 - `fp8_kept`: the FP8 checkpoint, FP8 resident (dequantized per GEMM on this CPU), serving dtype bf16;
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import resource
 import tempfile
 import time
 
@@ -36,9 +35,13 @@ def add_arguments(p) -> None:
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): tiny scale, 8 tokens")
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def _status_bytes(field: str) -> int:
+    """VmRSS / VmHWM of this process (VmHWM starts afresh at exec; ru_maxrss would carry the parent's peak)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _child(kind: str, path: str, prompt: int, decode: int, threads: int, q) -> None:
@@ -49,7 +52,7 @@ def _child(kind: str, path: str, prompt: int, decode: int, threads: int, q) -> N
     from llm_backend.models import load_llm
     from llm_backend.paged_attention import ContiguousKV
 
-    base = _rss_bytes()
+    base = _status_bytes("VmRSS")
     t0 = time.perf_counter()
     if kind == "read":
         buf = bytearray(64 << 20)
@@ -63,7 +66,7 @@ def _child(kind: str, path: str, prompt: int, decode: int, threads: int, q) -> N
         return
     model = load_llm(path, dtype=torch.bfloat16, fp8_weights="dequantize" if kind == "fp8_dequantized" else "keep")
     load_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _status_bytes("VmHWM")
     resident = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
     ids = torch.randint(9, model.config.vocab_size, (prompt,), generator=torch.Generator().manual_seed(0))
     kv, out = ContiguousKV(model.config), []
