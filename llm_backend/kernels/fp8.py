@@ -243,3 +243,44 @@ def fp8_linear(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, block: tuple[i
     x2 = x.reshape(-1, shape[-1]).contiguous()
     xq, xs = act_quant(x2, block[1])
     return fp8_gemm(xq, xs, q, s, block, x.dtype).view(*shape[:-1], q.shape[0])
+
+
+# ------------------------------------------------------------------------------------- MXFP4 (MiMo-V2.6 experts)
+
+# e2m1 codes 0-15: sign bit 3, then 2 exponent and 1 mantissa bits (OCP MX spec): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequantize(packed: torch.Tensor, scales: torch.Tensor, block: int = 32, dtype=torch.float32) -> torch.Tensor:
+    """MXFP4 weights [..., N, K/2] (uint8: two e2m1 codes a byte, the low nibble the even column) with e8m0 scales
+    [..., N, K/block] (uint8: 2^(s - 127)) -> [..., N, K]."""
+    lead, (n, half) = packed.shape[:-2], packed.shape[-2:]
+    k = 2 * half
+    if tuple(scales.shape[-2:]) != (n, -(-k // block)):
+        raise ValueError(f"MXFP4 scales {tuple(scales.shape)} do not fit a {n}x{k} weight in blocks of {block}")
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=packed.device)
+    codes = torch.stack((packed & 0xF, packed >> 4), dim=-1).view(*lead, n, k).long()
+    values = lut[codes]
+    exp = scales.to(torch.int32) - 127
+    pad = -(-k // block) * block - k
+    values = torch.nn.functional.pad(values, (0, pad)).view(*lead, n, -1, block)
+    values = torch.ldexp(values, exp[..., None].float())
+    return values.view(*lead, n, -1)[..., :k].to(dtype)
+
+
+def mxfp4_quantize(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [..., N, K] (K even) as MXFP4: per block of `block` columns the power-of-two scale that puts
+    the block's largest magnitude at most 6 (e2m1's largest), each value rounded to the nearest e2m1 code (ties to
+    the even code). What make-checkpoint writes for V2.6's experts."""
+    lead, (n, k) = w.shape[:-2], w.shape[-2:]
+    g = -(-k // block)
+    x = torch.nn.functional.pad(w.float(), (0, g * block - k)).view(*lead, n, g, block)
+    amax = x.abs().amax(-1).clamp_min(2.0**-126)
+    exp = (torch.floor(torch.log2(amax)) - 2).clamp(-127, 127)  # 6 = 1.5 * 2^2
+    exp = torch.where(amax / torch.exp2(exp) > 6.0, exp + 1, exp)
+    y = (x / torch.exp2(exp)[..., None]).view(*lead, n, g * block)[..., :k]
+    lut = torch.tensor(E2M1[:8], dtype=torch.float32)
+    codes = (y.abs()[..., None] - lut).abs().argmin(-1)  # nearest magnitude (the lower code on a tie: even)
+    codes = codes | ((y < 0).long() << 3)
+    packed = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return packed, (exp + 127).to(torch.uint8)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 
 if TYPE_CHECKING:
-    from ..models.quant import BlockFP8Experts
+    from ..models.quant import QuantizedExperts
 
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on the GPU
 
@@ -350,11 +350,11 @@ def fused_moe_torch(
     w_down: torch.Tensor,
     weights: torch.Tensor,
     ids: torch.Tensor,
-    fp8: BlockFP8Experts | None = None,
+    quantized: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """Torch twin of `fused_moe`: one matmul pair per expert that received rows, like `Experts.forward`. With
-    `fp8` (block-FP8 experts, llm_backend/models/quant.py) each such expert is dequantized for the call."""
-    if fp8 is None:
+    `quantized` (FP8 or MXFP4 experts, llm_backend/models/quant.py) each such expert is dequantized for the call."""
+    if quantized is None:
         _check_moe(x, w_gate_up, w_down, weights, ids)
     top_k = ids.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -369,7 +369,7 @@ def fused_moe_torch(
         rows = order[start : start + n]
         start += n
         tokens = rows // top_k
-        wg, wd = fp8.expert(expert, x.dtype) if fp8 is not None else (w_gate_up[expert], w_down[expert])
+        wg, wd = quantized.expert(expert, x.dtype) if quantized is not None else (w_gate_up[expert], w_down[expert])
         gate, up = F.linear(x[tokens], wg).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, wd)
         out.index_add_(0, tokens, y.float() * flat_weights[rows, None].float())

@@ -39,9 +39,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 
-from ..kernels.fp8 import FP8, dequantize, quantize, row_scales, scale_shape
+from ..kernels.fp8 import FP8, dequantize, mxfp4_dequantize, quantize, row_scales, scale_shape
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
-from .quant import BlockFP8Experts, BlockFP8Linear, Fp8Spec
+from .quant import BlockFP8Experts, BlockFP8Linear, Fp8Spec, MXFP4Experts
 from .released import ConfigError, qkv_chunks, read_config
 
 log = logging.getLogger("mimo_epd.llm.loader")
@@ -66,7 +66,9 @@ _DTYPES = {
     "U8": torch.uint8,
     "I8": torch.int8,
 }
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
+_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$"
+)
 _QKV = re.compile(r"^(.*\.self_attn)\.qkv_proj\.(weight|weight_scale_inv)$")
 _SPLIT_QKV = re.compile(r"^(.*\.self_attn)\.(q_proj|k_proj|v_proj)\.(weight|weight_scale_inv)$")
 FP8_WEIGHTS = ("keep", "dequantize")
@@ -207,11 +209,24 @@ def _fp8_modules(tensors: dict[str, Stored], spec: Fp8Spec, config_file: str) ->
             if w is None or w.dtype != FP8:
                 raise _fail(t.file, f"tensor {name}: scales for a weight that is not stored FP8")
             continue
+        if name.endswith(".weight_scale"):
+            w = tensors.get(name[: -len("_scale")])
+            if w is None or w.dtype != torch.uint8 or t.dtype != torch.uint8 or not _EXPERT.match(name):
+                raise _fail(t.file, f"tensor {name}: e8m0 scales for a weight that is not an MXFP4 expert")
+            continue
         if not name.endswith(".weight"):
             continue
         module = name[: -len(".weight")]
         fp8 = t.dtype == FP8
-        if fp8 and name + "_scale_inv" not in tensors:
+        if t.dtype == torch.uint8:  # MXFP4 (V2.6's experts): two e2m1 codes a byte
+            if not spec.mxfp4_block:
+                raise _fail(t.file, f"tensor {name}: packed MXFP4, but {config_file} says store_dtype fp8")
+            if not _EXPERT.match(name) or name + "_scale" not in tensors:
+                raise _fail(t.file, f"tensor {name}: MXFP4 outside the routed experts or without its weight_scale")
+            fp8 = True
+        elif _EXPERT.match(name) and spec.mxfp4_block and fp8:
+            raise _fail(t.file, f"tensor {name}: FP8, but {config_file} says the experts are MXFP4")
+        if fp8 and t.dtype == FP8 and name + "_scale_inv" not in tensors:
             raise _fail(t.file, f"tensor {name}: FP8 without its weight_scale_inv")
         if fp8 and spec.ignores(module):
             raise _fail(t.file, f"tensor {name}: stored FP8, but {config_file} leaves {module} unquantized")
@@ -249,9 +264,9 @@ def _pieces(tensors: dict[str, Stored], cfg: MiMoV2FlashConfig, directory: str) 
         t = tensors[name]
         if name.startswith(OTHER_TOWERS) or (not keep_mtp and name.startswith("model.mtp.")):
             continue
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith((".weight_scale_inv", ".weight_scale")):
             continue  # travels with its weight
-        scale = tensors.get(name + "_scale_inv") if name.endswith(".weight") else None
+        scale = (tensors.get(name + "_scale_inv") or tensors.get(name + "_scale")) if name.endswith(".weight") else None
         m = _EXPERT.match(name)
         if m:
             out.append(Piece("expert", m.group(1), t, scale, expert=int(m.group(2)), part=m.group(3)))
@@ -341,7 +356,7 @@ def _keep(tensor, *args, **kwargs):
 
 
 def _target_dtype(name: str, param: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
-    if param.dtype == FP8 or name.endswith("_scale_inv"):
+    if param.dtype == FP8 or not param.dtype.is_floating_point or name.endswith("_scale_inv"):
         return param.dtype
     if name.endswith(".mlp.gate.weight") or name.endswith("e_score_correction_bias"):
         return torch.float32  # the router stays fp32 (bf16 rounding changes the top-k among many experts)
@@ -376,9 +391,14 @@ def _check_plan(plan: Plan, dtype: torch.dtype) -> None:
             if packed is None or p.expert >= cfg.n_routed_experts:
                 raise _fail(w.file, f"tensor {w.name}: the model has no such expert")
             i, h = cfg.moe_intermediate_size, cfg.hidden_size
-            _same_shape(w, (h, i) if p.part == "down_proj" else (i, h))
-            if p.scale is not None:
-                _same_shape(p.scale, scale_shape(*w.shape, plan.block))
+            rows, cols = (h, i) if p.part == "down_proj" else (i, h)
+            if w.dtype == torch.uint8 and p.scale is not None:  # MXFP4
+                _same_shape(w, (rows, cols // 2))
+                _same_shape(p.scale, (rows, -(-cols // 32)))
+            else:
+                _same_shape(w, (rows, cols))
+                if p.scale is not None:
+                    _same_shape(p.scale, scale_shape(rows, cols, plan.block))
             filled.add(f"{p.target}.{p.part}")  # counted per expert below
         else:
             _check_qkv(plan, p)
@@ -398,6 +418,8 @@ def _check_plan(plan: Plan, dtype: torch.dtype) -> None:
         filled.update({f"{prefix}.gate_up_proj", f"{prefix}.down_proj"})
         if isinstance(mod, BlockFP8Experts):
             filled.update({f"{prefix}.gate_up_proj_scale_inv", f"{prefix}.down_proj_scale_inv"})
+        if isinstance(mod, MXFP4Experts):
+            filled.update({f"{prefix}.gate_up_proj_scale", f"{prefix}.down_proj_scale"})
     for name in sorted(persistent - filled):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -571,7 +593,8 @@ def _direct(plan: Plan, p: Piece, targets: _Targets) -> torch.Tensor | None:
         out = targets.get(p.target)
     elif p.kind == "expert":
         packed = f"{p.target}.{'down_proj' if p.part == 'down_proj' else 'gate_up_proj'}"
-        if (p.scale is None) == (f"{packed}_scale_inv" in targets.meta):
+        quantized = f"{packed}_scale_inv" in targets.meta or f"{packed}_scale" in targets.meta
+        if (p.scale is None) == quantized:
             return None  # dequantized or quantized on the way
         i = plan.cfg.moe_intermediate_size
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[p.part]
@@ -598,7 +621,11 @@ def _fill(plan: Plan, p: Piece, reader: _Reader, targets: _Targets) -> None:
         fp8 = f"{packed}_scale_inv" in targets.meta
         i = cfg.moe_intermediate_size
         rows = {"gate_proj": slice(0, i), "up_proj": slice(i, 2 * i), "down_proj": slice(None)}[p.part]
-        if fp8:
+        if f"{packed}_scale" in targets.meta:  # MXFP4 kept: codes and e8m0 scales row for row
+            if direct is None:
+                targets.get(packed)[p.expert, rows] = w
+            targets.get(f"{packed}_scale")[p.expert, rows] = s
+        elif fp8:
             mod = _module_of(plan.model, packed)
             assert isinstance(mod, BlockFP8Experts)
             bn = (mod.down_block if p.part == "down_proj" else mod.gate_up_block)[0]
@@ -626,7 +653,9 @@ def _fp8_pair(w: torch.Tensor, s: torch.Tensor | None, block) -> tuple[torch.Ten
 
 
 def _plain(w: torch.Tensor, s: torch.Tensor | None, block, dtype: torch.dtype) -> torch.Tensor:
-    """A weight in the serving dtype: dequantized when stored FP8."""
+    """A weight in the serving dtype: dequantized when stored FP8 or MXFP4."""
+    if w.dtype == torch.uint8 and s is not None:
+        return mxfp4_dequantize(w, s, 32, dtype)
     return dequantize(w, s, block, dtype) if w.dtype == FP8 and s is not None else w.to(dtype)
 
 

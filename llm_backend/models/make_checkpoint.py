@@ -15,8 +15,11 @@ What each `like` reproduces (docs/model.md has the table and the sources):
   ...; scaled down keeps the first and the seventh), value scale 0.612.
 - `v2.6`: as v2.5 with a bf16 router (`moe_router_dtype`), 3 MTP layers, `layernorm_epsilon` 1e-6.
 
-Weights: `bf16` (as a bf16 release would be) or `fp8` (float8_e4m3fn, fp32 `weight_scale_inv` per 128 x 128 block;
-the router gate, its correction bias, norms, embeddings, LM head and `o_proj` as the release keeps them). Each
+Weights: `bf16` (as a bf16 release would be), `fp8` (float8_e4m3fn, fp32 `weight_scale_inv` per 128 x 128 block;
+the router gate, its correction bias, norms, embeddings, LM head and `o_proj` as the release keeps them) or, for
+`v2.6`, `mxfp4`: FP8 as above with the routed experts in MXFP4 (uint8 weights holding two e2m1 codes, the low nibble
+the even column; uint8 e8m0 `weight_scale` per 32 values; `store_dtype: mxfp4`, `mxfp4_block_size: 32`: the layout
+as third-party readers of the V2.6 release describe it, not checked against Xiaomi's files). Each
 weight's rows get a random magnitude, so neighbouring blocks have very different scales and a loader that
 applies a scale to the wrong rows is wrong by a lot, not by a little.
 
@@ -35,10 +38,10 @@ import torch
 
 from mimo_epd.common.model_names import resolve_model
 
-from ..kernels.fp8 import quantize
+from ..kernels.fp8 import mxfp4_quantize, quantize
 
 LIKES = ("v2-flash", "v2.5", "v2.5-pro", "v2.6")
-WEIGHTS = ("bf16", "fp8")
+WEIGHTS = ("bf16", "fp8", "mxfp4")
 SCALES = ("tiny", "small")
 
 
@@ -134,9 +137,11 @@ def make_config(like: str, weights: str, s: Shape) -> dict:
         cfg["moe_router_dtype"] = "bfloat16"
     if s.mtp:
         cfg["num_nextn_predict_layers"] = s.mtp
-    if weights == "fp8":
+    if weights in ("fp8", "mxfp4"):
         q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-        if not flash:
+        if weights == "mxfp4":
+            q["store_dtype"], q["mxfp4_block_size"] = "mxfp4", 32
+        elif not flash:
             q["store_dtype"] = "fp8"
             q["ignored_layers"] = [f"model.layers.{i}.self_attn.o_proj" for i in range(s.layers)]
             q["ignored_layers"].append("model.decoder.self_attn.o_proj")
@@ -158,17 +163,23 @@ class _Rand:
 
 
 class _Writer:
-    """Collects one file's tensors (weights in bf16 or FP8 + scales) and saves them."""
+    """Collects one file's tensors (weights in bf16 or FP8 + scales; experts in MXFP4 when asked) and saves them."""
 
-    def __init__(self, fp8: bool):
-        self.fp8 = fp8
+    def __init__(self, fp8: bool, mxfp4: bool = False):
+        self.fp8, self.mxfp4 = fp8, mxfp4
         self.files: dict[str, dict[str, torch.Tensor]] = {}
 
     def put(self, file: str, name: str, t: torch.Tensor, dtype=torch.bfloat16) -> None:
         self.files.setdefault(file, {})[name] = t.to(dtype).contiguous()
 
     def linear(self, file: str, name: str, w: torch.Tensor, chunks: int = 1, quantized: bool = True) -> None:
-        """A linear weight; FP8 with scales tiled per chunk of rows when `chunks` > 1 (the release's pre-split)."""
+        """A linear weight; FP8 with scales tiled per chunk of rows when `chunks` > 1 (the release's pre-split);
+        a routed expert's in MXFP4 (packed uint8 codes, uint8 e8m0 `weight_scale`) when the writer says so."""
+        if self.mxfp4 and ".mlp.experts." in name:
+            codes, scales = mxfp4_quantize(w)
+            self.put(file, f"{name}.weight", codes, torch.uint8)
+            self.put(file, f"{name}.weight_scale", scales, torch.uint8)
+            return
         if not (self.fp8 and quantized):
             self.put(file, f"{name}.weight", w)
             return
@@ -214,7 +225,9 @@ def write_checkpoint(
     os.makedirs(out, exist_ok=True)
     s = shape_of(like, scale)
     cfg = make_config(like, weights, s)
-    r, w = _Rand(seed), _Writer(weights == "fp8")
+    if weights == "mxfp4" and like != "v2.6":
+        raise ValueError("--weights mxfp4 is V2.6's format (--like v2.6)")
+    r, w = _Rand(seed), _Writer(weights in ("fp8", "mxfp4"), weights == "mxfp4")
     shards = max(1, min(shards, s.layers))
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     w.put(names[0], "model.embed_tokens.weight", r.weight(4096, s.hidden))

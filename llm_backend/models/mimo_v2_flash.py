@@ -28,7 +28,7 @@ from mimo_epd.common.layers import RMSNorm
 
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing
-from .quant import BlockFP8Experts, Fp8Spec, make_linear
+from .quant import BlockFP8Experts, Fp8Spec, MXFP4Experts, make_linear
 
 
 @dataclass
@@ -189,9 +189,11 @@ class MoE(nn.Module):
     def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = ""):
         super().__init__()
         q = cfg.quant
-        if q is not None and q.quantized(f"{prefix}.experts"):
-            e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
-            self.experts: nn.Module = BlockFP8Experts(e, h, i, q.block)
+        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        if q is not None and q.quantized(f"{prefix}.experts") and q.mxfp4_block:
+            self.experts: nn.Module = MXFP4Experts(e, h, i, q.mxfp4_block)
+        elif q is not None and q.quantized(f"{prefix}.experts"):
+            self.experts = BlockFP8Experts(e, h, i, q.block)
         else:
             self.experts = Experts(cfg)
         self.gate = TopkRouter(cfg)

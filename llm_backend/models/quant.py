@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..kernels import triton_enabled
-from ..kernels.fp8 import FP8, dequantize, fp8_linear, fp8_linear_torch, scale_shape
+from ..kernels.fp8 import FP8, dequantize, fp8_linear, fp8_linear_torch, mxfp4_dequantize, scale_shape
 
 
 @dataclass(frozen=True)
@@ -27,9 +27,11 @@ class Fp8Spec:
 
     block: tuple[int, int] = (128, 128)
     ignored: tuple[str, ...] = ()
-    # The linear layers stored FP8, read from the weights' headers by the loader (None: all but `ignored`, what
-    # `--quantization fp8` makes of a bf16 checkpoint).
+    # The linear layers stored FP8 (or MXFP4), read from the weights' headers by the loader (None: all but
+    # `ignored`, what `--quantization fp8` makes of a bf16 checkpoint).
     modules: frozenset[str] | None = None
+    # store_dtype mxfp4 (MiMo-V2.6): routed experts in MXFP4 with blocks of this many values, the rest FP8.
+    mxfp4_block: int = 0
 
     def ignores(self, module: str) -> bool:
         """Whether the config leaves `module` unquantized (a name, or a prefix ending at a dot boundary:
@@ -73,9 +75,23 @@ class BlockFP8Linear(_KeepsFP8):
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
 
 
-class BlockFP8Experts(_KeepsFP8):
+class QuantizedExperts(_KeepsFP8):
+    """Packed experts whose weights stay quantized; each call dequantizes only the experts that received tokens
+    (kernels/moe.py's torch path, on every device)."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        from ..kernels.moe import fused_moe_torch
+
+        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, quantized=self)
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, H], down [H, I]) weights dequantized into `dtype`."""
+        raise NotImplementedError
+
+
+class BlockFP8Experts(QuantizedExperts):
     """Packed experts in FP8: gate_up_proj [E, 2I, H] and down_proj [E, H, I] with per-block scales
-    (`*_scale_inv`). Each call dequantizes only the experts that received tokens (kernels/moe.py's torch path)."""
+    (`*_scale_inv`)."""
 
     def __init__(self, n_experts: int, hidden: int, inter: int, block: tuple[int, int]):
         super().__init__()
@@ -91,16 +107,34 @@ class BlockFP8Experts(_KeepsFP8):
         self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *g), requires_grad=False)
         self.down_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *d), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        from ..kernels.moe import fused_moe_torch
-
-        return fused_moe_torch(x, self.gate_up_proj, self.down_proj, weights, ids, fp8=self)
-
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (gate_up, down) weights dequantized into `dtype`."""
         return (
             dequantize(self.gate_up_proj[e], self.gate_up_proj_scale_inv[e], self.gate_up_block, dtype),
             dequantize(self.down_proj[e], self.down_proj_scale_inv[e], self.down_block, dtype),
+        )
+
+
+class MXFP4Experts(QuantizedExperts):
+    """Packed experts in MXFP4 (MiMo-V2.6): gate_up_proj [E, 2I, H/2] and down_proj [E, H, I/2] (uint8, two e2m1
+    codes a byte) with e8m0 scales per `block` values (`*_scale`, uint8): a quarter of bf16's bytes, plus 1/32."""
+
+    def __init__(self, n_experts: int, hidden: int, inter: int, block: int = 32):
+        super().__init__()
+        self.block = block
+        u8 = torch.uint8
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * inter, hidden // 2, dtype=u8), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, inter // 2, dtype=u8), requires_grad=False)
+        self.gate_up_proj_scale = nn.Parameter(
+            torch.empty(n_experts, 2 * inter, -(-hidden // block), dtype=u8), requires_grad=False
+        )
+        self.down_proj_scale = nn.Parameter(
+            torch.empty(n_experts, hidden, -(-inter // block), dtype=u8), requires_grad=False
+        )
+
+    def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return (
+            mxfp4_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale[e], self.block, dtype),
+            mxfp4_dequantize(self.down_proj[e], self.down_proj_scale[e], self.block, dtype),
         )
 
 

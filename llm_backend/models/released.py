@@ -162,20 +162,16 @@ def _quantization(q, path: str) -> Fp8Spec | None:
     block = q.get("weight_block_size")
     if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
         raise _fail(path, "quantization_config.weight_block_size", f"expected [rows, cols], got {block!r}")
-    if q.get("mxfp4_block_size") is not None:
-        raise _fail(
-            path,
-            "quantization_config.mxfp4_block_size",
-            "MXFP4 experts (MiMo-V2.6) are not supported yet: refused rather than served approximately",
-        )
-    if q.get("store_dtype", "fp8") != "fp8":
-        raise _fail(
-            path,
-            "quantization_config.store_dtype",
-            f"{q['store_dtype']!r}: MXFP4 experts (MiMo-V2.6) are not supported yet: refused rather than served approximately",
-        )
+    store = q.get("store_dtype", "fp8")
+    if store not in ("fp8", "mxfp4"):
+        raise _fail(path, "quantization_config.store_dtype", f"{store!r} is not fp8 or mxfp4")
+    mx = q.get("mxfp4_block_size", 32 if store == "mxfp4" else None)
+    if store == "mxfp4" and mx != 32:
+        raise _fail(path, "quantization_config.mxfp4_block_size", f"{mx!r}: MXFP4 blocks are 32 values")
+    if store == "fp8" and q.get("mxfp4_block_size") is not None:
+        raise _fail(path, "quantization_config.mxfp4_block_size", "given, but store_dtype is fp8")
     known = {"quant_method", "fmt", "activation_scheme", "weight_block_size", "ignored_layers"}
-    known |= {"modules_to_not_convert", "scale_fmt", "store_dtype"}
+    known |= {"modules_to_not_convert", "scale_fmt", "store_dtype", "mxfp4_block_size"}
     for k in q:
         if k not in known:
             raise _fail(path, f"quantization_config.{k}", "not a key this loader understands")
@@ -184,7 +180,7 @@ def _quantization(q, path: str) -> Fp8Spec | None:
     ignored = list(q.get("ignored_layers") or []) + list(q.get("modules_to_not_convert") or [])
     if not all(isinstance(x, str) for x in ignored):
         raise _fail(path, "quantization_config.ignored_layers", "expected a list of module names")
-    return Fp8Spec(block=(block[0], block[1]), ignored=tuple(ignored))
+    return Fp8Spec(block=(block[0], block[1]), ignored=tuple(ignored), mxfp4_block=32 if store == "mxfp4" else 0)
 
 
 def is_original(d: dict) -> bool:

@@ -13,7 +13,10 @@ def add_flags(p) -> None:
     p.add_argument("out", help="directory to write (created; must be empty or absent)")
     p.add_argument("--like", choices=LIKES, default="v2-flash", help="which release's layout (default: v2-flash)")
     p.add_argument(
-        "--weights", choices=("fp8", "bf16"), default="fp8", help="FP8 128x128 block weights, or bf16 (default: fp8)"
+        "--weights",
+        choices=("fp8", "bf16", "mxfp4"),
+        default="fp8",
+        help="FP8 128x128 block weights, bf16, or mxfp4 (V2.6: FP8 with MXFP4 experts) (default: fp8)",
     )
     p.add_argument(
         "--scale",

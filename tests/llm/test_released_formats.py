@@ -344,8 +344,19 @@ def _config(ckpts) -> dict:
         ({"partial_rotary_factor": 0.45}, "partial_rotary_factor"),
         ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}}, "fmt"),
         (
-            {"quantization_config": {"quant_method": "fp8", "store_dtype": "mxfp4", "weight_block_size": [128, 128]}},
+            {"quantization_config": {"quant_method": "fp8", "store_dtype": "int4", "weight_block_size": [128, 128]}},
             "store_dtype",
+        ),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "store_dtype": "mxfp4",
+                    "mxfp4_block_size": 16,
+                    "weight_block_size": [128, 128],
+                }
+            },
+            "mxfp4_block_size",
         ),
     ],
 )
@@ -440,3 +451,50 @@ def test_quantize_at_load(ckpts):
     assert n > 20
     a, b = _logits(bf, PROMPTS[2]), _logits(q, PROMPTS[2])
     assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.98
+
+
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def _mxfp4_reference(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The OCP MX definition, written out: byte j of a row holds columns 2j (low nibble) and 2j+1; a code is
+    sign (bit 3) and magnitude E2M1[code & 7]; a block of 32 columns is scaled by 2^(e8m0 - 127)."""
+    rows, half = codes.shape
+    out = torch.empty(rows, 2 * half)
+    for col in range(2 * half):
+        byte = codes[:, col // 2].long()
+        code = byte & 0xF if col % 2 == 0 else byte >> 4
+        mag = torch.tensor(E2M1)[code & 7]
+        out[:, col] = torch.where(code & 8 > 0, -mag, mag) * 2.0 ** (scales[:, col // 32].double() - 127)
+    return out
+
+
+def test_v26_mxfp4_experts(tmp_path):
+    """V2.6's MXFP4 experts load packed (a quarter of bf16's bytes plus the scales), each expert equal to the MX
+    definition computed here, and serve the same logits as the same files dequantized at load; MXFP4 weights under
+    a config that says store_dtype fp8 are refused by name."""
+    d = str(tmp_path / "v26")
+    write_checkpoint(d, "v2.6", "mxfp4")
+    kept = load_llm(d, fp8_weights="keep")
+    deq = load_llm(d, fp8_weights="dequantize")
+    experts = kept.model.layers[2].mlp.experts
+    assert type(experts).__name__ == "MXFP4Experts" and experts.gate_up_proj.dtype == torch.uint8
+    stored = {}
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            stored.update(load_file(os.path.join(d, f)))
+    p = "model.layers.2.mlp.experts.5"
+    ref_up = _mxfp4_reference(stored[f"{p}.up_proj.weight"], stored[f"{p}.up_proj.weight_scale"])
+    gate_up, down = experts.expert(5, torch.float32)
+    i = kept.config.moe_intermediate_size
+    assert torch.equal(gate_up[i:], ref_up)
+    assert torch.equal(down, _mxfp4_reference(stored[f"{p}.down_proj.weight"], stored[f"{p}.down_proj.weight_scale"]))
+    assert torch.equal(deq.model.layers[2].mlp.experts.gate_up_proj[5, i:], ref_up)
+    for ids in PROMPTS[:2]:
+        assert torch.equal(_logits(kept, ids), _logits(deq, ids))
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    cfg["quantization_config"]["store_dtype"] = "fp8"
+    del cfg["quantization_config"]["mxfp4_block_size"]
+    json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
+    with pytest.raises(LoadError, match="packed MXFP4, but .*config.json says store_dtype fp8"):
+        plan_checkpoint(d)
