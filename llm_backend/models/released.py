@@ -376,3 +376,56 @@ def qkv_chunks(cfg: MiMoV2FlashConfig, layer: int) -> tuple[int, int, int, int]:
 
 
 _QKV = re.compile(r"^(.*\.self_attn)\.qkv_proj\.(weight|weight_scale_inv)$")
+
+
+def release_config(cfg: MiMoV2FlashConfig) -> dict:
+    """`cfg` in the original (release) layout of a `mimo_v2_flash` checkpoint: what `read_config` reads back as
+    the same config (the shipped `tiny` is written so). Per-type head shapes are equal here, as in every release."""
+    full = cfg.rope_parameters["full_attention"]
+    swa = cfg.rope_parameters.get("sliding_attention", full)
+    if full.get("partial_rotary_factor") != swa.get("partial_rotary_factor"):
+        raise ValueError("the original layout has one partial_rotary_factor for both layer types")
+    out = {
+        "architectures": ["MiMoV2FlashForCausalLM"],
+        "model_type": "mimo_v2_flash",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "swa_num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "swa_num_key_value_heads": cfg.swa_num_key_value_heads or 2 * cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "swa_head_dim": cfg.head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "swa_v_head_dim": cfg.v_head_dim,
+        "hidden_act": cfg.hidden_act,
+        "partial_rotary_factor": full.get("partial_rotary_factor", 1.0),
+        "rope_theta": full["rope_theta"],
+        "swa_rope_theta": swa["rope_theta"],
+        "sliding_window_size": cfg.sliding_window,  # W keys, the current one included
+        "hybrid_layer_pattern": [int(t == "sliding_attention") for t in cfg.layer_types],
+        "moe_layer_freq": [int(t == "sparse") for t in cfg.mlp_layer_types],
+        "add_swa_attention_sink_bias": cfg.swa_attention_sink,
+        "add_full_attention_sink_bias": cfg.full_attention_sink,
+        "attention_value_scale": cfg.attention_value_scale,
+        "attention_bias": cfg.attention_bias,
+        "n_routed_experts": cfg.n_routed_experts,
+        "num_experts_per_tok": cfg.num_experts_per_tok,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "routed_scaling_factor": cfg.routed_scaling_factor,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "n_group": cfg.n_group,
+        "topk_group": cfg.topk_group,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "layernorm_epsilon": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+        "num_nextn_predict_layers": cfg.num_nextn_predict_layers,
+    }
+    if cfg.max_position_embeddings is not None:
+        out["max_position_embeddings"] = cfg.max_position_embeddings
+    return out

@@ -51,6 +51,7 @@ class Checkpoint:
     audio_width: int | None  # the audio tower's output width, when it declares one (`audio_config`)
     max_position_embeddings: int | None
     tokenizer_file: str  # its tokenizer.json, or "" when it has none
+    unsupported_vision: str = ""  # the vision_config's model_type when it is a tower the encoders do not run
 
     @property
     def config_file(self) -> str:
@@ -130,10 +131,16 @@ def _int(cfg: dict, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
+# vision_config model types of towers the encoders run (absent: a Qwen2.5-VL layout without one)
+VISION_SUB_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision", None)
+
+
 def _vision_width(cfg: dict) -> int | None:
     model_type = cfg.get("model_type", "")
     sub = cfg.get("vision_config")
     if isinstance(sub, dict):
+        if sub.get("model_type") not in VISION_SUB_TYPES:
+            return None  # a tower the encoders do not run (MiMo-V2.5's `mimovl`): `unsupported_vision` says so
         return _int(sub, "out_hidden_size") or _int(sub, "hidden_size")
     if model_type == "qwen2_5_vl_vision":
         return _int(cfg, "out_hidden_size") or _int(cfg, "hidden_size")
@@ -185,7 +192,15 @@ def inspect_checkpoint(name: str, check_weights: bool = True) -> Checkpoint:
         audio_width=_audio_width(cfg),
         max_position_embeddings=_int(text, "max_position_embeddings"),
         tokenizer_file=tok if os.path.isfile(tok) else "",
+        unsupported_vision=_unsupported_vision(cfg),
     )
+
+
+def _unsupported_vision(cfg: dict) -> str:
+    sub = cfg.get("vision_config")
+    if isinstance(sub, dict) and sub.get("model_type") not in VISION_SUB_TYPES:
+        return str(sub.get("model_type"))
+    return ""
 
 
 def resolve_tokenizer(llm: Checkpoint, tokenizer: str = "") -> str:
@@ -296,7 +311,12 @@ def plan_node(
         if encoder_model:
             raise _fail(vision.config_file, f"model_type {vision.model_type!r} has no vision tower (--encoder-model)")
         notices.append(
-            f"{vision.config_file} has no vision_config: text only, requests with media are refused"
+            (
+                f"{vision.config_file}: its vision tower ({vision.unsupported_vision}) is not one the encoders run yet: "
+                "text only, requests with media are refused"
+            )
+            if vision.unsupported_vision
+            else f"{vision.config_file} has no vision_config: text only, requests with media are refused"
             + (
                 " (its audio_config too: the encoders need a vision tower; --encoder-model DIR names one and "
                 "--audio-model this checkpoint)"

@@ -1,12 +1,14 @@
-"""Writes a trained tiny model as a transformers-format checkpoint directory, the layout of a real one.
+"""Writes a trained tiny model as a checkpoint directory in the layout of a released one.
 
 - `model.safetensors`: the LLM's weights in bf16 under transformers' names (written by transformers'
   `save_pretrained` from `transformers_twin`, so transformers loads them as `MiMoV2FlashForCausalLM`), plus
   the MTP layers under MiMo's release names (`model.mtp.layers.{i}.*`, sinks as `attention_sink_bias`) in bf16,
   plus the tiny vision tower (`encoder_server.models.TINY_VISION_CONFIG`, seeded random weights, output width =
   the LLM's hidden size) under `visual.*` in fp32: the same weights `random_model(TINY_VISION_CONFIG)` builds;
-- `config.json`: transformers' `mimo_v2_flash` config with `num_nextn_predict_layers` and a `vision_config`
-  (Qwen2.5-VL vision fields, as in a `qwen2_5_vl` checkpoint);
+- `config.json`: the original (release) layout of a `mimo_v2_flash` config (`hybrid_layer_pattern`,
+  `sliding_window_size`, `swa_*`, ...; llm_backend/models/released.py), with `num_nextn_predict_layers` and a
+  `vision_config` (Qwen2.5-VL vision fields, as in a `qwen2_5_vl` checkpoint). transformers reads the converted
+  layout: `read_config(...).to_hf_dict()` gives it;
 - `generation_config.json`, `tokenizer.json`, `tokenizer_config.json` (with the chat template), and a README
   with the model card (what it was trained on, the licence).
 """
@@ -56,6 +58,7 @@ def write_checkpoint(model, tokenizer, out: str) -> Path:
     from safetensors.torch import load_file, save_file
 
     from llm_backend.models import transformers_twin
+    from llm_backend.models.released import release_config
 
     from .tokenizer import save_tokenizer
 
@@ -69,7 +72,6 @@ def write_checkpoint(model, tokenizer, out: str) -> Path:
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f)))
-        cfg = json.loads((Path(tmp) / "config.json").read_text())
     for k, v in model.state_dict().items():
         if k.endswith("e_score_correction_bias"):  # the router's choice bias stays fp32, as the router does
             state[k] = v.float().contiguous()
@@ -81,9 +83,9 @@ def write_checkpoint(model, tokenizer, out: str) -> Path:
         f.unlink()
     save_file(dict(sorted(state.items())), str(d / "model.safetensors"), metadata={"format": "pt"})
     (d / "model.safetensors").chmod(0o644)
-    cfg["num_nextn_predict_layers"] = model.config.num_nextn_predict_layers
+    cfg = release_config(model.config)  # the original layout, as the released checkpoints are written
     cfg["vision_config"] = vision_cfg
-    cfg.pop("transformers_version", None)
+    cfg["torch_dtype"] = "bfloat16"
     (d / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     gen = {
         "bos_token_id": model.config.bos_token_id,

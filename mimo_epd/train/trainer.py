@@ -55,6 +55,9 @@ class TrainConfig:
     mix: str = flag("qa=0.4,think=0.1,tool=0.2,json=0.1,hello=0.2", "the conversation kinds and their shares")
     plain_share: float = flag(0.5, "share of sections whose plain text is a sample (the rest give conversations only)")
     chats_per_section: int = flag(2, "conversations drawn per section and epoch")
+    partial_rotary_factor: float = flag(
+        0.34375, "share of head_dim that rotates (0.34375 x 64 = 22 dims, a whole even number as every release has)"
+    )
     init_from: str = flag("", "start from the weights of this checkpoint directory (an earlier stage), not random ones")
     seq_len: int = flag(384, "tokens per training row")
     batch: int = flag(6, "rows per step")
@@ -131,6 +134,11 @@ def model_config(tc: TrainConfig, vocab_size: int):
         bos_token_id=SPECIAL.index("<|endoftext|>"),
         eos_token_id=[SPECIAL.index("<|im_end|>"), SPECIAL.index("<|endoftext|>")],
         num_nextn_predict_layers=tc.mtp_layers,
+        rope_parameters={
+            kind: {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": tc.partial_rotary_factor}
+            for kind, theta in (("full_attention", 5_000_000.0), ("sliding_attention", 10_000.0))
+        },
+        max_position_embeddings=131072,
     )
 
 

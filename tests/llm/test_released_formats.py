@@ -498,3 +498,42 @@ def test_v26_mxfp4_experts(tmp_path):
     json.dump(cfg, open(os.path.join(d, "config.json"), "w"))
     with pytest.raises(LoadError, match="packed MXFP4, but .*config.json says store_dtype fp8"):
         plan_checkpoint(d)
+
+
+def test_release_config_round_trip():
+    """`release_config` (what the shipped tiny is written with) reads back as the same config."""
+    from dataclasses import replace
+
+    from llm_backend.models import TINY_LLM_CONFIG
+    from llm_backend.models.released import release_config
+
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.34375}
+    cfg = replace(
+        TINY_LLM_CONFIG,
+        rope_parameters={
+            "full_attention": {**rope, "rope_theta": 5e6},
+            "sliding_attention": {**rope, "rope_theta": 1e4},
+        },
+        num_nextn_predict_layers=3,
+        max_position_embeddings=4096,
+        swa_num_key_value_heads=2,
+    )
+    back = read_config(json.loads(json.dumps(release_config(cfg))))
+    assert back.to_hf_dict() == cfg.to_hf_dict()
+    assert back.kv_heads(1) == cfg.kv_heads(1) and back.window == cfg.window
+
+
+def test_v25_with_its_own_towers_serves_text(ckpts, tmp_path):
+    """A V2.5 checkpoint declares MiMo's own ViT (`vision_config.model_type: mimovl`) and audio config: `serve`'s
+    plan starts its LLM and says, in one notice, that media is refused (the encoders run Qwen's towers only)."""
+    from mimo_epd.common.checkpoint import plan_node
+
+    d = tmp_path / "v25-omni"
+    shutil.copytree(ckpts["v2.5", "fp8"], d)
+    cfg = json.load(open(d / "config.json"))
+    cfg["vision_config"] = {"model_type": "mimovl", "hidden_size": 1280, "out_hidden_size": 256, "patch_size": 16}
+    cfg["audio_config"] = {"model_type": "mimo_audio", "d_model": 1024}
+    json.dump(cfg, open(d / "config.json", "w"))
+    plan = plan_node(str(d))
+    assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is None
+    assert len(plan.notices) == 1 and "vision tower (mimovl) is not one the encoders run yet" in plan.notices[0]

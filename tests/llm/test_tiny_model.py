@@ -113,10 +113,43 @@ def test_tiny_by_name_and_by_path_load_identically():
     )
 
 
-def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine():
+def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine(tmp_path):
+    """The shipped config is in the release's layout, as real checkpoints are; transformers reads its converted
+    layout, so it gets the same files under the converted config (the release keys mapped by hand here, not by
+    our reader), and decodes as the engine does."""
     from transformers import AutoModelForCausalLM, MiMoV2FlashForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(TINY_MODEL, dtype=torch.float32).eval()
+    release = json.loads((Path(TINY_MODEL) / "config.json").read_text())
+    assert "hybrid_layer_pattern" in release and "layer_types" not in release
+    rope = {"rope_type": "default", "partial_rotary_factor": release["partial_rotary_factor"]}
+    converted = {k: v for k, v in release.items() if not k.startswith(("swa_", "add_", "hybrid_", "moe_layer"))}
+    for k in (
+        "sliding_window_size",
+        "scoring_func",
+        "topk_method",
+        "layernorm_epsilon",
+        "rope_theta",
+        "partial_rotary_factor",
+    ):
+        converted.pop(k)
+    converted.update(
+        layer_types=["sliding_attention" if x else "full_attention" for x in release["hybrid_layer_pattern"]],
+        mlp_layer_types=["sparse" if x else "dense" for x in release["moe_layer_freq"]],
+        sliding_window=release["sliding_window_size"],
+        rms_norm_eps=release["layernorm_epsilon"],
+        rope_parameters={
+            "full_attention": {**rope, "rope_theta": release["rope_theta"]},
+            "sliding_attention": {**rope, "rope_theta": release["swa_rope_theta"]},
+        },
+    )
+    assert release["swa_num_key_value_heads"] == 2 * release["num_key_value_heads"]  # transformers' fixed rule
+    view = tmp_path / "tiny-converted"
+    view.mkdir()
+    for f in Path(TINY_MODEL).iterdir():
+        if f.name != "config.json":
+            (view / f.name).symlink_to(f)
+    (view / "config.json").write_text(json.dumps(converted))
+    hf = AutoModelForCausalLM.from_pretrained(str(view), dtype=torch.float32).eval()
     assert isinstance(hf, MiMoV2FlashForCausalLM)
     llm = LLM("tiny")
     for messages in (CONVERSATIONS["user"], CONVERSATIONS["system"]):
