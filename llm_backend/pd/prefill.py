@@ -217,8 +217,8 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
         """The prompt ids and media rows; the media placeholders must be the ones this worker computes."""
         from llm_backend.server.core import ServeError
 
-        ids = [int(t) for t in request.prompt_token_ids]
         media_ids, media = await self.core.encode_media(list(request.media), context.time_remaining())
+        ids = self.core.check_token_ids(request.prompt_token_ids, "prompt_token_ids", range(1, 1 + len(media_ids)))
         if media_ids and ids[1 : 1 + len(media_ids)] != media_ids:
             raise ServeError(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -290,11 +290,12 @@ class GenerationCore:
         media_names: list[str] | None = None,
         add_special_tokens: bool = True,
         timeout: float | None = None,
+        ids_param: str = "prompt_token_ids",
     ) -> Prepared:
         arrival = time.monotonic()
         self.check_serving()
         if token_ids is not None:
-            ids = [int(t) for t in token_ids]
+            ids = self.check_token_ids(token_ids, ids_param)
         else:
             ids = self.encode_text(text or "", add_special_tokens)
         if not ids:
@@ -302,6 +303,22 @@ class GenerationCore:
         media_ids, media = await self.encode_media(list(media_items), timeout, media_names)
         prompt = ids[:1] + media_ids + ids[1:] if media_ids else ids
         return Prepared(prompt, media, len(media_ids), arrival, list(media_items))
+
+    def check_token_ids(self, ids, param: str, skip: range = range(0)) -> list[int]:
+        """Client token ids as ints, each in [0, vocabulary) (positions in `skip`: media placeholders this worker
+        computed itself); any other value is a 400 / INVALID_ARGUMENT naming the field and the position. One rule
+        for every path that takes ids: gRPC Generate, the HTTP APIs, the P/D prefill control."""
+        out = []
+        for i, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
+                raise ServeError.invalid(f"{param}[{i}] = {t!r} is not a token id", param=param)
+            t = int(t)
+            if i not in skip and not 0 <= t < self.vocab_size:
+                raise ServeError.invalid(
+                    f"{param}[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})", param=param
+                )
+            out.append(t)
+        return out
 
     # ------------------------------------------------------------------------------------ run
     def make_params(
@@ -335,7 +352,7 @@ class GenerationCore:
             kw["logprobs"] = True
         params = SamplingParams(
             max_tokens=max_tokens,
-            stop_token_ids=tuple(int(t) for t in stop_token_ids),
+            stop_token_ids=tuple(self.check_token_ids(stop_token_ids, "stop_token_ids")),
             ignore_eos=ignore_eos,
             top_logprobs=top_logprobs,
             **kw,

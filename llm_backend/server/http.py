@@ -194,7 +194,11 @@ class LLMHTTPServer:
             )
         else:
             prep = await core.prepare(
-                text=req.text, token_ids=req.token_ids, media_items=req.media, timeout=self.media_timeout_s
+                text=req.text,
+                token_ids=req.token_ids,
+                media_items=req.media,
+                timeout=self.media_timeout_s,
+                ids_param="prompt",
             )
         params = core.make_params(
             req.max_tokens,

@@ -108,6 +108,9 @@ async def test_bad_completion_requests(worker, body, param):
 async def test_token_outside_the_vocabulary_and_unknown_model(worker):
     status, body, _ = await call(worker, {"prompt": [256, 10**6], "max_tokens": 1}, path="/v1/completions")
     assert_error(status, body, 400, contains="outside the vocabulary")
+    for prompt in ([1, -1], [1, -(2**63)], [1, 2**40]):  # refused by the parser or the vocabulary check, by field
+        status, body, _ = await call(worker, {"prompt": prompt, "max_tokens": 1}, path="/v1/completions")
+        assert_error(status, body, 400, param="prompt")
     status, body, _ = await call(worker, {**user("x"), "model": "gpt-9"})
     assert_error(status, body, 404, param="model")
     async with aiohttp.ClientSession() as s:

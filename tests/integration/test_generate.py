@@ -120,6 +120,15 @@ def test_errors(worker):
     with pytest.raises(grpc.RpcError) as ei:
         list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=[10**6]), timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # A negative id (int32 on the wire) is refused the same way, by field and position, with no traceback.
+    for ids, stop, field in (([1, -1], [], "prompt_token_ids[1] = -1"), ([1, 2], [3, -(2**31)], "stop_token_ids[1]")):
+        with pytest.raises(grpc.RpcError) as ei:
+            req = generator_pb2.GenerateRequest(
+                prompt_token_ids=ids, sampling=generator_pb2.SamplingOptions(max_tokens=2, stop_token_ids=stop)
+            )
+            list(stub.Generate(req, timeout=30))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in ei.value.details(), ei.value
+    assert not any("Traceback" in ln or "OverflowError" in ln for ln in worker.stderr_lines)
     with pytest.raises(grpc.RpcError) as ei:
         list(
             stub.Generate(
