@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 
 import grpc
@@ -65,6 +66,18 @@ async def read_json(request: web.Request, edge: EdgeConfig):
     return await http_edge.read_json(request, edge.max_request_bytes, edge.max_json_depth)
 
 
+def _name(path: str) -> str:
+    """A file or directory as its name: `/models/MiMo-V2.5/tokenizer.json` -> `MiMo-V2.5/tokenizer.json` (a
+    checkpoint file keeps its directory's name), a directory -> its last component, a plain name unchanged."""
+    if not path or os.sep not in path:
+        return path
+    norm = os.path.normpath(path)
+    base = os.path.basename(norm)
+    if os.path.isdir(norm) or "." not in base:
+        return base
+    return os.path.join(os.path.basename(os.path.dirname(norm)), base)
+
+
 class LLMHTTPServer:
     def __init__(
         self,
@@ -80,7 +93,9 @@ class LLMHTTPServer:
         self.edge = edge or EdgeConfig()
         self.auth = auth or AuthConfig()
         self.media_timeout_s = media_timeout_s
-        self.model_path = model_path
+        # Clients see names, never this machine's paths (a checkpoint, a tokenizer, a template file): the info
+        # endpoints answer anonymous clients when no --api-key is set.
+        self.model_path = _name(model_path)
         self.started = int(time.time())
 
     def app(self) -> web.Application:
@@ -147,7 +162,7 @@ class LLMHTTPServer:
         return web.json_response(
             {
                 "model_path": self.model_path,
-                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
+                "tokenizer_path": _name(getattr(self.core.engine.tokenizer, "path", "") or self.model_path),
                 "served_model_name": self.core.model_name,
                 "is_generation": True,
                 "preferred_sampling_params": None,
@@ -163,14 +178,14 @@ class LLMHTTPServer:
             {
                 "model_path": self.model_path,
                 "served_model_name": self.core.model_name,
-                "tokenizer_path": getattr(self.core.engine.tokenizer, "path", self.model_path),
+                "tokenizer_path": _name(getattr(self.core.engine.tokenizer, "path", "") or self.model_path),
                 "dp_size": 1,
                 "tp_size": 1,
                 "context_length": self.core.max_model_len,
                 "max_total_num_tokens": s.get("full_total"),
                 "max_running_requests": self.core.engine.config.max_running,
                 "max_waiting": self.core.max_waiting,
-                "chat_template": self.template.origin,
+                "chat_template": _name(self.template.origin),
                 "internal_states": [s],
             }
         )

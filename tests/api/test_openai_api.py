@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import urllib.request
 
 import openai
@@ -296,6 +297,10 @@ def test_sglang_style_worker_endpoints(worker):
     for path in ("/get_server_info", "/server_info"):
         status, info = get_json(worker, path)
         assert status == 200 and info["dp_size"] == 1 and info["context_length"] > 0
+    for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/v1/models"):
+        text = json.dumps(get_json(worker, path)[1])  # names, never this machine's paths, to anonymous clients
+        assert os.sep + "tmp" not in text and os.path.dirname(os.path.abspath(__file__)) not in text, (path, text)
+        assert "/work/" not in text and "site-packages" not in text, (path, text)
     assert get_json(worker, "/health")[0] == 200
     assert get_json(worker, "/health_generate")[0] == 200
     whole = json.loads(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
 import time
 
 import aiohttp
@@ -82,3 +83,22 @@ async def test_disconnect_through_the_front_aborts_on_the_worker(node):
         assert time.monotonic() < deadline, "the worker kept generating for a client that left"
         await asyncio.sleep(0.1)
     assert scrape(node.http_address)['llm_requests_finished_total{process="llm-0",reason="abort"}'] >= 1
+
+
+async def test_info_endpoints_show_names_not_paths(node):
+    """/model_info, /server_info and /v1/models answer anonymous clients (no --api-key here) with the model's,
+    tokenizer's and template's names, never this machine's paths (the shipped tiny lives inside the package)."""
+    import os
+
+    import mimo_epd
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(mimo_epd.__file__)))
+    async with aiohttp.ClientSession() as s:
+        for path in ("/get_model_info", "/model_info", "/get_server_info", "/server_info", "/v1/models"):
+            async with s.get(f"http://{node.http_address}{path}") as r:
+                assert r.status == 200, path
+                text = await r.text()
+            assert package not in text and "site-packages" not in text, (path, text[:300])
+            if "info" in path:
+                info = json.loads(text)
+                assert info["model_path"] == "tiny" and info["tokenizer_path"] == "tiny/tokenizer.json", info
