@@ -64,9 +64,10 @@ class NodeConfig:
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits, on the front and on every worker
     auth: AuthConfig = embedded(AuthConfig)  # API keys and TLS of the node's ports; workers get the internal key
     llm_workers: int = flag(
-        1,
-        "LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch threads "
-        "unless --llm-torch-threads is set",
+        -1,
+        "colocated LLM worker processes on this node, each its own engine; on the CPU each gets cores // N torch "
+        "threads unless --llm-torch-threads is set (-1 = 1, or 0 when --pd-decode-workers is set: a node asked for "
+        "1 prefill + 1 decode worker runs exactly those)",
     )
     pd_prefill_workers: int = flag(
         0, "prefill-role LLM workers (docs/pd.md): they compute prompts and write their KV into decode workers"
@@ -116,6 +117,8 @@ class NodeConfig:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
+        if cfg.llm_workers == -1:
+            cfg.llm_workers = 0 if cfg.pd_decode_workers > 0 else 1
         if cfg.llm_workers < 0 or cfg.pd_prefill_workers < 0 or cfg.pd_decode_workers < 0:
             raise ValueError("--llm-workers, --pd-prefill-workers and --pd-decode-workers must be >= 0")
         if cfg.llm_workers + cfg.pd_decode_workers < 1:

@@ -169,6 +169,16 @@ class Node:
             await self.start_llm(f"127.0.0.1:{grpc.port}")  # the LLM workers send media through this server
 
     async def start_llm(self, encoder_address: str) -> None:
+        c = self.cfg
+        log.info(
+            "LLM workers: %d colocated, %d prefill, %d decode%s",
+            c.llm_workers,
+            c.pd_prefill_workers,
+            c.pd_decode_workers,
+            " (--llm-workers defaults to 0 beside --pd-decode-workers)"
+            if c.pd_decode_workers and not c.llm_workers
+            else "",
+        )
         self.llm_workers = await start_llm_workers(self.cfg, encoder_address)
         for w in self.llm_workers:
             self.llm_router.add_worker(w.endpoint, w.http_endpoint)

@@ -244,3 +244,20 @@ def test_generated_text_on_a_terminal_has_its_control_bytes_escaped():
 
     assert shown("a\x1b[2Jb\rc\x07\td\né\x9b") == "a\\x1b[2Jb\\rc\\x07\td\né\\x9b"
     assert shown("plain text\n") == "plain text\n"
+
+
+def test_pd_flags_start_exactly_what_they_name():
+    """`serve --pd-prefill-workers 1 --pd-decode-workers 1` is a 1P+1D node: no colocated worker beside them
+    unless --llm-workers asks for one; without P/D flags the node keeps its one colocated worker."""
+    from mimo_epd.launcher.config import NodeConfig
+
+    def node(*flags):
+        return NodeConfig.from_args(build_parser().parse_args(["serve", *flags]))
+
+    pd = node("--pd-prefill-workers", "1", "--pd-decode-workers", "1")
+    assert (pd.llm_workers, pd.pd_prefill_workers, pd.pd_decode_workers) == (0, 1, 1)
+    both = node("--pd-prefill-workers", "1", "--pd-decode-workers", "1", "--llm-workers", "1")
+    assert (both.llm_workers, both.pd_prefill_workers, both.pd_decode_workers) == (1, 1, 1)
+    assert node().llm_workers == 1 and node("--llm-workers", "3").llm_workers == 3
+    with pytest.raises(ValueError, match="at least one worker that decodes"):
+        node("--llm-workers", "0")
