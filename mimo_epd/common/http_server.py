@@ -7,16 +7,20 @@
   85 MiB) plus its text.
 - Connections (`GuardedHandler`, aiohttp's request handler with two additions): a client must deliver a
   request's headers within `--header-timeout-s` of its first byte, else the connection is closed (a slowloris
-  holds nothing for long); an idle keep-alive connection is closed after `--keepalive-timeout-s`; one client
-  address holds at most `--max-connections-per-client` connections, a connection past that is answered 429
-  and closed at once.
+  holds nothing for long, and one that never sends a byte is held to the same deadline); an idle keep-alive
+  connection is closed after `--keepalive-timeout-s`. Idle connections (none of its requests in flight) never
+  stand in a working request's way: a client address holds at most `--max-connections-per-client`
+  connections, and a new one past that closes the client's least recently active idle connection; only when
+  every one of them is busy with a request is the new one answered 429 (with Retry-After) and closed. Over all
+  clients at most `--max-idle-connections` idle connections stay open, the oldest closed first.
+- Every 429 and 503 carries `Retry-After`.
 - CORS is off unless `--allowed-origins` names origins (comma-separated, `*` for any): then a request from a
   listed origin gets `Access-Control-Allow-Origin`, and a preflight (`OPTIONS` with
   `Access-Control-Request-Method`) is answered 204 with the allowed methods and headers.
 - Every response says `Server: mimo-epd` (not the Python and aiohttp versions).
 
-Invariant: the per-client counts go up in `connection_made` and down in `connection_lost` of the same
-connection, so they never drift; a refused connection is never counted.
+Invariant: a connection enters the accounting in `connection_made` and leaves it once (`forget`: when it is lost,
+or when it is closed to make room), so the counts never drift; a refused connection is never counted.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import ssl as ssl_mod
-from collections import Counter
+from collections import defaultdict
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -45,7 +49,17 @@ class EdgeConfig:
     header_timeout_s: float = flag(10.0, "seconds a client may take to send a request's headers", _G)
     keepalive_timeout_s: float = flag(15.0, "seconds an idle keep-alive HTTP connection stays open", _G)
     max_connections_per_client: int = flag(
-        256, "open HTTP connections per client address (0 = no limit); past it: 429 and closed", _G
+        256,
+        "open HTTP connections per client address (0 = no limit); past it the client's oldest idle connection is "
+        "closed to make room, and only when every one is busy with a request is the new one answered 429 "
+        "(Retry-After) and closed",
+        _G,
+    )
+    max_idle_connections: int = flag(
+        1024,
+        "idle HTTP connections (keep-alive between requests, or not yet sending one) kept open over all clients; "
+        "past it the oldest idle ones are closed first (0 = no limit)",
+        _G,
     )
     allowed_origins: str = flag(
         "", "CORS: comma-separated origins allowed to call the HTTP API from a browser ('*' = any; empty = off)", _G
@@ -62,37 +76,42 @@ class EdgeConfig:
             raise ValueError(f"--max-json-depth must be at least 4, got {self.max_json_depth}")
         if self.header_timeout_s <= 0 or self.keepalive_timeout_s <= 0:
             raise ValueError("--header-timeout-s and --keepalive-timeout-s must be positive")
-        if self.max_connections_per_client < 0:
-            raise ValueError("--max-connections-per-client must be >= 0")
+        if self.max_connections_per_client < 0 or self.max_idle_connections < 0:
+            raise ValueError("--max-connections-per-client and --max-idle-connections must be >= 0")
 
 
 EDGE_FIELDS = frozenset(EdgeConfig.__dataclass_fields__)
 
 _REFUSED = (
-    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: application/json\r\nConnection: close\r\nRetry-After: 1\r\n"
     b"Server: " + SERVER_NAME.encode() + b"\r\nContent-Length: %d\r\n\r\n%s"
 )
 
 
 class GuardedHandler(RequestHandler):
-    """aiohttp's request handler with a header deadline and a per-client connection count (module docstring)."""
+    """aiohttp's request handler with a header deadline and the guard's connection accounting (module docstring)."""
 
     def __init__(self, manager, *, guard: GuardedServer, **kw):
         super().__init__(manager, **kw)
         self._guard = guard
         self._peer: str | None = None
         self._partial_since: float | None = None
+        self.last_active = 0.0
+
+    def idle(self) -> bool:
+        """No request in flight or queued: between keep-alive requests, silent, or still sending headers."""
+        return self._current_request is None and not self._messages
 
     def connection_made(self, transport) -> None:
         peer = transport.get_extra_info("peername")
         ip = peer[0] if isinstance(peer, tuple) and peer else "?"
         g = self._guard
-        if g.per_client and g.counts[ip] >= g.per_client:
+        if g.per_client and len(g.conns[ip]) >= g.per_client and not g.close_oldest_idle(g.conns[ip]):
             body = json.dumps(
                 {
                     "error": {
-                        "message": f"too many connections from this client (--max-connections-per-client "
-                        f"{g.per_client})",
+                        "message": f"too many connections from this client, each busy with a request "
+                        f"(--max-connections-per-client {g.per_client})",
                         "type": "rate_limit_error",
                         "param": None,
                         "code": "too_many_connections",
@@ -104,22 +123,34 @@ class GuardedHandler(RequestHandler):
             g.refused += 1
             return
         self._peer = ip
-        g.counts[ip] += 1
+        self.last_active = self._loop.time()
+        g.conns[ip][self] = None
+        g.all[self] = None
         super().connection_made(transport)
+        # A connection that never sends a byte is held to the header deadline too.
+        self._partial_since = self.last_active
+        self._loop.call_later(g.header_timeout_s, self._header_deadline)
+        g.trim_idle()
+
+    def forget(self) -> None:
+        """Out of the guard's accounting (closed, or being closed to make room): counted once, never twice."""
+        g, ip = self._guard, self._peer
+        if ip is None:
+            return
+        g.conns[ip].pop(self, None)
+        if not g.conns[ip]:
+            del g.conns[ip]
+        g.all.pop(self, None)
+        self._peer = None
 
     def connection_lost(self, exc) -> None:
-        if self._peer is None:
-            return  # refused in connection_made: aiohttp never saw it
-        g = self._guard
-        g.counts[self._peer] -= 1
-        if g.counts[self._peer] <= 0:
-            del g.counts[self._peer]
-        self._peer = None
+        self.forget()
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._peer is None:
+        if self.transport is None or self.transport.is_closing():
             return
+        self.last_active = self._loop.time()
         before = self._request_count
         super().data_received(data)
         if self._request_count != before or self._current_request is not None or self._messages:
@@ -138,18 +169,45 @@ class GuardedHandler(RequestHandler):
 
 
 class GuardedServer(web.Server):
-    """aiohttp's low-level server making `GuardedHandler`s."""
+    """aiohttp's low-level server making `GuardedHandler`s, and the connection accounting they share: every
+    open connection by client address (`conns`) and overall (`all`), in arrival order."""
 
     def __init__(self, *args, edge: EdgeConfig, **kw):
         super().__init__(*args, **kw)
         self.per_client = edge.max_connections_per_client
+        self.max_idle = edge.max_idle_connections
         self.header_timeout_s = edge.header_timeout_s
-        self.counts: Counter[str] = Counter()
+        self.conns: defaultdict[str, dict[GuardedHandler, None]] = defaultdict(dict)
+        self.all: dict[GuardedHandler, None] = {}
         self.refused = 0
         self.header_timeouts = 0
+        self.idle_closed = 0
 
     def __call__(self) -> RequestHandler:
         return GuardedHandler(self, loop=self._loop, guard=self, **self._kwargs)
+
+    def close_oldest_idle(self, handlers) -> bool:
+        """Closes the least recently active idle connection among `handlers`; False when every one is busy."""
+        idle = [h for h in handlers if h.idle()]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda h: h.last_active)
+        oldest.forget()
+        if oldest.transport is not None:
+            oldest.transport.close()
+        self.idle_closed += 1
+        return True
+
+    def trim_idle(self) -> None:
+        """Past --max-idle-connections idle connections overall, the oldest idle ones are closed."""
+        if not self.max_idle or len(self.all) <= self.max_idle:
+            return
+        idle = sorted((h for h in self.all if h.idle()), key=lambda h: h.last_active)
+        for h in idle[: max(0, len(idle) - self.max_idle)]:
+            h.forget()
+            if h.transport is not None:
+                h.transport.close()
+            self.idle_closed += 1
 
 
 class GuardedRunner(web.AppRunner):
@@ -207,6 +265,8 @@ def cors_middleware(allowed_origins: str):
 
 async def _server_header(request, response) -> None:
     response.headers["Server"] = SERVER_NAME
+    if response.status in (429, 503) and "Retry-After" not in response.headers:
+        response.headers["Retry-After"] = "1"  # every "not now" says when to come back
 
 
 def edge_app(edge: EdgeConfig, middlewares: list, keys: tuple[str, ...] = ()) -> web.Application:

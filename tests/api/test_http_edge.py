@@ -183,37 +183,128 @@ def test_cors_off_by_default_and_preflight_when_asked():
 
 
 def test_slowloris_and_idle_connections_are_closed_and_clients_capped():
-    """A client that trickles its headers is cut at --header-timeout-s, an idle keep-alive at
-    --keepalive-timeout-s, and a client past --max-connections-per-client gets a JSON 429 at once."""
+    """A client that trickles its headers is cut at --header-timeout-s, one that never sends a byte too, an idle
+    keep-alive at --keepalive-timeout-s; past --max-connections-per-client a new connection closes the client's
+    oldest idle one, and only when all of them are busy with requests is it answered a JSON 429 with Retry-After."""
     from mimo_epd.common.http_server import start_site
 
+    release = asyncio.Event()
+
     async def ok(request):
+        return web.json_response({})
+
+    async def busy(request):
+        await release.wait()
         return web.json_response({})
 
     async def go():
         edge = EdgeConfig(header_timeout_s=0.5, keepalive_timeout_s=0.5, max_connections_per_client=5)
         app = edge_app(edge, [])
         app.router.add_get("/x", ok)
+        app.router.add_get("/busy", busy)
         runner, port = await start_site(app, "127.0.0.1", 0, edge)
         try:
             slow = []
-            for _ in range(3):  # slowloris: a partial request line, never finished
+            for _ in range(2):  # slowloris: a partial request line, never finished
                 r, w = await asyncio.open_connection("127.0.0.1", port)
                 w.write(b"GET /x HTTP/1.1\r\nHost: a\r\n")
                 slow.append((r, w))
+            slow.append(await asyncio.open_connection("127.0.0.1", port))  # silent: never a byte
             r, w = await asyncio.open_connection("127.0.0.1", port)  # a keep-alive that goes idle
             w.write(b"GET /x HTTP/1.1\r\nHost: a\r\n\r\n")
             first = await asyncio.wait_for(r.readuntil(b"{}"), 5)
             slow.append((r, w))
-            extra = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]  # 6th and 7th
-            refused = [await asyncio.wait_for(er.read(), 5) for er, _ in extra[1:]]
             await asyncio.sleep(1.5)
             closed = [await asyncio.wait_for(sr.read(), 5) == b"" or sr.at_eof() for sr, _ in slow]
-            return first, refused, closed
+            held = []
+            for _ in range(5):  # five requests in flight fill the client's five connections
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                w.write(b"GET /busy HTTP/1.1\r\nHost: a\r\n\r\n")
+                held.append((r, w))
+            await asyncio.sleep(0.2)
+            er, _ = await asyncio.open_connection("127.0.0.1", port)
+            refused = await asyncio.wait_for(er.read(), 5)
+            release.set()
+            answered = [await asyncio.wait_for(hr.readuntil(b"{}"), 5) for hr, _ in held]
+            return first, refused, closed, answered
         finally:
             await runner.cleanup()
 
-    first, refused, closed = asyncio.run(go())
+    first, refused, closed, answered = asyncio.run(go())
     assert b"200 OK" in first and b"Server: mimo-epd" in first
-    assert refused[0].startswith(b"HTTP/1.1 429") and b"too_many_connections" in refused[0], refused
+    assert refused.startswith(b"HTTP/1.1 429") and b"too_many_connections" in refused, refused
+    assert b"Retry-After: 1" in refused
     assert all(closed), closed
+    assert all(b"200 OK" in a for a in answered)
+
+
+@pytest.mark.parametrize("idle", [300, 3000])
+def test_a_good_request_beside_many_idle_connections(idle):
+    """Hundreds or thousands of connections that did one GET /health and stay open (keep-alive), or never send a
+    byte, do not deny a working request: it gets 200, the oldest idle connections being closed to make room
+    (per client and past --max-idle-connections); the server's accounting ends where it started."""
+    import resource
+
+    from mimo_epd.common.http_server import start_site
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 2 * idle + 256
+    if soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, hard), hard))
+
+    async def ok(request):
+        return web.json_response({"ok": True})
+
+    async def go():
+        edge = EdgeConfig(header_timeout_s=30, keepalive_timeout_s=30)  # nothing times out during the test
+        app = edge_app(edge, [])
+        app.router.add_get("/health", ok)
+        app.router.add_post("/v1/chat/completions", ok)
+        runner, port = await start_site(app, "127.0.0.1", 0, edge)
+        conns = []
+        try:
+            for i in range(idle):
+                r, w = await asyncio.open_connection("127.0.0.1", port)
+                if i % 2 == 0:  # half keep-alive after GET /health, half silent
+                    w.write(b"GET /health HTTP/1.1\r\nHost: a\r\n\r\n")
+                    await asyncio.wait_for(r.readuntil(b"true}"), 10)
+                conns.append((r, w))
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/v1/chat/completions", json={}) as resp:
+                    status = resp.status
+            server = runner.server
+            open_now = len(server.all)
+            for _, w in conns:
+                w.close()
+            await asyncio.sleep(0.5)
+            return status, open_now, len(server.all), server.refused
+        finally:
+            await runner.cleanup()
+
+    status, open_now, after, refused = asyncio.run(go())
+    assert status == 200 and refused == 0
+    assert open_now <= 256 + 1  # per client (all of them come from 127.0.0.1): the oldest idle ones were closed
+    assert after == 0
+
+
+async def test_every_429_and_503_says_when_to_retry():
+    """A 429 or 503 from any handler (the engine's queue, a worker down behind the front) carries Retry-After; one
+    that sets its own keeps it."""
+
+    async def full(request):
+        return web.json_response({}, status=429)
+
+    async def down(request):
+        return web.json_response({}, status=503)
+
+    async def own(request):
+        return web.json_response({}, status=503, headers={"Retry-After": "7"})
+
+    app = edge_app(EdgeConfig(), [])
+    for path, h in (("/full", full), ("/down", down), ("/own", own)):
+        app.router.add_get(path, h)
+    async with TestClient(TestServer(app)) as c:
+        for path, want in (("/full", "1"), ("/down", "1"), ("/own", "7")):
+            r = await c.get(path)
+            assert r.headers.get("Retry-After") == want, path
+        assert "Retry-After" not in (await c.get("/nothing")).headers  # a 404 is not a "not now"
