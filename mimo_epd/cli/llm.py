@@ -40,6 +40,11 @@ def run_llm(args) -> int:
     from .serve import exit_with_serve
 
     exit_with_serve()  # started by `serve`: leave with it
+    from mimo_epd.common.malloc import keep_freed_memory
+
+    # Each step allocates and frees the same activations: with glibc's defaults a tiny worker faulted ~4 fresh pages
+    # per generated token, ~1 with freed buffers kept (docs/reliability.md, the LLM worker's memory).
+    keep_freed_memory()
     try:
         if cfg.torch_threads:
             import torch
