@@ -66,6 +66,20 @@ async def read_json(request: web.Request, edge: EdgeConfig):
     return await http_edge.read_json(request, edge.max_request_bytes, edge.max_json_depth)
 
 
+def _str_field(body: dict, key: str) -> str:
+    v = body.get(key)
+    if v is not None and not isinstance(v, str):
+        raise ServeError.invalid(f"'{key}': expected a string", param=key)
+    return v or ""
+
+
+def _bool_field(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, default)
+    if not isinstance(v, bool):
+        raise ServeError.invalid(f"'{key}': expected true or false", param=key)
+    return v
+
+
 def _name(path: str) -> str:
     """A file or directory as its name: `/models/MiMo-V2.5/tokenizer.json` -> `MiMo-V2.5/tokenizer.json` (a
     checkpoint file keeps its directory's name), a directory -> its last component, a plain name unchanged."""
@@ -112,15 +126,17 @@ class LLMHTTPServer:
         for path in ("/get_server_info", "/server_info"):
             r.add_get(path, self.server_info)
         r.add_post("/generate", self.generate)
+        r.add_post("/tokenize", self.tokenize)
+        r.add_post("/detokenize", self.detokenize)
         r.add_get("/metrics", self.metrics_handler)
         return app
 
     # ------------------------------------------------------------------------------ info
-    def _check_model(self, req: proto.GenRequest) -> None:
-        if req.model and req.model != self.core.model_name:
+    def _check_model(self, model: str) -> None:
+        if model and model != self.core.model_name:
             raise ServeError(
                 grpc.StatusCode.NOT_FOUND,
-                f"model {http_edge.shown(req.model)} is not served here (this worker serves {self.core.model_name!r})",
+                f"model {http_edge.shown(model)} is not served here (this worker serves {self.core.model_name!r})",
                 param="model",
                 err_code="model_not_found",
             )
@@ -195,6 +211,60 @@ class LLMHTTPServer:
             raise web.HTTPNotFound()
         return web.Response(body=self.metrics.render(), headers={"Content-Type": "text/plain; version=0.0.4"})
 
+    # ------------------------------------------------------------------------------ tokens
+    async def tokenize(self, request):
+        """vLLM's `POST /tokenize`: `prompt` (text, `add_special_tokens` default true) or chat `messages` rendered
+        with the chat template exactly as /v1/chat/completions renders them (`add_generation_prompt` default true,
+        `tools`, `chat_template_kwargs`; media parts are encoded, so their rows count: their ids are the engine's
+        placeholders, >= the vocabulary size). Returns `count`, `max_model_len`, `tokens` and, with
+        `return_token_strs`, each token's string (null for a media row)."""
+        body = await read_json(request, self.edge)
+        if not isinstance(body, dict):
+            raise ServeError.invalid("the request body must be a JSON object")
+        self._check_model(_str_field(body, "model"))
+        strs = _bool_field(body, "return_token_strs", False)
+        if "messages" in body:
+            chat = {k: body[k] for k in ("messages", "tools", "tool_choice", "chat_template_kwargs") if k in body}
+            req = proto.parse_chat(chat)
+            agp = _bool_field(body, "add_generation_prompt", True)
+            text = self.template.render(req.messages, add_generation_prompt=agp, **req.agentic.render_kwargs())
+            special = _bool_field(body, "add_special_tokens", False)
+            prep = await self.core.prepare(
+                text=text,
+                media_items=req.media,
+                media_names=req.media_names,
+                add_special_tokens=special,
+                timeout=self.media_timeout_s,
+            )
+            ids = prep.prompt
+        elif isinstance(body.get("prompt"), str):
+            ids = self.core.encode_text(body["prompt"], _bool_field(body, "add_special_tokens", True))
+        else:
+            raise ServeError.invalid("give 'prompt' (a string) or 'messages'", param="prompt")
+        out = {"count": len(ids), "max_model_len": self.core.max_model_len, "tokens": ids, "token_strs": None}
+        if strs:
+            out["token_strs"] = [self._token_str(t) for t in ids]
+        return web.json_response(out)
+
+    async def detokenize(self, request):
+        """vLLM's `POST /detokenize`: `tokens` (ids in the vocabulary) -> `prompt`, the decoded text."""
+        body = await read_json(request, self.edge)
+        if not isinstance(body, dict):
+            raise ServeError.invalid("the request body must be a JSON object")
+        self._check_model(_str_field(body, "model"))
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list):
+            raise ServeError.invalid("'tokens': expected an array of token ids", param="tokens")
+        ids = self.core.check_token_ids(tokens, "tokens")
+        return web.json_response({"prompt": self.core.tokenizer.decode(ids)})
+
+    def _token_str(self, t: int) -> str | None:
+        if t >= self.core.vocab_size:
+            return None  # a media row
+        tok = self.core.tokenizer
+        inner = getattr(tok, "tok", None)
+        return inner.id_to_token(t) if inner is not None else tok.decode([t])
+
     # ------------------------------------------------------------------------------ generation
     async def _prepare(self, req: proto.GenRequest):
         core = self.core
@@ -243,7 +313,7 @@ class LLMHTTPServer:
         return await self._run(request, req)
 
     async def _run(self, request, req: proto.GenRequest):
-        self._check_model(req)
+        self._check_model(req.model)
         prep, params = await self._prepare(req)
         rid = proto.new_id("chatcmpl" if req.kind == "chat" else "cmpl")
         model = self.core.model_name

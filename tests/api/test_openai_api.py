@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import urllib.error
 import urllib.request
 
 import openai
@@ -344,3 +345,52 @@ def test_metrics(client, worker):
     assert after["llm_requests_running"] == 0 and after["llm_requests_waiting"] == 0
     assert after["llm_kv_full_total_slots"] == 6000 and after["llm_kv_swa_total_slots"] == 1500
     assert 0 < after["llm_kv_full_used_slots"] <= 6000 and after["llm_prefix_cache_hit_tokens_total"] > 0
+
+
+def test_tokenize_and_detokenize(worker):
+    """vLLM's /tokenize and /detokenize: text with and without special tokens, chat messages rendered as
+    /v1/chat/completions renders them (the count equals that request's prompt_tokens, an image's rows included),
+    token strings, the round trip, and ids outside the vocabulary refused by field."""
+    t = json.loads(post_json(worker, "/tokenize", {"prompt": "abc", "return_token_strs": True}))
+    assert t["tokens"] == [256, 97, 98, 99] and t["count"] == 4 and t["max_model_len"] > 0
+    assert t["token_strs"][1:] == ["a", "b", "c"]
+    bare = json.loads(post_json(worker, "/tokenize", {"prompt": "abc", "add_special_tokens": False}))
+    assert bare["tokens"] == [256, 97, 98, 99] and bare["token_strs"] is None  # the byte tokenizer: BOS always
+    assert json.loads(post_json(worker, "/detokenize", {"tokens": [97, 98, 99]})) == {"prompt": "abc"}
+    chat = json.loads(post_json(worker, "/tokenize", {"model": "tiny-random", "messages": MESSAGES}))
+    done = json.loads(post_json(worker, "/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 1}))
+    assert chat["count"] == done["usage"]["prompt_tokens"] == len(chat["tokens"])
+    no_gen = json.loads(post_json(worker, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}))
+    assert no_gen["count"] < chat["count"] and chat["tokens"][: no_gen["count"]] == no_gen["tokens"]
+    for path, body, param in (
+        ("/detokenize", {"tokens": [97, -1]}, "tokens"),
+        ("/detokenize", {"tokens": "abc"}, "tokens"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            post_json(worker, path, body)
+        err = json.loads(e.value.read())["error"]
+        assert e.value.code == 400 and err["param"] == param, err
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post_json(worker, "/tokenize", {"model": "gpt-9", "prompt": "x"})
+    assert e.value.code == 404
+
+
+def test_tokenize_counts_an_images_rows(worker, images):
+    """A chat with an image: /tokenize encodes it (its rows are placeholder ids past the vocabulary, their strings
+    null) and counts what the chat completion counts."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_url(images["a.jpg"])}},
+                {"type": "text", "text": "?"},
+            ],
+        }
+    ]
+    t = json.loads(post_json(worker, "/tokenize", {"messages": messages, "return_token_strs": True}))
+    done = json.loads(post_json(worker, "/v1/chat/completions", {"messages": messages, "max_tokens": 1}))
+    assert t["count"] == done["usage"]["prompt_tokens"]
+    rows = [i for i, s in enumerate(t["token_strs"]) if s is None]
+    assert rows and all(t["tokens"][i] >= 258 for i in rows)

@@ -102,3 +102,23 @@ async def test_info_endpoints_show_names_not_paths(node):
             if "info" in path:
                 info = json.loads(text)
                 assert info["model_path"] == "tiny" and info["tokenizer_path"] == "tiny/tokenizer.json", info
+
+
+async def test_tokenize_through_the_front(node):
+    """/tokenize and /detokenize reach a worker through serve's front; the shipped tokenizer adds BOS only with
+    add_special_tokens, and a chat's count is the chat completion's prompt_tokens."""
+    url = f"http://{node.http_address}"
+    messages = [{"role": "user", "content": "Hello!"}]
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{url}/tokenize", json={"prompt": "Hello world"}) as r:
+            with_bos = await r.json()
+        async with s.post(f"{url}/tokenize", json={"prompt": "Hello world", "add_special_tokens": False}) as r:
+            bare = await r.json()
+        async with s.post(f"{url}/detokenize", json={"tokens": bare["tokens"]}) as r:
+            back = await r.json()
+        async with s.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}) as r:
+            chat = await r.json()
+        async with s.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 1}) as r:
+            done = await r.json()
+    assert with_bos["tokens"] == [0, *bare["tokens"]] and back == {"prompt": "Hello world"}
+    assert chat["count"] == done["usage"]["prompt_tokens"]
