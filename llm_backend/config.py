@@ -203,6 +203,13 @@ class LLMConfig:
         "freed anyway, with a warning",
         _PD,
     )
+    pd_retries: int = flag(
+        1,
+        "decode role: a request whose KV transfer fails before its first token (the prefill worker died, hung past "
+        "--pd-transfer-timeout-s or refused the room) is prefilled here instead, at most this many times; the client "
+        "sees a slower first token, not an error (0 = it fails with UNAVAILABLE)",
+        _PD,
+    )
     pd_local_prefill_tokens: int = flag(
         2048,
         "decode role: a prompt with at most this many tokens not in this worker's prefix cache is prefilled here "
@@ -265,6 +272,8 @@ class LLMConfig:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
+        if self.pd_retries < 0:
+            raise ValueError(f"--pd-retries must be >= 0, got {self.pd_retries}")
         if self.pd_transfer_timeout_s <= 0 or self.pd_fence_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
             raise ValueError(
                 "--pd-transfer-timeout-s and --pd-fence-timeout-s must be positive and --pd-protocol tcp or rdma"

@@ -15,11 +15,13 @@ SGLang's handshake shape, one room per attempt:
    transfers only its new tokens), appends the first token and decodes like any other. A seeded request takes the
    prefill side's generator state with the first token, so its samples are the ones a colocated worker draws.
 
-Failure rules (docs/pd.md): a transfer fails and the request ends with an error coded "unavailable" (gRPC
-UNAVAILABLE, HTTP 503), never as a normal finish, when the stream to the prefill worker breaks (it died), when it
-sends nothing for `--pd-transfer-timeout-s` (it hangs; it sends a keep-alive every second), or when the prefill
-worker refuses the room. An abort (the client went away) ends the request at once. This worker's health never
-depends on a prefill worker: without one it prefills locally.
+Failure rules (docs/pd.md): a transfer fails when the stream to the prefill worker breaks (it died), when it sends
+nothing for `--pd-transfer-timeout-s` (it hangs; it sends a keep-alive every second), or when the prefill worker
+refuses the room. No token has reached the client then, so the request is prefilled here instead (the plain
+scheduler path, from its prompt: the output is the colocated one), at most `--pd-retries` times; past that (or with
+0) it ends with an error coded "unavailable" (gRPC UNAVAILABLE, HTTP 503), never as a normal finish. The failed
+room is fenced as below either way: the retry takes fresh slots. An abort (the client went away) ends the request at
+once. This worker's health never depends on a prefill worker: without one it prefills locally.
 
 Fencing: the pages of a room given up on (failed, timed out, aborted) are never cached (they may be half written)
 and are not freed at once either: they stay *fenced* (held, counted in `pd_fenced_rooms`) until the prefill
@@ -69,6 +71,8 @@ class PDTicket:
     bytes: int = 0
     transfer_s: float = 0.0
     room: Any = None  # the DecodeRoom of the transfer under way
+    retries: int = 0  # failed transfers this request was prefilled here after
+    failed: str = ""  # the prefill worker of the last one
 
 
 @dataclass
@@ -93,6 +97,7 @@ class DecodeScheduler(Scheduler):
         self.local_prefill_tokens = cfg.pd_local_prefill_tokens
         self.transfer_timeout_s = cfg.pd_transfer_timeout_s
         self.fence_timeout_s = cfg.pd_fence_timeout_s
+        self.retries = cfg.pd_retries
         # Set by the worker (attach_decode): start(request, room) opens the stream; release(room) closes it and
         # posts "released" once the prefill worker writes no more (without a worker: at once).
         self.start_transfer: Callable[[Any, DecodeRoom], None] | None = None
@@ -103,6 +108,7 @@ class DecodeScheduler(Scheduler):
         self.inbox: deque = deque()  # (request, room name, kind, payload) from the stream's thread
         self._blocked = False
         self.remote = self.local = self.failed = self.timeouts = self.aborted_transfers = self.fence_expired = 0
+        self.retried = 0
         self.bytes_received = 0
         self.transfer_s = 0.0
 
@@ -119,6 +125,7 @@ class DecodeScheduler(Scheduler):
             "pd_waiting_for_transfer": len(self.pd_waiting),
             "pd_fenced_rooms": len(self.fenced),
             "pd_fence_expired": self.fence_expired,
+            "pd_retried_locally": self.retried,
         }
 
     def load_views(self):
@@ -178,7 +185,7 @@ class DecodeScheduler(Scheduler):
                 self.transferring.remove(r)
                 self.failed += 1
                 self._fence(r)
-                self._end_transfer(r, "error", payload)
+                self._retry_or_fail(r, payload)
 
     def _expire(self) -> None:
         now = self.clock()
@@ -193,9 +200,7 @@ class DecodeScheduler(Scheduler):
                 self.transferring.remove(r)
                 self.timeouts += 1
                 self._fence(r)
-                self._end_transfer(
-                    r, "error", f"no news from prefill worker {room.prefill} for {self.transfer_timeout_s:g} s"
-                )
+                self._retry_or_fail(r, f"no news from prefill worker {room.prefill} for {self.transfer_timeout_s:g} s")
         for r in [r for r in self.pd_waiting if r.aborted]:
             self.pd_waiting.remove(r)
             self.finish(r, r.aborted)
@@ -224,6 +229,28 @@ class DecodeScheduler(Scheduler):
         if entry is not None:
             log.info("room %s: its slots are freed (%s)", name, why or "released")
             entry[0].finish(cache_result=False)
+
+    def _retry_or_fail(self, r, why: str) -> None:
+        """A transfer that failed before the first token: prefilled here instead while retries are left, else
+        the request ends "unavailable" (module docstring, failure rules)."""
+        ticket = r.pd
+        if ticket.retries >= self.retries or r.output:
+            return self._end_transfer(r, "error", why)
+        ticket.retries += 1
+        self.retried += 1
+        self._blocked = False
+        log.warning(
+            "request %d: KV transfer failed (%s); prefilling it here instead (retry %d of %d)",
+            r.id,
+            why,
+            ticket.retries,
+            self.retries,
+        )
+        ticket.failed, ticket.prefill, ticket.room = ticket.prefill, "", None
+        r.cached_tokens = 0
+        self.prompt_tokens -= len(r.prompt)  # counted again when the plain path admits it
+        self.local += 1
+        Scheduler.add(self, r)
 
     def _end_transfer(self, r, reason: str, why: str) -> None:
         self._blocked = False

@@ -153,6 +153,7 @@ class Final:
     kv_transfer_s: float = 0.0  # and the seconds of those writes
     prefill_address: str = ""  # the prefill worker that computed the prompt ("" = this worker)
     kv_events_position: str = ""  # "EPOCH:SEQ" of the worker's KV-event log once this request was cached
+    prefill_failed_address: str = ""  # a prefill worker whose transfer failed, after which this worker prefilled
 
 
 @dataclass
@@ -496,6 +497,7 @@ class Generation:
             float(getattr(r.pd, "transfer_s", 0.0)),
             str(getattr(r.pd, "used", "")),
             core.kv_events_position(),  # read after the engine cached the request (finish() before on_finish)
+            str(getattr(r.pd, "failed", "")),
         )
         if m is not None:
             m.on_finish(final)

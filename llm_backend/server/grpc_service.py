@@ -72,6 +72,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                             kv_transfer_bytes=ev.kv_transfer_bytes,
                             kv_transfer_ms=ev.kv_transfer_s * 1e3,
                             prefill_address=ev.prefill_address,
+                            prefill_failed_address=ev.prefill_failed_address,
                             kv_events_position=ev.kv_events_position,
                         )
                     )

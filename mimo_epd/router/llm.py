@@ -126,6 +126,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             "pd_remote": 0,
             "pd_local": 0,
             "pd_retries": 0,
+            "pd_prefill_failures_reported": 0,
         }
         self._tasks: list[asyncio.Task] = []
         self.discovery_errors = 0  # registry reads that failed other than by an unreachable state
@@ -488,6 +489,14 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
     def _stub(self, address: str):
         return generator_pb2_grpc.GeneratorStub(self._channel(address))
 
+    def _prefill_failed(self, address: str) -> None:
+        """A prefill worker a decode worker gave up on (it then prefilled the request itself): marked down here
+        too, so the next requests are not sent through it while it is dead or hung."""
+        pchoice = Choice(member_id("llm", address), address, "", 0, 0, role="prefill")
+        if pchoice.worker in self.workers:
+            self.mark_down(pchoice, "a decode worker's KV transfer from it failed")
+        self.stats["pd_prefill_failures_reported"] += 1
+
     def _retry_prefill(self, choice: Choice, request, flight: _Flight, e, failed: set[str]) -> bool:
         """Whether a decode worker's failed transfer is retried on another prefill worker: once, and only when no
         token was streamed (after one, the client gets the error: never a truncated answer marked complete)."""
@@ -529,6 +538,8 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                         self.progressed(flight, max(1, len(msg.delta.token_ids)))
                     elif msg.HasField("final"):
                         self.report(choice, msg.final.cached_tokens, msg.final.kv_events_position)
+                        if msg.final.prefill_failed_address:  # the decode worker prefilled it after a failed transfer
+                            self._prefill_failed(msg.final.prefill_failed_address)
                     yield msg
                 return
             except grpc.aio.AioRpcError as e:

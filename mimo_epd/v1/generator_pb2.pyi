@@ -84,7 +84,7 @@ class TokenDelta(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class GenerateFinal(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "finish_reason", "media_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "kv_transfer_bytes", "kv_transfer_ms", "prefill_address", "kv_events_position")
+    __slots__ = ("prompt_tokens", "cached_tokens", "completion_tokens", "ttft_ms", "finish_reason", "media_tokens", "accepted_prediction_tokens", "rejected_prediction_tokens", "kv_transfer_bytes", "kv_transfer_ms", "prefill_address", "kv_events_position", "prefill_failed_address")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +97,7 @@ class GenerateFinal(_message.Message):
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_POSITION_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FAILED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
@@ -109,7 +110,8 @@ class GenerateFinal(_message.Message):
     kv_transfer_ms: float
     prefill_address: str
     kv_events_position: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., media_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_address: _Optional[str] = ..., kv_events_position: _Optional[str] = ...) -> None: ...
+    prefill_failed_address: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., finish_reason: _Optional[str] = ..., media_tokens: _Optional[int] = ..., accepted_prediction_tokens: _Optional[int] = ..., rejected_prediction_tokens: _Optional[int] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_ms: _Optional[float] = ..., prefill_address: _Optional[str] = ..., kv_events_position: _Optional[str] = ..., prefill_failed_address: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")

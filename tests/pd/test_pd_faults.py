@@ -50,12 +50,12 @@ def idle(s) -> bool:
     )
 
 
-def pair(timeout_s: float = 2.0):
-    pre = start_server(COMMON + SLOW_PREFILL + ["--role", "prefill"], "llm")
+def pair(timeout_s: float = 2.0, retries: int = 0, extra: tuple = ()):
+    pre = start_server(COMMON + SLOW_PREFILL + ["--role", "prefill", *extra], "llm")
     dec = start_server(
         COMMON
         + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"]
-        + ["--pd-transfer-timeout-s", str(timeout_s)],
+        + ["--pd-transfer-timeout-s", str(timeout_s), "--pd-retries", str(retries), *extra],
         "llm",
     )
     return pre, dec
@@ -87,7 +87,9 @@ def serving(s) -> bool:
 
 @pytest.mark.parametrize("how", ["kill", "hang"])
 def test_prefill_worker_lost_mid_transfer_frees_the_decode_side(how):
-    pre, dec = pair(timeout_s=2.0)
+    """With --pd-retries 0 the request fails UNAVAILABLE (the rule before retries), in seconds, and every slot
+    comes back."""
+    pre, dec = pair(timeout_s=2.0, retries=0)
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             _, fut = start_long(dec, pool)
@@ -183,4 +185,45 @@ def test_a_pair_with_an_internal_key_transfers():
         assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
     finally:
         for s in (dec, pre):
+            s.stop()
+
+
+N_IN_FLIGHT, IN_FLIGHT_TOKENS = 12, int(os.environ.get("PD_RETRY_PROMPT_TOKENS", "3000"))
+
+
+def _prompts() -> list[list[int]]:
+    return [[1] + [(7 * i + 31 * j) % 250 + 3 for i in range(IN_FLIGHT_TOKENS)] for j in range(N_IN_FLIGHT)]
+
+
+def _greedy(address: str, ids: list[int]) -> list[int]:
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(address))
+    req = generator_pb2.GenerateRequest(
+        prompt_token_ids=ids, sampling=generator_pb2.SamplingOptions(max_tokens=6, ignore_eos=True)
+    )
+    return [t for msg in stub.Generate(req, timeout=300) if msg.HasField("delta") for t in msg.delta.token_ids]
+
+
+def test_prefill_worker_killed_under_twelve_long_prompts_costs_no_request():
+    """#47: SIGKILL of the prefill worker while 12 long prompts wait for their KV (some transferring, some queued):
+    each is prefilled on the decode worker instead (--pd-retries 1, the default), every one completes, and its
+    greedy tokens are a colocated worker's; the failed rooms' slots all come back."""
+    big = ("--kv-cache-tokens", str(N_IN_FLIGHT * (IN_FLIGHT_TOKENS + 64)))
+    pre, dec = pair(timeout_s=2.0, retries=1, extra=big)
+    ref = start_server(COMMON + list(big), "llm")
+    try:
+        prompts = _prompts()
+        with concurrent.futures.ThreadPoolExecutor(N_IN_FLIGHT) as pool:
+            futs = [pool.submit(_greedy, dec.address, ids) for ids in prompts]
+            wait_for(lambda: scrape(port(pre)).get("llm_pd_bytes_written", 0) > 0, "the first KV write")
+            assert scrape(port(dec))["llm_pd_transferring"] >= 1
+            pre.proc.send_signal(signal.SIGKILL)
+            got = [f.result(timeout=600) for f in futs]
+        want = [_greedy(ref.address, ids) for ids in prompts]
+        assert got == want and all(len(g) == 6 for g in got)
+        m = scrape(port(dec))
+        assert m["llm_pd_retried_locally"] >= 1 and m["llm_pd_retried_locally"] + m["llm_pd_remote_prefills"] >= 1
+        wait_for(lambda: idle(dec), "the decode side's pages freed", 30)
+        assert serving(dec)
+    finally:
+        for s in (dec, pre, ref):
             s.stop()
