@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from ._triton import jit, tl, triton
 
 if TYPE_CHECKING:
-    from ..models.quant import QuantizedExperts
+    from ..models.quant import BlockFP8Experts, QuantizedExperts
 
+FP8 = torch.float8_e4m3fn
 _MIN_DOT = 16  # tl.dot needs every dimension >= 16 on the GPU
 
 
@@ -195,6 +196,7 @@ def _grouped_gemm_kernel(
     rows_ptr,
     block_expert_ptr,
     scale_ptr,
+    ws_ptr,
     num_rows,
     N,
     K,
@@ -203,11 +205,16 @@ def _grouped_gemm_kernel(
     stride_we,
     stride_wn,
     stride_cm,
+    stride_wse,
+    stride_wsn,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8_W: tl.constexpr,
+    WS_BN: tl.constexpr,
+    WS_BK: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -229,6 +236,13 @@ def _grouped_gemm_kernel(
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         # w[e] is [N, K]; reading it as [BLOCK_K, BLOCK_N] is the transpose the product needs.
         w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8_W:  # block-FP8 weights: dequantized in fp32 by their (row, 128-column) block scale, then a's dtype
+            ws = tl.load(
+                ws_ptr + expert.to(tl.int64) * stride_wse + (n // WS_BN) * stride_wsn + k0 // WS_BK,
+                mask=n_ok,
+                other=0.0,
+            )
+            w = (w.to(tl.float32) * ws[None, :]).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
     if HAS_SCALE:
         acc = acc * tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
@@ -247,13 +261,16 @@ def grouped_gemm(
     num_rows: int,
     a_row_div: int,
     row_scale: torch.Tensor | None = None,
+    w_scale: tuple[torch.Tensor, tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """c[row] = (a[row // a_row_div] @ w[e]^T) * row_scale[row] for every real row of `sorted_rows`, e the
     expert of its block. a [Ra, K], w [E, N, K], row_scale fp32 [num_rows] -> c [num_rows, N] in a.dtype.
-    BLOCK_M is sorted_rows.numel() // block_expert.numel() (as built by `align_by_expert`)."""
+    BLOCK_M is sorted_rows.numel() // block_expert.numel() (as built by `align_by_expert`). `w_scale`: w is
+    float8_e4m3fn with scales [E, ceil(N / bn), ceil(K / bk)] and its block (bn, bk), bk a multiple of the K tile:
+    each tile is dequantized in the kernel (the result equals the torch path's dequantize-then-multiply)."""
     if a.ndim != 2 or w.ndim != 3 or w.shape[2] != a.shape[1]:
         raise ValueError(f"expected a [R, K] and w [E, N, K] with equal K, got {tuple(a.shape)}, {tuple(w.shape)}")
-    if a.dtype != w.dtype:
+    if a.dtype != w.dtype and w_scale is None:
         raise ValueError(f"a and w dtypes differ: {a.dtype}, {w.dtype}")
     if (
         sorted_rows.dtype != torch.int32
@@ -278,6 +295,9 @@ def grouped_gemm(
     block_n = min(64, max(_MIN_DOT, triton.next_power_of_2(n_out)))
     block_k = min(64, max(_MIN_DOT, triton.next_power_of_2(k_in)))
     scale_arg = row_scale.contiguous() if row_scale is not None else c  # dummy pointer when HAS_SCALE is off
+    ws, (ws_bn, ws_bk) = (w_scale[0].contiguous(), w_scale[1]) if w_scale is not None else (c, (1, block_k))
+    if w_scale is not None and ws_bk % block_k:
+        raise ValueError(f"the scale block's {ws_bk} columns must be a multiple of the K tile {block_k}")
     _grouped_gemm_kernel[(block_expert.numel(), triton.cdiv(n_out, block_n))](
         a,
         w,
@@ -285,6 +305,7 @@ def grouped_gemm(
         sorted_rows,
         block_expert,
         scale_arg,
+        ws,
         num_rows,
         n_out,
         k_in,
@@ -293,11 +314,16 @@ def grouped_gemm(
         w.stride(0),
         w.stride(1),
         c.stride(0),
+        ws.stride(0) if w_scale is not None else 0,
+        ws.stride(1) if w_scale is not None else 0,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         HAS_SCALE=row_scale is not None,
         DOT_PRECISION=_dot_precision(a.dtype),
+        FP8_W=w_scale is not None,
+        WS_BN=ws_bn,
+        WS_BK=ws_bk,
         num_warps=4,
     )
     return c
@@ -318,15 +344,21 @@ def _check_moe(
         raise ValueError(f"ids must be int [T={n_tokens}, k], got {tuple(ids.shape)} {ids.dtype}")
     if weights.shape != ids.shape:
         raise ValueError(f"weights {tuple(weights.shape)} and ids {tuple(ids.shape)} differ in shape")
-    if not (x.dtype == w_gate_up.dtype == w_down.dtype):
+    if not (x.dtype == w_gate_up.dtype == w_down.dtype) and not w_gate_up.dtype == w_down.dtype == FP8:
         raise ValueError(f"x/w_gate_up/w_down dtypes differ: {x.dtype}, {w_gate_up.dtype}, {w_down.dtype}")
 
 
 def fused_moe(
-    x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    fp8: BlockFP8Experts | None = None,
 ) -> torch.Tensor:
     """Triton routed experts: out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, j].
-    x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in x.dtype."""
+    x [T, H], w_gate_up [E, 2I, H], w_down [E, H, I], weights [T, k], ids [T, k] -> [T, H] in x.dtype. `fp8`: the
+    weights are block-FP8 experts (llm_backend/models/quant.py), dequantized tile by tile inside the GEMMs."""
     _check_moe(x, w_gate_up, w_down, weights, ids)
     n_tokens, hidden = x.shape
     top_k = ids.shape[1]
@@ -335,11 +367,20 @@ def fused_moe(
         return torch.zeros_like(x)
     block_m = 16 if n_rows < 4096 else 64  # few rows per expert at decode: small blocks waste less padding
     sorted_rows, block_expert, _ = align_by_expert(ids, w_gate_up.shape[0], block_m)
-    gate_up = grouped_gemm(x, w_gate_up, sorted_rows, block_expert, n_rows, a_row_div=top_k)
+    gu_scale = (fp8.gate_up_proj_scale_inv, fp8.gate_up_block) if fp8 is not None else None
+    down_scale = (fp8.down_proj_scale_inv, fp8.down_block) if fp8 is not None else None
+    gate_up = grouped_gemm(x, w_gate_up, sorted_rows, block_expert, n_rows, a_row_div=top_k, w_scale=gu_scale)
     gate, up = gate_up.chunk(2, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)
     down = grouped_gemm(
-        act, w_down, sorted_rows, block_expert, n_rows, a_row_div=1, row_scale=weights.reshape(-1).float()
+        act,
+        w_down,
+        sorted_rows,
+        block_expert,
+        n_rows,
+        a_row_div=1,
+        row_scale=weights.reshape(-1).float(),
+        w_scale=down_scale,
     )
     return down.view(n_tokens, top_k, hidden).float().sum(1).to(x.dtype)
 

@@ -12,6 +12,7 @@ from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 from ..paged_attention import ContiguousKV
 from .loader import LoadError, load_checkpoint, plan_checkpoint
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+from .quant import fp8_dot_supported
 
 __all__ = [
     "MiMoV2FlashConfig",
@@ -89,8 +90,9 @@ def load_llm(
     Weights stored in another dtype (the shipped bf16) are cast to `dtype`; the router stays fp32; FP8 layers stay
     FP8 (`fp8_weights="dequantize"`: into `dtype` at load; `"auto"`: kept on CUDA, dequantized elsewhere;
     `quantization="fp8"`: a bf16 checkpoint quantized at load). MTP layers load when the config declares them."""
-    if fp8_weights == "auto":
-        fp8_weights = "keep" if torch.device(device).type == "cuda" else "dequantize"
+    if fp8_weights == "auto":  # FP8 resident where its GEMM runs on FP8 tensor cores
+        cuda = torch.device(device).type == "cuda"
+        fp8_weights = "keep" if cuda and fp8_dot_supported(device) else "dequantize"
     if name_or_path == TINY_RANDOM:
         model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
         init_random_weights(model, TINY_SEED)
@@ -125,6 +127,9 @@ def transformers_twin(model: MiMoV2FlashForCausalLM):
     from transformers import MiMoV2FlashConfig as HFConfig
     from transformers import MiMoV2FlashForCausalLM as HFModel
 
+    c = model.config
+    if c.full_attention_sink or not c.swa_attention_sink or c.quant is not None:
+        raise ValueError("transformers' mimo_v2_flash has sinks in sliding layers only and no FP8 layers here")
     skip = ("model_type", *MiMoV2FlashConfig.OURS)
     cfg = {k: v for k, v in model.config.to_hf_dict().items() if k not in skip and v is not None}
     p = next(model.parameters())

@@ -8,7 +8,8 @@ lacks (or the reverse), a shape the config does not give, a weight the model has
 without its scales or a scale grid that fits no layout: `LoadError`, one line naming the file and tensor.
 
 Then `load_checkpoint` reads tensor by tensor (positioned reads into the target buffers, so the page cache never
-counts against the process: peak RSS is the resident weights plus the largest single tensor) and fills each
+counts against the process: peak RSS is the resident weights plus the largest single tensor where the stored format
+is the resident one, plus a few fp32 copies of the largest tensor where it is converted on the way) and fills each
 parameter, allocated in its final dtype when first written:
 - plain weights are cast to the serving dtype (the router gate and its correction bias stay fp32);
 - experts stored one by one (`experts.E.{gate,up,down}_proj`) are packed into `[E, 2I, H]` / `[E, H, I]`;
@@ -32,6 +33,7 @@ import logging
 import os
 import re
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -65,7 +67,11 @@ _DTYPES = {
     "I32": torch.int32,
     "U8": torch.uint8,
     "I8": torch.int8,
+    "I16": torch.int16,
+    "BOOL": torch.bool,
+    "F8_E5M2": torch.float8_e5m2,
 }
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _EXPERT = re.compile(
     r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$"
 )
@@ -140,12 +146,17 @@ def read_header(path: str) -> dict[str, Stored]:
     for name, t in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(t, dict) or t.get("dtype") not in _DTYPES:
+            what = t.get("dtype") if isinstance(t, dict) else t
+            raise _fail(path, f"tensor {name}: dtype {what!r} is not one this loader reads")
         try:
             dtype = _DTYPES[t["dtype"]]
-            a, b = t["data_offsets"]
+            a, b = (int(x) for x in t["data_offsets"])
             shape = tuple(int(x) for x in t["shape"])
         except (KeyError, TypeError, ValueError):
-            raise _fail(path, f"tensor {name}: dtype {t.get('dtype')!r} or offsets not readable") from None
+            raise _fail(path, f"tensor {name}: its shape or data_offsets are not readable") from None
+        if not 0 <= a <= b:
+            raise _fail(path, f"tensor {name}: data_offsets [{a}, {b}] are not a byte range")
         if 8 + n + b > size:
             raise _fail(path, f"truncated: tensor {name} needs bytes up to {8 + n + b}, the file has {size}")
         numel = 1
@@ -208,6 +219,8 @@ def _fp8_modules(tensors: dict[str, Stored], spec: Fp8Spec, config_file: str) ->
             w = tensors.get(name[: -len("_scale_inv")])
             if w is None or w.dtype != FP8:
                 raise _fail(t.file, f"tensor {name}: scales for a weight that is not stored FP8")
+            if t.dtype not in _FLOATS:
+                raise _fail(t.file, f"tensor {name}: scales stored as {t.dtype}, not a float type")
             continue
         if name.endswith(".weight_scale"):
             w = tensors.get(name[: -len("_scale")])
@@ -264,6 +277,8 @@ def _pieces(tensors: dict[str, Stored], cfg: MiMoV2FlashConfig, directory: str) 
         t = tensors[name]
         if name.startswith(OTHER_TOWERS) or (not keep_mtp and name.startswith("model.mtp.")):
             continue
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # the embedding's, by the config
         if name.endswith((".weight_scale_inv", ".weight_scale")):
             continue  # travels with its weight
         scale = (tensors.get(name + "_scale_inv") or tensors.get(name + "_scale")) if name.endswith(".weight") else None
@@ -315,7 +330,7 @@ def plan_checkpoint(
     except ConfigError as e:
         raise LoadError(str(e)) from None
     files, tensors = read_headers(directory)
-    stored_fp8 = any(t.dtype == FP8 for t in tensors.values())
+    stored_fp8 = any(t.dtype in (FP8, torch.uint8) for t in tensors.values())  # FP8, or MXFP4 experts
     if stored_fp8 and cfg.quant is None:
         name = next(n for n, t in tensors.items() if t.dtype == FP8)
         raise _fail(tensors[name].file, f"tensor {name} is FP8, but config.json has no quantization_config")
@@ -326,7 +341,7 @@ def plan_checkpoint(
     if quantization == "fp8" and not stored_fp8:
         cfg.quant = Fp8Spec(block=(128, 128))
     elif quantization == "fp8":
-        log.info("%s is stored FP8 already: --quantization fp8 changes nothing", directory)
+        log.info("%s is stored quantized already: --quantization fp8 changes nothing", directory)
     pieces = _pieces(tensors, cfg, directory)
     with torch.device("meta"), _no_init():
         model = MiMoV2FlashForCausalLM(cfg)
@@ -336,19 +351,25 @@ def plan_checkpoint(
     return plan
 
 
+_NO_INIT = threading.Lock()
+
+
 @contextmanager
 def _no_init():
     """Layers built on the meta device skip their random init: the weights come from the files, and a meta
-    `normal_` costs a second of one-time tracing imports in every process that loads (transformers does the same)."""
+    `normal_` costs a second of one-time tracing imports in every process that loads (transformers does the same).
+    torch.nn.init is process-wide: one load at a time swaps it (a model built on another thread meanwhile would get
+    uninitialised weights; every build here happens under this lock)."""
     names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_")
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, _keep)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+    with _NO_INIT:
+        saved = {n: getattr(nn.init, n) for n in names}
+        try:
+            for n in names:
+                setattr(nn.init, n, _keep)
+            yield
+        finally:
+            for n, f in saved.items():
+                setattr(nn.init, n, f)
 
 
 def _keep(tensor, *args, **kwargs):
@@ -371,6 +392,9 @@ def _check_plan(plan: Plan, dtype: torch.dtype) -> None:
     cfg = plan.cfg
     for p in plan.pieces:
         w = p.weight
+        mxfp4 = p.kind == "expert" and w.dtype == torch.uint8 and p.scale is not None
+        if w.dtype not in _FLOATS and not (w.dtype == FP8 and p.scale is not None) and not mxfp4:
+            raise _fail(w.file, f"tensor {w.name}: stored as {w.dtype}, not a weight format this loader reads")
         if p.kind == "plain":
             target = params.get(p.target)
             if target is None or p.target not in persistent:
@@ -649,6 +673,7 @@ def _fp8_pair(w: torch.Tensor, s: torch.Tensor | None, block) -> tuple[torch.Ten
     if w.dtype == FP8:
         assert s is not None
         return w, s.float()
+    assert w.is_floating_point(), f"only a float weight is quantized at load, not {w.dtype}"
     return quantize(w, block)
 
 
@@ -690,6 +715,9 @@ def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, blo
             if layout == "plain"
             else torch.cat([row_scales(c, chunk, block[0]) for c in s.float().chunk(n, dim=0)])
         )
+    deq = None
+    if s is not None and not any(f"{prefix}.{name}.weight_scale_inv" in targets.meta for name, _ in parts):
+        deq = dequantize(w, per_row, (1, block[1]), targets.dtype)  # once, whole chunks with their own scales
     for name, rows in parts:
         offset = sum(r for nm, r in parts[: [x[0] for x in parts].index(name)])
         sel = torch.cat([torch.arange(i * chunk + offset, i * chunk + offset + rows) for i in range(n)])
@@ -699,8 +727,8 @@ def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, blo
         elif f"{target}_scale_inv" in targets.meta:  # kept FP8: rows and their own scale rows
             targets.get(target).copy_(w[sel])
             targets.get(f"{target}_scale_inv").copy_(per_row[sel])
-        else:  # dequantized: each chunk whole with its own scales, then split
-            deq = dequantize(w, per_row, (1, block[1]), targets.get(target).dtype)
+        else:  # dequantized (above): each chunk whole with its own scales, then split
+            assert deq is not None
             targets.get(target).copy_(deq[sel])
 
 

@@ -139,12 +139,12 @@ def make_config(like: str, weights: str, s: Shape) -> dict:
         cfg["num_nextn_predict_layers"] = s.mtp
     if weights in ("fp8", "mxfp4"):
         q = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
-        if weights == "mxfp4":
-            q["store_dtype"], q["mxfp4_block_size"] = "mxfp4", 32
-        elif not flash:
-            q["store_dtype"] = "fp8"
+        if not flash:
+            q["store_dtype"] = "mxfp4" if weights == "mxfp4" else "fp8"
             q["ignored_layers"] = [f"model.layers.{i}.self_attn.o_proj" for i in range(s.layers)]
             q["ignored_layers"].append("model.decoder.self_attn.o_proj")
+        if weights == "mxfp4":
+            q["mxfp4_block_size"] = 32
         cfg["quantization_config"] = q
     return cfg
 
@@ -247,13 +247,12 @@ def write_checkpoint(
             _mlp(w, r, f, f"{p}.mlp.experts.{e}", s, s.moe_inter)
     w.put(names[-1], "model.norm.weight", 1 + r.vec(s.hidden, 0.1))
     w.put(names[-1], "lm_head.weight", r.weight(4096, s.hidden))
-    mtp_like = "v2-flash" if like == "v2-flash" else like
     for k in range(s.mtp):
         f, p = "model_mtp.safetensors", f"model.mtp.layers.{k}"
         for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
             w.put(f, f"{p}.{norm}.weight", 1 + r.vec(s.hidden, 0.1))
         w.put(f, f"{p}.eh_proj.weight", r.weight(s.hidden, 2 * s.hidden))
-        _attention(w, r, f, f"{p}.self_attn", mtp_like, s, True)
+        _attention(w, r, f, f"{p}.self_attn", like, s, True)
         _mlp(w, r, f, f"{p}.mlp", s, s.inter)
     from safetensors.torch import save_file
 

@@ -72,7 +72,7 @@ class MiMoV2FlashConfig:
     attention_projection_layout: str = "split"  # or "fused_qkv" (V2.5 on): the loader de-interleaves it
     quant: Fp8Spec | None = None  # block-FP8 linear layers (quantization_config), or None
 
-    # Fields transformers' MiMoV2FlashConfig does not have (to_hf_dict leaves them out).
+    # Fields transformers' MiMoV2FlashConfig does not have (transformers_twin leaves them out; to_hf_dict drops quant).
     OURS = ("num_nextn_predict_layers", "swa_num_key_value_heads", "swa_attention_sink", "full_attention_sink")
     OURS += ("attention_projection_layout", "quant")
 
@@ -203,8 +203,8 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         c = self.gate.cfg
         if (
-            c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, Experts)
-        ):  # fused routing + grouped expert GEMMs (kernels/moe.py)
+            c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, (Experts, BlockFP8Experts))
+        ):  # fused routing + grouped expert GEMMs (kernels/moe.py); FP8 experts dequantized tile by tile in them
             logits = F.linear(x.float(), self.gate.weight.float())
             weights, ids = topk_routing(
                 logits,
@@ -213,7 +213,8 @@ class MoE(nn.Module):
                 c.norm_topk_prob,
                 c.routed_scaling_factor,
             )
-            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids).view(shape)
+            fp8 = self.experts if isinstance(self.experts, BlockFP8Experts) else None
+            return fused_moe(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids, fp8=fp8).view(shape)
         weights, ids = self.gate(x)
         return self.experts(x, weights, ids).view(shape)
 

@@ -32,6 +32,7 @@ from torch import nn
 from mimo_epd.common.layers import RMSNorm
 
 from .mimo_v2_flash import Attention, DenseMLP, MiMoV2FlashConfig, Rotary
+from .quant import make_linear
 
 
 def mtp_config(cfg: MiMoV2FlashConfig) -> MiMoV2FlashConfig:
@@ -53,7 +54,7 @@ class MTPLayer(nn.Module):
         self.index = index
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
+        self.eh_proj = make_linear(cfg.quant, 2 * h, h, f"model.mtp.layers.{index}.eh_proj")
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, index, f"model.mtp.layers.{index}.self_attn")  # cfg: mtp_config(...), sliding
         self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)

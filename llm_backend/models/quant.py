@@ -57,7 +57,8 @@ class _KeepsFP8(nn.Module):
 
 class BlockFP8Linear(_KeepsFP8):
     """y = x @ W^T with W = weight (float8_e4m3fn) x weight_scale_inv per (bn, bk) block: the Triton FP8 GEMM on
-    CUDA, the weight dequantized per call elsewhere (or once at load with --fp8-cpu dequantize)."""
+    CUDA (compute capability 8.9 on: FP8 tensor cores), the weight dequantized per call elsewhere (or once at load
+    with --fp8-weights dequantize)."""
 
     def __init__(self, in_features: int, out_features: int, block: tuple[int, int]):
         super().__init__()
@@ -67,7 +68,7 @@ class BlockFP8Linear(_KeepsFP8):
         self.weight_scale_inv = nn.Parameter(torch.empty(grid, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_enabled(x.device):
+        if triton_enabled(x.device) and fp8_dot_supported(x.device):
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.block)
         return fp8_linear_torch(x, self.weight, self.weight_scale_inv, self.block)
 
@@ -104,8 +105,8 @@ class BlockFP8Experts(QuantizedExperts):
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden, inter, dtype=FP8), requires_grad=False)
         g = scale_shape(2 * inter, hidden, self.gate_up_block)
         d = scale_shape(hidden, inter, self.down_block)
-        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *g), requires_grad=False)
-        self.down_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *d), requires_grad=False)
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *g, dtype=torch.float32), requires_grad=False)
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(n_experts, *d, dtype=torch.float32), requires_grad=False)
 
     def expert(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return (
@@ -136,6 +137,15 @@ class MXFP4Experts(QuantizedExperts):
             mxfp4_dequantize(self.gate_up_proj[e], self.gate_up_proj_scale[e], self.block, dtype),
             mxfp4_dequantize(self.down_proj[e], self.down_proj_scale[e], self.block, dtype),
         )
+
+
+def fp8_dot_supported(device) -> bool:
+    """FP8 x FP8 tensor-core products: CUDA compute capability 8.9 or later (Ada, Hopper, Blackwell); the Triton
+    interpreter on a CPU (tests) emulates them. An older GPU dequantizes per call instead."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def make_linear(spec: Fp8Spec | None, in_features: int, out_features: int, name: str, bias: bool = False) -> nn.Module:

@@ -16,8 +16,10 @@ key: a checkpoint that cannot be read exactly is refused, never served with a gu
 
 Weight formats (`WeightFormat`): `bf16` / `fp32` as stored, or `fp8` (float8_e4m3fn weights with fp32
 `*.weight_scale_inv` per `weight_block_size` block, llm_backend/kernels/fp8.py). Which linear layers are FP8 is the
-config's to say (`quantization_config.ignored_layers` / `modules_to_not_convert` name the exceptions); the loader
-checks every weight against it, so a weight stored FP8 where the config says bf16 (or the reverse) is refused.
+files' to say (an FP8 weight carries its `weight_scale_inv`); the loader refuses an FP8 weight in a layer the
+config's `ignored_layers` / `modules_to_not_convert` leaves unquantized, FP8 weights without a
+`quantization_config`, and scales of a dtype other than a float. A layer stored bf16 in an FP8 checkpoint loads as
+bf16 (exact either way: the release's own lists name MTP layers under other names).
 """
 
 from __future__ import annotations
@@ -125,6 +127,19 @@ _ORIGINAL = {
 }
 
 
+_ROPE_KEYS = {"rope_type", "rope_theta", "partial_rotary_factor"}
+# The original layout's keys that change outputs but no weight's shape: required, never defaulted.
+_REQUIRED = (
+    "hybrid_layer_pattern",
+    "sliding_window_size",
+    "rope_theta",
+    "swa_rope_theta",
+    "partial_rotary_factor",
+    "layernorm_epsilon",
+    "add_swa_attention_sink_bias",
+)
+
+
 def _fail(path: str, key: str, reason: str) -> ConfigError:
     return ConfigError(f"{path}: {key}: {reason}")
 
@@ -217,19 +232,45 @@ def read_config(d: dict, path: str = "config.json") -> MiMoV2FlashConfig:
     return cfg
 
 
-def _base_kwargs(d: dict) -> dict:
+# Fields whose null has a meaning (passed through: __post_init__ reads it) rather than "use the default".
+_NULL_MEANS = (
+    "attention_value_scale",
+    "routed_scaling_factor",
+    "bos_token_id",
+    "eos_token_id",
+    "max_position_embeddings",
+)
+
+
+def _base_kwargs(d: dict, path: str) -> dict:
     from dataclasses import fields
 
     known = {f.name for f in fields(MiMoV2FlashConfig)}
-    kw = {k: v for k, v in d.items() if k in known and k in _COMMON and v is not None and k != "quantization_config"}
+    kw = {
+        k: v
+        for k, v in d.items()
+        if k in known and k in _COMMON and (v is not None or k in _NULL_MEANS) and k != "quantization_config"
+    }
     if "num_local_experts" in d and "n_routed_experts" not in d:
         kw["n_routed_experts"] = d["num_local_experts"]
-    _same(d, "num_local_experts", "n_routed_experts", "")
+    _same(d, "num_local_experts", "n_routed_experts", path)
     return kw
 
 
 def _read_converted(d: dict, path: str) -> MiMoV2FlashConfig:
-    kw = _base_kwargs(d)
+    kw = _base_kwargs(d, path)
+    rope = d.get("rope_parameters")
+    if rope is not None:
+        kinds = set(d.get("layer_types") or ["full_attention", "sliding_attention"])
+        if not isinstance(rope, dict) or not kinds <= set(rope):
+            raise _fail(path, "rope_parameters", f"expected one entry per layer type ({', '.join(sorted(kinds))})")
+        for kind, p in rope.items():
+            if not isinstance(p, dict) or p.get("rope_type", "default") != "default" or set(p) - _ROPE_KEYS:
+                raise _fail(
+                    path, f"rope_parameters.{kind}", f"{p!r}: only default rope (rope_theta, partial_rotary_factor)"
+                )
+            if "rope_theta" not in p or "partial_rotary_factor" not in p:
+                raise _fail(path, f"rope_parameters.{kind}", "needs rope_theta and partial_rotary_factor")
     for k in ("layer_types", "mlp_layer_types", "rope_parameters", "swa_num_key_value_heads"):
         if d.get(k) is not None:
             kw[k] = d[k]
@@ -251,13 +292,17 @@ def _read_converted(d: dict, path: str) -> MiMoV2FlashConfig:
 
 
 def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
-    kw = _base_kwargs(d)
+    kw = _base_kwargs(d, path)
     n = d.get("num_hidden_layers")
     if not isinstance(n, int):
         raise _fail(path, "num_hidden_layers", "missing (the original layout states it)")
-    for key in ("hybrid_layer_pattern", "sliding_window_size"):
+    for key in _REQUIRED:  # what changes outputs without changing a weight's shape: never a guessed default
         if d.get(key) is None:
             raise _fail(path, key, "missing (the original layout states it)")
+    if "attention_value_scale" not in d:
+        raise _fail(path, "attention_value_scale", "missing (the original layout states it; null means 1.0)")
+    if d.get("moe_layer_freq") is None and d.get("first_k_dense_replace") is None:
+        raise _fail(path, "moe_layer_freq", "missing (the original layout states it)")
     kw["layer_types"] = [
         "sliding_attention" if x else "full_attention" for x in _pattern(d, "hybrid_layer_pattern", n, path)
     ]
@@ -294,16 +339,16 @@ def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
     _same(d, "layernorm_epsilon", "rms_norm_eps", path)
     if d.get("layernorm_epsilon") is not None:
         kw["rms_norm_eps"] = d["layernorm_epsilon"]
-    rotary = d.get("partial_rotary_factor", 1.0)
+    rotary = d["partial_rotary_factor"]
     kw["rope_parameters"] = {
         "full_attention": {
             "rope_type": "default",
-            "rope_theta": float(d.get("rope_theta", 10000.0)),
+            "rope_theta": float(d["rope_theta"]),
             "partial_rotary_factor": rotary,
         },
         "sliding_attention": {
             "rope_type": "default",
-            "rope_theta": float(d.get("swa_rope_theta", d.get("rope_theta", 10000.0))),
+            "rope_theta": float(d["swa_rope_theta"]),
             "partial_rotary_factor": rotary,
         },
     }
@@ -323,7 +368,7 @@ def _read_original(d: dict, path: str) -> MiMoV2FlashConfig:
     if layout not in LAYOUTS:
         raise _fail(path, "attention_projection_layout", f"{layout!r} is not {' or '.join(LAYOUTS)}")
     kw["attention_projection_layout"] = layout
-    kw["swa_attention_sink"] = bool(d.get("add_swa_attention_sink_bias", True))
+    kw["swa_attention_sink"] = bool(d["add_swa_attention_sink_bias"])
     kw["full_attention_sink"] = bool(d.get("add_full_attention_sink_bias", False))
     return MiMoV2FlashConfig(**kw)
 
@@ -335,7 +380,7 @@ def _check(cfg: MiMoV2FlashConfig, path: str, original: bool) -> None:
         # engines cannot, so a released-layout config with one is refused.
         if kind not in cfg.layer_types or not original:
             continue
-        rotary = int(cfg.head_dim * cfg.rope_parameters[kind].get("partial_rotary_factor", 1.0))
+        rotary = int(cfg.head_dim * cfg.rope_parameters[kind]["partial_rotary_factor"])
         if rotary % 2:
             raise _fail(
                 path,
@@ -401,7 +446,7 @@ def release_config(cfg: MiMoV2FlashConfig) -> dict:
         "v_head_dim": cfg.v_head_dim,
         "swa_v_head_dim": cfg.v_head_dim,
         "hidden_act": cfg.hidden_act,
-        "partial_rotary_factor": full.get("partial_rotary_factor", 1.0),
+        "partial_rotary_factor": full["partial_rotary_factor"],
         "rope_theta": full["rope_theta"],
         "swa_rope_theta": swa["rope_theta"],
         "sliding_window_size": cfg.sliding_window,  # W keys, the current one included

@@ -234,6 +234,9 @@ class DecodeScheduler(Scheduler):
         """A transfer that failed before the first token: prefilled here instead while retries are left, else
         the request ends "unavailable" (module docstring, failure rules)."""
         ticket = r.pd
+        if r.aborted:  # the client went away meanwhile: nothing to retry for
+            self._blocked = False
+            return self.finish(r, r.aborted)
         if ticket.retries >= self.retries or r.output:
             return self._end_transfer(r, "error", why)
         ticket.retries += 1
@@ -249,8 +252,7 @@ class DecodeScheduler(Scheduler):
         ticket.failed, ticket.prefill, ticket.room = ticket.prefill, "", None
         r.cached_tokens = 0
         self.prompt_tokens -= len(r.prompt)  # counted again when the plain path admits it
-        self.local += 1
-        Scheduler.add(self, r)
+        Scheduler.add(self, r)  # counted in pd_retried_locally (and in pd_remote_prefills, as the transfer it began)
 
     def _end_transfer(self, r, reason: str, why: str) -> None:
         self._blocked = False

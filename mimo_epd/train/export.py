@@ -8,7 +8,7 @@
 - `config.json`: the original (release) layout of a `mimo_v2_flash` config (`hybrid_layer_pattern`,
   `sliding_window_size`, `swa_*`, ...; llm_backend/models/released.py), with `num_nextn_predict_layers` and a
   `vision_config` (Qwen2.5-VL vision fields, as in a `qwen2_5_vl` checkpoint). transformers reads the converted
-  layout: `read_config(...).to_hf_dict()` gives it;
+  layout (tests/llm/test_tiny_model.py writes one beside the same files);
 - `generation_config.json`, `tokenizer.json`, `tokenizer_config.json` (with the chat template), and a README
   with the model card (what it was trained on, the licence).
 """

@@ -266,6 +266,8 @@ def test_real_v25_sliding_chunk_3712_rows(tmp_path):
         "moe_layer_freq": [0],
         "attention_projection_layout": "fused_qkv",
         "layernorm_epsilon": 1e-5,
+        "add_swa_attention_sink_bias": True,
+        "attention_value_scale": 0.707,
         "n_routed_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 128,
@@ -340,6 +342,8 @@ def _config(ckpts) -> dict:
         ({"swa_head_dim": 64}, "swa_head_dim"),
         ({"scoring_func": "softmax"}, "scoring_func"),
         ({"some_new_key": 1}, "some_new_key"),
+        ({"rope_theta": None}, "rope_theta"),
+        ({"add_swa_attention_sink_bias": None}, "add_swa_attention_sink_bias"),
         ({"layer_types": ["full_attention"] * 8}, "layer_types"),
         ({"partial_rotary_factor": 0.45}, "partial_rotary_factor"),
         ({"quantization_config": {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}}, "fmt"),
@@ -537,3 +541,21 @@ def test_v25_with_its_own_towers_serves_text(ckpts, tmp_path):
     plan = plan_node(str(d))
     assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is None
     assert len(plan.notices) == 1 and "vision tower (mimovl) is not one the encoders run yet" in plan.notices[0]
+
+
+def test_converted_rope_and_nulls_are_read_exactly():
+    """transformers' layout: rope other than default, or a layer type without its entry, is refused by key; a null
+    attention_value_scale means 1.0 (as transformers reads it), never the 0.707 default."""
+    tiny = json.load(open(os.path.join(os.path.dirname(__file__), "../../mimo_epd/data/models/tiny/config.json")))
+    base = {k: v for k, v in read_config(tiny).to_hf_dict().items() if k not in ("quant",)}
+    base = {k: v for k, v in base.items() if k not in ("swa_attention_sink", "full_attention_sink", "attention_projection_layout")}
+    yarn = json.loads(json.dumps(base))
+    yarn["rope_parameters"]["full_attention"]["rope_type"] = "yarn"
+    with pytest.raises(ConfigError, match="rope_parameters.full_attention"):
+        read_config(yarn)
+    partial = json.loads(json.dumps(base))
+    del partial["rope_parameters"]["sliding_attention"]
+    with pytest.raises(ConfigError, match="rope_parameters: expected one entry per layer type"):
+        read_config(partial)
+    assert read_config({**base, "attention_value_scale": None}).attention_value_scale == 1.0
+    assert read_config(base).attention_value_scale == 0.707
