@@ -548,7 +548,11 @@ def test_converted_rope_and_nulls_are_read_exactly():
     attention_value_scale means 1.0 (as transformers reads it), never the 0.707 default."""
     tiny = json.load(open(os.path.join(os.path.dirname(__file__), "../../mimo_epd/data/models/tiny/config.json")))
     base = {k: v for k, v in read_config(tiny).to_hf_dict().items() if k not in ("quant",)}
-    base = {k: v for k, v in base.items() if k not in ("swa_attention_sink", "full_attention_sink", "attention_projection_layout")}
+    base = {
+        k: v
+        for k, v in base.items()
+        if k not in ("swa_attention_sink", "full_attention_sink", "attention_projection_layout")
+    }
     yarn = json.loads(json.dumps(base))
     yarn["rope_parameters"]["full_attention"]["rope_type"] = "yarn"
     with pytest.raises(ConfigError, match="rope_parameters.full_attention"):
