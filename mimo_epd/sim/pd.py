@@ -78,6 +78,7 @@ class PDFleet:
             pd_local_prefill_tokens=local_prefill_tokens // self.unit if local_prefill_tokens >= 0 else -1,
             pd_transfer_timeout_s=float("inf"),
             pd_fence_timeout_s=float("inf"),
+            pd_retries=0,  # simulated transfers never fail
         )
         for k, w in enumerate(self.decode):
             w.scheduler.configure(settings)
