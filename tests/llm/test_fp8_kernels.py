@@ -98,3 +98,12 @@ def test_fused_moe_with_fp8_experts_matches_the_torch_path(hidden, inter, bn):
         x.to(DEVICE), experts.gate_up_proj, experts.down_proj, weights.to(DEVICE), ids.to(DEVICE), fp8=experts
     ).cpu()
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5  # fp32 sums in another order: rounding only
+
+
+def test_fp8_table_decodes_every_code_exactly():
+    """The CPU decode table gives torch's value for each of the 256 e4m3fn codes (NaN codes as NaN)."""
+    from llm_backend.kernels.fp8 import fp8_to_f32
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).view(16, 16)
+    got, want = fp8_to_f32(codes), codes.float()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[~want.isnan()], want[~want.isnan()])
