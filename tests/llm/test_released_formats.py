@@ -90,7 +90,7 @@ def _transformers_view(src: str, dst: str, window_offset: int = 0) -> str:
 
 
 def _hf_model(path: str):
-    pytest.importorskip("accelerate")  # transformers' FP8 loading needs it
+    import accelerate  # noqa: F401 - transformers' FP8 loading needs it (the dev extra installs it)
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
