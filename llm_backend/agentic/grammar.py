@@ -219,8 +219,21 @@ def _reason(e: Exception) -> str:
 
 
 # ---------------------------------------------------------------------------------------- decoding
+class XGrammarMasker:
+    """The engine's `ConstraintMasker` for xgrammar matchers: one bitmask for a step's constrained rows."""
+
+    def apply(self, constraints, rows: list[torch.Tensor]) -> list[torch.Tensor]:
+        return apply_masks(constraints, rows)
+
+
+MASKER = XGrammarMasker()
+
+
 class GrammarConstraint:
-    """One request's matcher. Called from the engine thread only."""
+    """One request's matcher (the engine's `Constraint`, llm_backend/engine/interfaces.py). Called from the engine
+    thread only."""
+
+    masker = MASKER
 
     def __init__(self, compiled: xgr.CompiledGrammar):
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unbounded in xgrammar >= 0.2

@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from dataclasses import fields
-from typing import Any
 
 import torch
 
@@ -20,10 +19,13 @@ from ..config import LLMConfig
 from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
 from ..kv.tiers import TieredRadixCache
 from ..models import load_llm
+from ..paged_attention import KVPools
 from ..tokenizer import ByteTokenizer, load_tokenizer
+from .interfaces import SchedulerRole, Ticket
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
 from .runner import ModelRunner
 from .scheduler import Scheduler
+from .speculative import SpeculativeRunner
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +34,16 @@ _ALIASES = {"enable_prefix_cache": "prefix_cache", "wait_penalty_tokens_per_s": 
 
 
 class LLM:
-    def __init__(self, model="tiny", dtype: torch.dtype | None = None, config: LLMConfig | None = None, **options):
-        """`model`: "tiny", a checkpoint directory or a model object. Options are `LLMConfig` fields
+    def __init__(
+        self,
+        model="tiny",
+        dtype: torch.dtype | None = None,
+        config: LLMConfig | None = None,
+        scheduler: SchedulerRole | None = None,
+        **options,
+    ):
+        """`model`: "tiny", a checkpoint directory or a model object. `scheduler`: a worker role's scheduler (the
+        prefill and decode roles, pd/), None for the plain one. Options are `LLMConfig` fields
         (`enable_prefix_cache` and `wait_penalty_tokens_per_s` are accepted for `prefix_cache` / `wait_penalty`,
         `length_buckets` as a tuple too)."""
         known = {f.name for f in fields(LLMConfig)}
@@ -81,22 +91,38 @@ class LLM:
                 cfg.chunk_size,
                 busy,
             )
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
         self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
         self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
-        self.runner = self._runner(cfg)
-        self.pools = self.runner.pools
+        p = next(self.model.parameters())
+        self.pools = KVPools(mcfg, self.full_pool.size, cfg.swa_cache_tokens, p.dtype, p.device)
+        # The MTP layers' KV shares the SWA slots; added before the tiers are built on the pools (they copy it too).
+        mtp_base = (
+            SpeculativeRunner.reserve_layers(self.model, self.pools, cfg.swa_cache_tokens)
+            if (cfg.speculative_steps)
+            else -1
+        )
         self.cache = self._cache(cfg, mcfg)
         try:
             self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:
             raise ValueError(f"--swa-checkpoint-interval: {e}") from None
         # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
-        self.tiers: Any = self.cache if isinstance(self.cache, TieredRadixCache) else None
-        self.runner.kv_loads = self.tiers
-        self.scheduler = self._scheduler_class(cfg)(
-            self.cache,
-            self.full_pool,
-            self.swa_pool,
+        self.tiers: TieredRadixCache | None = self.cache if isinstance(self.cache, TieredRadixCache) else None
+        self.runner = self._runner(cfg, mtp_base)
+        drafter = self.runner if isinstance(self.runner, SpeculativeRunner) else None
+        self.scheduler = self._build_scheduler(scheduler, cfg, drafter)
+        self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
+        self._eos = self._eos_ids()
+        self._ids = itertools.count()
+        self.loop_error: BaseException | None = None
+        self.step_errors = 0
+
+    def _build_scheduler(self, role: SchedulerRole | None, cfg: LLMConfig, drafter) -> Scheduler:
+        """The plain scheduler, or the one a role gives (the prefill and decode roles, pd/: composed by the worker
+        that runs them, so the engine never imports them)."""
+        parts = dict(
             chunk_size=cfg.chunk_size,
             max_running=cfg.max_running,
             enable_prefix_cache=cfg.prefix_cache,
@@ -106,46 +132,26 @@ class LLM:
             length_buckets=cfg.buckets(),
             max_prefill_tokens=cfg.max_prefill_tokens,
             prefill_order=cfg.prefill_order,
-            draft_tokens=self.runner.draft_tokens,
-            before_cache=self.runner.before_cache,
+            drafter=drafter,
         )
-        self.scheduler.configure(cfg)
-        self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
-        self._eos = self._eos_ids()
-        self._ids = itertools.count()
-        self._lock = threading.RLock()
-        self._wake = threading.Condition(self._lock)
-        self.loop_error: BaseException | None = None
-        self.step_errors = 0
+        if role is None:
+            return Scheduler(self.cache, self.full_pool, self.swa_pool, **parts)
+        return role.scheduler(self.cache, self.full_pool, self.swa_pool, self.wake, **parts)
 
-    @staticmethod
-    def _scheduler_class(cfg: LLMConfig) -> type[Scheduler]:
-        """The scheduler of the worker's role: the prefill and decode roles subclass it (llm_backend.pd)."""
-        if cfg.role == "prefill":
-            from ..pd.prefill import PrefillScheduler
-
-            return PrefillScheduler
-        if cfg.role == "decode":
-            from ..pd.decode import DecodeScheduler
-
-            return DecodeScheduler
-        return Scheduler
-
-    def _runner(self, cfg: LLMConfig) -> ModelRunner:
+    def _runner(self, cfg: LLMConfig, mtp_base: int) -> ModelRunner:
         """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies."""
         if not cfg.speculative_steps:
-            return ModelRunner(self.model, self.full_pool.size, cfg.swa_cache_tokens)
-        from .speculative import SpeculativeRunner
-
+            return ModelRunner(self.model, self.pools, self.tiers)
         return SpeculativeRunner(
             self.model,
-            self.full_pool.size,
-            cfg.swa_cache_tokens,
+            self.pools,
+            mtp_base,
             cfg.speculative_steps,
             cfg.speculative_layers,
             cfg.prefill_mtp,
             cfg.speculative_auto,
             cfg.speculative_auto_margin,
+            kv_loader=self.tiers,
         )
 
     def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:
@@ -192,8 +198,8 @@ class LLM:
         return cache
 
     @classmethod
-    def from_config(cls, config: LLMConfig) -> "LLM":
-        return cls(config.model, config=config)
+    def from_config(cls, config: LLMConfig, scheduler: SchedulerRole | None = None) -> "LLM":
+        return cls(config.model, config=config, scheduler=scheduler)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -278,11 +284,11 @@ class LLM:
         media: dict[int, torch.Tensor] | None = None,
         on_token=None,
         on_finish=None,
-        pd=None,
+        ticket: Ticket | None = None,
     ) -> Request:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
-        (PromptTooLong when the prompt can never fit)."""
+        (PromptTooLong when the prompt can never fit). `ticket`: what the worker's role needs of it (pd/)."""
         params.validate(self.config.max_tokens_limit, self.config.max_temperature)
         vocab = self.model.config.vocab_size
         media = media or {}
@@ -300,7 +306,6 @@ class LLM:
             media=media,
             on_token=on_token,
             on_finish=on_finish,
-            pd=pd,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
         )
         if params.grammar is not None:
@@ -313,7 +318,7 @@ class LLM:
                     f"{len(self.scheduler.waiting)} requests are waiting (--max-waiting "
                     f"{self.config.max_waiting}); retry later"
                 )
-            self.scheduler.add(r)
+            self.scheduler.add(r, ticket)
             self._wake.notify()
         return r
 

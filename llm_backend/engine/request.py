@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
 from mimo_epd.common.prompt_rules import MAX_TOP_LOGPROBS
 
 from ..kv import RequestKV
+from .interfaces import Constraint, OutputGrammar, RequestStats
 
 # Below this temperature sampling is greedy (the distribution is a point mass anyway, and dividing logits by
 # 1e-300 overflows to inf / NaN).
@@ -39,7 +40,7 @@ class SamplingParams:
     logprobs: bool = False  # logprob of each chosen token
     top_logprobs: int = 0  # and of the k most likely tokens at each position
     prompt_logprobs: bool = False
-    grammar: Any = None  # a compiled output constraint (agentic.grammar.Grammar): each request gets its matcher
+    grammar: OutputGrammar | None = None  # a compiled output constraint: each request gets its own matcher
 
     def validate(self, max_tokens_limit: int = 1 << 31, max_temperature: float = 100.0) -> None:
         """Raises ValueError naming the field; every number is checked (a NaN temperature once killed the engine)."""
@@ -114,15 +115,19 @@ class Request:
     first_token_at: float = 0.0
     admitted_at: float = 0.0
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids plus EOS unless ignore_eos
-    pd: Any = None  # prefill/decode disaggregation: the decode ticket or the prefill room (llm_backend.pd)
-    spec: Any = None  # speculative decoding's per-request state (engine.speculative.MTPState)
-    constraint: Any = None  # the grammar matcher of a constrained request (agentic.grammar.GrammarConstraint)
-    drafted_tokens: int = 0  # speculative decoding: draft positions verified for this request
-    accepted_tokens: int = 0  # and of those, the ones the target accepted
+    constraint: Constraint | None = None  # the output constraint's matcher (params.grammar.matcher())
+    stats: RequestStats = field(default_factory=RequestStats)  # filled by the engine's features for the server
 
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
+    # prompt + output, appended in place with every token (`append_token`): reading it is free at any length
+    tokens: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt)
+
+    def append_token(self, token: int) -> None:
+        """The one way a token joins the request: `output` and `tokens` grow together, O(1)."""
+        self.output.append(token)
+        self.tokens.append(token)
 
     @property
     def done(self) -> bool:

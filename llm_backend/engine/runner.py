@@ -8,13 +8,13 @@ embeddings replace the token embeddings at their prompt positions.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
-from ..agentic.grammar import apply_masks
 from ..models.mimo_v2_flash import SeqInput
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
+from .interfaces import KVLoader, mask_rows
 from .sampler import SamplingError, sample
 from .scheduler import Segment, SegmentResult
 
@@ -24,23 +24,14 @@ class Runner(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model, full_slots: int, swa_slots: int):
+    def __init__(self, model, pools: KVPools, kv_loader: KVLoader | None = None):
+        """`pools`: the KV pools the forward reads and writes (built for the model: `KVPools(model.config, ...)`).
+        `kv_loader`: what queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache),
+        loaded layer by layer while the forward runs; None without KV tiers."""
         self.model = model
-        p = next(model.parameters())
-        self.pools = KVPools(model.config, full_slots, swa_slots, p.dtype, p.device)
-        self.device = p.device
-        # What queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache), loaded layer by
-        # layer while the forward runs; None without KV tiers.
-        self.kv_loads: Any = None
-
-    def draft_tokens(self, r) -> int:
-        """Draft positions a decoding request verifies this step: none without speculative decoding."""
-        return 0
-
-    def before_cache(self, requests: list) -> list[bool]:
-        """Called by the scheduler before these requests' KV enters the prefix cache (False: do not cache that
-        one); nothing is deferred here."""
-        return [True] * len(requests)
+        self.pools = pools
+        self.device = next(model.parameters()).device
+        self.kv_loader = kv_loader
 
     def metrics(self) -> dict:
         return {}
@@ -66,7 +57,7 @@ class ModelRunner:
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
-        load = self.kv_loads.start_load() if self.kv_loads is not None else None
+        load = self.kv_loader.start_load() if self.kv_loader is not None else None
         try:
             paged = PagedBatch(
                 self.pools,
@@ -90,7 +81,7 @@ class ModelRunner:
         out = list(logits)
         if not idx:
             return out
-        rows = apply_masks([segments[j].request.constraint for j in idx], [out[j][-1] for j in idx])
+        rows = mask_rows([segments[j].request.constraint for j in idx], [out[j][-1] for j in idx])  # type: ignore[misc]
         for j, row in zip(idx, rows):
             lg = out[j].float().clone()
             lg[-1] = row

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from .interfaces import Drafter, NoDrafter, Ticket
 from .request import PromptTooLong, Request
 from .sampler import Sampled
 
@@ -92,8 +93,7 @@ class Scheduler:
         clock=time.monotonic,
         max_prefill_tokens: int = 0,
         prefill_order: str = "fewest_left",
-        draft_tokens: Callable[[Request], int] | None = None,
-        before_cache: Callable[[list[Request]], list[bool]] | None = None,
+        drafter: Drafter | None = None,
     ):
         self.cache, self.full_pool, self.swa_pool = cache, full_pool, swa_pool
         self.chunk_size, self.max_running = chunk_size, max_running
@@ -108,11 +108,9 @@ class Scheduler:
         if prefill_order not in PREFILL_ORDERS:
             raise ValueError(f"prefill_order must be one of {', '.join(PREFILL_ORDERS)}, got {prefill_order!r}")
         self.prefill_order = prefill_order
-        # Draft positions a decoding request verifies this step (speculative decoding), 0 = plain decoding.
-        self.draft_tokens = draft_tokens or (lambda r: 0)
-        # Called before requests' KV enters the prefix cache, all of a step's at once (the speculative runner
-        # completes deferred work in one batched pass); a False: that request's KV must not be cached.
-        self.before_cache = before_cache or (lambda rs: [True] * len(rs))
+        # Speculative decoding (engine/interfaces.py, `Drafter`): draft positions per decoding request, the call
+        # before requests' KV enters the prefix cache (all of a step's at once), and the end of a request.
+        self.drafter: Drafter = drafter or NoDrafter()
         self.drafted_tokens = self.accepted_tokens = 0
         self.waiting: list[Request] = []
         self.running: list[Request] = []  # in admission order: the oldest first
@@ -127,9 +125,6 @@ class Scheduler:
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
-
-    def configure(self, cfg) -> None:
-        """Reads a subclass's own settings from the worker's LLMConfig (the prefill / decode roles); none here."""
 
     def metrics(self) -> dict:
         """A subclass's counters for engine.stats() (and /metrics); none here."""
@@ -148,7 +143,10 @@ class Scheduler:
                 "(--kv-cache-tokens)"
             )
 
-    def add(self, r: Request) -> None:
+    def add(self, r: Request, ticket: Ticket | None = None) -> None:
+        """Queues r. `ticket`: a role's own data about it (pd/); the plain scheduler takes none."""
+        if ticket is not None:
+            raise ValueError(f"this worker's scheduler takes no {type(ticket).__name__}")
         self.check_fits(len(r.prompt))
         self.waiting.append(r)
         self._memo(r)
@@ -213,7 +211,7 @@ class Scheduler:
                 if shares is not None:
                     drafts = shares.get(r.id, 0)
                 else:
-                    drafts = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
+                    drafts = self.drafter.draft_tokens(r) if todo == 1 and not r.aborted else 0
                 seg = self._segment(r, drafts=drafts)
             if seg is not None:
                 segments.append(seg)
@@ -232,7 +230,7 @@ class Scheduler:
             if todo > 1:
                 n = max(0, min(self.chunk_size, todo, left))
             else:
-                d = self.draft_tokens(r) if todo == 1 and not r.aborted else 0
+                d = self.drafter.draft_tokens(r) if todo == 1 and not r.aborted else 0
                 n = d if d <= left else 0  # all of a request's drafts or none (its chain writes every MTP layer once)
             shares[r.id] = n
             left -= n
@@ -318,7 +316,7 @@ class Scheduler:
             kv = r.kv
             assert kv is not None, "a running request has its KV"
             prompt_chunk = self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt)
-            if prompt_chunk and self.before_cache([r])[0]:
+            if prompt_chunk and self.drafter.before_cache([r])[0]:
                 kv.checkpoint()  # prompt chunks go into the tree at once: shareable while this request runs
             if res.sampled is not None:
                 self._take_tokens(r, seg, res)
@@ -328,7 +326,7 @@ class Scheduler:
             if r.finish_reason == "" and r.aborted == "" and self._stopped(r):
                 self.running.remove(r)
                 ended.append(r)
-        may_cache = self.before_cache(ended) if self.enable_prefix_cache and ended else [False] * len(ended)
+        may_cache = self.drafter.before_cache(ended) if self.enable_prefix_cache and ended else [False] * len(ended)
         for r, ok in zip(ended, may_cache):
             self.finish(r, self._stopped(r), may_cache=ok)
 
@@ -342,8 +340,8 @@ class Scheduler:
             kv.truncate(computed + len(res.accepted), [s.token for s in res.accepted])
             self.drafted_tokens += seg.drafts
             self.accepted_tokens += len(res.accepted)
-            r.drafted_tokens += seg.drafts
-            r.accepted_tokens += len(res.accepted)
+            r.stats.drafted_tokens += seg.drafts
+            r.stats.accepted_tokens += len(res.accepted)
         for s in (*res.accepted, res.sampled):
             self._append(r, s)
             kv.step()  # every `release_interval` decode steps
@@ -353,7 +351,7 @@ class Scheduler:
             kv.truncate(len(r.tokens) - 1)
 
     def _append(self, r: Request, s: Sampled) -> None:
-        r.output.append(s.token)
+        r.append_token(s.token)
         if r.constraint is not None:
             r.constraint.accept(s.token)  # the grammar follows every appended token
         self.generated_tokens += 1
@@ -392,10 +390,10 @@ class Scheduler:
         if r.kv is not None:
             cache_result = self.enable_prefix_cache and reason in ("stop", "length")
             if cache_result and may_cache is None:
-                may_cache = self.before_cache([r])[0]
+                may_cache = self.drafter.before_cache([r])[0]
             r.kv.finish(cache_result=cache_result and bool(may_cache))
             r.kv = None
-        r.spec = None  # the runner's per-request state (speculation's kept hidden rows) goes with the KV
+        self.drafter.release(r)  # speculation's per-request state (its kept hidden rows) goes with the KV
         self._uncached.pop(r.id, None)
         if r.on_finish:
             r.on_finish(r)

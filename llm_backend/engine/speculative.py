@@ -58,8 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..agentic.grammar import apply_masks
-from ..paged_attention import PagedBatch, SeqSlots
+from ..paged_attention import KVPools, PagedBatch, SeqSlots
+from .interfaces import KVLoader, mask_rows
 from .request import Request
 from .runner import ModelRunner
 from .sampler import Sampled, SamplingError, check_finite, describe, distribution
@@ -162,17 +162,28 @@ class _Run:
 
 
 class SpeculativeRunner(ModelRunner):
+    @staticmethod
+    def reserve_layers(model, pools: KVPools, swa_slots: int) -> int:
+        """Adds the MTP layers' KV to `pools` (sliding layers over the SWA slots, module docstring) before anything
+        is built on the pools (the KV tiers copy every layer); returns the first one's layer id."""
+        mtp = getattr(model.model, "mtp", None)
+        if mtp is None:
+            raise ValueError("--speculative-steps needs a model with MTP layers (model.mtp.layers.* in its checkpoint)")
+        return pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
+
     def __init__(
         self,
         model,
-        full_slots: int,
-        swa_slots: int,
+        pools: KVPools,
+        mtp_base: int,
         steps: int,
         layers: str = "chain",
         prefill_mtp: bool = True,
         auto: bool = True,
         auto_margin: float = 0.1,
+        kv_loader: KVLoader | None = None,
     ):
+        """`pools` hold the MTP layers' KV from layer `mtp_base` on (`reserve_layers`)."""
         mtp = getattr(model.model, "mtp", None)
         if mtp is None:
             raise ValueError("--speculative-steps needs a model with MTP layers (model.mtp.layers.* in its checkpoint)")
@@ -181,17 +192,18 @@ class SpeculativeRunner(ModelRunner):
             raise ValueError(f"--speculative-steps {steps}: the model has {n} MTP layers (use 1..{n}, 0 = off)")
         if layers not in DRAFT_LAYERS:
             raise ValueError(f"--speculative-layers must be one of {', '.join(DRAFT_LAYERS)}, got {layers!r}")
-        super().__init__(model, full_slots, swa_slots)
+        super().__init__(model, pools, kv_loader)
         self.mtp, self.steps, self.layers, self.prefill_mtp = mtp, steps, layers, prefill_mtp
         self.depth = steps if layers == "chain" else 1  # MTP layers whose KV is kept
         self.window = mtp.kv_config().sliding_window  # MTP entries older than this are never read
-        self.base = self.pools.add_sliding_layers(mtp.kv_config(), swa_slots)[0]
+        self.base = mtp_base
         self.stats = SpecStats(steps)
         self.control = SpecController(steps, auto=auto, margin=auto_margin)
         self._resume_s = 0.0  # this step's time resuming deferred catch-ups
         # SWA slots whose MTP entries were never computed (a request ended with deferred rows, before_cache):
         # such a slot may be in the prefix cache, and no MTP attention reads it; a catch-up that writes it clears it.
         self.stale_slots: set[int] = set()
+        self.states: dict[int, MTPState] = {}  # request id -> its MTP progress (while it holds KV)
 
     def metrics(self) -> dict:
         return {**{f"spec_{k}": v for k, v in self.stats.as_dict().items()}, "spec_control": self.control.as_dict()}
@@ -199,11 +211,15 @@ class SpeculativeRunner(ModelRunner):
     def draft_tokens(self, r: Request) -> int:
         """The scheduler's question for a decoding request: how many draft positions to verify this step (K, or
         0 when its MTP state is not at its last token or the measured costs say drafting does not pay)."""
-        st = r.spec
+        st = self.states.get(r.id)
         if st is None or not st.ready or st.end != len(r.tokens) - 1:
             return 0
         st.wanted = self.control.wants(st)
         return self.steps if st.wanted else 0
+
+    def release(self, r: Request) -> None:
+        """The request ended: its MTP state (kept hidden rows included) goes with its KV."""
+        self.states.pop(r.id, None)
 
     def before_cache(self, requests: list[Request]) -> list[bool]:
         """The scheduler's call before these requests' KV enters the prefix cache (a running request's prompt
@@ -212,7 +228,7 @@ class SpeculativeRunner(ModelRunner):
         marked stale instead (`stale_slots`), so no other request's MTP attention reads them (`_stale_floor`);
         the rows stay kept, and a request that drafts later catches them up (clearing the marks). Always True."""
         for r in requests:
-            st, kv = r.spec, r.kv
+            st, kv = self.states.get(r.id), r.kv
             if st is None or kv is None or st.marked >= len(st.pending):
                 continue
             self._mark_stale(kv, st.next_slot + st.marked, len(st.pending) - st.marked)
@@ -256,7 +272,7 @@ class SpeculativeRunner(ModelRunner):
         if verifying:
             self._resume(verifying)
             self._draft(verifying)
-        load = self.kv_loads.start_load() if self.kv_loads is not None else None
+        load = self.kv_loader.start_load() if self.kv_loader is not None else None
         try:
             paged = PagedBatch(
                 self.pools,
@@ -278,16 +294,16 @@ class SpeculativeRunner(ModelRunner):
 
     def _segment_tokens(self, seg: Segment) -> list[int]:
         own = super()._segment_tokens(seg)
-        return own + seg.request.spec.drafts if seg.drafts else own
+        return own + self.states[seg.request.id].drafts if seg.drafts else own
 
     # ----------------------------------------------------------------------------------- MTP passes
     def _state(self, r: Request, start: int) -> MTPState:
         """The request's MTP state for a segment starting at `start` (a fresh one when it does not continue)."""
-        st = r.spec
+        st = self.states.get(r.id)
         if st is None or st.end != start:
             origin = 0 if self.prefill_mtp else max(0, len(r.prompt) - 1)
             st = MTPState(origin, start, [None] * self.depth, floor=self._stale_floor(r, start))
-            r.spec = st
+            self.states[r.id] = st
         return st
 
     def _run_layer(self, layer: int, runs: list[_Run]) -> None:
@@ -300,7 +316,7 @@ class SpeculativeRunner(ModelRunner):
         seqs: list[SeqSlots] = []
         positions: list[int] = []
         for u in runs:
-            st, kv = u.request.spec, u.request.kv
+            st, kv = self.states[u.request.id], u.request.kv
             assert st is not None and kv is not None
             o = st.first_slot(layer)  # the layer's sequence starts there (its positions count from it)
             lo = max(o, st.floor)  # ... and its attention from here
@@ -344,7 +360,7 @@ class SpeculativeRunner(ModelRunner):
     def _draft(self, segments: list[Segment]) -> None:
         """Step 1 of the module docstring: `seg.drafts` tokens per verifying request (`state.drafts`)."""
         for s in segments:
-            st = s.request.spec
+            st = self.states[s.request.id]
             st.drafts, st.q, st.at_draft = [], [], [None] * self.depth
         prev: dict[int, _Run] = {}  # request id -> its run in the previous draft step
         for j in range(self.steps):
@@ -353,23 +369,25 @@ class SpeculativeRunner(ModelRunner):
             for s in segments:
                 if j >= s.drafts:
                     continue
-                r, st, L = s.request, s.request.spec, s.start
+                r, st, L = s.request, self.states[s.request.id], s.start
                 if self.layers == "chain":  # layer j at slots [L, L + j]
                     first = max(L, st.first_slot(layer))
                     hid = [self._h_draft(st, layer, L, prev.get(r.id), sl) for sl in range(first, L + j + 1)]
                 else:  # layer 0 at L + j, reading its own previous output
                     first = L + j
-                    hid = [st.inputs[0] if j == 0 else prev[r.id].out[-1]]
+                    h0 = st.inputs[0] if j == 0 else prev[r.id].out[-1]
+                    assert h0 is not None, "a drafting request knows the hidden state before its last token"
+                    hid = [h0]
                 toks = [r.tokens[sl] if sl == L else st.drafts[sl - L - 1] for sl in range(first, L + j + 1)]
                 runs.append(_Run(r, first, toks, hid))
             self._run_layer(layer, runs)
             for u in runs:
-                st = u.request.spec
+                st = self.states[u.request.id]
                 token, q = self._pick(u.request, u.out[-1], u.first + len(u.tokens))
                 st.drafts.append(token)
                 if q is not None:
                     st.q.append(q)
-                if self.layers == "chain" and layer + 1 < self.depth and u.first == u.request.spec.next_slot:
+                if self.layers == "chain" and layer + 1 < self.depth and u.first == self.states[u.request.id].next_slot:
                     st.at_draft[layer + 1] = u.out[0]  # O_layer(L) = H_{layer+1}(L), the next catch-up's input
                 prev[u.request.id] = u
 
@@ -388,11 +406,11 @@ class SpeculativeRunner(ModelRunner):
     def _verify(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
         """Step 2: the accepted drafts and the target's next token (greedy or rejection sampling)."""
         r = seg.request
-        st, p, grammar = r.spec, r.params, r.constraint
+        st, p, grammar = self.states[r.id], r.params, r.constraint
         accepted: list[Sampled] = []
         try:
             for i in range(logits.shape[0]):
-                row = logits[i] if grammar is None else apply_masks([grammar], [logits[i]])[0]
+                row = logits[i] if grammar is None else mask_rows([grammar], [logits[i]])[0]
                 check_finite(row)
                 draft = st.drafts[i] if i < seg.drafts else None
                 if p.greedy:
@@ -435,12 +453,12 @@ class SpeculativeRunner(ModelRunner):
         plans = []
         for s, h, res in zip(segments, hidden, results):
             if res.error:
-                s.request.spec = None
+                self.states.pop(s.request.id, None)
                 continue
             r = s.request
             own = s.n - s.drafts
             if s.drafts:  # [L] + the accepted drafts; the entries at L were written while drafting
-                st = r.spec
+                st = self.states.get(r.id)
                 final = [r.tokens[s.start]] + [a.token for a in res.accepted]
                 plans.append((s, st, h, final, s.start + 1))
                 continue
@@ -461,7 +479,7 @@ class SpeculativeRunner(ModelRunner):
 
     def _keep(self, r: Request, rows: torch.Tensor, deferred: bool = True) -> None:
         """Keeps a deferred segment's hidden states (copies: the step's tensor is freed), at most the window's."""
-        st, kv = r.spec, r.kv
+        st, kv = self.states.get(r.id), r.kv
         assert st is not None and kv is not None
         if deferred:
             self.stats.deferred += rows.shape[0]
@@ -494,7 +512,7 @@ class SpeculativeRunner(ModelRunner):
     def _pending_plan(self, r: Request, new: int = 0):
         """A catch-up plan over the request's kept rows (those whose SWA slot is still live); the last `new` of
         them were kept this step and not deferred."""
-        st, kv = r.spec, r.kv
+        st, kv = self.states.get(r.id), r.kv
         assert st is not None and kv is not None
         live = next((j for j in range(len(st.pending)) if kv.swa[st.next_slot + j] is not None), len(st.pending))
         if live:  # released since (the window moved on): never read again
@@ -517,7 +535,7 @@ class SpeculativeRunner(ModelRunner):
         """Before drafting: the deferred entries of the requests that draft again, in one batched pass (timed: the
         controller leaves it out of the step's cost)."""
         t0 = time.perf_counter()
-        plans = [self._pending_plan(s.request) for s in segments if s.request.spec.pending]
+        plans = [self._pending_plan(s.request) for s in segments if self.states[s.request.id].pending]
         plans = [p for p in plans if p[0].n]
         if not plans:
             return

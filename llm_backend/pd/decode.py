@@ -9,7 +9,7 @@ SGLang's handshake shape, one room per attempt:
    full pages for `[decode_prefix, L)`, and SWA slots it keeps only for the window `[max(decode_prefix, L - W), L)`
    (allocated chunk by chunk, older ones released at once, so the SWA pool never holds more than a window and a
    chunk of it). The room (slot indices, this worker's pool layout and transfer session) goes to the prefill worker
-   through `KVTransfer/Prefill` (gRPC, `PrefillClient`); the request waits in `transferring`, holding its pages.
+   through the role's `TransferPort` (`KVTransfer/Prefill` over gRPC: server/kv_transfer.py's `PrefillClient`); the request waits in `transferring`, holding its pages.
 3. The prefill worker writes the KV straight into those slots (Mooncake) and sends the first token last. The
    request then checkpoints its prompt pages into the tree (the next turn of the conversation matches them, so it
    transfers only its new tokens), appends the first token and decodes like any other. A seeded request takes the
@@ -33,46 +33,37 @@ warning (`pd_fence_expired`).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import itertools
 import logging
 import os
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import grpc
 import torch
 
+from llm_backend.engine.interfaces import Ticket, TransferPort
+from llm_backend.engine.request import Request
 from llm_backend.engine.sampler import Sampled
 from llm_backend.engine.scheduler import Scheduler
 from llm_backend.kv import PoolExhausted, RequestKV
-from mimo_epd.common.auth import client_interceptors
-from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
 
 from .rule import TransferRule
-from .transfer import KVTransferEngine
 
 log = logging.getLogger(__name__)
-# One KVTransfer/Release call's deadline, and the pause before it is asked again (a prefill worker that hangs).
-RELEASE_RPC_S = 2.0
-RELEASE_RETRY_S = 0.5
 
 
 @dataclass
-class PDTicket:
+class PDTicket(Ticket):
     """A decode worker's request: where it may be prefilled and what the prefill worker needs besides its ids.
-    After it ends: `used` (the prefill worker that computed it, "" = here), `bytes` and `transfer_s` of its KV."""
+    Kept by the decode scheduler (keyed by request id) while the request lives; what the server reports goes to
+    the request's `stats` (prefill worker used, KV bytes and seconds, the failed one)."""
 
     prefill: str = ""
     media_items: list = field(default_factory=list)
-    used: str = ""
-    bytes: int = 0
-    transfer_s: float = 0.0
-    room: Any = None  # the DecodeRoom of the transfer under way
+    room: DecodeRoom | None = None  # the transfer under way
     retries: int = 0  # failed transfers this request was prefilled here after
-    failed: str = ""  # the prefill worker of the last one
 
 
 @dataclass
@@ -83,8 +74,35 @@ class DecodeRoom:
     full_slots: list[int]
     swa_slots: list[int]
     deadline: float
-    call: Any = None  # the gRPC call, once started (PrefillClient)
+    media_items: list = field(default_factory=list)  # the request's media, for the prefill worker to encode
+    call: Any = None  # the gRPC call, once started (the port's)
     cancelled: bool = False
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """The decode role's flags (docs/pd.md)."""
+
+    local_prefill_tokens: int = 0  # --pd-local-prefill-tokens (-1: never local)
+    transfer_timeout_s: float = 30.0  # --pd-transfer-timeout-s
+    fence_timeout_s: float = 60.0  # --pd-fence-timeout-s
+    retries: int = 1  # --pd-retries
+
+    @classmethod
+    def from_config(cls, cfg) -> DecodeSettings:
+        return cls(cfg.pd_local_prefill_tokens, cfg.pd_transfer_timeout_s, cfg.pd_fence_timeout_s, cfg.pd_retries)
+
+
+@dataclass
+class DecodeRole:
+    """The decode role as the engine sees it (`SchedulerRole`): its settings and its transfer port (None: every
+    prompt is prefilled here)."""
+
+    settings: DecodeSettings
+    port: TransferPort | None = None
+
+    def scheduler(self, cache, full_pool, swa_pool, wake: Callable[[], None], **parts) -> DecodeScheduler:
+        return DecodeScheduler(cache, full_pool, swa_pool, wake=wake, settings=self.settings, port=self.port, **parts)
 
 
 _rooms = itertools.count()
@@ -93,19 +111,28 @@ _rooms = itertools.count()
 class DecodeScheduler(Scheduler):
     """The scheduler of a decode worker: requests wait for their KV in `transferring` before they run."""
 
-    def configure(self, cfg) -> None:
-        self.local_prefill_tokens = cfg.pd_local_prefill_tokens
-        self.transfer_timeout_s = cfg.pd_transfer_timeout_s
-        self.fence_timeout_s = cfg.pd_fence_timeout_s
-        self.retries = cfg.pd_retries
-        # Set by the worker (attach_decode): start(request, room) opens the stream; release(room) closes it and
-        # posts "released" once the prefill worker writes no more (without a worker: at once).
-        self.start_transfer: Callable[[Any, DecodeRoom], None] | None = None
-        self.release_transfer: Callable[[DecodeRoom], None] = lambda room: self.post(None, room.name, "released")
-        self.pd_waiting: list = []
-        self.transferring: list = []
+    def __init__(
+        self,
+        cache,
+        full_pool,
+        swa_pool,
+        *,
+        wake: Callable[[], None],
+        settings: DecodeSettings,
+        port: TransferPort | None = None,
+        **parts,
+    ):
+        super().__init__(cache, full_pool, swa_pool, **parts)
+        self.settings, self.port, self.wake = settings, port, wake
+        self.local_prefill_tokens = settings.local_prefill_tokens
+        self.transfer_timeout_s = settings.transfer_timeout_s
+        self.fence_timeout_s = settings.fence_timeout_s
+        self.retries = settings.retries
+        self.tickets: dict[int, PDTicket] = {}  # request id -> its ticket, while it lives
+        self.pd_waiting: list[Request] = []
+        self.transferring: list[Request] = []
         self.fenced: dict[str, tuple[RequestKV, float]] = {}  # room -> (its pages, when they are freed anyway)
-        self.inbox: deque = deque()  # (request, room name, kind, payload) from the stream's thread
+        self.inbox: deque = deque()  # (request, room name, kind, payload) from the port's threads
         self._blocked = False
         self.remote = self.local = self.failed = self.timeouts = self.aborted_transfers = self.fence_expired = 0
         self.retried = 0
@@ -134,12 +161,14 @@ class DecodeScheduler(Scheduler):
         return waiting + list(self.pd_waiting), running + list(self.transferring)
 
     # ----------------------------------------------------------------------------------- where it is prefilled
-    def add(self, r) -> None:
-        ticket = r.pd
-        if not isinstance(ticket, PDTicket) or not ticket.prefill or self.start_transfer is None:
+    def add(self, r: Request, ticket: Ticket | None = None) -> None:
+        if ticket is not None and not isinstance(ticket, PDTicket):
+            raise ValueError(f"a decode worker takes a PDTicket, not a {type(ticket).__name__}")
+        if ticket is None or not ticket.prefill or self.port is None:
             self.local += 1
             return super().add(r)
         self.check_fits(len(r.prompt))
+        self.tickets[r.id] = ticket
         hit = self.cache.peek_prefix_length(r.prompt[:-1]) if self.enable_prefix_cache else 0
         if self.local_prefill_tokens >= 0 and len(r.prompt) - hit <= self.local_prefill_tokens:
             self.local += 1
@@ -152,13 +181,23 @@ class DecodeScheduler(Scheduler):
         if self.pd_waiting and not self._blocked and len(self.transferring) < self.max_running:
             return True
         now = self.clock()
-        return any(r.aborted or now > r.pd.room.deadline for r in self.transferring) or any(
+        return any(r.aborted or now > self._room(r).deadline for r in self.transferring) or any(
             now > deadline for _, deadline in self.fenced.values()
         )
 
-    def post(self, r, room: str, kind: str, payload: Any = None) -> None:
-        """News of a room from the stream (any thread; the engine's wake() makes the loop read it)."""
+    def post(self, r: Request | None, room: str, kind: str, payload: Any = None) -> None:
+        """News of a room (any thread): read by the engine loop, which this wakes."""
         self.inbox.append((r, room, kind, payload))
+        self.wake()
+
+    def _room(self, r: Request) -> DecodeRoom:
+        room = self.tickets[r.id].room
+        assert room is not None, "a transferring request has its room"
+        return room
+
+    def finish(self, r: Request, reason: str, error: str = "", code: str = "", may_cache: bool | None = None) -> None:
+        super().finish(r, reason, error, code, may_cache)
+        self.tickets.pop(r.id, None)
 
     # ----------------------------------------------------------------------------------- one step
     def schedule(self):
@@ -173,7 +212,8 @@ class DecodeScheduler(Scheduler):
             if kind == "released":
                 self._unfence(name, payload)
                 continue
-            room = getattr(r.pd, "room", None)
+            ticket = self.tickets.get(r.id)
+            room = ticket.room if ticket is not None else None
             if r not in self.transferring or room is None or room.name != name:
                 continue  # a room that already ended (timed out, aborted)
             if kind == "alive":
@@ -190,7 +230,7 @@ class DecodeScheduler(Scheduler):
     def _expire(self) -> None:
         now = self.clock()
         for r in list(self.transferring):
-            room = r.pd.room
+            room = self._room(r)
             if r.aborted:
                 self.transferring.remove(r)
                 self.aborted_transfers += 1
@@ -217,12 +257,15 @@ class DecodeScheduler(Scheduler):
     def _fence(self, r) -> None:
         """A room given up on: its pages leave the request (never cached) and wait for the prefill worker's
         Release before they are freed (module docstring, "Fencing")."""
-        room = r.pd.room
+        room = self._room(r)
         room.cancelled = True
         if r.kv is not None:
             self.fenced[room.name] = (r.kv, self.clock() + self.fence_timeout_s)
             r.kv = None
-        self.release_transfer(room)
+        if self.port is None:
+            self.post(None, room.name, "released")
+        else:
+            self.port.release(room, functools.partial(self.post, None, room.name, "released"))
 
     def _unfence(self, name: str, why: Any = None) -> None:
         entry = self.fenced.pop(name, None)
@@ -233,7 +276,7 @@ class DecodeScheduler(Scheduler):
     def _retry_or_fail(self, r, why: str) -> None:
         """A transfer that failed before the first token: prefilled here instead while retries are left, else
         the request ends "unavailable" (module docstring, failure rules)."""
-        ticket = r.pd
+        ticket = self.tickets[r.id]
         if r.aborted:  # the client went away meanwhile: nothing to retry for
             self._blocked = False
             return self.finish(r, r.aborted)
@@ -249,7 +292,7 @@ class DecodeScheduler(Scheduler):
             ticket.retries,
             self.retries,
         )
-        ticket.failed, ticket.prefill, ticket.room = ticket.prefill, "", None
+        r.stats.prefill_failed, ticket.prefill, ticket.room = ticket.prefill, "", None
         r.cached_tokens = 0
         self.prompt_tokens -= len(r.prompt)  # counted again when the plain path admits it
         Scheduler.add(self, r)  # counted in pd_retried_locally (and in pd_remote_prefills, as the transfer it began)
@@ -269,9 +312,9 @@ class DecodeScheduler(Scheduler):
             self.pd_waiting.pop(0)
             self.transferring.append(r)
             self.remote += 1
-            r.pd.room = room
-            assert self.start_transfer is not None
-            self.start_transfer(r, room)
+            self.tickets[r.id].room = room
+            assert self.port is not None
+            self.port.start(r, room, functools.partial(self.post, r, room.name))
 
     def _reserve(self, r) -> DecodeRoom | None:
         """Step 2 of the module docstring: the prefix match and the pages for the rest; None if they do not fit."""
@@ -298,11 +341,12 @@ class DecodeScheduler(Scheduler):
         assert all(s is not None for s in swa), "the window's SWA slots are live"
         return DecodeRoom(
             f"{os.getpid()}-{next(_rooms)}",
-            r.pd.prefill,
+            self.tickets[r.id].prefill,
             rule,
             kv.full[dp:n],
             swa,  # type: ignore[arg-type]
             self.clock() + self.transfer_timeout_s,
+            self.tickets[r.id].media_items,
         )
 
     @staticmethod
@@ -318,10 +362,11 @@ class DecodeScheduler(Scheduler):
 
     def _activate(self, r, done) -> None:
         """Step 3: the KV is in; the prompt's pages go into the tree and the first token is appended."""
-        ticket, kv = r.pd, r.kv
-        ticket.used, ticket.bytes, ticket.transfer_s = r.pd.room.prefill, int(done.kv_bytes), float(done.transfer_s)
-        self.bytes_received += ticket.bytes
-        self.transfer_s += ticket.transfer_s
+        kv, st = r.kv, r.stats
+        assert kv is not None
+        st.prefill_used, st.kv_bytes, st.transfer_s = self._room(r).prefill, int(done.kv_bytes), float(done.transfer_s)
+        self.bytes_received += st.kv_bytes
+        self.transfer_s += st.transfer_s
         self._blocked = False
         if self.enable_prefix_cache:
             kv.checkpoint()
@@ -334,127 +379,3 @@ class DecodeScheduler(Scheduler):
         self.running.append(r)
         self.admitted.append(r.id)
         r.admitted_at = self.clock()
-
-
-class PrefillClient:
-    """The decode side of the control channel: one `KVTransfer/Prefill` stream per room, on the worker's loop."""
-
-    def __init__(self, engine, xfer: KVTransferEngine, loop: asyncio.AbstractEventLoop, max_message_mb: int = 512):
-        self.engine, self.xfer, self.loop = engine, xfer, loop
-        self.max_message_mb = max_message_mb
-        self._stubs: dict[str, Any] = {}
-
-    def _stub(self, address: str):
-        if address not in self._stubs:
-            mb = self.max_message_mb << 20
-            ch = grpc.aio.insecure_channel(
-                address,
-                options=[("grpc.max_receive_message_length", mb), ("grpc.max_send_message_length", mb)],
-                interceptors=client_interceptors(),  # the internal key, when the prefill worker wants one
-            )
-            self._stubs[address] = pd_pb2_grpc.KVTransferStub(ch)
-        return self._stubs[address]
-
-    def request(self, r, room: DecodeRoom):
-        p = r.params
-        layers = [
-            pd_pb2.PoolLayer(k_ptr=a.k_ptr, v_ptr=a.v_ptr, k_row_bytes=a.k_row, v_row_bytes=a.v_row, sliding=a.sliding)
-            for a in self.xfer.layout.layers
-        ]
-        return pd_pb2.PrefillRequest(
-            room=room.name,
-            prompt_token_ids=r.prompt,
-            media=r.pd.media_items,
-            session=self.xfer.session,
-            layers=layers,
-            decode_prefix=room.rule.decode_prefix,
-            page_size=room.rule.page,
-            full_slots=room.full_slots,
-            swa_slots=room.swa_slots,
-            temperature=p.temperature,
-            top_p=p.top_p,
-            top_k=p.top_k,
-            seed=p.seed or 0,
-            has_seed=p.seed is not None,
-            top_logprobs=p.top_logprobs,
-        )
-
-    def start(self, r, room: DecodeRoom) -> None:
-        """Called on the engine thread: the stream runs on the loop."""
-        asyncio.run_coroutine_threadsafe(self._run(r, room), self.loop)
-
-    def release(self, room: DecodeRoom) -> None:
-        """Called on the engine thread for a room given up on: the stream is cancelled, then `KVTransfer/Release`
-        is asked until the prefill worker answers (it closed the room) or is found gone; then "released" is posted
-        and the scheduler frees the room's slots (the scheduler has marked the room cancelled)."""
-        asyncio.run_coroutine_threadsafe(self._release(room), self.loop)
-
-    async def _release(self, room: DecodeRoom) -> None:
-        sched = self.engine.scheduler
-        if room.call is not None:
-            room.call.cancel()
-        deadline = time.monotonic() + sched.fence_timeout_s
-        why = "the fence timed out"
-        while time.monotonic() < deadline:
-            try:
-                reply = await self._stub(room.prefill).Release(
-                    pd_pb2.ReleaseRequest(room=room.name), timeout=min(RELEASE_RPC_S, deadline - time.monotonic())
-                )
-                why = "closed by the prefill worker" if reply.known else "the prefill worker never opened it"
-                break
-            except grpc.aio.AioRpcError as e:
-                if e.code() == grpc.StatusCode.UNAVAILABLE:  # the process is gone (or unreachable: it writes nothing)
-                    why = f"the prefill worker is gone ({e.details()})"
-                    break
-                await asyncio.sleep(RELEASE_RETRY_S)  # it hangs: asked again until the fence times out
-        self.engine.wake(lambda: sched.post(None, room.name, "released", why))
-
-    async def _run(self, r, room: DecodeRoom) -> None:
-        sched = self.engine.scheduler
-
-        def post(kind, payload=None):
-            self.engine.wake(lambda: sched.post(r, room.name, kind, payload))
-
-        if room.cancelled:
-            return
-        try:
-            room.call = self._stub(room.prefill).Prefill(self.request(r, room))
-            async for ev in room.call:
-                if ev.HasField("done"):
-                    post("done", ev.done)
-                    return
-                post("alive")
-            post("failed", f"prefill worker {room.prefill} ended the stream without a first token")
-        except grpc.aio.AioRpcError as e:
-            if not room.cancelled:
-                post("failed", f"prefill worker {room.prefill}: {e.code().name}: {e.details()}")
-        except Exception as e:  # noqa: BLE001 - any failure of the stream fails this room only
-            post("failed", f"prefill worker {room.prefill}: {type(e).__name__}: {e}")
-
-
-class PrefillPicker:
-    """The decode worker's own choice among `--pd-prefill` workers when a request names none: round robin."""
-
-    def __init__(self, addresses: str):
-        self.addresses = [a.strip() for a in addresses.split(",") if a.strip()]
-        self._next = itertools.count()
-
-    def pick(self) -> str:
-        return self.addresses[next(self._next) % len(self.addresses)] if self.addresses else ""
-
-
-def attach_decode(engine, core, host: str, cfg) -> KVTransferEngine:
-    """Starts this worker's transfer engine on its pools, the control channel's client on the running loop, and the
-    ticket every request carries (the router's prefill worker, else one of `--pd-prefill`)."""
-    xfer = KVTransferEngine(engine.pools, host, cfg.pd_protocol, cfg.pd_device)
-    client = PrefillClient(engine, xfer, asyncio.get_running_loop())
-    sched = engine.scheduler
-    sched.start_transfer, sched.release_transfer = client.start, client.release
-    picker = PrefillPicker(cfg.pd_prefill)
-
-    def ticket(prep) -> dict:
-        prefill = "" if prep.prefill_address == "local" else (prep.prefill_address or picker.pick())
-        return {"pd": PDTicket(prefill, list(prep.media_items))}
-
-    core.request_options = ticket
-    return xfer

@@ -25,36 +25,24 @@ room is refused when it comes.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Callable
 
-import grpc
-
-from llm_backend.engine import OverloadedError, SamplingParams
+from llm_backend.engine.interfaces import Ticket
+from llm_backend.engine.request import Request
 from llm_backend.engine.scheduler import Scheduler, Segment, SegmentResult
-from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
 
 from .rule import TransferRule
-from .transfer import KVTransferEngine, LayerAddr, PoolLayout, TransferError
+from .transfer import KVTransferEngine, PoolLayout, TransferError
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pd_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-# Seconds between keep-alive events on a room's stream while its request waits or runs (the decode side's
-# --pd-transfer-timeout-s counts from the last event).
-KEEPALIVE_S = 1.0
-# Room names released before their Prefill call arrived, kept this long (and at most this many) to refuse it.
-TOMBSTONE_S = 600.0
-MAX_TOMBSTONES = 65536
 
-
-@dataclass
-class Room:
+@dataclass(eq=False)
+class Room(Ticket):
     """One decode worker's request here: where its KV goes, and how much of it was sent."""
 
     name: str
@@ -69,7 +57,7 @@ class Room:
     transfer_s: float = 0.0
     error: str = ""
     closed: bool = False
-    request: Any = None  # this worker's request computing the room, once added
+    request: Request | None = None  # this worker's request computing the room, once added
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def close(self) -> None:
@@ -106,25 +94,58 @@ class Room:
         self.sent = end
 
 
+@dataclass
+class PrefillCounters:
+    """What the KVTransfer service counts (server/kv_transfer.py); reported with the scheduler's metrics."""
+
+    rooms_served: int = 0  # rooms whose first token went back
+    rooms_released: int = 0  # KVTransfer/Release calls
+
+
+@dataclass
+class PrefillRole:
+    """The prefill role as the engine sees it (`SchedulerRole`); `counters` are shared with its service."""
+
+    counters: PrefillCounters = field(default_factory=PrefillCounters)
+
+    def scheduler(self, cache, full_pool, swa_pool, wake: Callable[[], None], **parts) -> PrefillScheduler:
+        return PrefillScheduler(cache, full_pool, swa_pool, counters=self.counters, **parts)
+
+
 class PrefillScheduler(Scheduler):
     """The scheduler of a prefill worker: each forward's KV goes to its room before the bookkeeping."""
 
-    def configure(self, cfg) -> None:
-        self.rooms_served = self.write_failures = self.bytes_written = self.rooms_released = 0
+    def __init__(self, cache, full_pool, swa_pool, *, counters: PrefillCounters, **parts):
+        super().__init__(cache, full_pool, swa_pool, **parts)
+        self.counters = counters
+        self.rooms: dict[int, Room] = {}  # request id -> the room it computes, while it lives
+        self.write_failures = self.bytes_written = 0
 
     def metrics(self) -> dict:
         return {
-            "pd_rooms_served": self.rooms_served,
+            "pd_rooms_served": self.counters.rooms_served,
             "pd_write_failures": self.write_failures,
             "pd_bytes_written": self.bytes_written,
-            "pd_rooms_released": self.rooms_released,
+            "pd_rooms_released": self.counters.rooms_released,
         }
+
+    def add(self, r: Request, ticket: Ticket | None = None) -> None:
+        if ticket is not None and not isinstance(ticket, Room):
+            raise ValueError(f"a prefill worker takes a Room, not a {type(ticket).__name__}")
+        super().add(r)
+        if ticket is not None:
+            self.rooms[r.id] = ticket
+
+    def finish(self, r: Request, reason: str, error: str = "", code: str = "", may_cache: bool | None = None) -> None:
+        super().finish(r, reason, error, code, may_cache)
+        self.rooms.pop(r.id, None)
 
     def complete(self, segments: list[Segment], results: list[SegmentResult]) -> None:
         keep_s, keep_r = [], []
         for seg, res in zip(segments, results):
-            r, room = seg.request, seg.request.pd
-            if isinstance(room, Room) and not (res.error or r.done or r.aborted or room.error):
+            r = seg.request
+            room = self.rooms.get(r.id)
+            if room is not None and not (res.error or r.done or r.aborted or room.error):
                 try:
                     before = room.bytes
                     room.write(r.kv, seg.start + seg.n)
@@ -141,180 +162,3 @@ class PrefillScheduler(Scheduler):
             keep_s.append(seg)
             keep_r.append(res)
         super().complete(keep_s, keep_r)
-
-
-def _layout(msg) -> PoolLayout:
-    return PoolLayout(tuple(LayerAddr(x.k_ptr, x.v_ptr, x.k_row_bytes, x.v_row_bytes, x.sliding) for x in msg.layers))
-
-
-class PrefillService(pd_pb2_grpc.KVTransferServicer):
-    def __init__(self, core, xfer: KVTransferEngine):
-        self.core, self.xfer = core, xfer
-        self.rooms: dict[str, Room] = {}  # open or closing; a room leaves only once closed
-        self.tombstones: OrderedDict[str, float] = OrderedDict()  # released before they arrived -> when
-
-    async def _close(self, room: Room) -> None:
-        """Closes a room off the event loop (a write in flight is waited for) and forgets it."""
-        await asyncio.get_running_loop().run_in_executor(None, room.close)
-        if self.rooms.get(room.name) is room:
-            del self.rooms[room.name]
-
-    def _tombstone(self, name: str) -> None:
-        now = time.monotonic()
-        self.tombstones[name] = now
-        while self.tombstones and (
-            len(self.tombstones) > MAX_TOMBSTONES or next(iter(self.tombstones.values())) < now - TOMBSTONE_S
-        ):
-            self.tombstones.popitem(last=False)
-
-    async def Release(self, request, context):
-        """The decode side gave up on a room: it is closed (its request aborted) before this answers."""
-        self.core.engine.scheduler.rooms_released += 1
-        room = self.rooms.get(request.room)
-        if room is None:
-            self._tombstone(request.room)
-            return pd_pb2.ReleaseReply(known=False)
-        room.error = room.error or "released by the decode side"
-        if room.request is not None and not room.request.done:
-            self.core.engine.abort(room.request)
-        await self._close(room)
-        return pd_pb2.ReleaseReply(known=True, kv_bytes=room.bytes)
-
-    def _room(self, request) -> Room:
-        """The room of a request, checked field by field (ServeError INVALID_ARGUMENT naming the field)."""
-        from llm_backend.server.core import ServeError
-
-        engine = self.core.engine
-        n = len(request.prompt_token_ids)
-        if not request.room or not request.session:
-            raise ServeError.invalid("room and session are required", param="room")
-        if request.room in self.tombstones or request.room in self.rooms:
-            raise ServeError(grpc.StatusCode.FAILED_PRECONDITION, f"room {request.room} was released or is open")
-        try:
-            rule = TransferRule(n, request.decode_prefix, engine.model.config.window, request.page_size or 1)
-            peer = _layout(request)
-            self.xfer.layout.check_peer(peer)
-        except ValueError as e:
-            raise ServeError.invalid(f"room {request.room}: {e}", param="layers") from None
-        if len(request.full_slots) != rule.full_tokens or len(request.swa_slots) != rule.swa_tokens:
-            raise ServeError.invalid(
-                f"room {request.room}: {len(request.full_slots)} full / {len(request.swa_slots)} SWA slots for "
-                f"{rule.full_tokens} / {rule.swa_tokens} positions (prompt {n}, decode prefix {rule.decode_prefix})",
-                param="full_slots",
-            )
-        return Room(
-            request.room,
-            request.session,
-            peer,
-            rule,
-            list(request.full_slots),
-            list(request.swa_slots),
-            self.xfer,
-            sent=rule.decode_prefix,
-        )
-
-    async def _prompt(self, request, context):
-        """The prompt ids and media rows; the media placeholders must be the ones this worker computes."""
-        from llm_backend.server.core import ServeError
-
-        media_ids, media = await self.core.encode_media(list(request.media), context.time_remaining())
-        ids = self.core.check_token_ids(request.prompt_token_ids, "prompt_token_ids", range(1, 1 + len(media_ids)))
-        if media_ids and ids[1 : 1 + len(media_ids)] != media_ids:
-            raise ServeError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"room {request.room}: the media placeholders differ from this worker's encoding of the media",
-            )
-        return ids, media
-
-    async def Prefill(self, request, context):
-        from llm_backend.server.core import ServeError
-
-        core, engine = self.core, self.core.engine
-        r = room = None
-        try:
-            core.check_serving()
-            room = self._room(request)
-            self.rooms[room.name] = room
-            ids, media = await self._prompt(request, context)
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=request.temperature,
-                top_p=request.top_p or 1.0,
-                top_k=request.top_k,
-                seed=request.seed if request.has_seed else None,
-                logprobs=True,
-                top_logprobs=request.top_logprobs,
-                ignore_eos=True,
-            )
-            try:
-                params.validate(engine.config.max_tokens_limit, engine.config.max_temperature)
-            except ValueError as e:
-                raise ServeError.invalid(str(e)) from None
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue = asyncio.Queue()
-            first: list = []
-
-            def on_token(req, t, lp):
-                first.append((t, lp, list(req.top_logprobs[-1]) if req.top_logprobs else []))
-
-            t0 = time.monotonic()
-            try:
-                r = engine.add_request(
-                    ids,
-                    params,
-                    media,
-                    on_token=on_token,
-                    on_finish=lambda req: loop.call_soon_threadsafe(events.put_nowait, "end"),
-                    pd=room,
-                )
-                room.request = r
-                if room.closed:  # released while it was being added
-                    engine.abort(r)
-            except OverloadedError as e:
-                raise ServeError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the prefill worker is overloaded: {e}") from None
-            except ValueError as e:
-                raise ServeError.invalid(str(e)) from None
-            yield pd_pb2.PrefillEvent(accepted=pd_pb2.PrefillAccepted())
-            while True:
-                try:
-                    await asyncio.wait_for(events.get(), KEEPALIVE_S)
-                    break
-                except asyncio.TimeoutError:
-                    yield pd_pb2.PrefillEvent(accepted=pd_pb2.PrefillAccepted(cached_tokens=r.cached_tokens))
-            if r.finish_reason not in ("stop", "length") or not first:
-                why = room.error or r.error or f"the prefill request ended with {r.finish_reason or 'abort'}"
-                raise ServeError(grpc.StatusCode.UNAVAILABLE, f"room {room.name}: {why}")
-            engine.scheduler.rooms_served += 1
-            tok, lp, top = first[0]
-            yield pd_pb2.PrefillEvent(
-                done=pd_pb2.PrefillDone(
-                    first_token=tok,
-                    logprob=lp if lp is not None else 0.0,
-                    top_logprobs=[pd_pb2.TopLogprob(token_id=a, logprob=b) for a, b in top],
-                    kv_bytes=room.bytes,
-                    transfer_s=room.transfer_s,
-                    prefill_s=time.monotonic() - t0,
-                    rng_state=r.generator.get_state().numpy().tobytes() if r.generator is not None else b"",
-                )
-            )
-        except ServeError as e:
-            await context.abort(e.code, e.message)
-        finally:
-            if r is not None and not r.done:
-                log.info("room %s: the decode side went away; aborting its prefill", request.room)
-                engine.abort(r)
-            if room is not None:  # closed off the loop; gone from the registry once no write can come
-                asyncio.ensure_future(self._close(room))
-
-
-def attach_prefill(engine, core, server, host: str, protocol: str = "tcp", device: str = "") -> KVTransferEngine:
-    """Starts this worker's transfer engine on its pools and adds the KVTransfer service to `server` (a GrpcServer)."""
-    xfer = KVTransferEngine(engine.pools, host, protocol, device)
-    # Release is answered while the worker drains too: a decode worker waits for it to free the room's slots.
-    server.add(
-        pd_pb2_grpc.add_KVTransferServicer_to_server,
-        PrefillService(core, xfer),
-        SERVICE_NAME,
-        always_answered=("Release",),
-    )
-    return xfer

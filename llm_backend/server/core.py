@@ -21,11 +21,13 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import grpc
 import torch
 
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from llm_backend.engine.interfaces import Ticket
 from mimo_epd.common.auth import client_interceptors
 from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
@@ -167,6 +169,12 @@ class Result:
     final: Final
 
 
+class Ticketing(Protocol):
+    """A worker role's ticket for each prepared request (the decode role's choice of prefill worker)."""
+
+    def ticket(self, prep) -> Ticket | None: ...
+
+
 class GenerationCore:
     def __init__(
         self,
@@ -176,7 +184,13 @@ class GenerationCore:
         default_max_tokens: int = 256,
         model_name: str = "",
         max_message_mb: int = 512,
+        ticketing: Ticketing | None = None,
+        engine_alive: Callable[[], bool] | None = None,
+        kv_events_position: Callable[[], str] | None = None,
     ):
+        """`ticketing`: the worker role's ticket for each request (the decode role's, server/kv_transfer.py).
+        `engine_alive`: whether the engine thread still runs. `kv_events_position`: "EPOCH:SEQ" of the worker's
+        KV-event log, reported with each final ("" = no events published)."""
         self.engine = engine
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
@@ -192,11 +206,15 @@ class GenerationCore:
                 ],
             )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
-        self.engine_alive = lambda: True  # set by the worker: whether the engine thread still runs
-        # Set by the worker: "EPOCH:SEQ" of its KV-event log, reported with each final ("" = no events published).
-        self.kv_events_position = lambda: ""
-        # Extra keyword arguments of engine.add_request for one prepared request (the decode role's ticket).
-        self.request_options = lambda prep: {}
+        self.ticketing = ticketing
+        self._engine_alive = engine_alive
+        self._kv_events_position = kv_events_position
+
+    def engine_alive(self) -> bool:
+        return self._engine_alive() if self._engine_alive is not None else True
+
+    def kv_events_position(self) -> str:
+        return self._kv_events_position() if self._kv_events_position is not None else ""
 
     # ------------------------------------------------------------------------------------ facts
     @functools.cached_property
@@ -419,7 +437,7 @@ class Generation:
                 prep.media,
                 on_token=on_token,
                 on_finish=lambda r: push(("end", None, None, None)),
-                **core.request_options(prep),
+                ticket=core.ticketing.ticket(prep) if core.ticketing is not None else None,
             )
         except PromptTooLong as e:
             raise ServeError.invalid(str(e), param="messages", err_code="context_length_exceeded") from None
@@ -491,13 +509,13 @@ class Generation:
             max(ttft, 0.0),
             e2e,
             self.matched,
-            r.accepted_tokens,
-            r.drafted_tokens - r.accepted_tokens,
-            int(getattr(r.pd, "bytes", 0)),
-            float(getattr(r.pd, "transfer_s", 0.0)),
-            str(getattr(r.pd, "used", "")),
+            r.stats.accepted_tokens,
+            r.stats.drafted_tokens - r.stats.accepted_tokens,
+            r.stats.kv_bytes,
+            r.stats.transfer_s,
+            r.stats.prefill_used,
             core.kv_events_position(),  # read after the engine cached the request (finish() before on_finish)
-            str(getattr(r.pd, "failed", "")),
+            r.stats.prefill_failed,
         )
         if m is not None:
             m.on_finish(final)

@@ -14,10 +14,13 @@ from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.v1 import generator_pb2_grpc
 
+from ..pd.decode import DecodeRole, DecodeSettings
+from ..pd.prefill import PrefillRole
 from .chat_template import load_chat_template
 from .config import ServerConfig
 from .core import GenerationCore
 from .grpc_service import SERVICE_NAME, GeneratorService
+from .kv_transfer import DecodeTicketing, PrefillClient, attach_decode, attach_prefill
 from .metrics import LLMMetrics
 
 log = logging.getLogger(__name__)
@@ -31,7 +34,10 @@ async def serve_llm(
     grace_s: float = 10.0,
     config: ServerConfig | None = None,
     model: str = "tiny",
+    role=None,
 ) -> int:
+    """Serves `engine` until SIGTERM. `role`: the engine's scheduler role (llm_backend.pd: PrefillRole, DecodeRole
+    with its PrefillClient port), None for a `both` worker; its gRPC parts are attached here."""
     config = config or ServerConfig.from_engine(engine)
     use_internal_key(config.auth.internal_api_key)  # sent to the encoder (a node's gRPC port may want it)
     name = config.served_model_name or (
@@ -41,18 +47,24 @@ async def serve_llm(
     stop_engine = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     metrics = LLMMetrics()
-    core = GenerationCore(
-        engine, encoder_address, metrics, default_max_tokens=config.default_max_tokens, model_name=name
-    )
-    core.engine_alive = thread.is_alive
-    metrics.watch(core.stats)
-    thread.start()
     srv = GrpcServer(host, port, 256, auth=config.auth)
-    srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
     from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
 
-    core.kv_events_position = attach_kv_events(engine, srv.server, model=name).position
-    xfer = _attach_role(engine, core, srv, host)
+    events = attach_kv_events(engine, srv.server, model=name)
+    core = GenerationCore(
+        engine,
+        encoder_address,
+        metrics,
+        default_max_tokens=config.default_max_tokens,
+        model_name=name,
+        ticketing=DecodeTicketing(engine.config.pd_prefill) if isinstance(role, DecodeRole) else None,
+        engine_alive=thread.is_alive,
+        kv_events_position=events.position,
+    )
+    metrics.watch(core.stats)
+    thread.start()
+    srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
+    xfer = _attach_role(engine, core, srv, host, role)
     await srv.start()
     runner = None
     if config.http_port >= 0:
@@ -86,16 +98,23 @@ async def serve_llm(
     return 0
 
 
-def _attach_role(engine, core, srv: GrpcServer, host: str):
-    """The prefill and decode roles' parts (llm_backend.pd): the transfer engine, and the KVTransfer service
-    (prefill) or its client (decode); None for a `both` worker."""
+def _attach_role(engine, core, srv: GrpcServer, host: str, role):
+    """The prefill and decode roles' parts: the transfer engine, and the KVTransfer service (prefill) or the
+    decode port's streams (decode); None for a `both` worker."""
     cfg = engine.config
-    if cfg.role == "both":
-        return None
+    if isinstance(role, PrefillRole):
+        return attach_prefill(engine, core, srv, host, role.counters, cfg.pd_protocol, cfg.pd_device)
+    if isinstance(role, DecodeRole) and isinstance(role.port, PrefillClient):
+        return attach_decode(engine, role.port, host, cfg)
+    return None
+
+
+def build_role(cfg) -> PrefillRole | DecodeRole | None:
+    """The engine's scheduler role for `--role` (composed here, where the worker is built: the engine never
+    imports a role)."""
     if cfg.role == "prefill":
-        from ..pd.prefill import attach_prefill
-
-        return attach_prefill(engine, core, srv, host, cfg.pd_protocol, cfg.pd_device)
-    from ..pd.decode import attach_decode
-
-    return attach_decode(engine, core, host, cfg)
+        return PrefillRole()
+    if cfg.role == "decode":
+        settings = DecodeSettings.from_config(cfg)
+        return DecodeRole(settings, PrefillClient(settings.fence_timeout_s))
+    return None

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..engine.interfaces import Ticket
 from ..engine.request import PromptTooLong, Request, SamplingParams
 from ..engine.scheduler import Scheduler
 from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
@@ -65,12 +66,14 @@ class Finished:
     meta: dict = field(default_factory=dict)
 
 
-class SimWorker:
-    # The engine's scheduler class (the decode role's subclass in the P/D simulator, mimo_epd/sim/pd.py).
-    scheduler_class: type[Scheduler] = Scheduler
+def _no_wake() -> None:
+    return None
 
-    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None):
-        """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py)."""
+
+class SimWorker:
+    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None, role=None):
+        """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py). `role`: the
+        engine's scheduler role (`SchedulerRole`; the decode role in the P/D simulator, mimo_epd/sim/pd.py)."""
         c, U = config, config.unit
         self.name, self.config, self.unit = name, config, U
         window = -(-cost.shape.window // U)
@@ -83,10 +86,7 @@ class SimWorker:
         )
         self.now = 0.0
         self.runner = runner or SimRunner(cost, U)
-        self.scheduler = self.scheduler_class(
-            self.cache,
-            self.full_pool,
-            self.swa_pool,
+        parts = dict(
             chunk_size=max(1, c.chunk_size // U),
             max_running=c.max_running,
             enable_prefix_cache=c.prefix_cache,
@@ -97,8 +97,12 @@ class SimWorker:
             clock=lambda: self.now,
             max_prefill_tokens=c.max_prefill_tokens // U,
             prefill_order=c.prefill_order,
-            draft_tokens=self.runner.draft_tokens,
+            drafter=self.runner,
         )
+        if role is None:
+            self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, **parts)
+        else:  # news from a simulated peer needs no waking: the simulator's clock steps the worker
+            self.scheduler = role.scheduler(self.cache, self.full_pool, self.swa_pool, _no_wake, **parts)
         self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
         self.loads = LoadTotals()
         self.finished: list[Finished] = []
@@ -131,12 +135,12 @@ class SimWorker:
         )
 
     # ----------------------------------------------------------------------------------- requests
-    def submit(self, spec: SimRequest, now: float, pd=None) -> Request | None:
-        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit. `pd`:
-        the request's prefill/decode ticket (the decode role)."""
+    def submit(self, spec: SimRequest, now: float, ticket: Ticket | None = None) -> Request | None:
+        """Queues `spec`, arrived at virtual time `now`; None (and a `rejected` entry) when it can never fit.
+        `ticket`: what the worker's role needs of it (the decode role's PDTicket)."""
         self.now = max(self.now, now)
         params = SamplingParams(max_tokens=output_units(spec.output_len, self.unit), ignore_eos=True)
-        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish, pd=pd)
+        r = Request(self._ids, list(spec.prompt), params, now, on_finish=self._on_finish)
         self._ids += 1
         try:
             self.scheduler.check_fits(len(r.prompt))
@@ -144,7 +148,7 @@ class SimWorker:
             self.rejected.append((spec.index, str(e)))
             return None
         self.runner.register(r.id, spec)
-        self.scheduler.add(r)
+        self.scheduler.add(r, ticket)
         return r
 
     def _on_finish(self, r: Request) -> None:

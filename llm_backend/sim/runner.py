@@ -43,9 +43,17 @@ class SimRunner:
         self.steps = 0
         self.busy_s = 0.0
 
+    # The engine's `Drafter` (engine/interfaces.py): plain decoding here, speculation in sim/speculation.py.
     def draft_tokens(self, r) -> int:
         """Draft positions a decoding request verifies this step (speculation: sim/speculation.py)."""
         return 0
+
+    def before_cache(self, requests: list) -> list[bool]:
+        return [True] * len(requests)
+
+    def release(self, r) -> None:
+        """Nothing to drop: the worker forgets a request's state when it records it (SimWorker._on_finish)."""
+        return None
 
     def register(self, request_id: int, spec: SimRequest) -> None:
         self.states[request_id] = _State(spec)

@@ -21,7 +21,7 @@ def run_llm(args) -> int:
     from llm_backend import LLM
     from llm_backend.config import LLMConfig
     from llm_backend.server.config import ServerConfig
-    from llm_backend.server.worker import serve_llm
+    from llm_backend.server.worker import build_role, serve_llm
     from mimo_epd.common.flags import from_args
 
     try:
@@ -50,7 +50,8 @@ def run_llm(args) -> int:
             import torch
 
             torch.set_num_threads(cfg.torch_threads)
-        engine = LLM.from_config(cfg)
+        role = build_role(cfg)
+        engine = LLM.from_config(cfg, scheduler=role)
         rc = uvloop.run(
             serve_llm(
                 engine,
@@ -60,6 +61,7 @@ def run_llm(args) -> int:
                 grace_s=cfg.grace_period_s,
                 config=server_cfg,
                 model=cfg.model,
+                role=role,
             )
         )
     except (OSError, ValueError, RuntimeError) as e:

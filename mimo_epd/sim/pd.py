@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
+from typing import Callable
 
-from llm_backend.pd.decode import DecodeScheduler, PDTicket
+from llm_backend.pd.decode import DecodeRole, DecodeRoom, DecodeSettings, PDTicket
 from llm_backend.pd.rule import TransferRule
 from llm_backend.sim.cost import CostModel
 from llm_backend.sim.engine import SimWorker, WorkerConfig
@@ -44,10 +44,6 @@ class Network:
         return nbytes * 8 / (self.bandwidth_gbit_s * 1e9)
 
 
-class DecodeSimWorker(SimWorker):
-    scheduler_class = DecodeScheduler
-
-
 class PrefillSimWorker(SimWorker):
     def _on_finish(self, r) -> None:
         """Records the request's admission time in its meta (the transfer's overlap with the prefill needs it)."""
@@ -55,6 +51,21 @@ class PrefillSimWorker(SimWorker):
         if st is not None:
             st.spec.meta["admitted"] = r.admitted_at
         super()._on_finish(r)
+
+
+class SimPort:
+    """A decode worker's `TransferPort` in the simulator: a transfer submits the prompt to its prefill worker; the KV
+    arrives as the port's "done" news at the time the network model gives. Simulated transfers never fail, so
+    nothing is ever released."""
+
+    def __init__(self, fleet: PDFleet, k: int):
+        self.fleet, self.k = fleet, k
+
+    def start(self, r, room: DecodeRoom, news: Callable[[str, object], None]) -> None:
+        self.fleet._start(self.k, r, room, news)
+
+    def release(self, room: DecodeRoom, released: Callable[[str], None]) -> None:
+        released("simulated")
 
 
 class PDFleet:
@@ -73,16 +84,15 @@ class PDFleet:
         self.cost, self.unit, self.net = cost, config.unit, network or Network()
         self.max_prefill_queue = max_prefill_queue
         self.prefill = [PrefillSimWorker(cost, config, f"p{i}") for i in range(prefill)]
-        self.decode = [DecodeSimWorker(cost, config, f"d{i}") for i in range(decode)]
-        settings = SimpleNamespace(
-            pd_local_prefill_tokens=local_prefill_tokens // self.unit if local_prefill_tokens >= 0 else -1,
-            pd_transfer_timeout_s=float("inf"),
-            pd_fence_timeout_s=float("inf"),
-            pd_retries=0,  # simulated transfers never fail
+        settings = DecodeSettings(
+            local_prefill_tokens=local_prefill_tokens // self.unit if local_prefill_tokens >= 0 else -1,
+            transfer_timeout_s=float("inf"),
+            fence_timeout_s=float("inf"),
+            retries=0,  # simulated transfers never fail
         )
-        for k, w in enumerate(self.decode):
-            w.scheduler.configure(settings)
-            w.scheduler.start_transfer = lambda r, room, k=k: self._start(k, r, room)
+        self.decode = [
+            SimWorker(cost, config, f"d{k}", role=DecodeRole(settings, SimPort(self, k))) for k in range(decode)
+        ]
         self.policy = make_policy(policy)
         self.prefill_policy = make_policy(prefill_policy or policy)
         self.prefill_prompt_tokens = self.prefill_cached_tokens = 0
@@ -117,10 +127,10 @@ class PDFleet:
         lim = self.max_prefill_queue
         if p >= 0 and lim >= 0 and all(w.load()["queued_tokens"] > lim for w in self.prefill):
             p = -1
-        self.decode[k].submit(spec, spec.arrival, pd=PDTicket(prefill=str(p) if p >= 0 else ""))
+        self.decode[k].submit(spec, spec.arrival, PDTicket(prefill=str(p) if p >= 0 else ""))
         self._kick.add(("d", k))
 
-    def _start(self, k: int, r, room) -> None:
+    def _start(self, k: int, r, room, news: Callable[[str, object], None]) -> None:
         """The decode scheduler reserved the pages: the prompt goes to its prefill worker as a one-token request."""
         p = int(room.prefill)
         spec = SimRequest(
@@ -129,13 +139,13 @@ class PDFleet:
             list(r.prompt),
             self.decode[k].runner.states[r.id].spec.prompt_len,
             1,
-            meta={"pd": (k, r, room)},
+            meta={"pd": (k, r, room, news)},
         )
         self.prefill[p].submit(spec, self.now)
         self._kick.add(("p", p))
 
     def _prefilled(self, p: int, fin) -> None:
-        k, r, room = fin.meta["pd"]
+        k, r, room, news = fin.meta["pd"]
         self.prefill_prompt_tokens += fin.prompt_len
         self.prefill_cached_tokens += fin.cached_tokens
         sh, rule = self.cost.shape, room.rule
@@ -157,7 +167,7 @@ class PDFleet:
         )
         # the message a real prefill worker sends last (pd.proto), so the simulator reads what the live path reads
         payload = pd_pb2.PrefillDone(first_token=0, logprob=0.0, kv_bytes=nbytes, transfer_s=wire, prefill_s=prefill_s)
-        self._push(done, "kv", (k, r, room, payload))
+        self._push(done, "kv", (k, r, news, payload))
 
     def _push(self, t: float, kind: str, payload) -> None:
         self._seq += 1
@@ -196,13 +206,13 @@ class PDFleet:
                         self._prefilled(i, fin)
                     del w.finished[seen:]
             else:  # the KV arrived
-                k, r, room, done = payload
+                k, r, news, done = payload
                 w = self.decode[k]
                 w.now = max(w.now, t)
                 st = w.runner.states.get(r.id)
                 if st is not None:  # the first token came from the prefill worker
                     st.kv, st.decoding, st.generated = r.kv, True, 1
-                w.scheduler.post(r, room.name, "done", done)
+                news("done", done)
                 self._kick.add(("d", k))
             for side, i in list(self._kick):
                 self._worker(side, i).now = max(self._worker(side, i).now, t)

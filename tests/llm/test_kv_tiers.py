@@ -77,7 +77,7 @@ def test_host_tier_outputs_equal_no_cache_under_heavy_eviction(model, cold, opts
 
 def test_tiers_off_is_the_plain_cache(model):
     llm = LLM(model, kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16)
-    assert llm.tiers is None and type(llm.cache) is SWARadixCache and llm.runner.kv_loads is None
+    assert llm.tiers is None and type(llm.cache) is SWARadixCache and llm.runner.kv_loader is None
     assert not any(k.startswith("kv_tier") for k in llm.stats())
 
 

@@ -457,7 +457,7 @@ def scripted(llm, on, log):
 
     def logged(segments):
         draft(segments)
-        log.extend((s.request.id, s.start, tuple(s.request.spec.drafts)) for s in segments)
+        log.extend((s.request.id, s.start, tuple(runner.states[s.request.id].drafts)) for s in segments)
 
     runner._draft = logged
 
@@ -518,7 +518,8 @@ def test_a_long_pause_keeps_only_the_window_and_outputs_stay_identical(model):
     assert s["spec_catch_up_skipped_tokens"] > 0  # rows past the window were never computed
     assert any(start > w + 30 for _, start, _ in log)  # and drafting resumed after them
     for r in (*llm.scheduler.running, *llm.scheduler.waiting):
-        assert r.spec is None or len(r.spec.pending) <= w
+        st = llm.runner.states.get(r.id)
+        assert st is None or len(st.pending) <= w
     idle(llm)
 
 
@@ -531,7 +532,7 @@ def no_stale_reads(llm):
 
     def checked(layer, runs):
         for u in runs:
-            st, kv = u.request.spec, u.request.kv
+            st, kv = runner.states[u.request.id], u.request.kv
             lo = max(st.first_slot(layer), st.floor)
             read = [kv.swa[p] for p in range(lo, u.first)]
             assert not runner.stale_slots.intersection(read), (u.request.id, layer, lo, u.first)
@@ -624,7 +625,7 @@ def test_a_long_prompt_deferred_keeps_its_window_and_marks_the_rest_stale(model)
     off_from_the_start(llm)
     first = llm.add_request(p, sp)
     llm.step()  # the whole prompt in one chunk, its catch-up deferred
-    st = first.spec
+    st = llm.runner.states.get(first.id)
     assert st is not None and len(st.pending) == w and st.next_slot == len(p) - w
     assert llm.stats()["spec_catch_up_left_stale_tokens"] >= len(p)  # every prompt slot: cached, not computed
     late = llm.add_request(second, sp)
