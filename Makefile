@@ -44,6 +44,7 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy $(TYPED)
+	$(VENV)/bin/lint-imports --no-cache
 
 # Regenerates the committed gRPC stubs (tests/cli/test_protos.py checks they are current).
 protos: $(VENV)/.installed-dev

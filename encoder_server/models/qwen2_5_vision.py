@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimo_epd.common.layers import RMSNorm
+from mimo_epd.layers import RMSNorm
 
 
 @dataclass

@@ -1,9 +1,12 @@
 """The LLM engine, one idea per module:
 
+- `interfaces.py`: the seams features plug into (Constraint, Drafter, KVLoader, SchedulerRole, Ticket,
+  TransferPort) and `RequestStats`, what the engine reports about a request;
 - `request.py`: SamplingParams, Request, RequestOutput (what a request is);
 - `scheduler.py`: admission, length buckets, priority, chunking, preemption, KV bookkeeping (what runs next);
 - `runner.py`: one forward over a step's segments + sampling (`sampler.py`), behind `execute(segments)`;
-- `llm.py`: `LLM`, the offline API (`generate`) and the serving loop (`run_forever`).
+- `speculative.py` + `spec_control.py`: MTP speculative decoding (a `Drafter` and its runner);
+- `llm.py`: `LLM`, the builder of its parts, the offline API (`generate`) and the serving loop (`run_forever`).
 """
 
 from ..tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mimo_epd.common.layers import RMSNorm
+from mimo_epd.layers import RMSNorm
 
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing

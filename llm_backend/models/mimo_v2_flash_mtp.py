@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from mimo_epd.common.layers import RMSNorm
+from mimo_epd.layers import RMSNorm
 
 from .mimo_v2_flash import Attention, DenseMLP, MiMoV2FlashConfig, Rotary
 from .quant import make_linear
