@@ -25,6 +25,9 @@ class RequestKV:
         self.full: list[int] = list(self.match.full)
         self.swa: list[int | None] = list(self.match.swa)
         self.owned_from = self.match.length  # tokens before this belong to the tree (a page boundary)
+        # Own positions before this have no SWA slot (released out of the window): a decode step's release looks
+        # at the positions after it only, so its cost does not grow with the context.
+        self.released_to = self.owned_from
         self.own_pages: list[int] = []  # full-pool pages of tokens [owned_from, ...), in order
         self._forget_unprotected_swa()
         self._steps = 0
@@ -46,7 +49,7 @@ class RequestKV:
         return len(self.own_pages) * self.page
 
     def own_swa_live(self) -> int:
-        return sum(s is not None for s in self.swa[self.owned_from :])
+        return sum(s is not None for s in self.swa[max(self.owned_from, self.released_to) :])
 
     def extend(self, new_tokens: list[int]) -> tuple[list[int], list[int]]:
         """Takes slots for tokens about to be computed; returns (their full slots, their swa slots)."""
@@ -83,6 +86,7 @@ class RequestKV:
         pages = -(-(keep - self.owned_from) // self.page)
         self.cache.full_pool.free_pages(self.own_pages[pages:])
         del self.own_pages[pages:], self.tokens[keep:], self.full[keep:], self.swa[keep:]
+        self.released_to = min(self.released_to, keep)
         if tail:
             self.tokens[keep - len(tail) : keep] = tail
 
@@ -90,11 +94,13 @@ class RequestKV:
         """Frees the SWA slots of own tokens no future query can see: older than the last W before `end`
         (default: all tokens)."""
         cut = (len(self.tokens) if end is None else end) - self.cache.window
+        first = max(self.owned_from, self.released_to)
         freed = []
-        for p in range(self.owned_from, max(self.owned_from, cut)):
+        for p in range(first, max(first, cut)):
             if self.swa[p] is not None:
                 freed.append(self.swa[p])
                 self.swa[p] = None
+        self.released_to = max(self.released_to, cut)
         self.cache.swa_pool.free(freed)
         return len(freed)
 
