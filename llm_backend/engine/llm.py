@@ -145,6 +145,7 @@ class LLM:
         return SpeculativeRunner(
             self.model,
             self.pools,
+            self.swa_pool,
             mtp_base,
             cfg.speculative_steps,
             cfg.speculative_layers,

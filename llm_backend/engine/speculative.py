@@ -33,16 +33,17 @@ positions is not run, its prompt chunks' included (prefill MTP deferred: with sh
 the MTP work, and it pays only if the request drafts); the target's hidden states of those positions are kept
 instead (`MTPState.pending`, at most the window's W rows: an MTP entry older than the window is never read again,
 and its SWA slot is freed anyway). When the request drafts, the kept rows are caught up in one batched pass before
-drafting (`_resume`), so its first draft still sees the prompt's last W positions, and a request that does not
-draft costs the target's step alone. Whenever its KV enters the prefix cache (`before_cache`: a prompt chunk's
-checkpoint while it runs, and its end) the SWA slots of its kept rows are marked stale (`stale_slots`); a later
-request that hits that prefix starts its MTP attention after the last stale slot of its window (`_stale_floor`, so
-it drafts from its own new tokens only: fewer accepted drafts at first, the same output), and a catch-up that
-writes a slot clears its mark (the owner's resume, typically). A request that ends while not drafting is never
-caught up. Invariant: no MTP attention reads a slot whose entry
-was not computed. Rows never computed are counted as `spec_catch_up_skipped_tokens` (dropped past the window,
-or left stale: `spec_catch_up_left_stale_tokens`). A stale mark is the device pool's: an entry that the host or
-store tier copies out and back in comes back unmarked, and can then only feed a draft, never an output.
+drafting (`_resume`), so its first draft still sees the prompt's last W positions, and a request that does not draft
+costs the target's step alone. Whenever its KV enters the prefix cache (`before_cache`: a prompt chunk's checkpoint
+while it runs, and its end) the SWA slots of its kept rows are marked stale (in the SWA pool: `SlotPool`'s stale
+marks); a later request that hits that prefix starts its MTP attention after the last stale slot of its window
+(`_stale_floor`, so it drafts from its own new tokens only: fewer accepted drafts at first, the same output), and a
+catch-up that writes a slot clears its mark (the owner's resume, typically). A request that ends while not drafting
+is never caught up. Invariant: no MTP attention reads a slot whose entry was not computed. Rows never computed are
+counted as `spec_catch_up_skipped_tokens` (dropped past the window, or left stale:
+`spec_catch_up_left_stale_tokens`). A stale mark is the SWA pool's (kv/pools.py): cleared when the slot is freed,
+and carried with the slot's KV through the host tier and the shared store, so an entry restored from a tier is
+exactly as valid as before.
 
 Each request keeps `MTPState`: the next slot to fill and, per layer, the hidden input for it. A segment that does
 not start there (a prefix-cache hit, a recomputation after preemption) has no H_l(start - 1) — no cache keeps hidden
@@ -58,6 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv import SlotPool
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .interfaces import KVLoader, mask_rows
 from .request import Request
@@ -175,6 +177,7 @@ class SpeculativeRunner(ModelRunner):
         self,
         model,
         pools: KVPools,
+        swa_pool: SlotPool,
         mtp_base: int,
         steps: int,
         layers: str = "chain",
@@ -183,7 +186,8 @@ class SpeculativeRunner(ModelRunner):
         auto_margin: float = 0.1,
         kv_loader: KVLoader | None = None,
     ):
-        """`pools` hold the MTP layers' KV from layer `mtp_base` on (`reserve_layers`)."""
+        """`pools` hold the MTP layers' KV from layer `mtp_base` on (`reserve_layers`); `swa_pool` keeps which SWA
+        slots' MTP entries were never computed (its stale marks)."""
         mtp = getattr(model.model, "mtp", None)
         if mtp is None:
             raise ValueError("--speculative-steps needs a model with MTP layers (model.mtp.layers.* in its checkpoint)")
@@ -200,9 +204,10 @@ class SpeculativeRunner(ModelRunner):
         self.stats = SpecStats(steps)
         self.control = SpecController(steps, auto=auto, margin=auto_margin)
         self._resume_s = 0.0  # this step's time resuming deferred catch-ups
-        # SWA slots whose MTP entries were never computed (a request ended with deferred rows, before_cache):
-        # such a slot may be in the prefix cache, and no MTP attention reads it; a catch-up that writes it clears it.
-        self.stale_slots: set[int] = set()
+        # SWA slots whose MTP entries were never computed (a request ended with deferred rows, before_cache) are
+        # marked stale in the SWA pool: such a slot may be in the prefix cache (or a tier), and no MTP attention reads
+        # it; a catch-up that writes it clears the mark, and so does freeing it.
+        self.swa_pool = swa_pool
         self.states: dict[int, MTPState] = {}  # request id -> its MTP progress (while it holds KV)
 
     def metrics(self) -> dict:
@@ -225,7 +230,7 @@ class SpeculativeRunner(ModelRunner):
         """The scheduler's call before these requests' KV enters the prefix cache (a running request's prompt
         chunk, or a request's end). Deferred rows are not caught up for it: computing up to W rows through every
         MTP layer only for a later turn's drafts cost as much as a tenth of a request's decoding. Their slots are
-        marked stale instead (`stale_slots`), so no other request's MTP attention reads them (`_stale_floor`);
+        marked stale instead (the SWA pool's marks), so no other request's MTP attention reads them (`_stale_floor`);
         the rows stay kept, and a request that drafts later catches them up (clearing the marks). Always True."""
         for r in requests:
             st, kv = self.states.get(r.id), r.kv
@@ -238,18 +243,18 @@ class SpeculativeRunner(ModelRunner):
     def _mark_stale(self, kv, first: int, n: int) -> None:
         """Marks the live SWA slots of positions [first, first + n) stale: their MTP entries are not computed."""
         slots = [kv.swa[p] for p in range(first, min(first + n, len(kv.swa))) if kv.swa[p] is not None]
-        self.stale_slots.update(slots)
+        self.swa_pool.mark_stale(slots)
         self.stats.left_stale += len(slots)
 
     def _stale_floor(self, r: Request, start: int) -> int:
         """The first slot a fresh MTP state at `start` may attend to: after the last stale one of the window
         before it (a cached prefix whose MTP entries were left uncomputed), else 0."""
         kv = r.kv
-        if not self.stale_slots or kv is None:
+        if not self.swa_pool.stale_count or kv is None:
             return 0
         for p in range(start - 1, max(0, start - self.window) - 1, -1):
             s = kv.swa[p] if p < len(kv.swa) else None
-            if s is not None and s in self.stale_slots:
+            if s is not None and self.swa_pool.is_stale(s):
                 return p + 1
         return 0
 
@@ -563,10 +568,12 @@ class SpeculativeRunner(ModelRunner):
         for s, st, h, final, _ in plans:
             if not final:
                 continue
-            if self.stale_slots:  # computed now (slot s.start by the draft pass): valid again
+            if self.swa_pool.stale_count:  # computed now (slot s.start by the draft pass): valid again
                 kv = s.request.kv
                 assert kv is not None
-                self.stale_slots.difference_update(kv.swa[p] for p in range(s.start, s.start + len(final)))
+                self.swa_pool.clear_stale(
+                    x for x in (kv.swa[p] for p in range(s.start, s.start + len(final))) if x is not None
+                )
             last = s.start + len(final) - 1  # the last final slot
             inputs: list[torch.Tensor | None] = [h[last - s.start]]
             for layer in range(1, self.depth):

@@ -8,6 +8,11 @@ into the pool's KV tensors; this module only does the bookkeeping, the tensors l
 The full pool is paged: it hands out whole pages of `page_size` consecutive slots (slot = page * P +
 offset), and takes whole pages back. The SWA pool is token-granular (page size 1): its slots are
 released one by one as tokens leave the window.
+
+A slot can be marked *stale*: its KV tensors hold rows that were never computed for some layers (speculative
+decoding's MTP layers, whose entries may be left for later: engine/speculative.py). The mark is the pool's: it is
+cleared when the slot is freed (the next owner's slot is not stale), and the KV tiers copy it with the slot's KV
+(to the host and back, into a store page and back), so an entry restored from a tier is exactly as valid as it was.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ class SlotPool:
         self.size = self.pages * page_size
         self._free = list(range(self.pages - 1, -1, -1))  # a stack: recently freed pages are reused first
         self._used = bytearray(self.pages)
+        self._stale = bytearray(self.size)  # per slot: 1 = some layers' rows of it were never computed
+        self.stale_count = 0
 
     def available(self) -> int:
         """Free slots (whole free pages)."""
@@ -58,6 +65,28 @@ class SlotPool:
                 raise RuntimeError(f"{self.name} pool: page {p} freed twice")  # a double free corrupts the cache
             self._used[p] = 0
             self._free.append(p)
+            if self.stale_count:
+                self.clear_stale(range(p * self.page_size, (p + 1) * self.page_size))
+
+    # stale marks (module docstring)
+    def mark_stale(self, slots) -> int:
+        """Marks slots stale; returns how many were not marked before."""
+        new = 0
+        for s in slots:
+            if not self._stale[s]:
+                self._stale[s] = 1
+                new += 1
+        self.stale_count += new
+        return new
+
+    def clear_stale(self, slots) -> None:
+        for s in slots:
+            if self._stale[s]:
+                self._stale[s] = 0
+                self.stale_count -= 1
+
+    def is_stale(self, slot: int) -> bool:
+        return bool(self._stale[slot])
 
     def page_slots(self, page: int) -> list[int]:
         return list(range(page * self.page_size, (page + 1) * self.page_size))

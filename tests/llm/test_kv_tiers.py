@@ -449,3 +449,64 @@ def test_host_eviction_under_pressure_never_fails():
     of this workload did)."""
     for seed in range(120):
         _host_pressure_workload(seed)
+
+
+def _stale_window(cache, tokens: list[int], upto: int) -> set[int]:
+    """Positions of the window before `upto` whose SWA slots a request matching `tokens` is given marked stale."""
+    m = RequestKV(cache, tokens)
+    try:
+        return {p for p in range(max(0, upto - W), upto) if m.swa[p] is not None and cache.swa_pool.is_stale(m.swa[p])}
+    finally:
+        m.finish(cache_result=False)
+
+
+def _cache_prompt_marking(cache, stale: list[int]) -> None:
+    """Caches PROMPT with the SWA slots of positions `stale` marked (MTP entries never computed)."""
+    r = RequestKV(cache, PROMPT)
+    r.extend(PROMPT)
+    cache.swa_pool.mark_stale(r.swa[p] for p in stale)
+    r.checkpoint()
+    r.finish()
+
+
+def test_stale_marks_survive_the_host_tier():
+    """A slot's stale mark (engine/speculative.py: an MTP entry never computed) goes to the host with its KV and
+    comes back with it, so a hit restored from the host is exactly as valid as before; freeing clears marks."""
+    cache, tiers = _tree_with_checkpoint(0)
+    _cache_prompt_marking(cache, [26, 29])
+    assert cache.swa_pool.stale_count == 2
+    cache.evict_full(10**6)  # everything to the host: the device slots are freed, their marks with them
+    node = cache.root.children[tuple(PROMPT[:4])]
+    assert node.full is None and cache.swa_pool.stale_count == 0
+    assert sum(cache.host_swa.is_stale(s) for s in node.host.swa.values()) == 2
+    again = PROMPT + [50]
+    assert _stale_window(cache, again, 32) == {26, 29} and tiers.tier_stats.hit_host == 32
+
+
+def test_stale_marks_survive_the_shared_store():
+    store = MemoryKVStore(10**9)
+    writer, _ = _tree_with_checkpoint(0, store)
+    _cache_prompt_marking(writer, [24, 31])
+    store.flush()
+    reader, tiers = _tree_with_checkpoint(0, store, host=False)
+    assert _stale_window(reader, PROMPT + [50], 32) == {24, 31} and tiers.tier_stats.hit_store == 32
+
+
+def test_store_pages_keep_their_stale_rows_on_the_wire():
+    from llm_backend.kv.tiers.store import PageData, decode_page, encode_page
+
+    k = torch.arange(24, dtype=torch.float32).reshape(3, 2, 4)
+    page = PageData(7, full={0: (k, k + 1)}, swa={1: (k, k)}, has_window=True, stale=[0, 2])
+    expect = {("full", 0): ([3, 2, 4], [3, 2, 4]), ("swa", 1): ([3, 2, 4], [3, 2, 4])}
+    back = decode_page(encode_page(page), 7, expect, torch.float32)
+    assert back is not None and back.stale == [0, 2]
+
+
+def test_freeing_a_slot_clears_its_mark():
+    pool = SlotPool("swa", 8)
+    slots = pool.alloc(4)
+    assert pool.mark_stale(slots[:2]) == 2 and pool.mark_stale(slots[:1]) == 0 and pool.stale_count == 2
+    pool.free(slots[:1])
+    assert pool.stale_count == 1 and not pool.is_stale(slots[0]) and pool.is_stale(slots[1])
+    again = pool.alloc(1)
+    assert again == slots[:1] and not pool.is_stale(again[0])  # the next owner's slot is not stale

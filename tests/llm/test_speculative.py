@@ -535,7 +535,12 @@ def no_stale_reads(llm):
             st, kv = runner.states[u.request.id], u.request.kv
             lo = max(st.first_slot(layer), st.floor)
             read = [kv.swa[p] for p in range(lo, u.first)]
-            assert not runner.stale_slots.intersection(read), (u.request.id, layer, lo, u.first)
+            assert not any(runner.swa_pool.is_stale(x) for x in read if x is not None), (
+                u.request.id,
+                layer,
+                lo,
+                u.first,
+            )
             reads.append((u.request.id, lo))
         run_layer(layer, runs)
 
@@ -561,7 +566,7 @@ def test_a_window_whose_mtp_entries_were_deferred_is_cached_stale_and_never_read
     scripted(llm, lambda step: False, log)
     assert outputs(llm, [p], sp1)[0] == first_want and not log
     s = llm.stats()
-    assert s["spec_catch_up_left_stale_tokens"] >= 49 and llm.runner.stale_slots
+    assert s["spec_catch_up_left_stale_tokens"] >= 49 and llm.runner.swa_pool.stale_count
     scripted(llm, lambda step: True, log)
     res = llm.generate(prompt_token_ids=[second], sampling_params=sp2)[0]
     assert res.usage.cached_tokens > len(p) and res.output_token_ids == second_want
@@ -602,7 +607,7 @@ def test_a_deferred_prompt_catch_up_drafts_exactly_what_prefill_mtp_drafts(model
     s = lazy.stats()
     assert s["spec_catch_up_deferred_tokens"] >= sum(len(p) for p in ps)  # every prompt row waited
     assert s["spec_catch_up_skipped_tokens"] == 0
-    assert s["spec_catch_up_left_stale_tokens"] == 0 and not lazy.runner.stale_slots  # all computed in the end
+    assert s["spec_catch_up_left_stale_tokens"] == 0 and not lazy.runner.swa_pool.stale_count  # all computed
     assert reads
     idle(lazy)
 
@@ -656,3 +661,33 @@ def test_probes_back_off_while_they_confirm_the_decision():
     gaps = [b - a for a, b in zip(probes[4:], probes[5:])]  # after the first measurements
     assert gaps and gaps[-1] == 256 and gaps == sorted(gaps), probes
     assert len(probes) < 4 + 1200 // 32 // 2
+
+
+def test_speculation_over_the_host_tier_keeps_stale_windows_stale(model):
+    """Speculation composes with the KV tiers: a first turn that never drafted is cached with its window marked
+    stale; the tree is then evicted to the host tier. The second turn's hit comes back from the host with its marks
+    (kv/pools.py), so its MTP attention still starts past the first turn's window, and both turns' outputs are plain
+    decoding's."""
+    p = prompts(n=1, seed=13, lo=20, hi=40)[0]
+    sp1 = SamplingParams(max_tokens=50, ignore_eos=True)
+    sp2 = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = engine(model)
+    first_want = outputs(plain, [p], sp1)[0]
+    second = p + first_want + [7, 8, 9]
+    second_want = outputs(plain, [second], sp2)[0]
+    llm = engine(model, speculative_steps=3, speculative_auto=True, host_kv_bytes=10**7)
+    log: list = []
+    scripted(llm, lambda step: False, log)
+    assert outputs(llm, [p], sp1)[0] == first_want and not log
+    assert llm.runner.swa_pool.stale_count
+    llm.cache.evict_full(10**9)  # the whole tree to the host: the device slots and their marks are freed
+    assert llm.runner.swa_pool.stale_count == 0 and llm.tiers.host_swa.stale_count
+    reads = no_stale_reads(llm)
+    scripted(llm, lambda step: True, log)
+    res = llm.generate(prompt_token_ids=[second], sampling_params=sp2)[0]
+    assert res.output_token_ids == second_want
+    assert llm.stats()["kv_tier_hit_host"] > len(p) and res.usage.cached_tokens > len(p)  # from the host
+    assert log and all(start >= len(second) - 1 for _, start, _ in log)  # it drafted
+    floors = {lo for rid, lo in reads if rid == res.request_id}
+    assert max(floors) >= len(p) + 1  # past the first turn's stale window, restored from the host
+    idle(llm)

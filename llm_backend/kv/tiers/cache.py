@@ -287,6 +287,8 @@ class TieredRadixCache(SWARadixCache):
             hs = self.host_swa.alloc(len(js))
             self.tier_stats.bytes_d2h += self._d2h([node.swa[j] for j in js], hs, True)
             h.swa.update(zip(js, hs))
+            if self.swa_pool.stale_count:  # the stale marks travel with the KV (kv/pools.py)
+                self.host_swa.mark_stale(x for j, x in zip(js, hs) if self.swa_pool.is_stale(node.swa[j]))
             self.tier_stats.swa_d2h += len(js)
         return True
 
@@ -343,6 +345,8 @@ class TieredRadixCache(SWARadixCache):
                 has_window=win_js is not None,
                 nbytes=self.P * self.full_b + (W * self.swa_b if win_js is not None else 0),
             )
+            if win_js is not None:
+                page.stale = self._window_stale(node, win_js)  # the marks travel with the window (kv/pools.py)
             if self.device is not None:
                 self._page_tensors(page, node, i, win_js)
             self.store.put(page)
@@ -370,6 +374,22 @@ class TieredRadixCache(SWARadixCache):
                     ks.append(self.data.k[layer][h.swa[j]])
                     vs.append(self.data.v[layer][h.swa[j]])
             page.swa[layer] = (torch.stack(ks), torch.stack(vs))
+
+    def _window_stale(self, node: Node, win_js: list[int]) -> list[int]:
+        """The window rows (indices into `win_js`) whose slots are marked stale, on the device or the host."""
+        if not (self.swa_pool.stale_count or (self.host_swa is not None and self.host_swa.stale_count)):
+            return []
+        h = node.host
+        out = []
+        for i, j in enumerate(win_js):
+            s = node.swa[j]
+            if s is not None:
+                stale = self.swa_pool.is_stale(s)
+            else:
+                stale = h is not None and self.host_swa is not None and self.host_swa.is_stale(h.swa[j])
+            if stale:
+                out.append(i)
+        return out
 
     def _gather(self, out: dict, src, idx: list[int], sliding: bool) -> None:
         for layer in self.device.k:
@@ -454,6 +474,8 @@ class TieredRadixCache(SWARadixCache):
             s = self.swa_pool.alloc(1)[0]
             x.swa[j] = s
             self.pending.add_host(True, [x.host.swa[j]], [s])
+            if self.host_swa is not None and self.host_swa.is_stale(x.host.swa[j]):
+                self.swa_pool.mark_stale([s])
             self.tier_stats.swa_h2d += 1
             self.tier_stats.bytes_h2d += self.swa_b
         return host_tokens
@@ -471,6 +493,7 @@ class TieredRadixCache(SWARadixCache):
             }
             self.pending.add_tensors(False, full, per)
             self.pending.add_tensors(True, swa_slots, pages[-1].swa)
+        self.swa_pool.mark_stale(swa_slots[i] for i in pages[-1].stale if i < len(swa_slots))
         self.tier_stats.pages_s2d += len(pages)
         self.tier_stats.swa_s2d += win
         self.tier_stats.bytes_s2d += sum(p.nbytes for p in pages)

@@ -54,6 +54,7 @@ class PageData:
     swa: dict = field(default_factory=dict)
     has_window: bool = False
     nbytes: int = 0
+    stale: list[int] = field(default_factory=list)  # window rows whose MTP entries were never computed (kv/pools.py)
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
@@ -71,7 +72,9 @@ def encode_page(p: PageData) -> bytes:
                 tensors.append(_tensor_bytes(t))
                 shapes.append([part, layer, list(t.shape)])
     payload = b"".join(tensors)
-    header = json.dumps({"hash": p.hash, "window": p.has_window, "dtype": dtype, "shapes": shapes}).encode()
+    header = json.dumps(
+        {"hash": p.hash, "window": p.has_window, "dtype": dtype, "shapes": shapes, "stale": p.stale}
+    ).encode()
     return (
         MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(payload)) + payload
     )
@@ -91,7 +94,10 @@ def decode_page(raw: bytes, want_hash: int, expect: dict, dtype: torch.dtype) ->
         if xxhash.xxh3_64_intdigest(payload) != checksum:
             return None
         esz = torch.empty(0, dtype=dtype).element_size()
-        out = PageData(want_hash, has_window=bool(header["window"]), nbytes=len(raw))
+        stale = header.get("stale", [])
+        if not isinstance(stale, list) or not all(isinstance(i, int) and i >= 0 for i in stale):
+            return None
+        out = PageData(want_hash, has_window=bool(header["window"]), nbytes=len(raw), stale=stale)
         pos, pending = 0, {}
         for part, layer, shape in header["shapes"]:
             key = (part, layer)
