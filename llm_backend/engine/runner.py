@@ -8,7 +8,8 @@ embeddings replace the token embeddings at their prompt positions.
 
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import contextmanager
+from typing import Iterator, Protocol
 
 import torch
 
@@ -54,22 +55,28 @@ class ModelRunner:
                     embeds[j] = row.to(embeds.dtype)
         return SeqInput(ids, torch.arange(start, start + n, device=self.device), embeds)
 
-    def execute(self, segments: list[Segment]) -> list[SegmentResult]:
+    @contextmanager
+    def _batch(self, segments: list[Segment]) -> Iterator[PagedBatch]:
+        """The step's attention over the pools for `segments`, with this forward's KV-tier loads running layer by
+        layer (finished when the block exits, whatever happens in it)."""
         kvs = [s.request.kv for s in segments]
         assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
         load = self.kv_loader.start_load() if self.kv_loader is not None else None
         try:
-            paged = PagedBatch(
+            yield PagedBatch(
                 self.pools,
                 [SeqSlots(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
                 wait=load.wait if load is not None else None,
             )
-            logits = self.model.forward_batch(
-                [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments], paged
-            )
         finally:
             if load is not None:
                 load.finish()
+
+    def execute(self, segments: list[Segment]) -> list[SegmentResult]:
+        with self._batch(segments) as paged:
+            logits = self.model.forward_batch(
+                [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments], paged
+            )
         logits = self._masked(segments, logits)
         return [self._result(s, lg) for s, lg in zip(segments, logits)]
 

@@ -55,112 +55,23 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
 from ..kv import SlotPool
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
-from .interfaces import KVLoader, mask_rows
+from .interfaces import KVLoader
 from .request import Request
 from .runner import ModelRunner
-from .sampler import Sampled, SamplingError, check_finite, describe, distribution
+from .sampler import SamplingError, check_finite, distribution
 from .scheduler import Segment, SegmentResult
 from .spec_control import SpecController
+from .spec_state import MTPState, SpecStats, _LayerOffset, _Run
+from .spec_verify import verify
 
 DRAFT_LAYERS = ("chain", "first")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class MTPState:
-    """A request's MTP progress: every kept layer has its entries for slots [.., next_slot) (from its origin on),
-    and `inputs[l]` is H_l(next_slot - 1), the hidden input of layer l's entry at next_slot (None: unknown)."""
-
-    origin: int
-    next_slot: int
-    inputs: list[torch.Tensor | None]
-    drafts: list[int] = field(default_factory=list)
-    q: list[torch.Tensor] = field(default_factory=list)  # draft distributions (sampled requests)
-    at_draft: list[torch.Tensor | None] = field(default_factory=list)  # H_l(L) from drafting, l >= 1
-    accept_ema: float | None = None  # accepted drafts per verify, averaged (spec_control.py)
-    # Deferred catch-up: H_0(s) for slots [next_slot, end) whose MTP entries are not computed yet.
-    pending: list[torch.Tensor] = field(default_factory=list)
-    marked: int = 0  # the first `marked` kept rows have their SWA slots marked stale (before_cache)
-    floor: int = 0  # no MTP attention reads a slot before this one (raised when deferred rows were dropped)
-    wanted: bool = True  # whether the controller let this request draft the last time it was asked
-
-    @property
-    def end(self) -> int:
-        """The slot after the last final position this state covers (computed or kept in `pending`)."""
-        return self.next_slot + len(self.pending)
-
-    def first_slot(self, layer: int) -> int:
-        """Layer `layer`'s first entry: its input H_layer reads the layer below at the slot before."""
-        return self.origin + layer + 1
-
-    @property
-    def ready(self) -> bool:
-        """Whether drafting can start at next_slot (the main hidden state before it is known)."""
-        return bool(self.inputs) and (self.inputs[0] is not None or bool(self.pending))
-
-
-@dataclass
-class SpecStats:
-    steps: int
-    verifies: int = 0
-    drafted: list[int] = field(default_factory=list)  # per draft position
-    accepted: list[int] = field(default_factory=list)
-    deferred: int = 0  # catch-up rows kept while not drafting
-    resumed: int = 0  # ... of them caught up later (drafting resumed)
-    left_stale: int = 0  # ... of them never computed although their slots entered the prefix cache (marked stale)
-
-    def __post_init__(self):
-        self.drafted = [0] * self.steps
-        self.accepted = [0] * self.steps
-
-    def add(self, drafted: int, accepted: int) -> None:
-        self.verifies += 1
-        for j in range(drafted):
-            self.drafted[j] += 1
-            self.accepted[j] += j < accepted
-
-    def as_dict(self) -> dict:
-        acc = sum(self.accepted)
-        return {
-            "verify_steps": self.verifies,
-            "drafted_tokens": sum(self.drafted),
-            "accepted_tokens": acc,
-            "acceptance_by_position": [round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted, self.drafted)],
-            # tokens per verify step: the accepted drafts and the target's own token
-            "mean_accept_length": round((acc + self.verifies) / self.verifies, 4) if self.verifies else 0.0,
-            "catch_up_deferred_tokens": self.deferred,
-            "catch_up_skipped_tokens": self.deferred - self.resumed,
-            "catch_up_left_stale_tokens": self.left_stale,
-        }
-
-
-class _LayerOffset:
-    """The MTP module attends its layer l; its KV is pool layer `base + l`."""
-
-    def __init__(self, batch: PagedBatch, base: int):
-        self.batch, self.base = batch, base
-
-    def attend(self, layer: int, *args):
-        return self.batch.attend(self.base + layer, *args)
-
-
-@dataclass
-class _Run:
-    """One request's entries in one MTP layer pass: consecutive slots from `first`, their tokens and hidden
-    inputs; `out` gets the layer's outputs."""
-
-    request: Request
-    first: int
-    tokens: list[int]
-    hidden: list[torch.Tensor]
-    out: torch.Tensor = field(default_factory=lambda: torch.empty(0))  # set by the layer pass
 
 
 class SpeculativeRunner(ModelRunner):
@@ -260,34 +171,23 @@ class SpeculativeRunner(ModelRunner):
 
     # ----------------------------------------------------------------------------------- one step
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
-        kvs = [s.request.kv for s in segments]
-        assert all(kv is not None for kv in kvs), "every scheduled request has its KV"
         t0 = time.perf_counter()
         self._resume_s = 0.0
         with torch.inference_mode():
-            results = self._execute(segments, kvs)
+            results = self._execute(segments)
         decoding = sum(1 for s in segments if s.n - s.drafts == 1 and s.samples)
         drafting = sum(1 for s in segments if s.drafts)
         seconds = time.perf_counter() - t0 - self._resume_s  # resumes are timed apart (spec_control.py)
         self.control.observe(seconds, sum(s.n for s in segments), drafting > 0, decoding, drafting, len(segments))
         return results
 
-    def _execute(self, segments: list[Segment], kvs) -> list[SegmentResult]:
+    def _execute(self, segments: list[Segment]) -> list[SegmentResult]:
         verifying = [s for s in segments if s.drafts]
         if verifying:
             self._resume(verifying)
             self._draft(verifying)
-        load = self.kv_loader.start_load() if self.kv_loader is not None else None
-        try:
-            paged = PagedBatch(
-                self.pools,
-                [SeqSlots(kv.full, kv.swa, s.start, s.n) for kv, s in zip(kvs, segments)],  # type: ignore[union-attr]
-                wait=load.wait if load is not None else None,
-            )
+        with self._batch(segments) as paged:
             hidden, bounds = self.model.hidden_states([self._inputs(s) for s in segments], paged)
-        finally:
-            if load is not None:
-                load.finish()
         logits = []
         for j, s in enumerate(segments):
             h = hidden[bounds[j] : bounds[j + 1]]
@@ -409,43 +309,13 @@ class SpeculativeRunner(ModelRunner):
 
     # ----------------------------------------------------------------------------------- verification
     def _verify(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
-        """Step 2: the accepted drafts and the target's next token (greedy or rejection sampling)."""
+        """Step 2: the accepted drafts and the target's next token (spec_verify.py)."""
         r = seg.request
-        st, p, grammar = self.states[r.id], r.params, r.constraint
-        accepted: list[Sampled] = []
+        st = self.states[r.id]
         try:
-            for i in range(logits.shape[0]):
-                row = logits[i] if grammar is None else mask_rows([grammar], [logits[i]])[0]
-                check_finite(row)
-                draft = st.drafts[i] if i < seg.drafts else None
-                if p.greedy:
-                    tok = int(torch.argmax(row))
-                    if draft is not None and tok == draft:
-                        accepted.append(describe(row, tok, p))
-                        if grammar is not None:
-                            grammar.accept(tok)  # tentatively: the next row is masked after it
-                        continue
-                    bonus = describe(row, tok, p)
-                    break
-                target = distribution(row, p)
-                if draft is not None:
-                    q = st.q[i]
-                    ratio = float(target[draft]) / max(float(q[draft]), 1e-30)
-                    if float(torch.rand((), generator=r.generator)) < ratio:
-                        accepted.append(describe(row, draft, p))
-                        if grammar is not None:
-                            grammar.accept(draft)
-                        continue
-                    resid = (target - q).clamp_min(0)
-                    total = float(resid.sum())
-                    target = resid / total if total > 0 else target
-                bonus = describe(row, int(torch.multinomial(target, 1, generator=r.generator)), p)
-                break
+            accepted, bonus = verify(logits, st.drafts[: seg.drafts], st.q, r.params, r.generator, r.constraint)
         except SamplingError as e:
             return SegmentResult(None, [], str(e))
-        finally:
-            if grammar is not None:
-                grammar.rollback(len(accepted))  # the scheduler advances it with what it appends
         self.stats.add(seg.drafts, len(accepted))
         self.control.accepted(st, len(accepted))
         return SegmentResult(bonus, [], accepted=tuple(accepted))

@@ -290,7 +290,7 @@ def test_logprobs_are_the_targets(model):
 def _fed(controller, a, b, c, accept, steps=60, d=0.0):
     """Observations of a machine whose step time is a + b * tokens + c * [verify] + d * drafting requests (8
     decoding requests; verify steps with 8, 1 or 4 of them drafting)."""
-    from llm_backend.engine.speculative import MTPState
+    from llm_backend.engine.spec_state import MTPState
 
     st = MTPState(0, 0, [None])
     for i in range(steps):
