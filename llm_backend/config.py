@@ -278,8 +278,6 @@ class LLMConfig:
             raise ValueError(
                 "--pd-transfer-timeout-s and --pd-fence-timeout-s must be positive and --pd-protocol tcp or rdma"
             )
-        if self.role != "both" and self.speculative_steps:
-            raise ValueError(f"--role {self.role} runs without --speculative-steps (the MTP layers' KV is not moved)")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.http_port < -1:

@@ -139,18 +139,38 @@ class LLM:
         return role.scheduler(self.cache, self.full_pool, self.swa_pool, self.wake, **parts)
 
     def _runner(self, cfg: LLMConfig, mtp_base: int) -> ModelRunner:
-        """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies."""
+        """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies.
+
+        Disaggregated (docs/pd.md, "P/D with speculation"): the MTP layers' KV is moved with the rest (the pools of
+        both roles hold it, so the transfer layout includes it, window-only like every sliding layer). A prefill
+        worker therefore computes every MTP layer's entries over every prompt chunk, never deferred: it never
+        drafts (one token per request), and what it sends must be computed, whatever the decode side drafts with."""
         if not cfg.speculative_steps:
             return ModelRunner(self.model, self.pools, self.tiers)
+        steps, layers, prefill_mtp, auto = (
+            cfg.speculative_steps,
+            cfg.speculative_layers,
+            cfg.prefill_mtp,
+            (cfg.speculative_auto),
+        )
+        if cfg.role != "both":
+            mtp_window = self.model.model.mtp.kv_config().window
+            if mtp_window > self.model.config.window:
+                raise ValueError(
+                    f"--role {cfg.role} with --speculative-steps: the MTP layers' window {mtp_window} is longer than "
+                    f"the model's {self.model.config.window}; the transfer moves the model's window only"
+                )
+        if cfg.role == "prefill":
+            steps, layers, prefill_mtp, auto = len(self.model.model.mtp.layers), "chain", True, False
         return SpeculativeRunner(
             self.model,
             self.pools,
             self.swa_pool,
             mtp_base,
-            cfg.speculative_steps,
-            cfg.speculative_layers,
-            cfg.prefill_mtp,
-            cfg.speculative_auto,
+            steps,
+            layers,
+            prefill_mtp,
+            auto,
             cfg.speculative_auto_margin,
             kv_loader=self.tiers,
         )

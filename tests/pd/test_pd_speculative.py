@@ -1,0 +1,63 @@
+"""P/D with MTP speculation, real processes: a prefill worker and a decode worker both started with
+`--speculative-steps 3` (the shipped `tiny` model, trained, with its three MTP layers), against a colocated worker
+without speculation and one with. The MTP layers' KV moves with the rest (window-only, like every sliding layer), so the decode
+worker drafts from its first steps: greedy outputs are the colocated worker's token for token, drafts are accepted,
+and the bytes moved are the transfer rule's over the pools with the MTP layers."""
+
+from __future__ import annotations
+
+import pytest
+
+from llm_backend.models import load_llm
+from llm_backend.paged_attention import KVPools
+from llm_backend.pd.transfer import PoolLayout
+from llm_backend.tokenizer import load_tokenizer
+from mimo_epd.testing.servers import scrape
+from tests.conftest import start_server
+from tests.pd.test_pd_live import ids_request, port, stream
+
+pytestmark = pytest.mark.integration
+
+COMMON = ["--model", "tiny", "--torch-threads", "1", "--http-port", "0", "--kv-cache-tokens", "6000"]
+SPEC = ["--speculative-steps", "3", "--no-speculative-auto"]
+
+
+@pytest.fixture(scope="module")
+def fleet():
+    both = start_server(COMMON, "llm")
+    spec = start_server(COMMON + SPEC, "llm")
+    pre = start_server(COMMON + SPEC + ["--role", "prefill"], "llm")
+    dec = start_server(
+        COMMON + SPEC + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"], "llm"
+    )
+    yield both, spec, pre, dec
+    for s in (dec, pre, spec, both):
+        assert s.stop() == 0
+
+
+def test_disaggregated_speculation_equals_colocated_plain_decoding(fleet):
+    both, spec, pre, dec = fleet
+    model = load_llm("tiny")
+    pools = KVPools(model.config, 1, 1)
+    plain_full, plain_swa = PoolLayout.of(pools).token_bytes()
+    pools.add_sliding_layers(model.model.mtp.kv_config(), 1)
+    full_b, swa_b = PoolLayout.of(pools).token_bytes()
+    assert swa_b > plain_swa and full_b == plain_full  # the MTP layers' window moves too
+    w = model.config.window
+    tok = load_tokenizer("tiny")
+    # Python-documentation-like text the model was trained on: the MTP layers draft well there
+    text = "The json module can serialize Python objects. The json module can parse JSON text into objects. "
+    for n, prompt in enumerate([text * 4, "Return a new list containing all items from the iterable in order."]):
+        ids = tok.encode(prompt)
+        want, _ = stream(both.address, ids_request(ids, 24))
+        got, final = stream(dec.address, ids_request(ids, 24))
+        colocated, cfinal = stream(spec.address, ids_request(ids, 24))
+        assert got == want == colocated and len(got) == 24, n
+        # the decode side drafts from the MTP entries the prefill worker computed: as many accepted as a colocated
+        # speculating worker, but for its first step (it has no hidden state before its first token: no draft)
+        assert final.accepted_prediction_tokens >= cfinal.accepted_prediction_tokens - 3 > 0, n
+        assert final.prefill_address == pre.address
+        length, prefix = len(ids), final.cached_tokens
+        assert final.kv_transfer_bytes == (length - prefix) * full_b + (length - max(prefix, length - 1 - w)) * swa_b
+    m = scrape(port(dec))
+    assert m["llm_spec_accepted_tokens_total"] > 0 and m["llm_pd_remote_prefills"] >= 2
