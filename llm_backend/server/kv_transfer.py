@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import time
 from collections import OrderedDict
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import grpc
 
+from llm_backend.agentic.grammar import ConstraintSpec, Grammar
 from llm_backend.engine import OverloadedError, SamplingParams
 from llm_backend.engine.request import Request
 from llm_backend.pd.decode import DecodeRoom, PDTicket
@@ -125,6 +127,17 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             )
         return ids, media
 
+    async def _grammar(self, request):
+        """The room's output constraint, compiled here (the first token is sampled under it); None without one."""
+        if not request.constraint:
+            return None
+        try:
+            d = json.loads(request.constraint)
+            spec = ConstraintSpec(str(d["kind"]), d["value"], str(d["param"]), bool(d.get("thinking", False)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ServeError.invalid(f"room {request.room}: the constraint is unreadable: {e}", param="constraint") from None
+        return await self.core.grammar(spec)
+
     async def Prefill(self, request, context):
         core, engine = self.core, self.core.engine
         r = room = None
@@ -142,6 +155,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
                 logprobs=True,
                 top_logprobs=request.top_logprobs,
                 ignore_eos=True,
+                grammar=await self._grammar(request),
             )
             try:
                 params.validate(engine.config.max_tokens_limit, engine.config.max_temperature)
@@ -220,6 +234,16 @@ def attach_prefill(
 
 
 # ---------------------------------------------------------------------------------------- the decode side
+def _constraint_json(grammar) -> str:
+    """The room's constraint for the prefill worker: the compiled grammar's spec as JSON ("" = none)."""
+    if grammar is None:
+        return ""
+    if not isinstance(grammar, Grammar):
+        raise TypeError(f"a decode worker sends xgrammar constraints only, not a {type(grammar).__name__}")
+    spec = grammar.spec
+    return json.dumps({"kind": spec.kind, "value": spec.value, "param": spec.param, "thinking": spec.thinking})
+
+
 class PrefillClient:
     """The decode side of the control channel: one `KVTransfer/Prefill` stream per room, on the worker's loop."""
 
@@ -268,6 +292,7 @@ class PrefillClient:
             seed=p.seed or 0,
             has_seed=p.seed is not None,
             top_logprobs=p.top_logprobs,
+            constraint=_constraint_json(p.grammar),
         )
 
     def start(self, r: Request, room: DecodeRoom, news: Callable[[str, object], None]) -> None:  # type: ignore[override]

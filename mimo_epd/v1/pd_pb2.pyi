@@ -22,7 +22,7 @@ class PoolLayer(_message.Message):
     def __init__(self, k_ptr: _Optional[int] = ..., v_ptr: _Optional[int] = ..., k_row_bytes: _Optional[int] = ..., v_row_bytes: _Optional[int] = ..., sliding: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "media", "session", "layers", "decode_prefix", "full_slots", "swa_slots", "temperature", "top_p", "top_k", "seed", "has_seed", "top_logprobs", "page_size")
+    __slots__ = ("room", "prompt_token_ids", "media", "session", "layers", "decode_prefix", "full_slots", "swa_slots", "temperature", "top_p", "top_k", "seed", "has_seed", "top_logprobs", "page_size", "constraint")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class PrefillRequest(_message.Message):
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     media: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.MediaItem]
@@ -53,7 +54,8 @@ class PrefillRequest(_message.Message):
     has_seed: bool
     top_logprobs: int
     page_size: int
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., session: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[PoolLayer, _Mapping]]] = ..., decode_prefix: _Optional[int] = ..., full_slots: _Optional[_Iterable[int]] = ..., swa_slots: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., page_size: _Optional[int] = ...) -> None: ...
+    constraint: str
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., session: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[PoolLayer, _Mapping]]] = ..., decode_prefix: _Optional[int] = ..., full_slots: _Optional[_Iterable[int]] = ..., swa_slots: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., page_size: _Optional[int] = ..., constraint: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

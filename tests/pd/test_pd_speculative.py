@@ -61,3 +61,31 @@ def test_disaggregated_speculation_equals_colocated_plain_decoding(fleet):
         assert final.kv_transfer_bytes == (length - prefix) * full_b + (length - max(prefix, length - 1 - w)) * swa_b
     m = scrape(port(dec))
     assert m["llm_spec_accepted_tokens_total"] > 0 and m["llm_pd_remote_prefills"] >= 2
+
+
+def test_a_constrained_request_is_constrained_from_its_first_token(fleet):
+    """Grammar with P/D and speculation: the prefill worker samples the first token under the request's constraint
+    (PrefillRequest.constraint), the decode worker drafts and verifies the rest under it; the output is the
+    colocated constrained output token for token, and it matches the constraint."""
+    import re
+
+    from mimo_epd.v1 import generator_pb2
+
+    both, spec, pre, dec = fleet
+    tok = load_tokenizer("tiny")
+    ids = tok.encode("The answer is one of: spam, eggs, ham. The answer is")
+    pattern = r" (spam|eggs|ham)[.!]"
+
+    def constrained(address):
+        req = ids_request(ids, 16)
+        req.sampling.ignore_eos = False
+        req.constraint.CopyFrom(generator_pb2.OutputConstraint(regex=pattern))
+        return stream(address, req)
+
+    want, _ = constrained(both.address)
+    got, final = constrained(dec.address)
+    assert got == want and final.prefill_address == pre.address
+    text = tok.decode([t for t in got if t not in (tok.eos_token_id,)])
+    assert re.fullmatch(pattern, text), text
+    free, _ = stream(dec.address, ids_request(ids, 16))
+    assert free != got  # the constraint changed the output (the comparison can fail)
