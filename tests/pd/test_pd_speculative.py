@@ -24,15 +24,18 @@ SPEC = ["--speculative-steps", "3", "--no-speculative-auto"]
 
 @pytest.fixture(scope="module")
 def fleet():
-    both = start_server(COMMON, "llm")
-    spec = start_server(COMMON + SPEC, "llm")
-    pre = start_server(COMMON + SPEC + ["--role", "prefill"], "llm")
+    encoder = start_server(["--decode-workers", "1"])
+    common = COMMON + ["--encoder", encoder.address]
+    both = start_server(common, "llm")
+    spec = start_server(common + SPEC, "llm")
+    pre = start_server(common + SPEC + ["--role", "prefill"], "llm")
     dec = start_server(
-        COMMON + SPEC + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"], "llm"
+        common + SPEC + ["--role", "decode", "--pd-prefill", pre.address, "--pd-local-prefill-tokens", "0"], "llm"
     )
     yield both, spec, pre, dec
     for s in (dec, pre, spec, both):
         assert s.stop() == 0
+    encoder.stop()
 
 
 def test_disaggregated_speculation_equals_colocated_plain_decoding(fleet):
@@ -89,3 +92,21 @@ def test_a_constrained_request_is_constrained_from_its_first_token(fleet):
     assert re.fullmatch(pattern, text), text
     free, _ = stream(dec.address, ids_request(ids, 16))
     assert free != got  # the constraint changed the output (the comparison can fail)
+
+
+def test_an_image_prompt_with_speculation_equals_colocated(fleet):
+    """Images through P/D and speculation: the MTP layers embed the image rows as the target does (on both roles),
+    and the output is the colocated worker's."""
+    from mimo_epd.v1 import encoder_pb2, generator_pb2
+    from tests.conftest import encode_image, textured
+
+    both, spec, pre, dec = fleet
+    img = encode_image(textured(200, 300, seed=5), "JPEG")
+    req = generator_pb2.GenerateRequest(
+        prompt="Describe the picture:",
+        media=[encoder_pb2.MediaItem(data=img)],
+        sampling=generator_pb2.SamplingOptions(max_tokens=16, ignore_eos=True),
+    )
+    want, fw = stream(both.address, req)
+    got, fg = stream(dec.address, req)
+    assert got == want and fg.media_tokens == fw.media_tokens > 0 and fg.prefill_address == pre.address
