@@ -24,17 +24,9 @@ LOCUSTFILE = Path(__file__).with_name("generate_locustfile.py")
 
 
 def _percentiles(values: list[float]) -> dict:
-    import numpy as np
+    from mimo_epd.common.stats import summary
 
-    if not values:
-        return {"p50_ms": None, "p90_ms": None, "p99_ms": None, "avg_ms": None}
-    a = np.asarray(values)
-    return {
-        "p50_ms": round(float(np.percentile(a, 50)), 2),
-        "p90_ms": round(float(np.percentile(a, 90)), 2),
-        "p99_ms": round(float(np.percentile(a, 99)), 2),
-        "avg_ms": round(float(a.mean()), 2),
-    }
+    return summary(values, 1.0, 2, "_ms")
 
 
 def summarize(records: list[dict]) -> dict:

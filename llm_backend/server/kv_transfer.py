@@ -135,7 +135,9 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             d = json.loads(request.constraint)
             spec = ConstraintSpec(str(d["kind"]), d["value"], str(d["param"]), bool(d.get("thinking", False)))
         except (ValueError, KeyError, TypeError) as e:
-            raise ServeError.invalid(f"room {request.room}: the constraint is unreadable: {e}", param="constraint") from None
+            raise ServeError.invalid(
+                f"room {request.room}: the constraint is unreadable: {e}", param="constraint"
+            ) from None
         return await self.core.grammar(spec)
 
     async def Prefill(self, request, context):

@@ -4,20 +4,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from mimo_epd.common.stats import summary
+
 from .trace import BUCKETS, length_class
 
 
 def _pct(values) -> dict:
     if not len(values):
         return {"n": 0}
-    a = np.asarray(values, dtype=float)
-    return {
-        "n": int(a.size),
-        "p50": round(float(np.percentile(a, 50)), 4),
-        "p90": round(float(np.percentile(a, 90)), 4),
-        "p99": round(float(np.percentile(a, 99)), 4),
-        "mean": round(float(a.mean()), 4),
-    }
+    out = summary(values, 1.0, 4)
+    return {"n": len(values), "p50": out["p50"], "p90": out["p90"], "p99": out["p99"], "mean": out["avg"]}
 
 
 def queue_series(samples_per_worker: list[list[tuple[float, int, int]]], end: float, points: int = 40) -> dict:

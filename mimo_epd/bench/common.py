@@ -6,19 +6,15 @@ from __future__ import annotations
 import asyncio
 import time
 
-import numpy as np
+from mimo_epd.common.stats import summary
 
 
 def latency_stats(latencies_s: list[float], wall_s: float) -> dict:
-    a = np.array(latencies_s) * 1e3
     return {
-        "requests": len(a),
+        "requests": len(latencies_s),
         "seconds": round(wall_s, 3),
-        "qps": round(len(a) / wall_s, 3),
-        "avg_ms": round(float(a.mean()), 2),
-        "p50_ms": round(float(np.percentile(a, 50)), 2),
-        "p90_ms": round(float(np.percentile(a, 90)), 2),
-        "p99_ms": round(float(np.percentile(a, 99)), 2),
+        "qps": round(len(latencies_s) / wall_s, 3),
+        **summary(latencies_s, 1e3, 2, "_ms"),
     }
 
 

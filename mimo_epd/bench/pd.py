@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+from mimo_epd.common.stats import percentile
+
 
 def add_arguments(p) -> None:
     p.add_argument("--shapes", default="flash,pro", help="model shapes (default: flash,pro)")
@@ -48,13 +50,6 @@ def add_arguments(p) -> None:
 
 def log(msg: str) -> None:
     print(f"[bench pd] {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(xs, q):
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))], 4)
 
 
 def _latencies(finished) -> tuple[list[float], list[float]]:
@@ -145,10 +140,10 @@ def _one(shape_name: str, trace: str, args, rates: list[float]) -> dict:
                 ttft, tpot = _latencies(finished)
                 row["at_middle_rate"] = {
                     "rate_factor": factor,
-                    "ttft_p50_s": _pct(ttft, 0.5),
-                    "ttft_p90_s": _pct(ttft, 0.9),
-                    "tpot_p50_s": _pct(tpot, 0.5),
-                    "tpot_p90_s": _pct(tpot, 0.9),
+                    "ttft_p50_s": percentile(ttft, 50, 4),
+                    "ttft_p90_s": percentile(ttft, 90, 4),
+                    "tpot_p50_s": percentile(tpot, 50, 4),
+                    "tpot_p90_s": percentile(tpot, 90, 4),
                     **extra,
                 }
         log(f"{shape_name} {trace} {mode}: goodput factor {row['goodput_rate_factor']}, {row['attainment']}")
@@ -168,8 +163,8 @@ def _prefill_placement(shape_name: str, trace: str, args, split, factor: float) 
         out[name] = {
             "prefill_cached_fraction": round(extra["prefill_cached_fraction"], 4),
             "local_prefills": extra["local_prefills"],
-            "ttft_p50_s": _pct(ttft, 0.5),
-            "ttft_p90_s": _pct(ttft, 0.9),
+            "ttft_p50_s": percentile(ttft, 50, 4),
+            "ttft_p90_s": percentile(ttft, 90, 4),
         }
         log(f"{shape_name} {trace} prefill placed by {name}: {out[name]}")
     return out

@@ -20,6 +20,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from mimo_epd.common.stats import percentile
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="tiny", help="model (default: tiny)")
@@ -38,13 +40,6 @@ def add_arguments(p) -> None:
 
 def log(msg: str) -> None:
     print(f"[bench pd-live] {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(xs, q):
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))], 5)
 
 
 def _stream(address: str, ids: list[int], n: int):
@@ -94,10 +89,10 @@ def _summary(runs) -> dict:
     return {
         "requests": len(flat),
         "decode_tokens_per_s": round(decoded / decode_s, 2) if decode_s else 0.0,
-        "ttft_p50_s": _pct(ttft, 0.5),
-        "ttft_p90_s": _pct(ttft, 0.9),
-        "itl_p50_s": _pct(itl, 0.5),
-        "itl_p90_s": _pct(itl, 0.9),
+        "ttft_p50_s": percentile(ttft, 50, 5),
+        "ttft_p90_s": percentile(ttft, 90, 5),
+        "itl_p50_s": percentile(itl, 50, 5),
+        "itl_p90_s": percentile(itl, 90, 5),
     }
 
 
@@ -136,7 +131,7 @@ def _disagg_mode(model, runs, workers: str, speculative: bool) -> dict:
         "transfer_bytes_vs_formula": round(sum(measured) / max(1, sum(formula)), 4),
         "transfer_bytes_first_turn_mean": sum(first) / max(1, len(first)),
         "transfer_bytes_later_turns_mean": sum(later) / max(1, len(later)),
-        "transfer_share_of_ttft_p50": _pct(shares, 0.5),
+        "transfer_share_of_ttft_p50": percentile(shares, 50, 5),
         "accepted_draft_tokens": accepted,
     }
 

@@ -60,6 +60,7 @@ from types import SimpleNamespace
 from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache, fit_checkpoint_interval
 from llm_backend.models import PRO_SHAPE_CONFIG
 from mimo_epd.bench.kv_capacity import NEVER_RELEASE, token_bytes
+from mimo_epd.common.stats import percentile
 from mimo_epd.data import MOONCAKE_TRACE, open_text
 
 BLOCK = 512
@@ -265,12 +266,13 @@ def store_figures(store) -> dict:
         return out
     lat = sorted(store.load_ms)
 
-    def pct(q):
-        return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
-
     out["read_bytes_per_s"] = round(out["bytes_read"] / out["read_s"]) if out["read_s"] else None
     out["write_bytes_per_s"] = round(out["bytes_written"] / out["write_s"]) if out["write_s"] else None
-    out["load_ms_per_page"] = {"p50": pct(0.5), "p99": pct(0.99), "samples": len(lat)}
+    out["load_ms_per_page"] = {
+        "p50": percentile(lat, 50, 4) if lat else None,
+        "p99": percentile(lat, 99, 4) if lat else None,
+        "samples": len(lat),
+    }
     return out
 
 

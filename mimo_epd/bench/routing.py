@@ -9,7 +9,7 @@ P50/P90/P99 and hit tokens pooled over the seeds, end-to-end P90 and throughput,
 vs round robin's (`affinity_cached_vs_round_robin`), vs SGLang's gateway algorithm (`cache_aware`) and vs the
 best other policy's, and affinity's TTFT P90 vs the best other policy's (`affinity_ttft_p90_vs_best_peer`, the
 peer with the lowest TTFT P90). Each ratio has `_ci_lo` / `_ci_hi`: the 95% interval of a bootstrap over
-requests, paired (the same requests on both sides) and stratified by seed (bench/stats.py). A PNG of TTFT P90
+requests, paired (the same requests on both sides) and stratified by seed (mimo_epd/common/stats.py). A PNG of TTFT P90
 vs load per policy (one panel per fleet size) is written next to the JSON (--out-dir).
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 from llm_backend.sim.load import scale_to_load
 from llm_backend.sim.metrics import _pct
-from mimo_epd.bench.stats import p, paired_ratio, total, with_ci
 from mimo_epd.common.flags import add_arguments as add_flag_arguments
 from mimo_epd.common.flags import from_args
+from mimo_epd.common.stats import p, paired_ratio, total, with_ci
 from mimo_epd.router.policies import POLICIES, PolicyConfig
 from mimo_epd.sim.fleet import Fleet
 from mimo_epd.sim.plot import ttft_vs_load

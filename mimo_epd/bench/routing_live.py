@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from mimo_epd.common.stats import percentile
 from mimo_epd.testing.redis_server import free_port
 from mimo_epd.testing.servers import scrape, start_server
 
@@ -227,8 +228,8 @@ def summarize(results: dict, wall: float, errors: list[str], stats: list[dict]) 
         "cached_fraction": round(cached / prompt, 4) if prompt else 0.0,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
-        "ttft_p50_ms": round(float(np.percentile(ttft, 50)), 2),
-        "ttft_p90_ms": round(float(np.percentile(ttft, 90)), 2),
+        "ttft_p50_ms": percentile(ttft, 50, 2),
+        "ttft_p90_ms": percentile(ttft, 90, 2),
         "qps": round(len(rs) / wall, 3) if wall else 0.0,
         "seconds": round(wall, 2),
         "requests_per_worker": [int(s["requests"]) for s in stats],

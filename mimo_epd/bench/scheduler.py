@@ -10,7 +10,7 @@ Every (policy, load) runs on --seeds independent traces of --requests each (the 
 Reports TTFT P50/P90/P99 per length class, short (< 64K) and long (>= 64K), pooled over the seeds, end-to-end
 latency and throughput. `ratios` compares each non-FCFS policy with FCFS at each load (`by_load`), and the
 engine's default policy at 80% load at the top: `long_ttft_p90_vs_fcfs` and `short_ttft_p99_vs_fcfs`, each with
-`_ci_lo` / `_ci_hi`, the 95% interval of a paired bootstrap over requests stratified by seed (bench/stats.py),
+`_ci_lo` / `_ci_hi`, the 95% interval of a paired bootstrap over requests stratified by seed (mimo_epd/common/stats.py),
 and `_seeds`, the per-seed ratios' spread. Two PNGs go next to the JSON (--out-dir): the ratios vs load with
 their intervals (bench_scheduler.png) and TTFT P90 vs load per policy (bench_scheduler_ttft.png).
 """
@@ -28,7 +28,7 @@ from llm_backend.sim.engine import SimWorker, simulate
 from llm_backend.sim.load import scale_to_load
 from llm_backend.sim.metrics import _pct, summarize
 from llm_backend.sim.trace import long_context_mix
-from mimo_epd.bench.stats import across_seeds, p, paired_ratio, with_ci
+from mimo_epd.common.stats import across_seeds, p, paired_ratio, with_ci
 from mimo_epd.sim.plot import ratio_vs_load, ttft_vs_load
 from mimo_epd.sim.setup import SCHEDULERS, add_model_flags, build, describe
 

@@ -30,6 +30,8 @@ import statistics
 import sys
 import time
 
+from mimo_epd.common.stats import percentile
+
 PROMPTS = [
     "How do I read a file line by line in Python?",
     "What does the with statement do?",
@@ -75,13 +77,6 @@ def prompt_ids(model: str, n: int) -> list[list[int]]:
         text = template.render([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], add_generation_prompt=True)
         out.append(tok.encode(text, add_bos=False))
     return out
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
 def _drive(llm, prompts: list[list[int]], params: list, batch: int, on_token) -> list:
@@ -137,9 +132,9 @@ def run_mode(
         "mean_output_tokens": round(n_out / len(reqs), 1),
         "seconds": round(wall, 3),
         "tokens_per_s": round(n_out / wall, 2),
-        "itl_ms": {"p50": round(_pct(itl, 0.5) * 1e3, 2), "p90": round(_pct(itl, 0.9) * 1e3, 2)},
-        "ttft_ms": {"p50": round(_pct(ttft, 0.5) * 1e3, 2), "p90": round(_pct(ttft, 0.9) * 1e3, 2)},
-        "tpot_ms": {"p50": round(_pct(tpot, 0.5) * 1e3, 2), "mean": round(statistics.fmean(tpot) * 1e3, 2)}
+        "itl_ms": {"p50": round(percentile(itl, 50) * 1e3, 2), "p90": round(percentile(itl, 90) * 1e3, 2)},
+        "ttft_ms": {"p50": round(percentile(ttft, 50) * 1e3, 2), "p90": round(percentile(ttft, 90) * 1e3, 2)},
+        "tpot_ms": {"p50": round(percentile(tpot, 50) * 1e3, 2), "mean": round(statistics.fmean(tpot) * 1e3, 2)}
         if tpot
         else {},
     }

@@ -20,6 +20,8 @@ import re
 import sys
 import time
 
+from mimo_epd.common.stats import percentile
+
 SCHEMA = {
     "type": "object",
     "properties": {"topic": {"type": "string", "maxLength": 40}, "summary": {"type": "string", "maxLength": 120}},
@@ -50,13 +52,6 @@ MODES = ("unconstrained", "json_schema", "regex")
 
 def log(msg: str) -> None:
     print(f"[bench structured] {msg}", file=sys.stderr, flush=True)
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))]
 
 
 def prompts(model: str, n: int) -> list[list[int]]:
@@ -105,7 +100,7 @@ def run(llm, grammar, reqs: list[list[int]], batch: int, max_tokens: int) -> dic
         "output_tokens": n_out,
         "seconds": round(wall, 3),
         "tokens_per_s": round(n_out / wall, 2),
-        "itl_ms": {"p50": round(_pct(itl, 0.5) * 1e3, 2), "p90": round(_pct(itl, 0.9) * 1e3, 2)},
+        "itl_ms": {"p50": round(percentile(itl, 50) * 1e3, 2), "p90": round(percentile(itl, 90) * 1e3, 2)},
         "finish_stop": round(sum(r.finish_reason == "stop" for r in done) / len(done), 4),
         "valid_json_schema": round(sum(map(valid_json, texts)) / len(texts), 4),
         "matches_regex": round(sum(bool(re.fullmatch(REGEX, t)) for t in texts) / len(texts), 4),

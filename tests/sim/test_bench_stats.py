@@ -1,9 +1,9 @@
-"""The benchmarks' bootstrap intervals (mimo_epd.bench.stats): coverage, pairing, stratification, edge cases."""
+"""The benchmarks' bootstrap intervals (mimo_epd.common.stats): coverage, pairing, stratification, edge cases."""
 
 import numpy as np
 import pytest
 
-from mimo_epd.bench.stats import across_seeds, p, paired_ratio, total, with_ci
+from mimo_epd.common.stats import across_seeds, p, paired_ratio, total, with_ci
 
 
 def test_point_is_the_ratio_on_all_data():
@@ -66,3 +66,28 @@ def test_across_seeds_and_with_ci():
     out: dict = {}
     with_ci(out, "x_vs_y", {"value": 0.12345, "lo": 0.1, "hi": None})
     assert out == {"x_vs_y": 0.123, "x_vs_y_ci_lo": 0.1, "x_vs_y_ci_hi": None}
+
+
+def test_one_percentile_definition():
+    """Every report computes percentiles through mimo_epd/common/stats.py (a P90 means the same in every JSON)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    own = []
+    for pkg in ("mimo_epd", "llm_backend", "loadtest", "encoder_server"):
+        for f in (root / pkg).rglob("*.py"):
+            if f.name == "stats.py" and f.parent.name == "common":
+                continue
+            text = f.read_text()
+            if "np.percentile(" in text or "np.quantile(" in text or "statistics.quantiles(" in text:
+                own.append(str(f.relative_to(root)))
+    assert not own, f"percentiles computed outside mimo_epd/common/stats.py: {own}"
+
+
+def test_percentile_and_summary():
+    from mimo_epd.common.stats import percentile, summary
+
+    assert percentile([], 90) == 0.0 and percentile([1, 2, 3, 4], 50) == 2.5
+    s = summary([0.001, 0.002, 0.003], 1e3, 2, "_ms")
+    assert s == {"p50_ms": 2.0, "p90_ms": 2.8, "p99_ms": 2.98, "avg_ms": 2.0}
+    assert summary([], suffix="_ms")["p90_ms"] is None

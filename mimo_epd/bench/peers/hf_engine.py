@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import torch
+
+from mimo_epd.common.stats import percentile
 
 
 class PeerFailed(RuntimeError):
@@ -26,7 +27,7 @@ class PeerFailed(RuntimeError):
 
 
 def pct_ms(xs, q) -> float:
-    return round(float(np.percentile(np.array(xs) * 1000, q)), 2)
+    return percentile([x * 1000 for x in xs], q, 2)
 
 
 def summarize(wall: float, out_tokens: int, ttft: list[float], e2e: list[float]) -> dict:

@@ -1,5 +1,11 @@
-"""Confidence intervals for the benchmarks' ratios: a paired, seed-stratified bootstrap over requests.
+"""The benchmarks' statistics, one module: percentiles (one definition for every figure) and confidence intervals
+for ratios (a paired, seed-stratified bootstrap over requests).
 
+Percentiles: numpy's default (linear interpolation between the two nearest ranks), in `percentile` and
+`summary`; every benchmark, the simulator's report and the load tests use them, so a P90 means the same thing in
+every JSON.
+
+Intervals:
 A simulator benchmark runs every policy on the same requests (one trace per seed), so a ratio such as "long
 TTFT P90 of policy A over FCFS's" compares two samples that are *paired* by request. `paired_ratio` resamples
 request indices with replacement inside each seed (stratified: every replicate keeps each seed's request
@@ -23,6 +29,26 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 Stat = Callable[[np.ndarray], float]
+
+
+def percentile(values: Sequence[float], q: float, digits: int | None = None) -> float:
+    """The q-th percentile (0-100) of `values` (0.0 for none), rounded to `digits` when given."""
+    if not len(values):
+        return 0.0
+    v = float(np.percentile(np.asarray(values, dtype=float), q))
+    return round(v, digits) if digits is not None else v
+
+
+def summary(values: Sequence[float], scale: float = 1.0, digits: int = 4, suffix: str = "", qs=(50, 90, 99)) -> dict:
+    """{"p50<suffix>": .., "p90<suffix>": .., "p99<suffix>": .., "avg<suffix>": ..} of values * scale (None for
+    none): the latency block every report shares."""
+    keys = [f"p{q:g}{suffix}" for q in qs] + [f"avg{suffix}"]
+    if not len(values):
+        return dict.fromkeys(keys)
+    a = np.asarray(values, dtype=float) * scale
+    out = {f"p{q:g}{suffix}": round(float(np.percentile(a, q)), digits) for q in qs}
+    out[f"avg{suffix}"] = round(float(a.mean()), digits)
+    return out
 
 
 def p(q: float) -> Stat:
