@@ -11,12 +11,14 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import fields
+from dataclasses import fields, replace
+from typing import Any
 
 import torch
 
 from ..config import LLMConfig
-from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
+from ..kv import fit_checkpoint_interval
+from ..kv.build import KVLayout, build_kv
 from ..kv.tiers import TieredRadixCache
 from ..models import load_llm
 from ..paged_attention import KVPools
@@ -57,8 +59,6 @@ class LLM:
             kw.setdefault("model", model)
         cfg = config or LLMConfig(**kw)
         if config is not None and kw:
-            from dataclasses import replace
-
             cfg = replace(config, **kw)
         cfg.validate()
         self.config = cfg
@@ -93,23 +93,25 @@ class LLM:
             )
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        self.full_pool = SlotPool("full", cfg.kv_cache_tokens, cfg.page_size)
-        self.swa_pool = SlotPool("swa", cfg.swa_cache_tokens)
+        full_size = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size  # whole pages
         p = next(self.model.parameters())
-        self.pools = KVPools(mcfg, self.full_pool.size, cfg.swa_cache_tokens, p.dtype, p.device)
+        self.pools = KVPools(mcfg, full_size, cfg.swa_cache_tokens, p.dtype, p.device)
         # The MTP layers' KV shares the SWA slots; added before the tiers are built on the pools (they copy it too).
         mtp_base = (
             SpeculativeRunner.reserve_layers(self.model, self.pools, cfg.swa_cache_tokens)
             if (cfg.speculative_steps)
             else -1
         )
-        self.cache = self._cache(cfg, mcfg)
+        kv = build_kv(self._kv_layout(cfg, mcfg, full_size))
+        self.full_pool, self.swa_pool, self.cache = kv.full_pool, kv.swa_pool, kv.cache
+        # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
+        self.tiers: TieredRadixCache | None = kv.cache if isinstance(kv.cache, TieredRadixCache) else None
+        if self.tiers is not None:
+            self.tiers.attach(self.pools)
         try:
             self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:
             raise ValueError(f"--swa-checkpoint-interval: {e}") from None
-        # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
-        self.tiers: TieredRadixCache | None = self.cache if isinstance(self.cache, TieredRadixCache) else None
         self.runner = self._runner(cfg, mtp_base)
         drafter = self.runner if isinstance(self.runner, SpeculativeRunner) else None
         self.scheduler = self._build_scheduler(scheduler, cfg, drafter)
@@ -151,17 +153,18 @@ class LLM:
             cfg.speculative_steps,
             cfg.speculative_layers,
             cfg.prefill_mtp,
-            (cfg.speculative_auto),
+            cfg.speculative_auto,
         )
+        mtp: Any = self.model.model.mtp  # reserve_layers checked it is there
         if cfg.role != "both":
-            mtp_window = self.model.model.mtp.kv_config().window
+            mtp_window = mtp.kv_config().window
             if mtp_window > self.model.config.window:
                 raise ValueError(
                     f"--role {cfg.role} with --speculative-steps: the MTP layers' window {mtp_window} is longer than "
                     f"the model's {self.model.config.window}; the transfer moves the model's window only"
                 )
         if cfg.role == "prefill":
-            steps, layers, prefill_mtp, auto = len(self.model.model.mtp.layers), "chain", True, False
+            steps, layers, prefill_mtp, auto = len(mtp.layers), "chain", True, False
         return SpeculativeRunner(
             self.model,
             self.pools,
@@ -175,20 +178,18 @@ class LLM:
             kv_loader=self.tiers,
         )
 
-    def _cache(self, cfg: LLMConfig, mcfg) -> SWARadixCache:
-        """The SWA-aware radix cache, or with a KV tier on (`--host-kv-bytes`, `--kv-store`) the tiered one: the
-        host tier's bytes split between full and SWA KV in the device pools' proportion, and the shared store
-        (llm_backend.kv.tiers)."""
+    def _kv_layout(self, cfg: LLMConfig, mcfg, full_size: int) -> KVLayout:
+        """The pools and cache to build (kv/build.py): with a KV tier on (`--host-kv-bytes`, `--kv-store`) the host
+        tier's bytes split between full and SWA KV in the device pools' proportion, and the shared store."""
+        layout = KVLayout(full_size, cfg.swa_cache_tokens, cfg.page_size, mcfg.window)
         if not (cfg.host_kv_bytes or cfg.kv_store):
-            return SWARadixCache(self.full_pool, self.swa_pool, mcfg.window, cfg.page_size)
+            return layout
         from ..kv.tiers import open_store
         from ..kv.tiers.host import token_bytes
 
         full_b, swa_b = token_bytes(self.pools)
-        dev_full, dev_swa = self.full_pool.size * full_b, self.swa_pool.size * swa_b
+        dev_full, dev_swa = full_size * full_b, cfg.swa_cache_tokens * swa_b
         full_share = dev_full / max(dev_full + dev_swa, 1)
-        host_full = int(cfg.host_kv_bytes * full_share) // max(full_b, 1)
-        host_swa = int(cfg.host_kv_bytes * (1 - full_share)) // max(swa_b, 1)
         store = None
         if cfg.kv_store:
             dtype = str(self.pools.k[0].dtype).removeprefix("torch.")
@@ -202,21 +203,16 @@ class LLM:
                 segment_bytes=cfg.kv_store_segment_bytes,
                 buffer_bytes=cfg.kv_store_buffer_bytes,
             )
-        cache = TieredRadixCache(
-            self.full_pool,
-            self.swa_pool,
-            mcfg.window,
-            cfg.page_size,
-            host_full_tokens=host_full,
-            host_swa_tokens=host_swa,
+        return replace(
+            layout,
+            host_full_tokens=int(cfg.host_kv_bytes * full_share) // max(full_b, 1),
+            host_swa_tokens=int(cfg.host_kv_bytes * (1 - full_share)) // max(swa_b, 1),
             policy=cfg.host_kv_policy,
             write_through=cfg.host_kv_write == "through",
             swa_backfill=cfg.swa_backfill,
             store=store,
             store_write=cfg.kv_store_write,
         )
-        cache.attach(self.pools)
-        return cache
 
     @classmethod
     def from_config(cls, config: LLMConfig, scheduler: SchedulerRole | None = None) -> "LLM":

@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from ..engine.interfaces import Ticket
 from ..engine.request import PromptTooLong, Request, SamplingParams
 from ..engine.scheduler import Scheduler
-from ..kv import SlotPool, SWARadixCache, fit_checkpoint_interval
+from ..kv import fit_checkpoint_interval
+from ..kv.build import KVLayout, build_kv
 from .cost import CostModel
 from .runner import SimRunner, output_units
 from .tiers import LoadTotals, TierLinks
@@ -76,14 +77,25 @@ class SimWorker:
         engine's scheduler role (`SchedulerRole`; the decode role in the P/D simulator, mimo_epd/sim/pd.py)."""
         c, U = config, config.unit
         self.name, self.config, self.unit = name, config, U
-        window = -(-cost.shape.window // U)
-        self.full_pool = SlotPool("full", c.full_tokens // U, max(1, c.page_size // U))
-        self.swa_pool = SlotPool("swa", c.swa_tokens // U)
-        self.cache = self._cache(cost, window, store)
-        # as the engine fits its default: a page multiple above the window (in units)
-        self.cache.swa_checkpoint_interval = fit_checkpoint_interval(
-            -(-c.swa_checkpoint_interval // U), window, self.full_pool.page_size
+        window, page = -(-cost.shape.window // U), max(1, c.page_size // U)
+        kv = build_kv(
+            KVLayout(
+                c.full_tokens // U,
+                c.swa_tokens // U,
+                page,
+                window,
+                # as the engine fits its default: a page multiple above the window (in units)
+                checkpoint_interval=fit_checkpoint_interval(-(-c.swa_checkpoint_interval // U), window, page),
+                # the tiers below it (bookkeeping mode: they count a unit as a token)
+                host_full_tokens=c.host_full_tokens // U,
+                host_swa_tokens=c.host_swa_tokens // U,
+                store=store,
+                store_write="insert",
+                swa_backfill=c.swa_backfill,
+                token_bytes=(cost.shape.kv_bytes_full * U, cost.shape.kv_bytes_swa * U),
+            )
         )
+        self.full_pool, self.swa_pool, self.cache, self.tiers = kv.full_pool, kv.swa_pool, kv.cache, kv.tiers
         self.now = 0.0
         self.runner = runner or SimRunner(cost, U)
         parts = dict(
@@ -103,7 +115,6 @@ class SimWorker:
             self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, **parts)
         else:  # news from a simulated peer needs no waking: the simulator's clock steps the worker
             self.scheduler = role.scheduler(self.cache, self.full_pool, self.swa_pool, _no_wake, **parts)
-        self.tiers = self.cache if type(self.cache) is not SWARadixCache else None  # the tiered cache, or None
         self.loads = LoadTotals()
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []
@@ -112,27 +123,6 @@ class SimWorker:
         self._step: tuple | None = None
         self._bytes_seen = (0, 0)
         self.busy_until: float | None = None
-
-    def _cache(self, cost: CostModel, window: int, store) -> SWARadixCache:
-        """The engine's radix cache, or its tiered one below a host tier / a shared store (bookkeeping mode)."""
-        c, U = self.config, self.unit
-        if not (c.host_full_tokens > 0 or store is not None):
-            return SWARadixCache(self.full_pool, self.swa_pool, window, self.full_pool.page_size)
-        from ..kv.tiers import TieredRadixCache  # torch: only for tiered workers
-
-        sh = cost.shape
-        return TieredRadixCache(
-            self.full_pool,
-            self.swa_pool,
-            window,
-            self.full_pool.page_size,
-            host_full_tokens=c.host_full_tokens // U,
-            host_swa_tokens=c.host_swa_tokens // U,
-            store=store,
-            store_write="insert",
-            swa_backfill=c.swa_backfill,
-            token_bytes=(sh.kv_bytes_full * U, sh.kv_bytes_swa * U),  # the tiers count a unit as a token
-        )
 
     # ----------------------------------------------------------------------------------- requests
     def submit(self, spec: SimRequest, now: float, ticket: Ticket | None = None) -> Request | None:

@@ -27,7 +27,8 @@ from dataclasses import replace
 
 import torch
 
-from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from llm_backend.kv import PoolExhausted, RequestKV
+from llm_backend.kv.build import KVLayout, build_kv
 from llm_backend.models import PRO_SHAPE_CONFIG
 from llm_backend.paged_attention import KVPools
 
@@ -85,10 +86,16 @@ def count_sequences(
     if pools.nbytes() > budget:
         raise AssertionError(f"pools take {pools.nbytes()} bytes, over the budget {budget}")
     u = unit
-    full_pool = SlotPool("full", full_slots // u, page // u)
     # Full-only: no sliding layer, so no SWA bytes; its "SWA" bookkeeping mirrors the full pool and never releases.
-    swa_pool = SlotPool("swa", swa_slots // u if hybrid else full_slots // u)
-    cache = SWARadixCache(full_pool, swa_pool, window // u if hybrid else NEVER_RELEASE, page // u)
+    kv = build_kv(
+        KVLayout(
+            full_slots // u,
+            swa_slots // u if hybrid else full_slots // u,
+            page // u,
+            window // u if hybrid else NEVER_RELEASE,
+        )
+    )
+    cache = kv.cache
     held_kv = []
     ctx, step = context // u, chunk // u
     prefill = ctx - (release_interval // u if decode else 0)

@@ -54,10 +54,12 @@ import contextlib
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from llm_backend.kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache, fit_checkpoint_interval
+from llm_backend.kv import PoolExhausted, RequestKV, fit_checkpoint_interval
+from llm_backend.kv.build import KVLayout, build_kv
 from llm_backend.models import PRO_SHAPE_CONFIG
 from mimo_epd.bench.kv_capacity import NEVER_RELEASE, token_bytes
 from mimo_epd.common.stats import percentile
@@ -109,13 +111,11 @@ class Replay:
         checkpoint_units: int = 0,
     ):
         self.name = name
-        self.full_pool = SlotPool("full", full_units, page_units)
-        self.swa_pool = SlotPool("swa", swa_units)
-        if tiers is None:
-            self.cache = SWARadixCache(self.full_pool, self.swa_pool, window_units, page_units)
-        else:
-            self.cache = make_tiered_cache(self.full_pool, self.swa_pool, window_units, page_units, **tiers)
-        self.cache.swa_checkpoint_interval = checkpoint_units
+        layout = KVLayout(full_units, swa_units, page_units, window_units, checkpoint_interval=checkpoint_units)
+        kv = build_kv(layout if tiers is None else tiered_layout(layout, **tiers))
+        self.full_pool, self.swa_pool, self.cache = kv.full_pool, kv.swa_pool, kv.cache
+        if tiers is not None and tiers.get("data"):
+            attach_tiny_tensors(kv.cache)
         self.chunk = chunk_units
         # Evicting a little more than needed at a time (a low watermark) amortises the LRU scan over many
         # requests; real servers do the same.
@@ -164,11 +164,8 @@ class Replay:
         }
 
 
-def make_tiered_cache(
-    full_pool: SlotPool,
-    swa_pool: SlotPool,
-    window: int,
-    page: int,
+def tiered_layout(
+    layout: KVLayout,
     host_full: int,
     host_swa: int,
     unit_bytes: tuple[int, int],
@@ -179,14 +176,10 @@ def make_tiered_cache(
     store_write: str = "insert",
     policy: str = "lru",
     write: str = "back",
-):
-    from llm_backend.kv.tiers import TieredRadixCache
-
-    cache = TieredRadixCache(
-        full_pool,
-        swa_pool,
-        window,
-        page,
+) -> KVLayout:
+    """`layout` with the KV tiers below it (bookkeeping mode; `data`: see attach_tiny_tensors)."""
+    return replace(
+        layout,
         host_full_tokens=host_full,
         host_swa_tokens=host_swa,
         swa_backfill=swa_backfill,
@@ -197,17 +190,19 @@ def make_tiered_cache(
         token_bytes=unit_bytes,
         evict_fraction=evict_fraction,
     )
-    if data:  # a Redis store round-trips real values: tiny device tensors, one full and one sliding layer
-        import torch
 
-        full, swa = cache.full_pool.size, cache.swa_pool.size
-        pools = SimpleNamespace(
-            k={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
-            v={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
-            sliding={0: False, 1: True},
-        )
-        cache.attach(pools)
-    return cache
+
+def attach_tiny_tensors(cache) -> None:
+    """A Redis store round-trips real values: tiny device tensors, one full and one sliding layer."""
+    import torch
+
+    full, swa = cache.full_pool.size, cache.swa_pool.size
+    pools = SimpleNamespace(
+        k={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+        v={0: torch.zeros(full, 1, 1, dtype=torch.float16), 1: torch.zeros(swa, 1, 1, dtype=torch.float16)},
+        sliding={0: False, 1: True},
+    )
+    cache.attach(pools)
 
 
 TIER_KEYS = (

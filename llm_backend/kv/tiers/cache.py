@@ -47,6 +47,9 @@ from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, token_by
 from .loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
 from .store import PageData
 
+# The host tier's eviction watermark: a fraction of its pool freed at a time (LRU scans amortised).
+DEFAULT_EVICT_FRACTION = 1 / 64
+
 
 class TieredRadixCache(SWARadixCache):
     def __init__(
@@ -65,7 +68,7 @@ class TieredRadixCache(SWARadixCache):
         store_write: str = "evict",
         max_store_pages: int = 256,
         token_bytes: tuple[int, int] = (0, 0),
-        evict_fraction: float = 1 / 64,
+        evict_fraction: float = DEFAULT_EVICT_FRACTION,
     ):
         if policy not in ("lru", "fifo"):
             raise ValueError(f"host KV eviction policy must be lru or fifo, got {policy!r}")
