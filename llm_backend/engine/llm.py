@@ -26,7 +26,7 @@ from ..tokenizer import ByteTokenizer, load_tokenizer
 from .interfaces import SchedulerRole, Ticket
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
 from .runner import ModelRunner
-from .scheduler import Scheduler
+from .scheduler import build_scheduler
 from .speculative import SpeculativeRunner
 
 log = logging.getLogger(__name__)
@@ -48,18 +48,7 @@ class LLM:
         prefill and decode roles, pd/), None for the plain one. Options are `LLMConfig` fields
         (`enable_prefix_cache` and `wait_penalty_tokens_per_s` are accepted for `prefix_cache` / `wait_penalty`,
         `length_buckets` as a tuple too)."""
-        known = {f.name for f in fields(LLMConfig)}
-        kw: dict = {}
-        for k, v in options.items():
-            k = _ALIASES.get(k, k)
-            if k not in known:
-                raise TypeError(f"LLM() got an unexpected option {k!r}")
-            kw[k] = ",".join(str(b) for b in v) if k == "length_buckets" and not isinstance(v, str) else v
-        if isinstance(model, str):
-            kw.setdefault("model", model)
-        cfg = config or LLMConfig(**kw)
-        if config is not None and kw:
-            cfg = replace(config, **kw)
+        cfg = _config(config, model, options)
         cfg.validate()
         self.config = cfg
         if isinstance(model, str):
@@ -72,25 +61,7 @@ class LLM:
         self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer) if isinstance(model, str) else ByteTokenizer()
         if mcfg.eos_token_id is not None and not isinstance(model, str):
             self.tokenizer.eos_token_id = mcfg.eos_token_id if isinstance(mcfg.eos_token_id, int) else None
-        if cfg.swa_cache_tokens < mcfg.window + cfg.chunk_size + cfg.release_interval + 1:
-            raise ValueError(
-                f"--swa-cache-tokens {cfg.swa_cache_tokens} cannot hold one request's window: need at "
-                f"least window {mcfg.window} + --chunk-size {cfg.chunk_size} + --release-interval "
-                f"{cfg.release_interval} + 1"
-            )
-        busy = cfg.max_running * (mcfg.window + cfg.release_interval) + cfg.chunk_size
-        if cfg.swa_cache_tokens < busy:
-            log.warning(
-                "--swa-cache-tokens %d holds less than --max-running %d windows (%d + --release-interval %d each) "
-                "plus one --chunk-size %d chunk (%d tokens): with that many requests running, a prompt chunk "
-                "preempts a younger request to fit",
-                cfg.swa_cache_tokens,
-                cfg.max_running,
-                mcfg.window,
-                cfg.release_interval,
-                cfg.chunk_size,
-                busy,
-            )
+        _check_swa_pool(cfg, mcfg.window)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
         full_size = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size  # whole pages
@@ -114,17 +85,18 @@ class LLM:
             raise ValueError(f"--swa-checkpoint-interval: {e}") from None
         self.runner = self._runner(cfg, mtp_base)
         drafter = self.runner if isinstance(self.runner, SpeculativeRunner) else None
-        self.scheduler = self._build_scheduler(scheduler, cfg, drafter)
+        # The plain scheduler, or the one a role gives (the prefill and decode roles, pd/: composed by the worker
+        # that runs them, so the engine never imports them).
+        self.scheduler = build_scheduler(scheduler, kv, self.wake, **self._scheduler_parts(cfg, drafter))
         self.max_model_len = self.scheduler.max_seq_len = _max_model_len(cfg, mcfg, self.scheduler.max_seq_len)
         self._eos = self._eos_ids()
         self._ids = itertools.count()
         self.loop_error: BaseException | None = None
         self.step_errors = 0
 
-    def _build_scheduler(self, role: SchedulerRole | None, cfg: LLMConfig, drafter) -> Scheduler:
-        """The plain scheduler, or the one a role gives (the prefill and decode roles, pd/: composed by the worker
-        that runs them, so the engine never imports them)."""
-        parts = dict(
+    def _scheduler_parts(self, cfg: LLMConfig, drafter) -> dict:
+        """The plain scheduler's keyword arguments from the flags."""
+        return dict(
             chunk_size=cfg.chunk_size,
             max_running=cfg.max_running,
             enable_prefix_cache=cfg.prefix_cache,
@@ -136,9 +108,6 @@ class LLM:
             prefill_order=cfg.prefill_order,
             drafter=drafter,
         )
-        if role is None:
-            return Scheduler(self.cache, self.full_pool, self.swa_pool, **parts)
-        return role.scheduler(self.cache, self.full_pool, self.swa_pool, self.wake, **parts)
 
     def _runner(self, cfg: LLMConfig, mtp_base: int) -> ModelRunner:
         """The model runner, or with --speculative-steps the one that drafts with the MTP layers and verifies.
@@ -437,6 +406,47 @@ class OverloadedError(RuntimeError):
 
 
 __all__ = ["LLM", "OverloadedError", "PromptTooLong"]
+
+
+def _config(config: LLMConfig | None, model, options: dict) -> LLMConfig:
+    """The engine's LLMConfig: `config`, or the flags' defaults, with `options` (LLMConfig fields, and the offline
+    API's aliases) over it."""
+    known = {f.name for f in fields(LLMConfig)}
+    kw: dict = {}
+    for k, v in options.items():
+        k = _ALIASES.get(k, k)
+        if k not in known:
+            raise TypeError(f"LLM() got an unexpected option {k!r}")
+        kw[k] = ",".join(str(b) for b in v) if k == "length_buckets" and not isinstance(v, str) else v
+    if isinstance(model, str):
+        kw.setdefault("model", model)
+    if config is None:
+        return LLMConfig(**kw)
+    return replace(config, **kw) if kw else config
+
+
+def _check_swa_pool(cfg: LLMConfig, window: int) -> None:
+    """The SWA pool must hold one request's window and a chunk; with fewer than --max-running windows it works, with
+    preemptions (a warning says so)."""
+    if cfg.swa_cache_tokens < window + cfg.chunk_size + cfg.release_interval + 1:
+        raise ValueError(
+            f"--swa-cache-tokens {cfg.swa_cache_tokens} cannot hold one request's window: need at "
+            f"least window {window} + --chunk-size {cfg.chunk_size} + --release-interval "
+            f"{cfg.release_interval} + 1"
+        )
+    busy = cfg.max_running * (window + cfg.release_interval) + cfg.chunk_size
+    if cfg.swa_cache_tokens < busy:
+        log.warning(
+            "--swa-cache-tokens %d holds less than --max-running %d windows (%d + --release-interval %d each) "
+            "plus one --chunk-size %d chunk (%d tokens): with that many requests running, a prompt chunk "
+            "preempts a younger request to fit",
+            cfg.swa_cache_tokens,
+            cfg.max_running,
+            window,
+            cfg.release_interval,
+            cfg.chunk_size,
+            busy,
+        )
 
 
 def _max_model_len(cfg: LLMConfig, mcfg, pool_tokens: int) -> int:

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
-from .interfaces import Drafter, NoDrafter, Ticket
+from ..kv.build import KVParts
+from .interfaces import Drafter, NoDrafter, SchedulerRole, Ticket
 from .request import PromptTooLong, Request
 from .sampler import Sampled
 
@@ -481,3 +482,11 @@ class Scheduler:
         self.running.remove(r)
         self._release(r)
         self.waiting.insert(0, r)
+
+
+def build_scheduler(role: SchedulerRole | None, kv: KVParts, wake: Callable[[], None], **parts) -> Scheduler:
+    """The plain scheduler on `kv`'s pools and cache, or the one a worker role builds (pd/); `parts` are the plain
+    scheduler's keyword arguments. The engine and the simulator's worker build theirs here."""
+    if role is None:
+        return Scheduler(kv.cache, kv.full_pool, kv.swa_pool, **parts)
+    return role.scheduler(kv.cache, kv.full_pool, kv.swa_pool, wake, **parts)

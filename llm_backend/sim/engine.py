@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from ..engine.interfaces import Ticket
 from ..engine.request import PromptTooLong, Request, SamplingParams
-from ..engine.scheduler import Scheduler
+from ..engine.scheduler import build_scheduler
 from ..kv import fit_checkpoint_interval
 from ..kv.build import KVLayout, build_kv
 from .cost import CostModel
@@ -111,10 +111,8 @@ class SimWorker:
             prefill_order=c.prefill_order,
             drafter=self.runner,
         )
-        if role is None:
-            self.scheduler = Scheduler(self.cache, self.full_pool, self.swa_pool, **parts)
-        else:  # news from a simulated peer needs no waking: the simulator's clock steps the worker
-            self.scheduler = role.scheduler(self.cache, self.full_pool, self.swa_pool, _no_wake, **parts)
+        # news from a simulated peer needs no waking: the simulator's clock steps the worker
+        self.scheduler = build_scheduler(role, kv, _no_wake, **parts)
         self.loads = LoadTotals()
         self.finished: list[Finished] = []
         self.rejected: list[tuple[int, str]] = []
