@@ -75,6 +75,9 @@ class LLMConfig:
         "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
     )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
+    max_prompts_per_request: int = flag(
+        64, "prompts one /v1/completions request may carry as a list (each answered as one choice, run at once)", _SERVE
+    )
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
     grammar_compile_timeout_s: float = flag(
         10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE

@@ -103,6 +103,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     prompt_logprobs: list[float | None] = field(default_factory=list)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # with top_logprobs k > 0
     cached_tokens: int = 0
     finish_reason: str = ""
     error: str = ""

@@ -98,14 +98,21 @@ class ModelRunner:
     def _result(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
         r = seg.request
         prompt_lp: list[float] = []
+        tops: tuple[list[tuple[int, float]], ...] = ()
         if seg.all_logits:
             lp = torch.log_softmax(logits.float(), dim=-1)
-            prompt_lp = [
-                float(lp[j, r.tokens[seg.start + j + 1]]) for j in range(seg.n) if seg.start + j + 1 < len(r.prompt)
-            ]
+            rows = [j for j in range(seg.n) if seg.start + j + 1 < len(r.prompt)]
+            nxt = torch.tensor([r.tokens[seg.start + j + 1] for j in rows], dtype=torch.long, device=lp.device)
+            prompt_lp = lp[rows, nxt].tolist() if rows else []
+            k = r.params.top_logprobs
+            if k and rows:  # each prompt position's top k (a scoring client checks whether the prompt was greedy)
+                values, ids = torch.topk(lp[rows], min(k, lp.shape[-1]))
+                tops = tuple(
+                    [(int(i), float(v)) for i, v in zip(ri, rv)] for ri, rv in zip(ids.tolist(), values.tolist())
+                )
         if not seg.samples:
-            return SegmentResult(None, prompt_lp)
+            return SegmentResult(None, prompt_lp, prompt_top=tops)
         try:
-            return SegmentResult(sample(logits[-1], r.params, r.generator), prompt_lp)
+            return SegmentResult(sample(logits[-1], r.params, r.generator), prompt_lp, prompt_top=tops)
         except SamplingError as e:
-            return SegmentResult(None, prompt_lp, str(e))
+            return SegmentResult(None, prompt_lp, str(e), prompt_top=tops)

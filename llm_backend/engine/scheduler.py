@@ -75,6 +75,7 @@ class SegmentResult(NamedTuple):
     prompt_logprobs: list[float]  # logprob of each next prompt token in the segment (prompt_logprobs only)
     error: str = ""  # this request failed (e.g. non-finite logits); the others go on
     accepted: tuple[Sampled, ...] = ()  # draft tokens the target accepted, before `sampled` (speculative decoding)
+    prompt_top: tuple[list[tuple[int, float]], ...] = ()  # prompt_logprobs with top_logprobs: each position's top k
 
 
 class Scheduler:
@@ -314,6 +315,7 @@ class Scheduler:
                 self.finish(r, "error", res.error, "internal")
                 continue
             r.prompt_logprobs.extend(res.prompt_logprobs)
+            r.prompt_top_logprobs.extend(res.prompt_top)
             kv = r.kv
             assert kv is not None, "a running request has its KV"
             prompt_chunk = self.enable_prefix_cache and seg.start + seg.n <= len(r.prompt)

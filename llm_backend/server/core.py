@@ -167,6 +167,8 @@ class Result:
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     final: Final
+    prompt_logprobs: list[float] = field(default_factory=list)  # of prompt tokens 1.. (prompt_logprobs requests)
+    prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 class Ticketing(Protocol):
@@ -394,7 +396,10 @@ class GenerationCore:
         try:
             async for ev in gen.events():
                 if isinstance(ev, Final):
-                    return Result("".join(text), ids, lps, tops, ev)
+                    r = gen.r
+                    return Result(
+                        "".join(text), ids, lps, tops, ev, list(r.prompt_logprobs), list(r.prompt_top_logprobs)
+                    )
                 text.append(ev.text)
                 ids += ev.token_ids
                 lps += ev.logprobs

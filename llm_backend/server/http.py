@@ -17,6 +17,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import replace
 
 import grpc
 from aiohttp import web
@@ -102,6 +103,7 @@ class LLMHTTPServer:
         model_path: str = "tiny",
         edge: EdgeConfig | None = None,
         auth: AuthConfig | None = None,
+        max_prompts: int = 64,
     ):
         self.core, self.template, self.metrics = core, template, metrics
         self.edge = edge or EdgeConfig()
@@ -110,6 +112,7 @@ class LLMHTTPServer:
         # Clients see names, never this machine's paths (a checkpoint, a tokenizer, a template file): the info
         # endpoints answer anonymous clients when no --api-key is set.
         self.model_path = _name(model_path)
+        self.max_prompts = max_prompts
         self.started = int(time.time())
 
     def app(self) -> web.Application:
@@ -266,7 +269,7 @@ class LLMHTTPServer:
         return inner.id_to_token(t) if inner is not None else tok.decode([t])
 
     # ------------------------------------------------------------------------------ generation
-    async def _prepare(self, req: proto.GenRequest):
+    async def _prepare(self, req: proto.GenRequest, prompt_logprobs: bool = False):
         core = self.core
         if req.kind == "chat":
             text = self.template.render(req.messages, add_generation_prompt=True, **req.agentic.render_kwargs())
@@ -292,6 +295,7 @@ class LLMHTTPServer:
             stop_token_ids=req.stop_token_ids,
             top_logprobs=req.top_logprobs,
             grammar=await core.grammar(req.agentic.constraint),
+            prompt_logprobs=prompt_logprobs,
             **req.sampling,
         )
         return prep, params
@@ -309,8 +313,59 @@ class LLMHTTPServer:
         return await self._run(request, req)
 
     async def completions(self, request):
-        req = proto.parse_completion(await read_json(request, self.edge))
-        return await self._run(request, req)
+        req = proto.parse_completion(await read_json(request, self.edge), self.max_prompts)
+        if len(req.prompts) == 1 and not (req.echo or req.prompt_logprobs is not None):
+            return await self._run(request, req)
+        return await self._score(req)
+
+    async def _score(self, req: proto.GenRequest):
+        """Completions for scoring and batches (lm-evaluation-harness's shape): every prompt of the list as one
+        engine request, run at once; `echo` returns each prompt (and its logprobs, the first null) before its
+        completion; `max_tokens: 0` with echo returns the prompt alone. Choices are indexed in prompt order."""
+        self._check_model(req.model)
+        want_prompt_lp = req.echo and bool(req.sampling.get("logprobs")) or req.prompt_logprobs is not None
+        runs = []
+        for text, ids in req.prompts:
+            runs.append(await self._prepare(replace(req, text=text, token_ids=ids), prompt_logprobs=want_prompt_lp))
+        tasks = [asyncio.ensure_future(self.core.generate(prep, params, req.stop)) for prep, params in runs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt failed (or the client left): the others are aborted, their KV freed
+            for t in tasks:
+                t.cancel()
+            raise
+        choices, finals = [], []
+        for i, ((prep, _), res) in enumerate(zip(runs, results)):
+            choices.append(self._choice(i, req, prep.prompt, res))
+            finals.append(res.final)
+        body = proto.completion_batch(proto.new_id("cmpl"), self.core.model_name, choices, finals, req.score_only)
+        return web.json_response(body)
+
+    def _choice(self, index: int, req: proto.GenRequest, prompt: list[int], res) -> dict:
+        """One prompt's choice: its completion (none when scoring only), echo and logprobs."""
+        tok = self.core.tokenizer
+        ids, lps, tops = list(res.token_ids), list(res.logprobs), list(res.top_logprobs)
+        text = res.text
+        if req.score_only:
+            ids, lps, tops, text = [], [], [], ""
+        logprobs = None
+        if req.echo:
+            prompt_text = self.core.tokenizer.decode(prompt)
+            if req.sampling.get("logprobs"):
+                logprobs = proto.echo_logprobs(
+                    tok, prompt, res.prompt_logprobs, res.prompt_top_logprobs, ids, lps, tops
+                )
+            text = prompt_text + text
+        elif req.sampling.get("logprobs"):
+            logprobs = proto.completion_logprobs(tok, ids, lps, tops)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": res.final.finish_reason}
+        if req.score_only:
+            choice["finish_reason"] = "length"
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = proto.prompt_logprobs_entries(
+                tok, prompt, res.prompt_logprobs, res.prompt_top_logprobs
+            )
+        return choice
 
     async def _run(self, request, req: proto.GenRequest):
         self._check_model(req.model)

@@ -9,7 +9,9 @@ list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n`
 `stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
 fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
 `reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
-(penalties, logit_bias, n > 1, echo, suffix) get a 400 that says so rather than being silently ignored.
+(penalties, logit_bias, n > 1, suffix) get a 400 that says so rather than being silently ignored. Completions take
+a list of prompts (one choice each), `echo` with the prompt's logprobs (the first null), `max_tokens: 0` with echo,
+and vLLM's `prompt_logprobs`.
 """
 
 from __future__ import annotations
@@ -53,6 +55,14 @@ class GenRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     top_logprobs: int = 0
     agentic: AgenticOptions = field(default_factory=AgenticOptions)  # tools, reasoning, constraints
+    # completions: every prompt of a list (text or token ids; `text` / `token_ids` hold the first), `echo` (the
+    # prompt is returned before the completion, with its logprobs when logprobs are asked), `max_tokens: 0` with
+    # echo (score the prompt, generate nothing), vLLM's `prompt_logprobs` (k: the prompt tokens' logprobs and, for
+    # k > 0, each position's top k)
+    prompts: list[tuple[str | None, list[int] | None]] = field(default_factory=list)
+    echo: bool = False
+    score_only: bool = False
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------------------------------- type checks
@@ -113,7 +123,7 @@ def _unsupported(body: dict) -> None:
         raise _bad("best_of", "only best_of = 1 is supported")
 
 
-def _common(body: dict, req: GenRequest) -> None:
+def _common(body: dict, req: GenRequest, min_tokens: int = 1) -> None:
     _unsupported(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -126,7 +136,7 @@ def _common(body: dict, req: GenRequest) -> None:
             raise _bad("stream_options", f"expected an object, got {type_name(so)}")
         req.include_usage = bool(_bool(so, "include_usage", "stream_options.include_usage"))
     mt = _int(body, "max_completion_tokens", 1)
-    req.max_tokens = mt if mt is not None else _int(body, "max_tokens", 1)
+    req.max_tokens = mt if mt is not None else _int(body, "max_tokens", min_tokens)
     s = req.sampling
     if (t := _num(body, "temperature", 0.0, 2.0)) is not None:
         s["temperature"] = t
@@ -206,39 +216,63 @@ def parse_chat(body) -> GenRequest:
     return req
 
 
-def parse_completion(body) -> GenRequest:
+def parse_completion(body, max_prompts: int = 64) -> GenRequest:
     if not isinstance(body, dict):
         raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("completion")
-    _common(body, req)
+    _common(body, req, min_tokens=0)  # max_tokens 0: echo only (below)
     try:
         req.agentic = parse_agentic(body, chat=False)
     except ToolError as e:
         raise _bad(e.param, e.detail) from None
-    if body.get("echo"):
-        raise _bad("echo", "is not supported by this server")
     if body.get("suffix"):
         raise _bad("suffix", "is not supported by this server")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        req.text = prompt
-    elif is_token_ids(prompt):
-        req.token_ids = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, (str, list)) for t in prompt):
-        raise _bad("prompt", f"one prompt per request, got {len(prompt)}")
-    elif prompt is None:
-        raise _bad("prompt", "is required")
-    else:
-        raise _bad("prompt", "expected a string or a non-empty array of token ids")
-    lp = _int(body, "logprobs", 0, 5)
+    req.echo = bool(_bool(body, "echo"))
+    req.prompts = _prompts(body.get("prompt"), max_prompts)
+    req.text, req.token_ids = req.prompts[0]
+    if len(req.prompts) > 1 and req.stream:
+        raise _bad("stream", "streaming answers one prompt; send a list of prompts without stream")
+    lp = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     if lp is not None:
         req.sampling["logprobs"] = True
         req.top_logprobs = lp
+    req.prompt_logprobs = _int(body, "prompt_logprobs", 0, MAX_TOP_LOGPROBS)
+    if req.prompt_logprobs is not None and lp is None:
+        req.top_logprobs = req.prompt_logprobs  # vLLM's k: the prompt positions' top k
+    if _int(body, "max_tokens", 0) == 0 and body.get("max_completion_tokens") is None:
+        if not req.echo:
+            raise _bad("max_tokens", "0 is allowed with echo only (score the prompt, generate nothing)")
+        req.score_only, req.max_tokens = True, 1  # one token computed, none returned
+    if req.echo and req.stream:
+        raise _bad("echo", "echo is answered without stream")
     if req.max_tokens is None:
         req.max_tokens = 16  # the OpenAI completions default
     return req
+
+
+def _prompts(prompt, limit: int) -> list[tuple[str | None, list[int] | None]]:
+    """A completions `prompt`: a string, token ids, or a list of either (each one choice)."""
+    if prompt is None:
+        raise _bad("prompt", "is required")
+    if isinstance(prompt, str):
+        return [(prompt, None)]
+    if is_token_ids(prompt):
+        return [(None, list(prompt))]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad("prompt", "expected a string, token ids, or a non-empty array of either")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise _bad("prompt", "token ids must be integers in [0, 2^63)")
+    if len(prompt) > limit:
+        raise _bad("prompt", f"{len(prompt)} prompts in one request; at most {limit} (--max-prompts-per-request)")
+    out: list[tuple[str | None, list[int] | None]] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append((p, None))
+        elif is_token_ids(p):
+            out.append((None, list(p)))
+        else:
+            raise _bad(f"prompt[{i}]", "expected a string or a non-empty array of token ids in [0, 2^63)")
+    return out
 
 
 def parse_generate(body) -> GenRequest:
@@ -354,6 +388,64 @@ def completion_logprobs(tokenizer, ids: list[int], lps: list[float], tops: list,
         "token_logprobs": list(lps[: len(tokens)]),
         "top_logprobs": top_out,
         "text_offset": offsets,
+    }
+
+
+def echo_logprobs(tokenizer, prompt: list[int], plps: list[float], ptops: list, ids: list[int], lps, tops) -> dict:
+    """Completions logprobs with `echo`: the prompt's tokens first (the first one's logprob is null, as OpenAI's and
+    vLLM's are), then the completion's. Top logprobs per position when asked (null for the first prompt token)."""
+    tokens, offsets, lp_out, top_out = [], [], [], []
+    pos = 0
+    for k, t in enumerate(prompt + ids):
+        piece, _ = token_piece(tokenizer, t)
+        tokens.append(piece)
+        offsets.append(pos)
+        pos += len(piece)
+        if k < len(prompt):
+            lp_out.append(None if k == 0 else plps[k - 1])
+            top = ptops[k - 1] if 0 < k <= len(ptops) else None
+        else:
+            g = k - len(prompt)
+            lp_out.append(lps[g] if g < len(lps) else None)
+            top = tops[g] if g < len(tops) else None
+        top_out.append({token_piece(tokenizer, a)[0]: alp for a, alp in top} if top else None)
+    return {"tokens": tokens, "token_logprobs": lp_out, "top_logprobs": top_out, "text_offset": offsets}
+
+
+def prompt_logprobs_entries(tokenizer, prompt: list[int], plps: list[float], ptops: list) -> list:
+    """vLLM's `prompt_logprobs`: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}
+    with the prompt's own token and each position's top k (rank 1 = most likely; the prompt token's rank only
+    when it is among them)."""
+    out: list = [None]
+    for k in range(1, len(prompt)):
+        entry = {}
+        top = ptops[k - 1] if k - 1 < len(ptops) else []
+        for rank, (t, lp) in enumerate(top, 1):
+            entry[str(t)] = {"logprob": lp, "rank": rank, "decoded_token": token_piece(tokenizer, t)[0]}
+        t = prompt[k]
+        if str(t) not in entry:
+            entry[str(t)] = {"logprob": plps[k - 1], "rank": None, "decoded_token": token_piece(tokenizer, t)[0]}
+        out.append(entry)
+    return out
+
+
+def completion_batch(rid: str, model: str, choices: list[dict], finals: list[Final], scored_only: bool) -> dict:
+    """One completions response for a list of prompts: choices in prompt order, usage summed (no completion tokens
+    when the prompts were only scored)."""
+    prompt = sum(f.prompt_tokens for f in finals)
+    done = 0 if scored_only else sum(f.completion_tokens for f in finals)
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": prompt,
+            "completion_tokens": done,
+            "total_tokens": prompt + done,
+            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finals)},
+        },
     }
 
 

@@ -71,7 +71,16 @@ async def serve_llm(
         from .http import LLMHTTPServer, start_http
 
         runner, http_port = await start_http(
-            LLMHTTPServer(core, template, metrics, config.media_timeout_s, model, config.edge, config.auth),
+            LLMHTTPServer(
+                core,
+                template,
+                metrics,
+                config.media_timeout_s,
+                model,
+                config.edge,
+                config.auth,
+                max_prompts=config.max_prompts_per_request,
+            ),
             host,
             config.http_port,
         )

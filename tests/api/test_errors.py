@@ -93,11 +93,11 @@ async def test_bad_chat_requests(worker, body, param):
 @pytest.mark.parametrize(
     "body,param",
     [
-        ({"prompt": ["a", "b"]}, "prompt"),
-        ({"prompt": [1, "x"]}, "prompt"),
+        ({"prompt": ["a", 5]}, "prompt[1]"),
+        ({"prompt": [1, "x"]}, "prompt[0]"),
         ({"prompt": 7}, "prompt"),
-        ({"prompt": "x", "logprobs": 9}, "logprobs"),
-        ({"prompt": "x", "echo": True}, "echo"),
+        ({"prompt": "x", "logprobs": 21}, "logprobs"),
+        ({"prompt": "x", "echo": True, "stream": True}, "echo"),
     ],
 )
 async def test_bad_completion_requests(worker, body, param):

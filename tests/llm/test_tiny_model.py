@@ -113,11 +113,10 @@ def test_tiny_by_name_and_by_path_load_identically():
     )
 
 
-def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine(tmp_path):
-    """The shipped config is in the release's layout, as real checkpoints are; transformers reads its converted
-    layout, so it gets the same files under the converted config (the release keys mapped by hand here, not by
-    our reader), and decodes as the engine does."""
-    from transformers import AutoModelForCausalLM, MiMoV2FlashForCausalLM
+def hf_tiny(tmp_path):
+    """transformers' MiMoV2FlashForCausalLM on the shipped `tiny` files, under its converted config (the release
+    keys mapped by hand here, not by our reader): the independent reference of the shipped model."""
+    from transformers import AutoModelForCausalLM
 
     release = json.loads((Path(TINY_MODEL) / "config.json").read_text())
     assert "hybrid_layer_pattern" in release and "layer_types" not in release
@@ -149,7 +148,16 @@ def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine(tm
         if f.name != "config.json":
             (view / f.name).symlink_to(f)
     (view / "config.json").write_text(json.dumps(converted))
-    hf = AutoModelForCausalLM.from_pretrained(str(view), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(view), dtype=torch.float32).eval()
+
+
+def test_transformers_loads_the_shipped_directory_and_decodes_like_the_engine(tmp_path):
+    """The shipped config is in the release's layout, as real checkpoints are; transformers reads its converted
+    layout, so it gets the same files under the converted config (the release keys mapped by hand here, not by
+    our reader), and decodes as the engine does."""
+    from transformers import MiMoV2FlashForCausalLM
+
+    hf = hf_tiny(tmp_path)
     assert isinstance(hf, MiMoV2FlashForCausalLM)
     llm = LLM("tiny")
     for messages in (CONVERSATIONS["user"], CONVERSATIONS["system"]):

@@ -1,0 +1,135 @@
+"""Completions for scoring, as lm-evaluation-harness's `local-completions` model sends them, against a real worker
+on the shipped `tiny` model through the `openai` client: a list of token-id prompts, `echo` with `logprobs` and
+`max_tokens` 0 or 1, vLLM's `prompt_logprobs`; the prompt logprobs against transformers' own forward of the same
+checkpoint; lists of prompts answered as the single prompts are; the limits refused by field."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import torch
+
+from llm_backend.tokenizer import load_tokenizer
+from tests.conftest import start_server
+from tests.llm.test_tiny_model import hf_tiny
+
+pytestmark = pytest.mark.integration
+
+TEXTS = [
+    "The json module can serialize Python objects.",
+    "Return a new list containing all items from the iterable.",
+]
+
+
+@pytest.fixture(scope="module")
+def worker():
+    s = start_server(
+        ["--model", "tiny", "--http-port", "0", "--torch-threads", "1", "--max-prompts-per-request", "8"], "llm"
+    )
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    return openai.OpenAI(base_url=f"http://{worker.http_address}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    tok = load_tokenizer("tiny")
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, prompts):
+    """transformers' log-softmax at every prompt position, per prompt."""
+    hf = hf_tiny(tmp_path_factory.mktemp("hf"))
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            lp = torch.log_softmax(hf(x, attention_mask=torch.ones_like(x)).logits[0].float(), -1)
+            out.append(lp)
+    return out
+
+
+def post(worker, path: str, body: dict) -> dict:
+    req = urllib.request.Request(
+        f"http://{worker.http_address}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def test_echo_with_max_tokens_0_scores_a_batch_like_transformers(client, prompts, reference):
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=0, echo=True, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1] and r.usage.completion_tokens == 0
+    assert r.usage.prompt_tokens == sum(len(p) for p in prompts)
+    tok = load_tokenizer("tiny")
+    for ids, c, ref in zip(prompts, r.choices, reference):
+        lp = c.logprobs
+        assert c.text == tok.decode(ids) and len(lp.tokens) == len(ids) == len(lp.token_logprobs)
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        want = [float(ref[k - 1, ids[k]]) for k in range(1, len(ids))]
+        assert lp.token_logprobs[1:] == pytest.approx(want, abs=2e-4)
+        for k in range(1, len(ids)):  # the top-1 entry is transformers' most likely token there
+            (best,) = lp.top_logprobs[k].values()
+            assert best == pytest.approx(float(ref[k - 1].max()), abs=2e-4) and best >= lp.token_logprobs[k] - 1e-6
+
+
+def test_lm_eval_loglikelihood_shape(client, prompts):
+    """lm-evaluation-harness's loglikelihood request: max_tokens 1, echo, logprobs 1; it reads token_logprobs and
+    top_logprobs of the continuation positions [ctxlen:-1]."""
+    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=1, echo=True, logprobs=1, temperature=0)
+    for ids, c in zip(prompts, r.choices):
+        lp = c.logprobs
+        assert len(lp.token_logprobs) == len(ids) + 1 and lp.token_logprobs[-1] is not None
+        # the generated token is greedy: its logprob is the top one (what lm-eval's is_greedy compares)
+        assert lp.token_logprobs[-1] == pytest.approx(max(lp.top_logprobs[-1].values()), abs=1e-6)
+        # and a prompt position whose token is not the most likely one reads as not greedy
+        assert any(t < max(top.values()) - 1e-3 for t, top in zip(lp.token_logprobs[1:-1], lp.top_logprobs[1:-1]))
+    assert r.usage.completion_tokens == 2
+
+
+def test_a_list_of_prompts_answers_each_as_alone(client):
+    many = client.completions.create(model="tiny", prompt=TEXTS + ["def main():"], max_tokens=6, temperature=0)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    for i, text in enumerate(TEXTS + ["def main():"]):
+        one = client.completions.create(model="tiny", prompt=text, max_tokens=6, temperature=0)
+        assert many.choices[i].text == one.choices[0].text
+    assert many.usage.completion_tokens == 18
+
+
+def test_vllm_prompt_logprobs(worker, prompts, reference):
+    body = post(worker, "/v1/completions", {"prompt": prompts[0], "max_tokens": 1, "prompt_logprobs": 2})
+    entries = body["choices"][0]["prompt_logprobs"]
+    ids, ref = prompts[0], reference[0]
+    assert entries[0] is None and len(entries) == len(ids)
+    for k in range(1, len(ids)):
+        e = entries[k]
+        assert e[str(ids[k])]["logprob"] == pytest.approx(float(ref[k - 1, ids[k]]), abs=2e-4)
+        ranked = sorted((v["rank"], int(t)) for t, v in e.items() if v["rank"] is not None)
+        assert [r for r, _ in ranked] == [1, 2] and ranked[0][1] == int(ref[k - 1].argmax())
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": ["x"] * 9, "max_tokens": 1}, "prompt"),
+        ({"prompt": ["x", 5], "max_tokens": 1}, "prompt[1]"),
+        ({"prompt": ["x", "y"], "max_tokens": 1, "stream": True}, "stream"),
+        ({"prompt": "x", "max_tokens": 1, "prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt": "x", "max_tokens": 1, "logprobs": 99}, "logprobs"),
+    ],
+)
+def test_scoring_limits_are_400s_naming_the_field(worker, body, param):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(worker, "/v1/completions", body)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and err["param"] == param, err
