@@ -225,6 +225,7 @@ class LLMConfig:
         "requests queued and not yet running; beyond it new ones are refused (RESOURCE_EXHAUSTED / HTTP 429)",
         _LIMITS,
     )
+    max_logit_bias: int = flag(300, "entries a request's logit_bias may have (OpenAI's limit)", _LIMITS)
     max_tokens_limit: int = flag(
         2**31 - 1,
         "largest max_tokens a request may ask for (a sequence also ends when the KV pool cannot hold it longer)",

@@ -275,8 +275,11 @@ class LLM:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
         (PromptTooLong when the prompt can never fit). `ticket`: what the worker's role needs of it (pd/)."""
-        params.validate(self.config.max_tokens_limit, self.config.max_temperature)
+        params.validate(self.config.max_tokens_limit, self.config.max_temperature, self.config.max_logit_bias)
         vocab = self.model.config.vocab_size
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise ValueError(f"logit_bias: token {t} is outside the vocabulary [0, {vocab})")
         media = media or {}
         if not prompt_ids:
             raise ValueError("the prompt is empty")

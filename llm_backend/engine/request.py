@@ -41,8 +41,16 @@ class SamplingParams:
     top_logprobs: int = 0  # and of the k most likely tokens at each position
     prompt_logprobs: bool = False
     grammar: OutputGrammar | None = None  # a compiled output constraint: each request gets its own matcher
+    # sampling controls (engine/penalties.py, vLLM's meaning)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    min_tokens: int = 0  # the stop tokens are masked until this many tokens were generated
 
-    def validate(self, max_tokens_limit: int = 1 << 31, max_temperature: float = 100.0) -> None:
+    def validate(
+        self, max_tokens_limit: int = 1 << 31, max_temperature: float = 100.0, max_logit_bias: int = 300
+    ) -> None:
         """Raises ValueError naming the field; every number is checked (a NaN temperature once killed the engine)."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
@@ -64,6 +72,24 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}")
         if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _finite(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0.0 < _finite("repetition_penalty", self.repetition_penalty) <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty!r}")
+        if len(self.logit_bias) > max_logit_bias:
+            raise ValueError(
+                f"logit_bias has {len(self.logit_bias)} entries; at most {max_logit_bias} (--max-logit-bias)"
+            )
+        for t, b in self.logit_bias:
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias: token ids must be non-negative integers, got {t!r}")
+            if not -100.0 <= _finite("logit_bias", b) <= 100.0:
+                raise ValueError(f"logit_bias: the bias of token {t} must be in [-100, 100], got {b!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens {self.min_tokens} is over max_tokens {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

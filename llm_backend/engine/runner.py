@@ -16,6 +16,7 @@ import torch
 from ..models.mimo_v2_flash import SeqInput
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .interfaces import KVLoader, mask_rows
+from .penalties import Penalties
 from .sampler import SamplingError, sample
 from .scheduler import Segment, SegmentResult
 
@@ -33,6 +34,7 @@ class ModelRunner:
         self.pools = pools
         self.device = next(model.parameters()).device
         self.kv_loader = kv_loader
+        self.penalties = Penalties(model.config.vocab_size)  # sampling controls, per request
 
     def metrics(self) -> dict:
         return {}
@@ -113,6 +115,7 @@ class ModelRunner:
         if not seg.samples:
             return SegmentResult(None, prompt_lp, prompt_top=tops)
         try:
-            return SegmentResult(sample(logits[-1], r.params, r.generator), prompt_lp, prompt_top=tops)
+            row = self.penalties.adjust(r, logits[-1])
+            return SegmentResult(sample(row, r.params, r.generator), prompt_lp, prompt_top=tops)
         except SamplingError as e:
             return SegmentResult(None, prompt_lp, str(e), prompt_top=tops)

@@ -14,6 +14,8 @@ the constraint forbids has probability 0 under the target and is rejected.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .interfaces import Constraint, mask_rows
@@ -28,13 +30,16 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
     constraint: Constraint | None = None,
+    adjust: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None,
 ) -> tuple[list[Sampled], Sampled]:
     """(the accepted drafts, the target's next token) for `logits` of len(drafts) + 1 rows; `q`: the drafts'
-    distributions (sampled requests). Raises SamplingError on non-finite logits."""
+    distributions (sampled requests); `adjust(row, accepted)`: the request's sampling controls, row i adjusted as if
+    the drafts accepted before it were appended (engine/penalties.py). Raises SamplingError on non-finite logits."""
     accepted: list[Sampled] = []
     try:
         for i in range(logits.shape[0]):
-            row = logits[i] if constraint is None else mask_rows([constraint], [logits[i]])[0]
+            row = logits[i] if adjust is None else adjust(logits[i], [a.token for a in accepted])
+            row = row if constraint is None else mask_rows([constraint], [row])[0]
             check_finite(row)
             draft = drafts[i] if i < len(drafts) else None
             if params.greedy:

@@ -53,6 +53,7 @@ drafts are accepted, never the output.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 
@@ -61,6 +62,7 @@ import torch
 from ..kv import SlotPool
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
 from .interfaces import KVLoader
+from .penalties import needs_adjusting
 from .request import Request
 from .runner import ModelRunner
 from .sampler import SamplingError, check_finite, distribution
@@ -313,7 +315,8 @@ class SpeculativeRunner(ModelRunner):
         r = seg.request
         st = self.states[r.id]
         try:
-            accepted, bonus = verify(logits, st.drafts[: seg.drafts], st.q, r.params, r.generator, r.constraint)
+            adjust = functools.partial(self.penalties.adjust, r) if needs_adjusting(r.params) else None
+            accepted, bonus = verify(logits, st.drafts[: seg.drafts], st.q, r.params, r.generator, r.constraint, adjust)
         except SamplingError as e:
             return SegmentResult(None, [], str(e))
         self.stats.add(seg.drafts, len(accepted))

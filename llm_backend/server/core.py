@@ -171,6 +171,12 @@ class Result:
     prompt_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
+def _field_of(message: str) -> str | None:
+    """The request field a SamplingParams.validate message names (its first word), if it is one."""
+    head = message.split(" ", 1)[0].rstrip(":")
+    return head if head.replace("_", "").isalpha() and head.islower() else None
+
+
 class Ticketing(Protocol):
     """A worker role's ticket for each prepared request (the decode role's choice of prefill worker)."""
 
@@ -380,9 +386,15 @@ class GenerationCore:
         )
         cfg = self.engine.config
         try:
-            params.validate(cfg.max_tokens_limit, cfg.max_temperature)
+            params.validate(cfg.max_tokens_limit, cfg.max_temperature, cfg.max_logit_bias)
         except ValueError as e:
-            raise ServeError.invalid(str(e)) from None
+            raise ServeError.invalid(str(e), param=_field_of(str(e))) from None
+        vocab = self.vocab_size
+        for t, _ in params.logit_bias:
+            if t >= vocab:
+                raise ServeError.invalid(
+                    f"logit_bias: token {t} is outside the vocabulary [0, {vocab})", param="logit_bias"
+                )
         return params
 
     def start(self, prep: Prepared, params, stop: list[str] | tuple[str, ...] = ()) -> Generation:

@@ -158,9 +158,17 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
                 top_logprobs=request.top_logprobs,
                 ignore_eos=True,
                 grammar=await self._grammar(request),
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty or 1.0,
+                logit_bias=tuple((b.token_id, b.bias) for b in request.logit_bias),
+                min_tokens=min(request.min_tokens, 1),
+                stop_token_ids=tuple(request.stop_token_ids),  # masked while min_tokens holds
             )
             try:
-                params.validate(engine.config.max_tokens_limit, engine.config.max_temperature)
+                params.validate(
+                    engine.config.max_tokens_limit, engine.config.max_temperature, engine.config.max_logit_bias
+                )
             except ValueError as e:
                 raise ServeError.invalid(str(e)) from None
             loop = asyncio.get_running_loop()
@@ -295,6 +303,12 @@ class PrefillClient:
             has_seed=p.seed is not None,
             top_logprobs=p.top_logprobs,
             constraint=_constraint_json(p.grammar),
+            presence_penalty=p.presence_penalty,
+            frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty,
+            logit_bias=[pd_pb2.LogitBias(token_id=t, bias=b) for t, b in p.logit_bias],
+            min_tokens=min(p.min_tokens, 1),
+            stop_token_ids=sorted(r.stop_ids),
         )
 
     def start(self, r: Request, room: DecodeRoom, news: Callable[[str, object], None]) -> None:  # type: ignore[override]

@@ -9,7 +9,8 @@ list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n`
 `stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
 fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
 `reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
-(penalties, logit_bias, n > 1, suffix) get a 400 that says so rather than being silently ignored. Completions take
+(n > 1, suffix) get a 400 that says so rather than being silently ignored. Sampling controls with vLLM's meaning:
+`presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `min_tokens`. Completions take
 a list of prompts (one choice each), `echo` with the prompt's logprobs (the first null), `max_tokens: 0` with echo,
 and vLLM's `prompt_logprobs`.
 """
@@ -107,13 +108,35 @@ def _bool(body: dict, key: str, param: str | None = None) -> bool | None:
     return v
 
 
+def _controls(body: dict, s: dict) -> None:
+    """The sampling controls (engine/penalties.py): penalties, logit_bias (token id -> bias; JSON keys are strings),
+    min_tokens. Ranges are checked here by field; the vocabulary and --max-logit-bias by the engine."""
+    for key in ("presence_penalty", "frequency_penalty"):
+        if (v := _num(body, key, -2.0, 2.0)) is not None:
+            s[key] = v
+    if (v := _num(body, "repetition_penalty", 0.0, 10.0, lo_open=True)) is not None:
+        s["repetition_penalty"] = v
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise _bad("logit_bias", f"expected an object of token id -> bias, got {type_name(bias)}")
+        pairs = []
+        for k, b in bias.items():
+            try:
+                t = int(k)
+            except (TypeError, ValueError):
+                raise _bad("logit_bias", f"keys must be token ids, got {str(k)[:32]!r}") from None
+            if t < 0:
+                raise _bad("logit_bias", f"token ids must be >= 0, got {t}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise _bad("logit_bias", f"the bias of token {t} must be a number in [-100, 100]")
+            pairs.append((t, float(b)))
+        s["logit_bias"] = tuple(pairs)
+    if (m := _int(body, "min_tokens", 0)) is not None:
+        s["min_tokens"] = m
+
+
 def _unsupported(body: dict) -> None:
-    for key in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
-        v = body.get(key)
-        if v not in (None, 0, 0.0, 1.0 if key == "repetition_penalty" else 0):
-            raise _bad(key, "is not supported by this server (only the default)")
-    if body.get("logit_bias"):
-        raise _bad("logit_bias", "is not supported by this server")
     if body.get("functions"):
         raise _bad("functions", "the deprecated 'functions' field is not supported: use 'tools'")
     n = _int(body, "n")
@@ -125,6 +148,7 @@ def _unsupported(body: dict) -> None:
 
 def _common(body: dict, req: GenRequest, min_tokens: int = 1) -> None:
     _unsupported(body)
+    _controls(body, req.sampling)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"expected a string, got {type_name(model)}")

@@ -133,3 +133,35 @@ def test_scoring_limits_are_400s_naming_the_field(worker, body, param):
         post(worker, "/v1/completions", body)
     err = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and err["param"] == param, err
+
+
+def test_sampling_controls_through_the_api_equal_the_engine(client):
+    """presence / frequency / repetition penalties, logit_bias (string keys, as JSON has them) and min_tokens
+    (vLLM's extension, in extra_body) reach the engine: the answer is the offline engine's with the same controls."""
+    from llm_backend import LLM, SamplingParams
+
+    tok = load_tokenizer("tiny")
+    ids = tok.encode("1 2 3 4 5 6")
+    top = LLM("tiny").generate(prompt_token_ids=[ids], sampling_params=SamplingParams(max_tokens=1))[0]
+    bias = {str(top.output_token_ids[0]): -50}
+    r = client.completions.create(
+        model="tiny",
+        prompt=ids,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        logit_bias=bias,
+        extra_body={"repetition_penalty": 1.4, "min_tokens": 12, "ignore_eos": False},
+    )
+    sp = SamplingParams(
+        max_tokens=12,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.4,
+        logit_bias=((top.output_token_ids[0], -50.0),),
+        min_tokens=12,
+    )
+    want = LLM("tiny").generate(prompt_token_ids=[ids], sampling_params=sp)[0]
+    assert r.choices[0].text == tok.decode(want.output_token_ids) and r.usage.completion_tokens == 12
+    assert want.output_token_ids[0] != top.output_token_ids[0]

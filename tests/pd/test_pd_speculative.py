@@ -110,3 +110,29 @@ def test_an_image_prompt_with_speculation_equals_colocated(fleet):
     want, fw = stream(both.address, req)
     got, fg = stream(dec.address, req)
     assert got == want and fg.media_tokens == fw.media_tokens > 0 and fg.prefill_address == pre.address
+
+
+def test_sampling_controls_through_p_d(fleet):
+    """The first token is sampled on the prefill worker: the request's sampling controls go with the room
+    (PrefillRequest), so a penalised / biased request is the colocated one token for token from its first token."""
+    import json
+    import urllib.request
+
+    both, spec, pre, dec = fleet
+    ids = load_tokenizer("tiny").encode("1 2 3 4 5 6")
+
+    def complete(server, **kw):
+        body = {"prompt": ids, "max_tokens": 12, "temperature": 0, **kw}
+        req = urllib.request.Request(
+            f"http://{server.http_address}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())["choices"][0]["text"]
+
+    plain = complete(both)
+    first = load_tokenizer("tiny").encode(plain)[0] if plain else 0
+    kw = dict(repetition_penalty=1.4, presence_penalty=1.0, logit_bias={str(first): -50}, min_tokens=12)
+    want = complete(both, **kw)
+    assert complete(dec, **kw) == want != plain
+    m = scrape(port(dec))
+    assert m["llm_pd_remote_prefills"] >= 1
