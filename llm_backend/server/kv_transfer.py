@@ -140,6 +140,32 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             ) from None
         return await self.core.grammar(spec)
 
+    async def _params(self, request) -> SamplingParams:
+        """The first token's sampling: the decode side's settings, controls and constraint (one token, no EOS stop)."""
+        engine = self.core.engine
+        params = SamplingParams(
+            max_tokens=1,
+            temperature=request.temperature,
+            top_p=request.top_p or 1.0,
+            top_k=request.top_k,
+            seed=request.seed if request.has_seed else None,
+            logprobs=True,
+            top_logprobs=request.top_logprobs,
+            ignore_eos=True,
+            grammar=await self._grammar(request),
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty or 1.0,
+            logit_bias=tuple((b.token_id, b.bias) for b in request.logit_bias),
+            min_tokens=min(request.min_tokens, 1),
+            stop_token_ids=tuple(request.stop_token_ids),  # masked while min_tokens holds
+        )
+        try:
+            params.validate(engine.config.max_tokens_limit, engine.config.max_temperature, engine.config.max_logit_bias)
+        except ValueError as e:
+            raise ServeError.invalid(str(e)) from None
+        return params
+
     async def Prefill(self, request, context):
         core, engine = self.core, self.core.engine
         r = room = None
@@ -148,29 +174,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             room = self._room(request)
             self.rooms[room.name] = room
             ids, media = await self._prompt(request, context)
-            params = SamplingParams(
-                max_tokens=1,
-                temperature=request.temperature,
-                top_p=request.top_p or 1.0,
-                top_k=request.top_k,
-                seed=request.seed if request.has_seed else None,
-                logprobs=True,
-                top_logprobs=request.top_logprobs,
-                ignore_eos=True,
-                grammar=await self._grammar(request),
-                presence_penalty=request.presence_penalty,
-                frequency_penalty=request.frequency_penalty,
-                repetition_penalty=request.repetition_penalty or 1.0,
-                logit_bias=tuple((b.token_id, b.bias) for b in request.logit_bias),
-                min_tokens=min(request.min_tokens, 1),
-                stop_token_ids=tuple(request.stop_token_ids),  # masked while min_tokens holds
-            )
-            try:
-                params.validate(
-                    engine.config.max_tokens_limit, engine.config.max_temperature, engine.config.max_logit_bias
-                )
-            except ValueError as e:
-                raise ServeError.invalid(str(e)) from None
+            params = await self._params(request)
             loop = asyncio.get_running_loop()
             events: asyncio.Queue = asyncio.Queue()
             first: list = []

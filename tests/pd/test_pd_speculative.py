@@ -124,7 +124,9 @@ def test_sampling_controls_through_p_d(fleet):
     def complete(server, **kw):
         body = {"prompt": ids, "max_tokens": 12, "temperature": 0, **kw}
         req = urllib.request.Request(
-            f"http://{server.http_address}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+            f"http://{server.http_address}/v1/completions",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
         )
         with urllib.request.urlopen(req, timeout=120) as r:
             return json.loads(r.read())["choices"][0]["text"]
