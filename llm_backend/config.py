@@ -75,6 +75,7 @@ class LLMConfig:
         "", "jinja chat template file overriding the checkpoint's (empty = the checkpoint's)", _SERVE
     )
     default_max_tokens: int = flag(256, "completion tokens of a chat request that sets no max_tokens", _SERVE)
+    max_samples_per_request: int = flag(16, "largest n / best_of a request may ask for (samples of one prompt)", _SERVE)
     max_prompts_per_request: int = flag(
         64, "prompts one /v1/completions request may carry as a list (each answered as one choice, run at once)", _SERVE
     )

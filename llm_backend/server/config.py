@@ -24,6 +24,7 @@ class ServerConfig:
     max_waiting: int = _default("max_waiting")  # waiting requests beyond which new ones get 429 / RESOURCE_EXHAUSTED
     default_max_tokens: int = _default("default_max_tokens")  # chat completions without max_tokens
     max_prompts_per_request: int = _default("max_prompts_per_request")  # a /v1/completions prompt list's length
+    max_samples_per_request: int = _default("max_samples_per_request")  # n / best_of
     media_timeout_s: float = _default("media_timeout_s")  # deadline for the encoder to answer a request's media
     edge: EdgeConfig = field(default_factory=EdgeConfig)  # the HTTP API's limits (mimo_epd/common/http_server.py)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API keys and TLS (mimo_epd/common/auth.py)
@@ -50,6 +51,8 @@ class ServerConfig:
             raise ValueError(f"--http-port must be -1, 0 or a port number, got {cfg.http_port}")
         if cfg.max_waiting < 0 or cfg.default_max_tokens < 1 or cfg.media_timeout_s <= 0:
             raise ValueError("need --max-waiting >= 0, --default-max-tokens >= 1 and --media-timeout-s > 0")
+        if cfg.max_samples_per_request < 1:
+            raise ValueError(f"--max-samples-per-request must be >= 1, got {cfg.max_samples_per_request}")
         if cfg.max_prompts_per_request < 1:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {cfg.max_prompts_per_request}")
         return cfg

@@ -403,7 +403,28 @@ class GenerationCore:
         return Generation(self, prep, params, stop)
 
     async def generate(self, prep: Prepared, params, stop=()) -> Result:
-        gen = self.start(prep, params, stop)
+        return await self._collect(self.start(prep, params, stop))
+
+    async def generate_samples(self, prep: Prepared, params: list, stop=()) -> list[Result]:
+        """Several samples of one prompt (`n`, `best_of`): the first prefills the prompt; the others start once its
+        first token is out, so the prompt is in the prefix cache and they compute only their own tokens. One
+        failure cancels the rest (their KV freed)."""
+        first = self.start(prep, params[0], stop)
+        tasks = [asyncio.ensure_future(self._collect(first))]
+        try:
+            started = asyncio.ensure_future(first.started.wait())
+            await asyncio.wait({tasks[0], started}, return_when=asyncio.FIRST_COMPLETED)
+            started.cancel()
+            if tasks[0].done() and tasks[0].exception() is not None:
+                return [tasks[0].result()]  # raises its error
+            tasks += [asyncio.ensure_future(self._collect(self.start(prep, p, stop))) for p in params[1:]]
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+
+    async def _collect(self, gen: Generation) -> Result:
         text, ids, lps, tops = [], [], [], []
         try:
             async for ev in gen.events():
@@ -440,6 +461,7 @@ class Generation:
         self.done = False
         self.n_tokens = 0
         self.matched: str | int | None = None
+        self.started = asyncio.Event()  # set when its first token arrived (generate_samples waits for it)
 
         def push(item):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -479,6 +501,7 @@ class Generation:
             kind, t, lp, top = await self.queue.get()
             if kind == "end":
                 break
+            self.started.set()
             if stopped:
                 continue  # sampled before the stop-string abort reached the engine
             now = time.monotonic()

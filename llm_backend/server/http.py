@@ -104,6 +104,7 @@ class LLMHTTPServer:
         edge: EdgeConfig | None = None,
         auth: AuthConfig | None = None,
         max_prompts: int = 64,
+        max_samples: int = 16,
     ):
         self.core, self.template, self.metrics = core, template, metrics
         self.edge = edge or EdgeConfig()
@@ -112,7 +113,7 @@ class LLMHTTPServer:
         # Clients see names, never this machine's paths (a checkpoint, a tokenizer, a template file): the info
         # endpoints answer anonymous clients when no --api-key is set.
         self.model_path = _name(model_path)
-        self.max_prompts = max_prompts
+        self.max_prompts, self.max_samples = max_prompts, max_samples
         self.started = int(time.time())
 
     def app(self) -> web.Application:
@@ -309,14 +310,30 @@ class LLMHTTPServer:
         return proto.completion_logprobs(tok, ids, lps, tops, offset0)
 
     async def chat(self, request):
-        req = proto.parse_chat(await read_json(request, self.edge))
+        req = proto.parse_chat(await read_json(request, self.edge), self.max_samples)
         return await self._run(request, req)
 
     async def completions(self, request):
-        req = proto.parse_completion(await read_json(request, self.edge), self.max_prompts)
-        if len(req.prompts) == 1 and not (req.echo or req.prompt_logprobs is not None):
+        req = proto.parse_completion(await read_json(request, self.edge), self.max_prompts, self.max_samples)
+        if len(req.prompts) == 1 and not (req.echo or req.prompt_logprobs is not None or req.best_of > 1):
             return await self._run(request, req)
         return await self._score(req)
+
+    async def _samples(self, req: proto.GenRequest, prep, params) -> list:
+        """The `n` results of one prompt (of `best_of` candidates: the n with the highest cumulative logprob, in
+        the order they were sampled); a seed gives sample i the seed + i."""
+        if req.best_of == 1:
+            return [await self.core.generate(prep, params, req.stop)]
+        ranked = req.best_of > req.n
+        each = [
+            replace(params, seed=None if params.seed is None else params.seed + i, logprobs=params.logprobs or ranked)
+            for i in range(req.best_of)
+        ]
+        results = await self.core.generate_samples(prep, each, req.stop)
+        if not ranked:
+            return results
+        best = sorted(range(len(results)), key=lambda i: -sum(results[i].logprobs))[: req.n]
+        return [results[i] for i in sorted(best)]
 
     async def _score(self, req: proto.GenRequest):
         """Completions for scoring and batches (lm-evaluation-harness's shape): every prompt of the list as one
@@ -327,17 +344,18 @@ class LLMHTTPServer:
         runs = []
         for text, ids in req.prompts:
             runs.append(await self._prepare(replace(req, text=text, token_ids=ids), prompt_logprobs=want_prompt_lp))
-        tasks = [asyncio.ensure_future(self.core.generate(prep, params, req.stop)) for prep, params in runs]
+        tasks = [asyncio.ensure_future(self._samples(req, prep, params)) for prep, params in runs]
         try:
-            results = await asyncio.gather(*tasks)
+            per_prompt = await asyncio.gather(*tasks)
         except BaseException:  # one prompt failed (or the client left): the others are aborted, their KV freed
             for t in tasks:
                 t.cancel()
             raise
         choices, finals = [], []
-        for i, ((prep, _), res) in enumerate(zip(runs, results)):
-            choices.append(self._choice(i, req, prep.prompt, res))
-            finals.append(res.final)
+        for i, ((prep, _), results) in enumerate(zip(runs, per_prompt)):
+            for j, res in enumerate(results):  # OpenAI's order: prompt i's samples at i * n + j
+                choices.append(self._choice(i * req.n + j, req, prep.prompt, res))
+            finals.append([res.final for res in results])
         body = proto.completion_batch(proto.new_id("cmpl"), self.core.model_name, choices, finals, req.score_only)
         return web.json_response(body)
 
@@ -374,6 +392,8 @@ class LLMHTTPServer:
         model = self.core.model_name
         if req.stream:
             return await self._stream(request, req, prep, params, rid, model)
+        if req.best_of > 1:  # chat with n > 1 (completions take the scoring path)
+            return web.json_response(await self._chat_samples(req, prep, params, rid, model))
         res = await self.core.generate(prep, params, req.stop)
         lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
         if req.kind == "chat":
@@ -384,6 +404,20 @@ class LLMHTTPServer:
         else:
             body = proto.completion_response(rid, model, res.text, res.final, lp)
         return web.json_response(body)
+
+    async def _chat_samples(self, req: proto.GenRequest, prep, params, rid: str, model: str) -> dict:
+        results = await self._samples(req, prep, params)
+        choices = []
+        for i, res in enumerate(results):
+            out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+            lp = self._logprobs(req, res.token_ids, res.logprobs, res.top_logprobs)
+            body = proto.chat_response(
+                rid, model, out.message(), out.finish_reason(res.final.finish_reason), res.final, lp
+            )
+            choices.append({**body["choices"][0], "index": i})
+        body["choices"] = choices
+        body["usage"] = proto.summed_usage([r.final for r in results], prompt_once=True)
+        return body
 
     async def _open_sse(self, request) -> web.StreamResponse:
         resp = web.StreamResponse(

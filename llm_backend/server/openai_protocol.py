@@ -9,7 +9,8 @@ list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n`
 `stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
 fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
 `reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
-(n > 1, suffix) get a 400 that says so rather than being silently ignored. Sampling controls with vLLM's meaning:
+(suffix, the deprecated functions) get a 400 that says so rather than being silently ignored. `n` and `best_of`
+answer several samples per prompt. Sampling controls with vLLM's meaning:
 `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`, `min_tokens`. Completions take
 a list of prompts (one choice each), `echo` with the prompt's logprobs (the first null), `max_tokens: 0` with echo,
 and vLLM's `prompt_logprobs`.
@@ -64,6 +65,8 @@ class GenRequest:
     echo: bool = False
     score_only: bool = False
     prompt_logprobs: int | None = None
+    n: int = 1  # choices per prompt
+    best_of: int = 1  # candidates per prompt, the n most likely returned
 
 
 # ---------------------------------------------------------------------------------------- type checks
@@ -139,21 +142,29 @@ def _controls(body: dict, s: dict) -> None:
 def _unsupported(body: dict) -> None:
     if body.get("functions"):
         raise _bad("functions", "the deprecated 'functions' field is not supported: use 'tools'")
-    n = _int(body, "n")
-    if n is not None and n != 1:
-        raise _bad("n", f"only n = 1 is supported, got {n}")
-    if body.get("best_of") not in (None, 1):
-        raise _bad("best_of", "only best_of = 1 is supported")
 
 
-def _common(body: dict, req: GenRequest, min_tokens: int = 1) -> None:
+def _samples(body: dict, req: GenRequest, max_samples: int) -> None:
+    """`n` choices per prompt and `best_of` candidates (the n with the highest cumulative logprob are returned)."""
+    n = _int(body, "n", 1, max_samples)
+    best = _int(body, "best_of", 1, max_samples)
+    req.n = n or 1
+    req.best_of = best or req.n
+    if req.best_of < req.n:
+        raise _bad("best_of", f"must be >= n ({req.n}), got {req.best_of}")
+    if req.best_of > 1 and req.stream:
+        raise _bad("n" if best is None else "best_of", "several samples are answered without stream")
+
+
+def _common(body: dict, req: GenRequest, min_tokens: int = 1, max_samples: int = 16) -> None:
     _unsupported(body)
     _controls(body, req.sampling)
+    req.stream = bool(_bool(body, "stream"))
+    _samples(body, req, max_samples)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("model", f"expected a string, got {type_name(model)}")
     req.model = model or ""
-    req.stream = bool(_bool(body, "stream"))
     so = body.get("stream_options")
     if so is not None:
         if not isinstance(so, dict):
@@ -214,11 +225,11 @@ def _media_item(ref) -> encoder_pb2.MediaItem:
 
 
 # ---------------------------------------------------------------------------------------- requests
-def parse_chat(body) -> GenRequest:
+def parse_chat(body, max_samples: int = 16) -> GenRequest:
     if not isinstance(body, dict):
         raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("chat")
-    _common(body, req)
+    _common(body, req, max_samples=max_samples)
     try:
         req.agentic = parse_agentic(body, chat=True)
         req.messages, refs = normalize_messages(
@@ -240,11 +251,11 @@ def parse_chat(body) -> GenRequest:
     return req
 
 
-def parse_completion(body, max_prompts: int = 64) -> GenRequest:
+def parse_completion(body, max_prompts: int = 64, max_samples: int = 16) -> GenRequest:
     if not isinstance(body, dict):
         raise ServeError.invalid(f"the request body must be a JSON object, got {type_name(body)}")
     req = GenRequest("completion")
-    _common(body, req, min_tokens=0)  # max_tokens 0: echo only (below)
+    _common(body, req, min_tokens=0, max_samples=max_samples)  # max_tokens 0: echo only (below)
     try:
         req.agentic = parse_agentic(body, chat=False)
     except ToolError as e:
@@ -453,11 +464,12 @@ def prompt_logprobs_entries(tokenizer, prompt: list[int], plps: list[float], pto
     return out
 
 
-def completion_batch(rid: str, model: str, choices: list[dict], finals: list[Final], scored_only: bool) -> dict:
-    """One completions response for a list of prompts: choices in prompt order, usage summed (no completion tokens
-    when the prompts were only scored)."""
-    prompt = sum(f.prompt_tokens for f in finals)
-    done = 0 if scored_only else sum(f.completion_tokens for f in finals)
+def completion_batch(rid: str, model: str, choices: list[dict], finals: list[list[Final]], scored_only: bool) -> dict:
+    """One completions response for a list of prompts (`finals`: each prompt's samples): choices in OpenAI's order,
+    usage summed with each prompt counted once (no completion tokens when the prompts were only scored)."""
+    prompt = sum(f[0].prompt_tokens for f in finals)
+    cached = sum(f[0].cached_tokens for f in finals)
+    done = 0 if scored_only else sum(x.completion_tokens for f in finals for x in f)
     return {
         "id": rid,
         "object": "text_completion",
@@ -468,8 +480,21 @@ def completion_batch(rid: str, model: str, choices: list[dict], finals: list[Fin
             "prompt_tokens": prompt,
             "completion_tokens": done,
             "total_tokens": prompt + done,
-            "prompt_tokens_details": {"cached_tokens": sum(f.cached_tokens for f in finals)},
+            "prompt_tokens_details": {"cached_tokens": cached},
         },
+    }
+
+
+def summed_usage(finals: list[Final], prompt_once: bool) -> dict:
+    """Usage of several samples: completion tokens summed; the prompt counted once when the samples share it."""
+    prompt = finals[0].prompt_tokens if prompt_once else sum(f.prompt_tokens for f in finals)
+    done = sum(f.completion_tokens for f in finals)
+    cached = finals[0].cached_tokens if prompt_once else sum(f.cached_tokens for f in finals)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": done,
+        "total_tokens": prompt + done,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

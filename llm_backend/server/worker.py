@@ -80,6 +80,7 @@ async def serve_llm(
                 config.edge,
                 config.auth,
                 max_prompts=config.max_prompts_per_request,
+                max_samples=config.max_samples_per_request,
             ),
             host,
             config.http_port,

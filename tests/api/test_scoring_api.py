@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from llm_backend.tokenizer import load_tokenizer
+from tests.api.conftest import scrape as scrape_http
 from tests.conftest import start_server
 from tests.llm.test_tiny_model import hf_tiny
 
@@ -165,3 +166,56 @@ def test_sampling_controls_through_the_api_equal_the_engine(client):
     want = LLM("tiny").generate(prompt_token_ids=[ids], sampling_params=sp)[0]
     assert r.choices[0].text == tok.decode(want.output_token_ids) and r.usage.completion_tokens == 12
     assert want.output_token_ids[0] != top.output_token_ids[0]
+
+
+def test_n_samples_share_the_prompt_and_seeds_make_them_reproducible(client, worker):
+    """n = 3 with a seed: three choices, sample i seeded with seed + i (the same request again gives the same
+    three; another seed other ones); the prompt is prefilled once: the later samples hit it in the prefix cache."""
+    prompt = "The json module can serialize Python objects and parse"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    c = client.completions.create(**{**kw, "seed": 8})
+    texts = [x.text for x in a.choices]
+    assert [x.index for x in a.choices] == [0, 1, 2] and texts == [x.text for x in b.choices]
+    assert texts != [x.text for x in c.choices] and len(set(texts)) > 1
+    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=8)
+    assert one.choices[0].text == c.choices[0].text  # sample 0 is the single request with the same seed
+    assert a.usage.completion_tokens == 24
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=1.0, n=2, seed=3
+    )
+    assert [x.index for x in chat.choices] == [0, 1] and chat.usage.completion_tokens == 12
+    fresh = "A fresh prompt nobody has sent before, long enough to fill a few pages of the cache. " * 3
+    before = scrape_http(worker.http_address)["llm_prefix_cache_hit_tokens_total"]
+    r = client.completions.create(model="tiny", prompt=fresh, max_tokens=4, temperature=1.0, n=4, seed=1)
+    hits = scrape_http(worker.http_address)["llm_prefix_cache_hit_tokens_total"] - before
+    assert r.usage.prompt_tokens_details.cached_tokens <= 1  # sample 0 prefilled it (a BOS page aside)
+    assert hits >= 3 * (r.usage.prompt_tokens - 1 - 16)  # each later sample found it cached (up to a page)
+
+
+def test_best_of_returns_the_most_likely(client):
+    prompt = "Return a new list containing"
+    many = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, n=4, seed=5, logprobs=0
+    )
+    best = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=6, temperature=1.0, best_of=4, seed=5, logprobs=0
+    )
+    scores = [sum(x.logprobs.token_logprobs) for x in many.choices]
+    assert best.choices[0].text == many.choices[scores.index(max(scores))].text
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"prompt": "x", "n": 17}, "n"),
+        ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ({"prompt": "x", "n": 2, "stream": True}, "n"),
+    ],
+)
+def test_sample_limits(worker, body, param):
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(worker, "/v1/completions", body)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 400 and err["param"] == param, err
