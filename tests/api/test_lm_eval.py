@@ -1,0 +1,87 @@
+"""lm-evaluation-harness, the standard way to score a served model, against a real worker: its `local-completions`
+model (token-id prompts in batches, `echo`, `logprobs`, `max_tokens` 1) runs a small multiple-choice task of the
+repository's (tests/api/lm_eval_task/) on the shipped `tiny` model; the same task through lm-eval's own `hf`
+model (transformers, in process, on the same checkpoint) is the reference: every choice's loglikelihood equal
+within float tolerance, and the same accuracy. Offline: the task's data are local files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import start_server
+from tests.llm.test_tiny_model import hf_tiny
+
+pytestmark = pytest.mark.integration
+lm_eval = pytest.importorskip("lm_eval")  # the dev extra installs it; a bare install skips, named
+
+TASK_DIR = Path(__file__).parent / "lm_eval_task"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    s = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
+    yield s
+    assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    """The task with its data file's absolute path (datasets resolves relative ones against the working dir)."""
+    d = tmp_path_factory.mktemp("task")
+    data = d / "pydocs_choice.jsonl"
+    data.write_text((TASK_DIR / "pydocs_choice.jsonl").read_text())
+    yaml = (TASK_DIR / "pydocs_choice.yaml").read_text().replace("test: pydocs_choice.jsonl", f"test: {data}")
+    (d / "pydocs_choice.yaml").write_text(yaml)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """The shipped checkpoint under transformers' converted config (what lm-eval's hf model loads)."""
+    d = tmp_path_factory.mktemp("hf")
+    hf_tiny(d)  # writes d / "tiny-converted" and checks that transformers loads it
+    return d / "tiny-converted"
+
+
+def _run(model: str, model_args: dict, task_dir: Path) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(
+        model=model,
+        model_args=model_args,
+        tasks=["pydocs_choice"],
+        task_manager=TaskManager(include_path=str(task_dir)),
+        log_samples=True,
+        batch_size=4,
+    )
+
+
+def _loglikelihoods(out: dict) -> list[float]:
+    return [float(r[0][0]) for s in out["samples"]["pydocs_choice"] for r in s["resps"]]
+
+
+def test_local_completions_scores_like_lm_evals_own_transformers_model(worker, task, hf_dir):
+    served = _run(
+        "local-completions",
+        {
+            "base_url": f"http://{worker.http_address}/v1/completions",
+            "model": "tiny",
+            "tokenizer_backend": "huggingface",
+            "tokenizer": str(hf_dir),
+            "num_concurrent": 1,
+            "max_retries": 1,
+            "tokenized_requests": True,
+        },
+        task,
+    )
+    reference = _run("hf", {"pretrained": str(hf_dir), "dtype": "float32", "device": "cpu"}, task)
+    ours, ref = _loglikelihoods(served), _loglikelihoods(reference)
+    assert len(ours) == len(ref) == 12  # 4 questions x 3 choices
+    assert ours == pytest.approx(ref, abs=2e-3)
+    acc = served["results"]["pydocs_choice"]["acc,none"]
+    assert acc == reference["results"]["pydocs_choice"]["acc,none"]
+    print(json.dumps({"acc": acc, "loglikelihoods": ours}))
