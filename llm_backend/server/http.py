@@ -27,6 +27,7 @@ from mimo_epd.common import http_edge
 from mimo_epd.common.auth import AuthConfig, ssl_context
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 
+from . import anthropic_protocol as ap
 from . import openai_protocol as proto
 from .chat_template import ChatTemplate, ChatTemplateError
 from .core import Final, GenerationCore, ServeError
@@ -121,6 +122,7 @@ class LLMHTTPServer:
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
+        r.add_post("/v1/messages", self.messages)
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/models/{model}", self.model)
         r.add_get("/health", self.health)
@@ -418,6 +420,67 @@ class LLMHTTPServer:
         body["choices"] = choices
         body["usage"] = proto.summed_usage([r.final for r in results], prompt_once=True)
         return body
+
+    # ------------------------------------------------------------------------------ the Anthropic Messages API
+    async def messages(self, request):
+        """`POST /v1/messages` (server/anthropic_protocol.py): the chat path, Anthropic's shapes."""
+        req = ap.parse_messages(await read_json(request, self.edge), self.max_samples)
+        self._check_model(req.model)
+        prep, params = await self._prepare(req)
+        rid, model = ap.new_id(), self.core.model_name
+        if req.stream:
+            return await self._messages_stream(request, req, prep, params, rid, model)
+        res = await self.core.generate(prep, params, req.stop)
+        out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+        finish = out.finish_reason(res.final.finish_reason)
+        return web.json_response(ap.message_response(rid, model, out.message(), finish, res.final))
+
+    @staticmethod
+    async def _event(resp: web.StreamResponse, name: str, data: dict) -> None:
+        await resp.write(f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
+
+    async def _messages_stream(self, request, req, prep, params, rid: str, model: str) -> web.StreamResponse:
+        gen = self.core.start(prep, params, req.stop)
+        resp = await self._open_sse(request)
+        out, sb = ChatOutput(req.agentic.thinking, req.agentic.tools), ap.StreamBlocks()
+        start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": []}
+        start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": len(prep.prompt), "output_tokens": 0})
+        try:
+            await self._event(resp, "message_start", {"type": "message_start", "message": start})
+            final = None
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    final = ev
+                    break
+                for d in out.push(ev.text):
+                    for name, data in sb.push(d):
+                        await self._event(resp, name, data)
+            for d in out.flush():
+                for name, data in sb.push(d):
+                    await self._event(resp, name, data)
+            for name, data in sb.close():
+                await self._event(resp, name, data)
+            assert final is not None
+            reason, seq = ap.stop_reason(out.finish_reason(final.finish_reason), final)
+            delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
+            await self._event(resp, "message_delta", {**delta, "usage": {"output_tokens": final.completion_tokens}})
+            await self._event(resp, "message_stop", {"type": "message_stop"})
+        except ServeError as e:
+            kind = (
+                "overloaded_error"
+                if e.http_status == 429
+                else "api_error"
+                if e.http_status >= 500
+                else "invalid_request_error"
+            )
+            await self._event(resp, "error", {"type": "error", "error": {"type": kind, "message": e.message}})
+        except ConnectionResetError:
+            log.info("%s: the client closed the stream before its end; the request is cancelled", rid)
+            return resp
+        finally:
+            gen.cancel()
+        await resp.write_eof()
+        return resp
 
     async def _open_sse(self, request) -> web.StreamResponse:
         resp = web.StreamResponse(
