@@ -50,6 +50,12 @@ async def errors_middleware(request: web.Request, handler):
     try:
         return await handler(request)
     except ServeError as e:
+        if request.path.startswith("/v1/messages"):  # Anthropic's error shape: the same fields under type "error"
+            resp = error_response(e)
+            body = {"type": "error", **json.loads(resp.body)}  # type: ignore[arg-type]
+            return web.json_response(
+                body, status=resp.status, headers={k: v for k, v in resp.headers.items() if k == "Retry-After"}
+            )
         return error_response(e)
     except ChatTemplateError as e:
         return error_response(ServeError.invalid(str(e), param="messages"))
@@ -123,6 +129,7 @@ class LLMHTTPServer:
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/messages", self.messages)
+        r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/models/{model}", self.model)
         r.add_get("/health", self.health)
@@ -434,6 +441,14 @@ class LLMHTTPServer:
         out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
         finish = out.finish_reason(res.final.finish_reason)
         return web.json_response(ap.message_response(rid, model, out.message(), finish, res.final))
+
+    async def count_tokens(self, request):
+        """`POST /v1/messages/count_tokens`: the prompt tokens /v1/messages would send the model (media rows
+        included), without generating."""
+        req = ap.parse_messages(await read_json(request, self.edge), self.max_samples, require_max_tokens=False)
+        self._check_model(req.model)
+        prep, _ = await self._prepare(req)
+        return web.json_response({"input_tokens": len(prep.prompt)})
 
     @staticmethod
     async def _event(resp: web.StreamResponse, name: str, data: dict) -> None:

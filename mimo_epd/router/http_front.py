@@ -38,6 +38,7 @@ import aiohttp
 from aiohttp import web
 
 from llm_backend.agentic.tools import ToolError, template_message
+from mimo_epd.common.anthropic_rules import to_chat
 from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
@@ -67,7 +68,12 @@ _SKIP_RESPONSE = {
     "server",
     "date",
 }
-ROUTED = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/generate": "generate"}
+ROUTED = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/generate": "generate",
+    "/v1/messages": "messages",  # Anthropic's: the same prompt as its chat translation (common/anthropic_rules.py)
+}
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
 
 
@@ -114,6 +120,12 @@ class Tokenizer:
         """(token ids, has media); raises Unroutable."""
         if not isinstance(body, dict):
             raise Unroutable("body")
+        if kind == "messages":
+            try:
+                body = to_chat(body)
+            except RuleError as e:
+                raise Unroutable(str(e)) from None
+            kind = "chat"
         if kind == "chat":
             try:
                 flag = audio_in_video(body)
@@ -420,7 +432,7 @@ class HTTPFront:
         if media:  # placeholder ids come from the encoder's content keys: only BOS is predictable
             tokens = tokens[:1]
         streaming = isinstance(body, dict) and body.get("stream") is True
-        if streaming and kind != "generate":
+        if streaming and kind in ("chat", "completion"):  # OpenAI's stream_options (not SGLang's, not Anthropic's)
             so = body.get("stream_options")
             if so is None or (isinstance(so, dict) and not so.get("include_usage")):
                 strip = True  # ask for the usage (cached tokens) and take it out again on the way back

@@ -122,3 +122,28 @@ async def test_tokenize_through_the_front(node):
             done = await r.json()
     assert with_bos["tokens"] == [0, *bare["tokens"]] and back == {"prompt": "Hello world"}
     assert chat["count"] == done["usage"]["prompt_tokens"]
+
+
+def test_anthropic_client_through_the_front(node):
+    """/v1/messages through the router's front, routed with the same affinity as chat (its chat translation is the
+    prompt): a second turn of the same conversation finds its prefix cached; streamed and whole agree;
+    count_tokens is forwarded; errors keep Anthropic's shape."""
+    import anthropic
+
+    claude = anthropic.Anthropic(base_url=f"http://{node.http_address}", api_key="unused", max_retries=0, timeout=120)
+    msgs = [{"role": "user", "content": "How do I sort a list in Python? " * 8}]
+    first = claude.messages.create(model="tiny", max_tokens=8, system="Be brief.", messages=msgs)
+    turn2 = msgs + [
+        {"role": "assistant", "content": first.content[0].text if first.content else "ok"},
+        {"role": "user", "content": "And in reverse?"},
+    ]
+    second = claude.messages.create(model="tiny", max_tokens=8, system="Be brief.", messages=turn2)
+    assert second.usage.cache_read_input_tokens > 0  # the conversation's prefix, on the worker that holds it
+    with claude.messages.stream(model="tiny", max_tokens=8, system="Be brief.", messages=turn2) as s:
+        streamed = s.get_final_message()
+    assert [b.model_dump() for b in streamed.content] == [b.model_dump() for b in second.content]
+    counted = claude.messages.count_tokens(model="tiny", system="Be brief.", messages=turn2)
+    assert counted.input_tokens == second.usage.input_tokens + second.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["param"] == "messages[0].role"
