@@ -222,20 +222,3 @@ class KVEventsService:
             time_s=time.time(),
             role=self.role,
         )
-
-
-def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = "") -> KVEventPublisher:
-    """Publishes `engine`'s cache changes and load through `server` (a grpc.aio server not started yet)."""
-    from mimo_epd.v1 import kv_events_pb2_grpc
-
-    pub = KVEventPublisher(engine.cache, event_block_size(engine.cache.page_size, block))
-    pub.load_fn = lambda: engine_load(engine)
-    kv_events_pb2_grpc.add_KVEventsServicer_to_server(
-        type("KVEventsServicer", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(
-            pub,
-            model=model or str(getattr(engine, "model_name", "")),
-            role=str(getattr(getattr(engine, "config", None), "role", "both")),
-        ),
-        server,
-    )
-    return pub

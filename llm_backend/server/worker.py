@@ -12,8 +12,9 @@ import time
 
 from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
-from mimo_epd.v1 import generator_pb2_grpc
+from mimo_epd.v1 import generator_pb2_grpc, kv_events_pb2_grpc
 
+from ..kv.events import DEFAULT_BLOCK, KVEventPublisher, KVEventsService, engine_load, event_block_size
 from ..pd.decode import DecodeRole, DecodeSettings
 from ..pd.prefill import PrefillRole
 from .chat_template import load_chat_template
@@ -48,9 +49,7 @@ async def serve_llm(
     thread = threading.Thread(target=engine.run_forever, args=(stop_engine,), name="llm-engine", daemon=True)
     metrics = LLMMetrics()
     srv = GrpcServer(host, port, 256, auth=config.auth)
-    from ..kv.events import attach_kv_events  # KVEvents/Poll: cache blocks + load for the routers' index
-
-    events = attach_kv_events(engine, srv.server, model=name)
+    events = attach_kv_events(engine, srv.server, model=name)  # KVEvents/Poll: the routers' index feed
     core = GenerationCore(
         engine,
         encoder_address,
@@ -128,3 +127,19 @@ def build_role(cfg) -> PrefillRole | DecodeRole | None:
         settings = DecodeSettings.from_config(cfg)
         return DecodeRole(settings, PrefillClient(settings.fence_timeout_s))
     return None
+
+
+def attach_kv_events(engine, server, block: int = DEFAULT_BLOCK, model: str = "") -> KVEventPublisher:
+    """Publishes `engine`'s cache changes and load through `server` (a grpc.aio server not started yet): the
+    KVEvents service (kv/events.py's publisher and messages) on the worker's gRPC port."""
+    pub = KVEventPublisher(engine.cache, event_block_size(engine.cache.page_size, block))
+    pub.load_fn = lambda: engine_load(engine)
+    kv_events_pb2_grpc.add_KVEventsServicer_to_server(
+        type("KVEventsServicer", (KVEventsService, kv_events_pb2_grpc.KVEventsServicer), {})(
+            pub,
+            model=model or str(getattr(engine, "model_name", "")),
+            role=str(getattr(getattr(engine, "config", None), "role", "both")),
+        ),
+        server,
+    )
+    return pub
