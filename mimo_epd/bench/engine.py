@@ -89,6 +89,87 @@ def run_ours(model, reqs, args) -> tuple[dict, list[list[int]]]:
     return stats, [h.output for h in handles]
 
 
+def _drive(llm, submit) -> tuple[float, int]:
+    """Runs `submit(step)` before every engine step (it adds requests, returns them); (seconds, tokens) once all
+    submitted requests finished."""
+    t0 = time.perf_counter()
+    handles: list = []
+    step = 0
+    while True:
+        handles += submit(step)
+        if handles and all(h.finish_reason for h in handles):
+            break
+        llm.step()
+        step += 1
+    return time.perf_counter() - t0, sum(len(h.output) for h in handles)
+
+
+def run_sampling(model, args) -> dict:
+    """Sampling at batch 16 (issue #46's evidence): plain temperature-1 sampling, the same with the sampling
+    controls on (presence, frequency and repetition penalties, a logit_bias of 8 entries), and `n = 4` (4 prompts,
+    each prefilled once and sampled 4 times: the first sample's prompt cached before the other 3 start, as the
+    server runs `n`) against the same 16 requests submitted at once as separate requests."""
+    rng = random.Random(args.seed + 1)
+    prompts = [[rng.randrange(256) for _ in range(args.sampling_prompt)] for _ in range(16)]
+    out_n = args.sampling_output
+    base = dict(max_tokens=out_n, ignore_eos=True, temperature=1.0)
+    controls = dict(
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        repetition_penalty=1.1,
+        logit_bias=tuple((t, -2.0) for t in range(8)),
+    )
+
+    def fresh():
+        return LLM(
+            model,
+            kv_cache_tokens=16 * (args.sampling_prompt + out_n) + 64 * args.page_size,
+            swa_cache_tokens=16 * (model.config.window + args.chunk_size + 32),
+            chunk_size=args.chunk_size,
+            max_running=16,
+            page_size=args.page_size,
+        )
+
+    def at_once(llm, sps):
+        return _drive(llm, lambda step: [llm.add_request(p, sp) for p, sp in sps] if step == 0 else [])
+
+    out: dict = {}
+    for name, kw in (("plain_b16", {}), ("penalties_b16", controls)):
+        sps = [(p, SamplingParams(seed=i, **base, **kw)) for i, p in enumerate(prompts)]
+        sec, tok = at_once(fresh(), sps)
+        out[name] = {"seconds": round(sec, 3), "output_tokens": tok, "tokens_per_s": round(tok / sec, 1)}
+    four = prompts[:4]
+    sec, tok = at_once(fresh(), [(p, SamplingParams(seed=j, **base)) for p in four for j in range(4)])
+    out["four_requests_b16"] = {"seconds": round(sec, 3), "output_tokens": tok, "tokens_per_s": round(tok / sec, 1)}
+    llm = fresh()
+    firsts: list = []
+    rest_sent = False
+
+    def n4(step):
+        nonlocal rest_sent
+        if step == 0:
+            firsts.extend(llm.add_request(p, SamplingParams(seed=0, **base)) for p in four)
+            return list(firsts)
+        if not rest_sent and all(f.output for f in firsts):  # every prompt cached: the other samples start
+            rest_sent = True
+            return [llm.add_request(p, SamplingParams(seed=j, **base)) for p in four for j in range(1, 4)]
+        return []
+
+    sec, tok = _drive(llm, n4)
+    out["n4_b16"] = {
+        "seconds": round(sec, 3),
+        "output_tokens": tok,
+        "tokens_per_s": round(tok / sec, 1),
+        "prefix_hit_tokens": llm.stats()["prefix_hit_tokens"],
+    }
+    out["ratios"] = {
+        "penalties_vs_plain_b16": round(out["penalties_b16"]["tokens_per_s"] / out["plain_b16"]["tokens_per_s"], 3),
+        "n4_vs_four_requests": round(out["n4_b16"]["tokens_per_s"] / out["four_requests_b16"]["tokens_per_s"], 3),
+    }
+    log(f"sampling: {out['ratios']}")
+    return out
+
+
 def measured(name: str, fn, *a) -> tuple[dict, list | None]:
     """Runs one engine under an RSS sampler; a peer that cannot run becomes {"ran": false, "error": ...}."""
     gc.collect()
@@ -145,6 +226,7 @@ def main(args) -> dict:
     for b in args.hf_batches:
         name = f"transformers_static_b{b}"
         engines[name], outputs[name] = measured(name, hf_engine.static, hf, reqs, b)
+    sampling = run_sampling(model, args) if args.sampling_prompt else None
     ours = engines["ours"]
     peers = [k for k in engines if k != "ours" and engines[k]["ran"]]
     for k in peers:
@@ -183,6 +265,7 @@ def main(args) -> dict:
             else None,
         },
         "greedy_agreement": b["greedy_agreement"],
+        "sampling": sampling,
     }
 
 
@@ -209,6 +292,13 @@ def add_arguments(p) -> None:
         help="transformers static batch sizes, comma-separated (default: 8,64)",
     )
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
+    p.add_argument(
+        "--sampling-prompt",
+        type=int,
+        default=256,
+        help="prompt tokens of the sampling modes (plain, penalties, n = 4 at batch 16; 0 = not run; default: 256)",
+    )
+    p.add_argument("--sampling-output", type=int, default=64, help="output tokens of the sampling modes (default: 64)")
     p.add_argument(
         "--threads",
         type=int,
