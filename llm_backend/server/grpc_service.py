@@ -55,6 +55,11 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
                 logprobs=s.logprobs,
                 ignore_eos=s.ignore_eos,
                 grammar=await core.grammar(spec),
+                presence_penalty=s.presence_penalty,
+                frequency_penalty=s.frequency_penalty,
+                repetition_penalty=s.repetition_penalty or 1.0,
+                logit_bias=tuple(sorted(s.logit_bias.items())),
+                min_tokens=s.min_tokens,
             )
             gen = core.start(prep, params, tuple(s.stop))
             async for ev in gen.events():

@@ -219,3 +219,41 @@ def test_sample_limits(worker, body, param):
         post(worker, "/v1/completions", body)
     err = json.loads(e.value.read())["error"]
     assert e.value.code == 400 and err["param"] == param, err
+
+
+def test_sampling_controls_over_grpc_equal_http(worker, client):
+    """gRPC's SamplingOptions carry the same controls: the same greedy tokens as the HTTP request; bad values are
+    INVALID_ARGUMENT naming the field."""
+    import grpc
+
+    from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+
+    ids = load_tokenizer("tiny").encode("1 2 3 4 5 6")
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address))
+    opts = generator_pb2.SamplingOptions(
+        max_tokens=10, presence_penalty=1.0, repetition_penalty=1.4, min_tokens=10, logit_bias={22: -50.0}
+    )
+    got = []
+    for msg in stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=opts), timeout=60):
+        if msg.HasField("delta"):
+            got += list(msg.delta.token_ids)
+    body = post(
+        worker,
+        "/v1/completions",
+        {
+            "prompt": ids,
+            "max_tokens": 10,
+            "temperature": 0,
+            "presence_penalty": 1.0,
+            "repetition_penalty": 1.4,
+            "min_tokens": 10,
+            "logit_bias": {"22": -50},
+            "logprobs": 0,
+        },
+    )
+    assert len(got) == 10 and 22 not in got
+    assert body["choices"][0]["text"] == load_tokenizer("tiny").decode(got)
+    bad = generator_pb2.SamplingOptions(max_tokens=4, frequency_penalty=3.0)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=bad), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "frequency_penalty" in e.value.details()
