@@ -2,7 +2,8 @@
 model (token-id prompts in batches, `echo`, `logprobs`, `max_tokens` 1) runs a small multiple-choice task of the
 repository's (tests/api/lm_eval_task/) on the shipped `tiny` model; the same task through lm-eval's own `hf`
 model (transformers, in process, on the same checkpoint) is the reference: every choice's loglikelihood equal
-within float tolerance, and the same accuracy. Offline: the task's data are local files."""
+within float tolerance, and the same accuracy. Its `local-chat-completions` model runs a generate-until task over
+the chat API. Offline: the task's data are local files."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def task(tmp_path_factory):
     d = tmp_path_factory.mktemp("task")
     data = d / "pydocs_choice.jsonl"
     data.write_text((TASK_DIR / "pydocs_choice.jsonl").read_text())
-    yaml = (TASK_DIR / "pydocs_choice.yaml").read_text().replace("test: pydocs_choice.jsonl", f"test: {data}")
-    (d / "pydocs_choice.yaml").write_text(yaml)
+    for name in ("pydocs_choice", "pydocs_gen"):
+        yaml = (TASK_DIR / f"{name}.yaml").read_text().replace("test: pydocs_choice.jsonl", f"test: {data}")
+        (d / f"{name}.yaml").write_text(yaml)
     return d
 
 
@@ -46,17 +48,18 @@ def hf_dir(tmp_path_factory):
     return d / "tiny-converted"
 
 
-def _run(model: str, model_args: dict, task_dir: Path) -> dict:
+def _run(model: str, model_args: dict, task_dir: Path, task: str = "pydocs_choice", **kw) -> dict:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
     return simple_evaluate(
         model=model,
         model_args=model_args,
-        tasks=["pydocs_choice"],
+        tasks=[task],
         task_manager=TaskManager(include_path=str(task_dir)),
         log_samples=True,
-        batch_size=4,
+        batch_size=kw.pop("batch_size", 4),
+        **kw,
     )
 
 
@@ -85,3 +88,35 @@ def test_local_completions_scores_like_lm_evals_own_transformers_model(worker, t
     acc = served["results"]["pydocs_choice"]["acc,none"]
     assert acc == reference["results"]["pydocs_choice"]["acc,none"]
     print(json.dumps({"acc": acc, "loglikelihoods": ours}))
+
+
+def test_local_chat_completions_generate_until(worker, task):
+    """lm-eval's `local-chat-completions` model on a generate-until task: each generation is the chat API's
+    answer to the same message (greedy, stop at a newline, 12 tokens), and exact_match is computed from them."""
+    import openai
+
+    out = _run(
+        "local-chat-completions",
+        {"base_url": f"http://{worker.http_address}/v1/chat/completions", "model": "tiny", "max_retries": 1},
+        task,
+        "pydocs_gen",
+        apply_chat_template=True,
+        batch_size=1,
+    )
+    client = openai.OpenAI(base_url=f"http://{worker.http_address}/v1", api_key="unused", max_retries=0)
+    samples = out["samples"]["pydocs_gen"]
+    assert len(samples) == 4 and any(s["resps"][0][0] for s in samples)  # it generated text
+    hits = 0
+    for s in samples:
+        got = s["resps"][0][0]
+        want = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": s["doc"]["question"]}],
+            max_tokens=12,
+            temperature=0,
+            stop=["\n"],
+            seed=1234,
+        )
+        assert got == want.choices[0].message.content
+        hits += s["filtered_resps"][0] == s["target"]
+    assert out["results"]["pydocs_gen"]["exact_match,none"] == pytest.approx(hits / 4)
