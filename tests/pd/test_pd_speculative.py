@@ -138,3 +138,32 @@ def test_sampling_controls_through_p_d(fleet):
     assert complete(dec, **kw) == want != plain
     m = scrape(port(dec))
     assert m["llm_pd_remote_prefills"] >= 1
+
+
+def test_an_audio_prompt_with_speculation_equals_colocated(fleet, tmp_path):
+    """Audio through P/D and speculation: the prefill worker encodes the clip again (its rows at the same
+    placeholder positions), the decode worker drafts over them; the answer is the colocated one."""
+    import base64
+
+    import openai
+
+    from mimo_epd.testing.audio_gen import make_test_audio
+
+    both, spec, pre, dec = fleet
+    make_test_audio(str(tmp_path / "a.wav"), 2.0, seed=3)
+    part = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode((tmp_path / "a.wav").read_bytes()).decode(), "format": "wav"},
+    }
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Transcribe:"}, part]}]
+
+    def ask(server):
+        client = openai.OpenAI(base_url=f"http://{server.http_address}/v1", api_key="unused", max_retries=0)
+        return client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+
+    want, got = ask(both), ask(dec)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens > 40  # the clip's rows are in both prompts
+    assert scrape(port(dec))["llm_pd_remote_prefills"] >= 1
