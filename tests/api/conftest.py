@@ -121,3 +121,12 @@ def front(worker):
     assert s.http_address
     yield s
     assert s.stop() == 0
+
+
+@pytest.fixture(scope="session")
+def tiny_worker():
+    """An LLM worker on the shipped `tiny` model (its tokenizer and chat template), HTTP on a free port: the
+    Anthropic API and lm-evaluation-harness tests share it."""
+    s = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
+    yield s
+    assert s.stop() == 0

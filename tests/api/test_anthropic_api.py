@@ -9,8 +9,6 @@ import anthropic
 import openai
 import pytest
 
-from tests.conftest import start_server
-
 pytestmark = pytest.mark.integration
 
 WEATHER = {
@@ -26,10 +24,8 @@ WEATHER = {
 
 
 @pytest.fixture(scope="module")
-def worker():
-    s = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
-    yield s
-    assert s.stop() == 0
+def worker(tiny_worker):
+    return tiny_worker
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import start_server
 from tests.llm.test_tiny_model import hf_tiny
 
 pytestmark = pytest.mark.integration
@@ -22,10 +21,8 @@ TASK_DIR = Path(__file__).parent / "lm_eval_task"
 
 
 @pytest.fixture(scope="module")
-def worker():
-    s = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
-    yield s
-    assert s.stop() == 0
+def worker(tiny_worker):
+    return tiny_worker
 
 
 @pytest.fixture(scope="module")

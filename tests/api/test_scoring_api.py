@@ -257,3 +257,19 @@ def test_sampling_controls_over_grpc_equal_http(worker, client):
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=bad), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "frequency_penalty" in e.value.details()
+
+
+def test_a_failed_batch_frees_everything(worker, prompts):
+    """A prompt list whose second prompt is refused (a token outside the vocabulary): every prompt is prepared
+    before any starts, so the answer is a 400 naming it and no KV slot is held by a request afterwards."""
+    with pytest.raises(urllib.error.HTTPError) as e:
+        post(worker, "/v1/completions", {"prompt": [prompts[0], [1, 10**6]], "max_tokens": 64})
+    assert e.value.code == 400 and "outside the vocabulary" in json.loads(e.value.read())["error"]["message"]
+    import time
+
+    for _ in range(50):
+        m = scrape_http(worker.http_address)
+        if m["llm_kv_full_request_slots"] == 0 and m["llm_kv_swa_request_slots"] == 0:
+            break
+        time.sleep(0.1)
+    assert m["llm_kv_full_request_slots"] == 0 and m["llm_kv_swa_request_slots"] == 0
