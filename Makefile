@@ -13,7 +13,7 @@ TEST_WORKERS ?= 2
 # The public modules that are type-checked (the shared base, the caches, the engine, the configs, the policies).
 TYPED = mimo_epd/common shm_cache llm_backend/engine llm_backend/config.py llm_backend/tokenizer.py \
 	llm_backend/kv/pools.py llm_backend/kv/request_kv.py llm_backend/kv/swa_radix_cache.py llm_backend/kv/events.py encoder_server/config.py encoder_server/errors.py \
-	mimo_epd/router/policies.py mimo_epd/router/index.py llm_backend/pd llm_backend/server/kv_transfer.py
+	mimo_epd/router/policies.py mimo_epd/router/index.py llm_backend/pd llm_backend/server/kv_transfer.py llm_backend/parallel
 
 $(VENV)/.installed: pyproject.toml scripts/setup_env.sh
 	PYTHON=$(PYTHON) bash scripts/setup_env.sh $(VENV)

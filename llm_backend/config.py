@@ -15,6 +15,7 @@ from mimo_epd.common.http_server import EdgeConfig
 _SERVE, _KV, _SCHED, _LIMITS = "LLM worker", "LLM KV cache", "LLM scheduling", "LLM limits"
 _SPEC = "LLM speculative decoding"
 _PD = "LLM prefill/decode disaggregation"
+_PAR = "LLM model parallelism"
 
 
 @dataclass
@@ -84,6 +85,25 @@ class LLMConfig:
         10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE
     )
     grammar_cache_size: int = flag(256, "compiled grammars kept (LRU, keyed by a hash of the schema)", _SERVE)
+    # --- model parallelism (docs/parallel.md) ---------------------------------------------------
+    tensor_parallel_size: int = flag(
+        1,
+        "ranks one model replica is split over (vLLM's and SGLang's meaning): attention heads, MLPs and the "
+        "vocabulary split, one process per rank on torch.distributed (gloo on CPUs, NCCL on GPUs)",
+        _PAR,
+        aliases=("tp",),
+    )
+    enable_expert_parallel: bool = flag(
+        False,
+        "with --tensor-parallel-size N: each rank holds n_experts / N whole experts instead of a slice of each",
+        _PAR,
+    )
+    dist_timeout_s: float = flag(
+        30.0, "seconds a collective waits for a peer before the replica is declared down (its requests failed)", _PAR
+    )
+    dist_load_timeout_s: float = flag(
+        900.0, "seconds every rank may take to join and load its shard before start-up fails naming it", _PAR
+    )
     # --- KV cache ------------------------------------------------------------------------------
     kv_cache_tokens: int = flag(16384, "full-attention KV pool, tokens", _KV)
     swa_cache_tokens: int = flag(
@@ -283,6 +303,7 @@ class LLMConfig:
             raise ValueError(
                 "--pd-transfer-timeout-s and --pd-fence-timeout-s must be positive and --pd-protocol tcp or rdma"
             )
+        self._validate_parallel()
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"--role must be both, prefill or decode, got {self.role!r}")
         if self.http_port < -1:
@@ -291,6 +312,21 @@ class LLMConfig:
             raise ValueError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if any(b <= 0 for b in self.buckets()):
             raise ValueError("--length-buckets bounds must be positive")
+
+    def _validate_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if n < 1 or self.dist_timeout_s <= 0 or self.dist_load_timeout_s <= 0:
+            raise ValueError("--tensor-parallel-size must be >= 1 and --dist-timeout-s, --dist-load-timeout-s positive")
+        if n == 1:
+            return
+        # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
+        for on, what in (
+            (self.speculative_steps > 0, "--speculative-steps"),
+            (self.host_kv_bytes > 0 or bool(self.kv_store), "the KV tiers (--host-kv-bytes, --kv-store)"),
+            (self.role != "both", f"--role {self.role}"),
+        ):
+            if on:
+                raise ValueError(f"--tensor-parallel-size {n} with {what}: not supported yet (docs/parallel.md)")
 
     def torch_dtype(self):
         import torch

@@ -102,6 +102,7 @@ class PagedBatch:
         wait=None,
     ):
         self.pools = pools
+        self.seqs = seqs  # what another rank needs to build the same batch over its own pools (parallel/)
         self.wait = wait  # wait(layer): blocks until that layer's queued KV loads are done (kv.tiers.loader)
         device = next(iter(pools.k.values())).device
         self.use_triton = triton_enabled(device) if use_triton is None else use_triton

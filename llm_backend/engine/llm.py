@@ -20,8 +20,11 @@ from ..config import LLMConfig
 from ..kv import fit_checkpoint_interval
 from ..kv.build import KVLayout, build_kv
 from ..kv.tiers import TieredRadixCache
-from ..models import load_llm
+from ..models import load_llm, model_config
 from ..paged_attention import KVPools
+from ..parallel.comm import SINGLE_RANK
+from ..parallel.replica import RankSpec, Replica, ReplicaDown, free_init_method
+from ..parallel.shard import Shard
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .interfaces import SchedulerRole, Ticket
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
@@ -51,11 +54,15 @@ class LLM:
         cfg = _config(config, model, options)
         cfg.validate()
         self.config = cfg
-        if isinstance(model, str):
-            dt = dtype or cfg.torch_dtype()
-            self.model = load_llm(cfg.model, cfg.device, dt, cfg.fp8_weights, cfg.quantization, progress=True)
-        else:
-            self.model = model
+        full_size = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size  # whole pages
+        # Model parallelism (llm_backend/parallel): this process is rank 0, the other ranks are started here.
+        self.replica = _start_replica(cfg, model, dtype, full_size)
+        par = self.replica.par if self.replica is not None else SINGLE_RANK
+        try:
+            self.model = _load(cfg, model, dtype, par)
+        except BaseException:
+            self.close()
+            raise
         self.model_name = cfg.model if isinstance(model, str) else type(model).__name__
         mcfg = self.model.config
         self.tokenizer = load_tokenizer(cfg.model, cfg.tokenizer) if isinstance(model, str) else ByteTokenizer()
@@ -64,9 +71,10 @@ class LLM:
         _check_swa_pool(cfg, mcfg.window)
         self._lock = threading.RLock()
         self._wake = threading.Condition(self._lock)
-        full_size = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size  # whole pages
         p = next(self.model.parameters())
-        self.pools = KVPools(mcfg, full_size, cfg.swa_cache_tokens, p.dtype, p.device)
+        self.pools = KVPools(par.shard.attention_config(mcfg), full_size, cfg.swa_cache_tokens, p.dtype, p.device)
+        if self.replica is not None:
+            self.replica.ready()  # closes the other ranks itself when one fails
         # The MTP layers' KV shares the SWA slots; added before the tiers are built on the pools (they copy it too).
         mtp_base = (
             SpeculativeRunner.reserve_layers(self.model, self.pools, cfg.swa_cache_tokens)
@@ -94,6 +102,13 @@ class LLM:
         self.loop_error: BaseException | None = None
         self.step_errors = 0
 
+    def close(self) -> None:
+        """Stops the other ranks of a model-parallel replica (nothing to do on one rank)."""
+        replica = getattr(self, "replica", None)  # absent when the constructor failed before it
+        if replica is not None:
+            replica.close()
+            self.replica = None
+
     def _scheduler_parts(self, cfg: LLMConfig, drafter) -> dict:
         """The plain scheduler's keyword arguments from the flags."""
         return dict(
@@ -117,7 +132,7 @@ class LLM:
         worker therefore computes every MTP layer's entries over every prompt chunk, never deferred: it never
         drafts (one token per request), and what it sends must be computed, whatever the decode side drafts with."""
         if not cfg.speculative_steps:
-            return ModelRunner(self.model, self.pools, self.tiers)
+            return ModelRunner(self.model, self.pools, self.tiers, self.replica)
         steps, layers, prefill_mtp, auto = (
             cfg.speculative_steps,
             cfg.speculative_layers,
@@ -361,6 +376,11 @@ class LLM:
             return
         try:
             results = self.runner.execute(segments)
+        except ReplicaDown as e:  # a rank is gone: nothing can run here any more; fail everything, stop the loop
+            with self._lock:
+                s = self.scheduler
+                self._fail(list(s.running) + list(s.waiting), "the model-parallel replica", e)
+            raise
         except Exception as e:  # noqa: BLE001 - a request must never take the worker down
             with self._lock:
                 self._fail([seg.request for seg in segments], "the forward", e)
@@ -376,6 +396,7 @@ class LLM:
         self.step_errors += 1
         log.exception("%s failed for %d requests; failing them", what, len(requests))
         code = "resource_exhausted" if isinstance(e, torch.OutOfMemoryError) else "internal"
+        code = "unavailable" if isinstance(e, ReplicaDown) else code
         s = self.scheduler
         for r in requests:
             for queue in (s.running, s.waiting):
@@ -482,3 +503,37 @@ def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:
             window,
         )
     return fitted
+
+
+def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots: int) -> Replica | None:
+    """With --tensor-parallel-size N > 1: ranks 1..N-1 started and joined (each loads its shard meanwhile)."""
+    if cfg.tensor_parallel_size == 1:
+        return None
+    if not isinstance(model, str):
+        raise ValueError("--tensor-parallel-size > 1 needs a model name or directory (every rank loads its shard)")
+    shard = Shard(0, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
+    shard.check(model_config(cfg.model, cfg.device, cfg.fp8_weights, cfg.quantization))  # before any rank starts
+    spec = RankSpec(
+        model=cfg.model,
+        dtype=str(dtype or cfg.torch_dtype()).removeprefix("torch."),
+        device=cfg.device,
+        fp8_weights=cfg.fp8_weights,
+        quantization=cfg.quantization,
+        size=cfg.tensor_parallel_size,
+        expert_parallel=cfg.enable_expert_parallel,
+        full_slots=full_slots,
+        swa_slots=cfg.swa_cache_tokens,
+        init_method=free_init_method(),
+        timeout_s=cfg.dist_timeout_s,
+        load_timeout_s=cfg.dist_load_timeout_s,
+        threads=cfg.torch_threads,
+    )
+    replica = Replica(spec)
+    replica.start()
+    return replica
+
+
+def _load(cfg: LLMConfig, model, dtype: torch.dtype | None, par):
+    if not isinstance(model, str):
+        return model
+    return load_llm(cfg.model, cfg.device, dtype or cfg.torch_dtype(), cfg.fp8_weights, cfg.quantization, True, par)

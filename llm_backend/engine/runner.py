@@ -15,6 +15,7 @@ import torch
 
 from ..models.mimo_v2_flash import SeqInput
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
+from ..parallel.replica import Replica, StepCall
 from .interfaces import KVLoader, mask_rows
 from .penalties import Penalties
 from .sampler import SamplingError, sample
@@ -26,12 +27,14 @@ class Runner(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, model, pools: KVPools, kv_loader: KVLoader | None = None):
+    def __init__(self, model, pools: KVPools, kv_loader: KVLoader | None = None, peers: Replica | None = None):
         """`pools`: the KV pools the forward reads and writes (built for the model: `KVPools(model.config, ...)`).
         `kv_loader`: what queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache),
-        loaded layer by layer while the forward runs; None without KV tiers."""
+        loaded layer by layer while the forward runs; None without KV tiers. `peers`: the other ranks of a
+        model-parallel replica (this runner is rank 0's): each forward is sent to them first, then run here."""
         self.model = model
         self.pools = pools
+        self.peers = peers
         self.device = next(model.parameters()).device
         self.kv_loader = kv_loader
         self.penalties = Penalties(model.config.vocab_size)  # sampling controls, per request
@@ -47,15 +50,13 @@ class ModelRunner:
         r, start, n = seg.request, seg.start, seg.n
         new = self._segment_tokens(seg)
         ids = torch.tensor(new, device=self.device)
-        embeds = None
-        if r.media and any(p in r.media for p in range(start, start + n)):
-            vocab = self.model.config.vocab_size
-            embeds = self.model.model.embed_tokens(ids.clamp(max=vocab - 1))
-            for j in range(n):
-                row = r.media.get(start + j)
-                if row is not None:
-                    embeds[j] = row.to(embeds.dtype)
-        return SeqInput(ids, torch.arange(start, start + n, device=self.device), embeds)
+        media = None
+        if r.media:
+            rows = [j for j in range(n) if start + j in r.media]
+            if rows:
+                values = torch.stack([r.media[start + j] for j in rows]).to(self.device)
+                media = (torch.tensor(rows, device=self.device), values)
+        return SeqInput(ids, torch.arange(start, start + n, device=self.device), media=media)
 
     @contextmanager
     def _batch(self, segments: list[Segment]) -> Iterator[PagedBatch]:
@@ -75,12 +76,25 @@ class ModelRunner:
                 load.finish()
 
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
+        inputs, modes = [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments]
         with self._batch(segments) as paged:
-            logits = self.model.forward_batch(
-                [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments], paged
-            )
+            if self.peers is None:
+                logits = self.model.forward_batch(inputs, modes, paged)
+            else:
+                logits = self._parallel_forward(inputs, modes, paged)
         logits = self._masked(segments, logits)
         return [self._result(s, lg) for s, lg in zip(segments, logits)]
+
+    def _parallel_forward(self, inputs: list[SeqInput], modes: list[str], paged: PagedBatch) -> list[torch.Tensor]:
+        """The step on every rank: sent, then run here; any failure here leaves the ranks out of step, so it takes
+        the replica down (`ReplicaDown`: the engine fails every request and stops)."""
+        assert self.peers is not None
+        self.peers.send(StepCall(inputs, modes, paged.seqs))
+        try:
+            return self.model.forward_batch(inputs, modes, paged)
+        except Exception as e:  # noqa: BLE001 - a failed collective or forward: the replica is down
+            self.peers.fail(e)
+            raise
 
     @staticmethod
     def _masked(segments: list[Segment], logits) -> list[torch.Tensor]:

@@ -193,7 +193,7 @@ class SpeculativeRunner(ModelRunner):
         logits = []
         for j, s in enumerate(segments):
             h = hidden[bounds[j] : bounds[j + 1]]
-            logits.append(self.model.lm_head(h if (s.drafts or s.all_logits) else h[-1:]).float())
+            logits.append(self.model.logits(h if (s.drafts or s.all_logits) else h[-1:]))
         logits = self._masked(segments, logits)
         results = [self._verify(s, lg) if s.drafts else self._result(s, lg) for s, lg in zip(segments, logits)]
         self._catch_up(segments, [hidden[bounds[j] : bounds[j + 1]] for j in range(len(segments))], results)
@@ -242,7 +242,7 @@ class SpeculativeRunner(ModelRunner):
         """The token embeddings of every run's slots, media rows at their prompt positions (as the target's)."""
         vocab = self.model.config.vocab_size
         ids = torch.tensor([t for u in runs for t in u.tokens], device=self.device)
-        emb = self.model.model.embed_tokens(ids.clamp(max=vocab - 1))
+        emb = self.model.embed(ids.clamp(max=vocab - 1))
         k = 0
         for u in runs:
             media = u.request.media
@@ -257,7 +257,7 @@ class SpeculativeRunner(ModelRunner):
     def _pick(self, r: Request, hidden: torch.Tensor, slot: int) -> tuple[int, torch.Tensor | None]:
         """The draft token for `slot` from an MTP output: argmax (greedy) or sampled with the request's settings
         (its distribution q kept for verification)."""
-        logits = self.model.lm_head(hidden[None]).float()[0]
+        logits = self.model.logits(hidden[None])[0]
         check_finite(logits)
         if r.params.greedy:
             return int(torch.argmax(logits)), None

@@ -394,14 +394,16 @@ def fused_moe_torch(
     quantized: QuantizedExperts | None = None,
 ) -> torch.Tensor:
     """Torch twin of `fused_moe`: one matmul pair per expert that received rows, like `Experts.forward`. With
-    `quantized` (FP8 or MXFP4 experts, llm_backend/models/quant.py) each such expert is dequantized for the call."""
+    `quantized` (FP8 or MXFP4 experts, llm_backend/models/quant.py) each such expert is dequantized for the call.
+    An id equal to E (the experts' count here) names an expert another rank holds (expert parallelism): its rows
+    are skipped (they sort last, so the others' offsets are unchanged)."""
     if quantized is None:
         _check_moe(x, w_gate_up, w_down, weights, ids)
     top_k = ids.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()[: w_gate_up.shape[0]]  # id E: held elsewhere
     flat_weights = weights.reshape(-1)
     start = 0
     for expert, n in enumerate(counts):

@@ -10,6 +10,7 @@ import torch
 from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 
 from ..paged_attention import ContiguousKV
+from ..parallel.comm import SINGLE_RANK, Parallel
 from .loader import LoadError, load_checkpoint, plan_checkpoint
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 from .quant import fp8_dot_supported
@@ -21,6 +22,7 @@ __all__ = [
     "TINY_LLM_CONFIG",
     "PRO_SHAPE_CONFIG",
     "load_llm",
+    "model_config",
     "LoadError",
     "init_random_weights",
     "transformers_twin",
@@ -85,24 +87,52 @@ def load_llm(
     fp8_weights: str = "keep",
     quantization: str = "",
     progress: bool = False,
+    par: Parallel = SINGLE_RANK,
 ) -> MiMoV2FlashForCausalLM:
     """`tiny-random`, or a checkpoint directory in any released layout (`tiny` is the shipped one; loader.py).
     Weights stored in another dtype (the shipped bf16) are cast to `dtype`; the router stays fp32; FP8 layers stay
     FP8 (`fp8_weights="dequantize"`: into `dtype` at load; `"auto"`: kept on CUDA, dequantized elsewhere;
-    `quantization="fp8"`: a bf16 checkpoint quantized at load). MTP layers load when the config declares them."""
-    if fp8_weights == "auto":  # FP8 resident where its GEMM runs on FP8 tensor cores
-        cuda = torch.device(device).type == "cuda"
-        fp8_weights = "keep" if cuda and fp8_dot_supported(device) else "dequantize"
+    `quantization="fp8"`: a bf16 checkpoint quantized at load). MTP layers load when the config declares them.
+    `par`: one rank of a model-parallel replica: that rank's part only (llm_backend/parallel/shard.py; for
+    `tiny-random` the whole seeded model is made first, then cut)."""
+    fp8_weights = _fp8_weights(fp8_weights, device)
     if name_or_path == TINY_RANDOM:
         model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
         init_random_weights(model, TINY_SEED)
+        if not par.single:
+            model = _cut(model, par)
         model.to(dtype=dtype)
         for layer in model.model.layers:
             if hasattr(layer.mlp, "gate"):
                 layer.mlp.gate.float()  # the router stays in fp32 (as transformers keeps it)
     else:
-        model = load_checkpoint(_directory(name_or_path), dtype, fp8_weights, quantization, progress)
+        model = load_checkpoint(_directory(name_or_path), dtype, fp8_weights, quantization, progress, par)
     return model.to(device=device).eval()
+
+
+def _cut(whole: MiMoV2FlashForCausalLM, par: Parallel) -> MiMoV2FlashForCausalLM:
+    """This rank's part of a whole model (parallel/shard.py's rules)."""
+    cfg = whole.config
+    part = MiMoV2FlashForCausalLM(cfg, par)
+    state = {k: par.shard.take(k, v, cfg).clone() for k, v in whole.state_dict().items()}
+    part.load_state_dict(state)
+    return part
+
+
+def model_config(name_or_path: str, device: str = "cpu", fp8_weights: str = "auto", quantization: str = ""):
+    """The config `load_llm` would build the model from (FP8 layers as they would be kept), read without weights."""
+    if name_or_path == TINY_RANDOM:
+        return TINY_LLM_CONFIG
+    return plan_checkpoint(
+        _directory(name_or_path), fp8_weights=_fp8_weights(fp8_weights, device), quantization=quantization
+    ).cfg
+
+
+def _fp8_weights(fp8_weights: str, device: str) -> str:
+    """`auto` resolved: FP8 resident where its GEMM runs on FP8 tensor cores, dequantized at load elsewhere."""
+    if fp8_weights != "auto":
+        return fp8_weights
+    return "keep" if torch.device(device).type == "cuda" and fp8_dot_supported(device) else "dequantize"
 
 
 def _directory(name_or_path: str) -> str:

@@ -42,6 +42,8 @@ import torch
 from torch import nn
 
 from ..kernels.fp8 import FP8, dequantize, mxfp4_dequantize, quantize, row_scales, scale_shape
+from ..parallel.comm import SINGLE_RANK, Parallel
+from ..parallel.shard import SINGLE, Shard
 from .mimo_v2_flash import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
 from .quant import BlockFP8Experts, BlockFP8Linear, Fp8Spec, MXFP4Experts
 from .released import ConfigError, qkv_chunks, read_config
@@ -577,12 +579,39 @@ class _Reader:
 
 
 class _Targets:
-    """The model's parameters, allocated in their final dtype on first write."""
+    """The model's parameters, allocated in their final dtype on first write. `shard`: one rank of a model-parallel
+    replica (llm_backend/parallel/shard.py): `model` has that rank's shapes, and each whole tensor written through
+    `put` / `put_expert` keeps only this rank's part (a rank holds one whole tensor at a time, the one being read)."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, shard: Shard = SINGLE, cfg=None):
         self.meta = dict(model.named_parameters()) | dict(model.named_buffers())
         self.dtype = dtype
         self.out: dict[str, torch.Tensor] = {}
+        self.shard, self.cfg = shard, cfg
+
+    def put(self, name: str, whole: torch.Tensor) -> None:
+        """Parameter `name` from its whole value (this rank's part of it kept)."""
+        self.get(name).copy_(self.shard.take(name, whole, self.cfg))
+
+    def holds(self, expert: int) -> bool:
+        held = self.shard.experts(self.cfg.n_routed_experts) if self.cfg is not None else None
+        return held is None or held.start <= expert < held.stop
+
+    def put_expert(self, packed: str, expert: int, part: str, value: torch.Tensor, inter: int) -> None:
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] into the packed parameter `packed`."""
+        t = self.get(packed)
+        sh = self.shard
+        if sh.single:
+            rows = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter), "down_proj": slice(None)}[part]
+            t[expert, rows] = value
+            return
+        e = expert - sh.experts(self.cfg.n_routed_experts).start
+        if part == "down_proj":
+            t[e] = value if sh.expert_parallel else value[:, sh.part(inter)]
+            return
+        local = t.shape[1] // 2
+        offset = 0 if part == "gate_proj" else local
+        t[e, offset : offset + local] = value if sh.expert_parallel else value[sh.part(inter)]
 
     def get(self, name: str) -> torch.Tensor:
         t = self.out.get(name)
@@ -598,21 +627,36 @@ def load_checkpoint(
     fp8_weights: str = "keep",
     quantization: str = "",
     progress: bool = True,
+    par: Parallel = SINGLE_RANK,
 ) -> MiMoV2FlashForCausalLM:
-    """The checkpoint's model with its weights, on the CPU, in `dtype` (FP8 layers kept FP8: see the module)."""
+    """The checkpoint's model with its weights, on the CPU, in `dtype` (FP8 layers kept FP8: see the module).
+    `par`: one rank of a tensor- / expert-parallel replica: only that rank's part is kept (an expert another rank
+    holds is not even read); a shape the rank count cannot split is refused naming the field."""
     plan = plan_checkpoint(directory, dtype, fp8_weights, quantization)
-    targets = _Targets(plan.model, dtype)
-    reader = _Reader(plan.stored_bytes, os.path.basename(os.path.normpath(directory)), progress)
+    model = plan.model
+    if not par.single:
+        try:
+            par.shard.check(plan.cfg)
+        except ValueError as e:
+            raise _fail(directory, str(e)) from None
+        with torch.device("meta"), _no_init():
+            model = MiMoV2FlashForCausalLM(plan.cfg, par)
+    targets = _Targets(model, dtype, par.shard, plan.cfg)
+    pieces = [p for p in plan.pieces if p.kind != "expert" or targets.holds(p.expert)]
+    stored = sum(p.weight.nbytes + (p.scale.nbytes if p.scale else 0) for p in pieces)
+    reader = _Reader(stored, os.path.basename(os.path.normpath(directory)), progress)
     try:
-        for p in plan.pieces:
+        for p in pieces:
             _fill(plan, p, reader, targets)
     finally:
         reader.close()
-    return _assemble(plan, targets)
+    return _assemble(plan, targets, model)
 
 
 def _direct(plan: Plan, p: Piece, targets: _Targets) -> torch.Tensor | None:
     """Where the piece's stored bytes can land as they are (same dtype, a contiguous slice), or None."""
+    if not targets.shard.single:
+        return None  # read whole, this rank's part kept
     if p.kind == "plain" and p.scale is None and f"{p.target}_scale_inv" not in targets.meta:
         out = targets.get(p.target)
     elif p.kind == "expert":
@@ -663,7 +707,7 @@ def _fill(plan: Plan, p: Piece, reader: _Reader, targets: _Targets) -> None:
                 rows = slice(0, i // bn)
             targets.get(f"{packed}_scale_inv")[p.expert, rows] = srows
         elif direct is None:
-            targets.get(packed)[p.expert, rows] = _plain(w, s, block, targets.get(packed).dtype)
+            targets.put_expert(packed, p.expert, p.part, _plain(w, s, block, targets.get(packed).dtype), i)
     else:
         _fill_qkv(plan, p, w, s, block, targets)
 
@@ -693,7 +737,7 @@ def _put(targets: _Targets, name: str, w: torch.Tensor, s: torch.Tensor | None, 
         targets.get(name).copy_(q)
         targets.get(f"{name}_scale_inv").copy_(sc)
     else:
-        targets.get(name).copy_(_plain(w, s, block, targets.get(name).dtype))
+        targets.put(name, _plain(w, s, block, targets.get(name).dtype))
 
 
 def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, block, targets: _Targets) -> None:
@@ -729,11 +773,10 @@ def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, blo
             targets.get(f"{target}_scale_inv").copy_(per_row[sel])
         else:  # dequantized (above): each chunk whole with its own scales, then split
             assert deq is not None
-            targets.get(target).copy_(deq[sel])
+            targets.put(target, deq[sel])
 
 
-def _assemble(plan: Plan, targets: _Targets) -> MiMoV2FlashForCausalLM:
-    model = plan.model
+def _assemble(plan: Plan, targets: _Targets, model: MiMoV2FlashForCausalLM) -> MiMoV2FlashForCausalLM:
     state = dict(targets.out)
     for name, m in targets.meta.items():
         if name not in state and name in model.state_dict():

@@ -28,6 +28,7 @@ from mimo_epd.layers import RMSNorm
 
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing
+from ..parallel.comm import SINGLE_RANK, Parallel
 from .quant import BlockFP8Experts, Fp8Spec, MXFP4Experts, make_linear
 
 
@@ -126,11 +127,13 @@ class MiMoV2FlashConfig:
 
 class SeqInput(NamedTuple):
     """One sequence's new tokens in a batched forward: their ids (or None when `inputs_embeds` gives every row),
-    their positions [T], and embeddings [T, hidden] that replace the ids' (media rows spliced in), or None."""
+    their positions [T], embeddings [T, hidden] that replace the ids' or None, and `media`: (rows [M], embeddings
+    [M, hidden]) that replace the rows' token embeddings (an image's or a clip's rows spliced in), or None."""
 
     input_ids: torch.Tensor | None
     positions: torch.Tensor
     inputs_embeds: torch.Tensor | None = None
+    media: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class DenseMLP(nn.Module):
@@ -174,9 +177,9 @@ class TopkRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig):
+    def __init__(self, e: int, h: int, i: int):
+        """`e` experts of hidden size `h` and intermediate size `i` (this rank's: parallel/shard.py)."""
         super().__init__()
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
@@ -186,22 +189,35 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = ""):
+    def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = "", par: Parallel = SINGLE_RANK):
+        """`par`: this rank's experts (expert parallelism) or slice of every expert (tensor parallelism); the
+        router is whole on every rank. The forward returns this rank's partial sum (the caller reduces it)."""
         super().__init__()
         q = cfg.quant
-        e, h, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        sh = par.shard
+        held = sh.experts(cfg.n_routed_experts)
+        self.held = (held.start, held.stop) if sh.expert_parallel and not sh.single else None
+        e, h, i = held.stop - held.start, cfg.hidden_size, sh.moe_intermediate(cfg.moe_intermediate_size)
         if q is not None and q.quantized(f"{prefix}.experts") and q.mxfp4_block:
             self.experts: nn.Module = MXFP4Experts(e, h, i, q.mxfp4_block)
         elif q is not None and q.quantized(f"{prefix}.experts"):
             self.experts = BlockFP8Experts(e, h, i, q.block)
         else:
-            self.experts = Experts(cfg)
+            self.experts = Experts(e, h, i)
         self.gate = TopkRouter(cfg)
 
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         c = self.gate.cfg
+        if self.held is not None:  # expert parallelism: this rank's experts' share of every token
+            weights, ids = self.gate(x)
+            lo, hi = self.held
+            mine = (ids >= lo) & (ids < hi)
+            local = (ids - lo).masked_fill(~mine, hi - lo)  # id hi - lo: held elsewhere, skipped
+            return fused_moe_torch(x, self.experts.gate_up_proj, self.experts.down_proj, weights * mine, local).view(
+                shape
+            )
         if (
             c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, (Experts, BlockFP8Experts))
         ):  # fused routing + grouped expert GEMMs (kernels/moe.py); FP8 experts dequantized tile by tile in them
@@ -230,12 +246,14 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, layer: int, prefix: str = ""):
-        """`prefix`: the module's name in the checkpoint (default `model.layers.{layer}.self_attn`)."""
+    def __init__(self, cfg: MiMoV2FlashConfig, layer: int, prefix: str = "", par: Parallel = SINGLE_RANK):
+        """`prefix`: the module's name in the checkpoint (default `model.layers.{layer}.self_attn`). `par`: this
+        rank's heads (parallel/shard.py); o_proj's output is then a partial sum the caller reduces."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.sliding = cfg.layer_types[layer] == "sliding_attention"
-        hq, hkv, h, b = cfg.num_attention_heads, cfg.kv_heads(layer), cfg.hidden_size, cfg.attention_bias
+        local = par.shard.attention_config(cfg)
+        hq, hkv, h, b = local.num_attention_heads, local.kv_heads(layer), cfg.hidden_size, cfg.attention_bias
         p, q = prefix or f"model.layers.{layer}.self_attn", cfg.quant
         if q is not None:
             # The release tiles q/k/v scales per pre-split chunk, and rows de-interleaved from a fused QKV need not
@@ -259,12 +277,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, layer: int):
+    def __init__(self, cfg: MiMoV2FlashConfig, layer: int, par: Parallel = SINGLE_RANK):
         super().__init__()
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, par=par)
         p = f"model.layers.{layer}.mlp"
         sparse = cfg.mlp_layer_types[layer] == "sparse"
-        self.mlp = MoE(cfg, p) if sparse else DenseMLP(cfg, cfg.intermediate_size, p)
+        self.mlp = MoE(cfg, p, par) if sparse else DenseMLP(cfg, cfg.intermediate_size // par.shard.size, p)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -286,26 +304,30 @@ class Rotary(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig):
+    def __init__(self, cfg: MiMoV2FlashConfig, par: Parallel = SINGLE_RANK):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)])
+        self.embed_tokens = nn.Embedding(cfg.vocab_size // par.shard.size, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, par) for i in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = Rotary(cfg)
 
 
 class MiMoV2FlashForCausalLM(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig):
+    def __init__(self, cfg: MiMoV2FlashConfig, par: Parallel = SINGLE_RANK):
+        """`par`: one rank of a tensor- / expert-parallel replica (llm_backend/parallel): the modules hold this
+        rank's part (`par.shard`'s rules) and the forward makes the collectives; `config` stays the whole model's."""
         super().__init__()
+        par.shard.check(cfg)
         self.config = cfg
-        self.model = Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.par = par
+        self.model = Model(cfg, par)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size // par.shard.size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         if cfg.num_nextn_predict_layers:
             from .mimo_v2_flash_mtp import MiMoV2FlashMTP
 
-            self.model.mtp = MiMoV2FlashMTP(cfg)  # state-dict keys model.mtp.layers.{i}.*, as in MiMo's release
+            self.model.mtp = MiMoV2FlashMTP(cfg, par)  # state-dict keys model.mtp.layers.{i}.*, as in MiMo's release
 
     @torch.inference_mode()
     def forward(
@@ -331,14 +353,22 @@ class MiMoV2FlashForCausalLM(nn.Module):
         results = []
         for j, mode in enumerate(logits_for):
             a, b = bounds[j], bounds[j + 1]
-            results.append(self.lm_head(x[a:b] if mode == "all" else x[b - 1 : b]).float())
+            results.append(self.logits(x[a:b] if mode == "all" else x[b - 1 : b]))
         return results
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] of ids [T] (summed over the ranks that hold their rows)."""
+        return self.par.embed(ids, self.model.embed_tokens.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, vocab] of final hidden states [T, hidden] (the vocabulary parts gathered)."""
+        return self.par.gather_vocab(self.lm_head(hidden).float())
 
     def hidden_states(self, segments: list[SeqInput], paged) -> tuple[torch.Tensor, list[int]]:
         """The final hidden states (after the last norm: what the LM head and the first MTP layer read) of all the
         segments' tokens [T, hidden], and the segments' bounds in that order."""
-        m = self.model
-        xs = [m.embed_tokens(seg.input_ids) if seg.inputs_embeds is None else seg.inputs_embeds for seg in segments]
+        m, par = self.model, self.par
+        xs = [self._embeds(seg) for seg in segments]
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
         positions = torch.cat([seg.positions for seg in segments]) if len(segments) > 1 else segments[0].positions
         bounds = [0]
@@ -350,6 +380,17 @@ class MiMoV2FlashForCausalLM(nn.Module):
             h = layer.input_layernorm(x)
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
             o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None, attn.sinks)
-            x = x + attn.o_proj(o.reshape(o.shape[0], -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + par.reduce(attn.o_proj(o.reshape(o.shape[0], -1)))
+            x = x + par.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         return m.norm(x), bounds
+
+    def _embeds(self, seg: SeqInput) -> torch.Tensor:
+        if seg.inputs_embeds is not None:
+            return seg.inputs_embeds
+        assert seg.input_ids is not None
+        if seg.media is None:
+            return self.embed(seg.input_ids)
+        x = self.embed(seg.input_ids.clamp(max=self.config.vocab_size - 1))  # a media row's placeholder id: replaced
+        rows, values = seg.media
+        x[rows] = values.to(x.dtype)
+        return x

@@ -31,6 +31,7 @@ from torch import nn
 
 from mimo_epd.layers import RMSNorm
 
+from ..parallel.comm import SINGLE_RANK, Parallel
 from .mimo_v2_flash import Attention, DenseMLP, MiMoV2FlashConfig, Rotary
 from .quant import make_linear
 
@@ -48,17 +49,17 @@ def mtp_config(cfg: MiMoV2FlashConfig) -> MiMoV2FlashConfig:
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, index: int):
+    def __init__(self, cfg: MiMoV2FlashConfig, index: int, par: Parallel = SINGLE_RANK):
         super().__init__()
         h = cfg.hidden_size
-        self.index = index
+        self.index, self.par = index, par
         self.enorm = RMSNorm(h, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(h, cfg.rms_norm_eps)
         self.eh_proj = make_linear(cfg.quant, 2 * h, h, f"model.mtp.layers.{index}.eh_proj")
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, index, f"model.mtp.layers.{index}.self_attn")  # cfg: mtp_config(...), sliding
+        self.self_attn = Attention(cfg, index, f"model.mtp.layers.{index}.self_attn", par)  # mtp_config: sliding
         self.pre_mlp_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.mlp = DenseMLP(cfg, cfg.intermediate_size, f"model.mtp.layers.{index}.mlp")
+        self.mlp = DenseMLP(cfg, cfg.intermediate_size // par.shard.size, f"model.mtp.layers.{index}.mlp")
         self.final_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
     def combine(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -67,23 +68,25 @@ class MTPLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """After attention: the residual, the MLP and the final norm."""
-        x = x + self.self_attn.o_proj(attn_out)
-        x = x + self.mlp(self.pre_mlp_layernorm(x))
+        x = x + self.par.reduce(self.self_attn.o_proj(attn_out))
+        x = x + self.par.reduce(self.mlp(self.pre_mlp_layernorm(x)))
         return self.final_layernorm(x)
 
 
 class MiMoV2FlashMTP(nn.Module):
     """The MTP layers (`layers[k-1]` is MTP layer k) and the sliding rope they share."""
 
-    def __init__(self, cfg: MiMoV2FlashConfig):
+    def __init__(self, cfg: MiMoV2FlashConfig, par: Parallel = SINGLE_RANK):
         super().__init__()
         self.cfg = mtp_config(cfg)
-        self.layers = nn.ModuleList([MTPLayer(self.cfg, i) for i in range(self.cfg.num_hidden_layers)])
+        self.par = par
+        self.layers = nn.ModuleList([MTPLayer(self.cfg, i, par) for i in range(self.cfg.num_hidden_layers)])
         self.rotary_emb = Rotary(self.cfg)
 
     def kv_config(self) -> MiMoV2FlashConfig:
-        """What `KVPools` / `ContiguousKV` need to hold the MTP layers' KV (one sliding layer each)."""
-        return self.cfg
+        """What `KVPools` / `ContiguousKV` need to hold the MTP layers' KV here (one sliding layer each, this
+        rank's heads)."""
+        return self.par.shard.attention_config(self.cfg)
 
     def step(
         self,

@@ -1,7 +1,8 @@
 """One flag source for every command: a dataclass whose fields are the flags.
 
-Each field carries its help text (and optionally an argparse group, choices and a flag name of its own) in its
-metadata; the CLI builds its flags from the fields, and `from_args` builds the dataclass back from the parsed
+Each field carries its help text (and optionally an argparse group, choices, a flag name of its own and `aliases`,
+other names of the same flag such as `--tp`) in its metadata; the CLI builds its flags from the fields, and
+`from_args` builds the dataclass back from the parsed
 namespace, so a default is written once. `prefix` lets one command expose another's flags under a prefix
 (`serve` passes every LLM-worker flag through as `--llm-*`). A field declared with `embedded(Cls)` holds another
 flag dataclass whose fields are flags of the same command (the LLM router's config embeds the policies'
@@ -75,9 +76,10 @@ def add_arguments(
         help_text = f"{f.metadata.get('help', '')} (default: {default!r})"
         dest = prefix + f.name
         typ = _type_of(f)
+        names = [flag_name(f.name, prefix, f), *(flag_name(a, prefix) for a in f.metadata.get("aliases", ()))]
         if typ is bool:
             target.add_argument(
-                flag_name(f.name, prefix, f),
+                *names,
                 dest=dest,
                 action=argparse.BooleanOptionalAction,
                 default=default,
@@ -85,7 +87,7 @@ def add_arguments(
             )
         else:
             target.add_argument(
-                flag_name(f.name, prefix, f),
+                *names,
                 dest=dest,
                 type=typ,
                 default=default,

@@ -1,0 +1,186 @@
+"""The first rank's side of a model-parallel replica: it starts the other ranks, joins their process groups, sends
+each step's inputs and notices when a rank is gone.
+
+The process picture (docs/parallel.md): rank 0 is the worker process (scheduler, prefix cache, tokenizer, API);
+ranks 1..N-1 are processes it spawns (`rank.py`), each holding its shard and KV pools for its heads. Two
+torch.distributed groups join them:
+
+- the *device* group (the default group: gloo on CPUs, NCCL on GPUs) carries the forward's collectives
+  (`comm.Parallel`); its timeout is `--dist-timeout-s`, so a rank that died or hangs fails the next collective
+  within that time;
+- the *control* group (gloo, no practical timeout: an idle worker waits for its next step as long as it likes)
+  carries `StepCall`s, pickled with `broadcast_object_list`, from rank 0 to the others.
+
+Each step rank 0 broadcasts the step (`send`) and then runs the same forward as every other rank; only rank 0
+samples. Start-up is ordered: every rank joins the groups, loads its shard (no collective meanwhile), then all
+meet in a monitored barrier (`--dist-load-timeout-s`) that names a rank that never arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, NamedTuple
+
+import torch
+
+from .comm import Parallel
+from .shard import Shard
+
+log = logging.getLogger(__name__)
+
+CONTROL_TIMEOUT = timedelta(days=365)  # the control group's waits are for work, not for a peer's answer
+
+
+class ReplicaDown(RuntimeError):
+    """A rank of the replica died, hung past the collective timeout or failed its forward."""
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What every rank needs to build itself (picklable: sent to the spawned ranks)."""
+
+    model: str
+    dtype: str  # torch dtype name
+    device: str
+    fp8_weights: str
+    quantization: str
+    size: int
+    expert_parallel: bool
+    full_slots: int
+    swa_slots: int
+    init_method: str
+    timeout_s: float
+    load_timeout_s: float
+    threads: int = 0
+    env: dict = field(default_factory=dict)
+
+    def shard(self, rank: int) -> Shard:
+        return Shard(rank, self.size, self.expert_parallel)
+
+
+class StepCall(NamedTuple):
+    """One forward, as every rank runs it: the segments' inputs (`SeqInput`s, on the CPU), their logits modes and
+    their slots (`SeqSlots`)."""
+
+    inputs: list
+    modes: list[str]
+    seqs: list
+
+
+def free_init_method(host: str = "127.0.0.1") -> str:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return f"tcp://{host}:{s.getsockname()[1]}"
+
+
+class Replica:
+    """Rank 0 of a replica. `start()` spawns ranks 1..N-1 and joins the groups; `ready()` waits for every rank's
+    shard; `send(call)` starts a step on the others; `close()` stops them."""
+
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self.procs: list[Any] = []
+        self.control: Any = None
+        self.down: str = ""  # why the replica is down ("" while it serves)
+        self.par = Parallel(spec.shard(0))
+
+    def start(self) -> None:
+        import torch.distributed as dist
+
+        from .rank import rank_main
+
+        if dist.is_initialized():
+            raise RuntimeError("a model-parallel replica is already running in this process (one per process)")
+        ctx = mp.get_context("spawn")
+        for r in range(1, self.spec.size):
+            p = ctx.Process(target=rank_main, args=(self.spec, r), name=f"tp-rank-{r}", daemon=True)
+            p.start()
+            self.procs.append(p)
+        log.info("model parallelism: started ranks 1..%d (pids %s)", self.spec.size - 1, [p.pid for p in self.procs])
+        try:
+            self.control = join_groups(self.spec, 0)
+        except Exception as e:
+            self.close()
+            raise RuntimeError(f"the model-parallel ranks did not join ({e})") from None
+
+    def ready(self) -> None:
+        """After this rank's shard is loaded: waits for every rank's (a rank that fails or never arrives is named)."""
+        import torch.distributed as dist
+
+        try:
+            dist.monitored_barrier(self.control, timeout=timedelta(seconds=self.spec.load_timeout_s))
+        except Exception as e:
+            dead = self.missing()
+            self.close()
+            raise RuntimeError(f"the model-parallel ranks did not load their shards ({dead or e})") from None
+        log.info("model parallelism: %d ranks ready", self.spec.size)
+
+    def missing(self) -> str:
+        """The ranks whose processes are gone, in words ("" when all run)."""
+        gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
+        return ", ".join(gone)
+
+    def send(self, call: StepCall) -> None:
+        import torch.distributed as dist
+
+        if self.down:
+            raise ReplicaDown(self.down)
+        try:
+            dist.broadcast_object_list([call], src=0, group=self.control)
+        except Exception as e:
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> None:
+        """Marks the replica down after a failed broadcast or collective and raises `ReplicaDown`."""
+        if not self.down:
+            self.down = f"model-parallel replica down: {self.missing() or 'a rank failed or timed out'} ({e})"
+            log.error("%s", self.down)
+        raise ReplicaDown(self.down) from e
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            if not self.down and self.control is not None and all(p.is_alive() for p in self.procs):
+                try:
+                    dist.broadcast_object_list([None], src=0, group=self.control)
+                except Exception:  # noqa: BLE001 - stopping anyway
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self.procs = []
+
+
+def join_groups(spec: RankSpec, rank: int) -> Any:
+    """Joins the device group (the default group) and returns the control group."""
+    import torch.distributed as dist
+
+    backend = "nccl" if spec.device.startswith("cuda") else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=spec.init_method,
+        rank=rank,
+        world_size=spec.size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+
+
+def set_threads(spec: RankSpec) -> None:
+    if spec.threads > 0:
+        torch.set_num_threads(spec.threads)
+    for k, v in spec.env.items():
+        os.environ.setdefault(k, v)

@@ -1,0 +1,169 @@
+"""What one rank of a model-parallel replica holds: the slicing rules of tensor and expert parallelism, written once.
+
+A `Shard` is (rank, size, expert_parallel). Its rules, by parameter (vLLM's and SGLang's meaning of the flags):
+
+- attention: query heads split evenly (`num_attention_heads % size == 0`), rank r holding heads
+  [r * Hq/N, (r+1) * Hq/N); KV heads split the same way when there are at least N of them, else replicated:
+  rank r holds KV head r // (N / Hkv) (vLLM's rule; N must then be a multiple of Hkv). Full and sliding layers
+  each by their own KV head count. q/k/v are column-parallel (rows of the weight, and the bias), o_proj
+  row-parallel (columns), the per-head sink logits split with the query heads;
+- the dense MLP: gate/up column-parallel, down row-parallel (`intermediate_size % size == 0`);
+- the routed experts: with tensor parallelism every rank holds every expert's slice of the intermediate
+  dimension (gate and up rows, down columns); with expert parallelism rank r holds whole experts
+  [r * E/N, (r+1) * E/N) (`n_routed_experts % size == 0`);
+- the token embedding and the LM head: split by vocabulary (`vocab_size % size == 0`), rank r holding ids
+  [r * V/N, (r+1) * V/N); the embedding is summed over ranks, the logits gathered;
+- everything else is replicated: the norms, the router (fp32, so every rank picks the same experts), the MTP
+  layers' `eh_proj`.
+
+The same rules serve the loader (each tensor read and sliced to this rank's part before it is kept: a rank never
+holds another rank's part of more than the one tensor being read), the model's constructors (local shapes) and
+the KV pools (this rank's KV heads). A shape a rule cannot split is refused by `check`, naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+_ATTN = re.compile(r"(?:^|\.)self_attn\.(q_proj|k_proj|v_proj|o_proj)\.(weight|bias)$")
+_MLP = re.compile(r"(?:^|\.)mlp\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERTS = re.compile(r"(?:^|\.)mlp\.experts\.(gate_up_proj|down_proj)$")
+_LAYER = re.compile(r"^model\.(?:mtp\.)?layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False
+
+    @property
+    def single(self) -> bool:
+        return self.size == 1
+
+    # --- shapes -------------------------------------------------------------------------------------------
+    def part(self, n: int) -> slice:
+        """This rank's even part of n things."""
+        k = n // self.size
+        return slice(self.rank * k, (self.rank + 1) * k)
+
+    def kv_part(self, kv_heads: int) -> slice:
+        """This rank's KV heads: an even part, or the one replicated head r // (N / Hkv)."""
+        if kv_heads >= self.size:
+            return self.part(kv_heads)
+        h = self.rank // (self.size // kv_heads)
+        return slice(h, h + 1)
+
+    def experts(self, n: int) -> slice:
+        """The experts this rank holds whole (all of them without expert parallelism)."""
+        return self.part(n) if self.expert_parallel else slice(0, n)
+
+    def moe_intermediate(self, inter: int) -> int:
+        """This rank's part of each expert's intermediate dimension (whole with expert parallelism)."""
+        return inter if self.expert_parallel else inter // self.size
+
+    def attention_config(self, cfg):
+        """`cfg` with this rank's head counts: what the KV pools (and the attention modules) hold here."""
+        if self.single:
+            return cfg
+        full = [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"]
+        swa = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+        kv_full = cfg.kv_heads(full[0]) if full else cfg.num_key_value_heads
+        kv_swa = cfg.kv_heads(swa[0]) if swa else cfg.kv_heads(0)
+        return replace(
+            cfg,
+            num_attention_heads=cfg.num_attention_heads // self.size,
+            num_key_value_heads=_len(self.kv_part(kv_full)),
+            swa_num_key_value_heads=_len(self.kv_part(kv_swa)),
+        )
+
+    def check(self, cfg) -> None:
+        """Raises ValueError naming the config field this shard cannot split (one line)."""
+        if self.size < 1 or not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} of a tensor-parallel size {self.size}")
+        if self.single:
+            return
+        n = self.size
+        why = f"--tensor-parallel-size {n}"
+        need = [("num_attention_heads", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size)]
+        need.append(("intermediate_size", cfg.intermediate_size))
+        if self.expert_parallel:
+            need.append(("n_routed_experts", cfg.n_routed_experts))
+        elif "sparse" in cfg.mlp_layer_types:
+            need.append(("moe_intermediate_size", cfg.moe_intermediate_size))
+        for name, value in need:
+            if value % n:
+                raise ValueError(f"{why}: the model's {name} ({value}) is not a multiple of {n}")
+        for kind in sorted(set(cfg.layer_types)):
+            i = cfg.layer_types.index(kind)
+            kv = cfg.kv_heads(i)
+            if (kv >= n and kv % n) or (kv < n and n % kv):
+                raise ValueError(f"{why}: {kind} layers have {kv} KV heads, neither a multiple nor a divisor of {n}")
+        if cfg.quant is not None:
+            raise ValueError(
+                f"{why}: FP8 weights kept FP8 are not split yet; load them with --fp8-weights dequantize "
+                "(docs/parallel.md)"
+            )
+
+    # --- the loader's rule ------------------------------------------------------------------------------
+    def take(self, name: str, full: torch.Tensor, cfg) -> torch.Tensor:
+        """This rank's part of parameter `name` (our name, the model's full shape `full`): a view into `full`."""
+        if self.single:
+            return full
+        m = _ATTN.search(name)
+        if m:
+            proj, kind = m.groups()
+            kv_heads = self._kv_heads(name, cfg)
+            if proj == "o_proj":
+                return full[:, self._heads_cols(cfg.num_attention_heads, cfg.v_head_dim)]
+            if proj == "q_proj":
+                rows = self._rows(self.part(cfg.num_attention_heads), cfg.head_dim)
+            else:
+                dim = cfg.head_dim if proj == "k_proj" else cfg.v_head_dim
+                rows = self._rows(self.kv_part(kv_heads), dim)
+            return full[rows]
+        if name.endswith("self_attn.sinks"):
+            return full[self.part(cfg.num_attention_heads)]
+        m = _MLP.search(name)
+        if m:
+            return full[:, self.part(full.shape[1])] if m.group(1) == "down_proj" else full[self.part(full.shape[0])]
+        m = _EXPERTS.search(name)
+        if m:
+            full = full[self.experts(full.shape[0])]
+            if self.expert_parallel:
+                return full
+            if m.group(1) == "down_proj":
+                return full[:, :, self.part(full.shape[2])]
+            inter = full.shape[1] // 2
+            local = self.part(inter)
+            return torch.cat((full[:, local], full[:, inter + local.start : inter + local.stop]), dim=1)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return full[self.part(full.shape[0])]
+        return full
+
+    def local_shape(self, name: str, full_shape: tuple[int, ...], cfg) -> tuple[int, ...]:
+        return tuple(self.take(name, torch.empty(full_shape, device="meta"), cfg).shape)
+
+    def _rows(self, heads: slice, dim: int) -> slice:
+        return slice(heads.start * dim, heads.stop * dim)
+
+    def _heads_cols(self, heads: int, dim: int) -> slice:
+        return self._rows(self.part(heads), dim)
+
+    @staticmethod
+    def _kv_heads(name: str, cfg) -> int:
+        """The KV head count of the layer `name` belongs to (an MTP layer is a sliding layer of the model's shape)."""
+        if ".mtp." in name:
+            return cfg.swa_num_key_value_heads or 2 * cfg.num_key_value_heads
+        m = _LAYER.match(name)
+        return cfg.kv_heads(int(m.group(1)) if m else 0)
+
+
+def _len(s: slice) -> int:
+    return s.stop - s.start
+
+
+SINGLE = Shard()

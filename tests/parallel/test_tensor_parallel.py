@@ -1,0 +1,185 @@
+"""Tensor and expert parallelism (llm_backend/parallel): real rank processes on gloo against our one-rank engine.
+
+There is no outside reference for a split forward; the one-rank, colocated engine is the reference and greedy
+tokens must be identical (the split sums partials in another order, so logits are compared with a tolerance).
+- the slicing rules and refusals, by name, without processes;
+- loading shard by shard from checkpoints in the released layouts (V2.5's fused QKV pre-split for 4 ranks, FP8
+  dequantized at load): every rank's tensors are exactly its part of the whole, and the resident bytes over the
+  ranks are the whole plus the replicated parts once per extra rank (measured on the loaded tensors);
+- the engine at TP 2 and TP 2 with expert parallelism: text, a prefix-cache hit, media rows, prompt logprobs;
+  V2.5 at TP 2 and 4; a rank killed under load fails the replica loudly within the collective timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from llm_backend import LLM, SamplingParams
+from llm_backend.config import LLMConfig
+from llm_backend.models.loader import load_checkpoint
+from llm_backend.models.make_checkpoint import write_checkpoint
+from llm_backend.parallel.comm import Parallel
+from llm_backend.parallel.shard import Shard
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0)
+OPTS = dict(kv_cache_tokens=1024, swa_cache_tokens=1024, chunk_size=32, torch_threads=1, max_running=4)
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12] * 5, list(range(20, 90)), [3, 4, 5]]
+
+
+@pytest.fixture(scope="module")
+def v25(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("v25") / "v2.5-fp8")
+    write_checkpoint(d, "v2.5", "fp8")  # fused QKV pre-split for 4 ranks, 128x128 FP8 blocks, 4 shards
+    return d
+
+
+def run(llm: LLM, prompts, params=GREEDY):
+    return [o.output_token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)]
+
+
+# ------------------------------------------------------------------------------------------- rules, no processes
+
+
+def test_kv_heads_split_or_replicated_by_vllms_rule():
+    assert [Shard(r, 4).kv_part(8) for r in range(4)] == [slice(0, 2), slice(2, 4), slice(4, 6), slice(6, 8)]
+    assert [Shard(r, 4).kv_part(2) for r in range(4)] == [slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    assert [Shard(r, 2).kv_part(1) for r in range(2)] == [slice(0, 1), slice(0, 1)]
+
+
+@pytest.mark.parametrize(
+    "size, ep, says",
+    [
+        (3, False, "num_attention_heads (4) is not a multiple of 3"),
+        (8, True, "num_attention_heads (4) is not a multiple of 8"),
+    ],
+)
+def test_a_size_the_model_cannot_split_is_refused_naming_the_field(size, ep, says):
+    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+        LLM("tiny", tensor_parallel_size=size, enable_expert_parallel=ep, **OPTS)
+
+
+def test_kv_heads_neither_multiple_nor_divisor_are_refused():
+    from llm_backend.models import TINY_LLM_CONFIG
+
+    cfg = TINY_LLM_CONFIG  # 1 full KV head, 2 sliding: fine at 2 and 4
+    Shard(0, 4).check(cfg)
+    from dataclasses import replace
+
+    odd = replace(cfg, num_attention_heads=12, num_key_value_heads=3, swa_num_key_value_heads=3)
+    with pytest.raises(ValueError, match="3 KV heads, neither a multiple nor a divisor of 2"):
+        Shard(0, 2).check(replace(odd, num_attention_heads=12, vocab_size=320))
+
+
+@pytest.mark.parametrize(
+    "option, says",
+    [
+        (dict(speculative_steps=2), "--speculative-steps"),
+        (dict(host_kv_bytes=1 << 20), "KV tiers"),
+        (dict(role="prefill"), "--role prefill"),
+    ],
+)
+def test_features_not_split_yet_are_refused_not_served_on_one_rank(option, says):
+    with pytest.raises(ValueError, match=says):
+        LLMConfig(tensor_parallel_size=2, **option).validate()
+
+
+def test_fp8_kept_resident_is_refused_at_tp2_by_name(v25):
+    with pytest.raises(ValueError, match="--fp8-weights dequantize"):
+        load_checkpoint(v25, torch.float32, "keep", par=Parallel(Shard(0, 2)))
+
+
+@pytest.mark.parametrize("size, ep", [(2, False), (4, False), (2, True)])
+def test_each_rank_loads_exactly_its_part_of_a_released_checkpoint(v25, size, ep):
+    whole = load_checkpoint(v25, torch.float32, "dequantize", progress=False)
+    full = whole.state_dict()
+    cfg = whole.config
+    held, replicated = 0, 0
+    for r in range(size):
+        shard = Shard(r, size, ep)
+        part = load_checkpoint(v25, torch.float32, "dequantize", progress=False, par=Parallel(shard))
+        state = part.state_dict()
+        assert set(state) == set(full)
+        for name, t in state.items():
+            want = shard.take(name, full[name], cfg)
+            assert t.shape == want.shape and torch.equal(t, want), name
+            if r == 0 and t.shape == full[name].shape:
+                replicated += t.numel() * t.element_size()
+        held += sum(t.numel() * t.element_size() for t in state.values())
+    whole_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    assert held == whole_bytes + (size - 1) * replicated
+    assert replicated < whole_bytes / 4  # the norms, the router, the MTP combine: the split parts dominate
+
+
+# ------------------------------------------------------------------------------------------- real ranks
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    llm = LLM("tiny", **OPTS)
+    yield llm
+
+
+@pytest.mark.parametrize("ep", [False, True], ids=["tp2", "tp2-ep2"])
+def test_tp2_greedy_identical_to_one_rank_with_prefix_hits_media_and_logprobs(one_rank, ep):
+    ref = run(one_rank, PROMPTS)
+    vocab = one_rank.model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    media = {3 + j: torch.randn(one_rank.model.config.hidden_size, generator=g) * 0.05 for j in range(6)}
+    mprompt = [5, 6, 7] + [vocab + 100 + j for j in range(6)] + [8, 9, 10, 11]
+    scored = SamplingParams(max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+
+    def media_and_scores(llm):
+        r = llm.add_request(mprompt, GREEDY, media=dict(media))
+        s = llm.add_request(PROMPTS[1], scored)
+        while llm.has_work():
+            llm.step()
+        return r.output, s.output, s.logprobs
+
+    ref_media, ref_scored, ref_lp = media_and_scores(one_rank)
+    llm = LLM("tiny", tensor_parallel_size=2, enable_expert_parallel=ep, **OPTS)
+    try:
+        assert run(llm, PROMPTS) == ref
+        assert run(llm, PROMPTS) == ref and llm.stats()["prefix_hit_tokens"] > 0  # the second pass hits the cache
+        got_media, got_scored, got_lp = media_and_scores(llm)
+        assert got_media == ref_media and got_scored == ref_scored
+        assert torch.allclose(torch.tensor(got_lp), torch.tensor(ref_lp), atol=1e-4)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_v25_fused_qkv_checkpoint_at_tp2_and_tp4_equals_one_rank(v25, size):
+    prompts = [
+        [int(t) for t in torch.randint(9, 4096, (n,), generator=torch.Generator().manual_seed(n))] for n in (5, 40)
+    ]
+    opts = dict(OPTS, fp8_weights="dequantize")
+    ref = run(LLM(v25, **opts), prompts)
+    llm = LLM(v25, tensor_parallel_size=size, **opts)
+    try:
+        assert run(llm, prompts) == ref
+    finally:
+        llm.close()
+
+
+def test_a_rank_killed_under_load_fails_the_replica_loudly_and_quickly():
+    llm = LLM("tiny", tensor_parallel_size=2, dist_timeout_s=10, **OPTS)
+    try:
+        assert run(llm, PROMPTS[:1])  # serving
+        pid = llm.replica.procs[0].pid
+        reqs = [llm.add_request(p, SamplingParams(max_tokens=200, temperature=0)) for p in PROMPTS]
+        llm.step()
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match="model-parallel replica down: rank 1"):
+            while llm.has_work():
+                llm.step()
+        assert time.monotonic() - t0 < 15
+        assert all(r.finish_reason == "error" and r.error_code == "unavailable" for r in reqs)
+        assert "rank 1" in reqs[0].error
+    finally:
+        llm.close()
