@@ -252,6 +252,7 @@ class LLM:
             "swa_used": self.swa_pool.size - self.swa_pool.available(),
             "swa_total": self.swa_pool.size,
             "prefix_hit_tokens": self.cache.stats.hit_tokens,
+            **self._parallel_stats(),
             "prompt_tokens": s.prompt_tokens,
             "generated_tokens": s.generated_tokens,
             "preemptions": s.preemptions,
@@ -355,12 +356,36 @@ class LLM:
                 with self._lock:
                     if not self.has_work():
                         self._wake.wait(0.1)
+                        self._check_replica()
                         continue
                 self.step()
         except BaseException as e:  # pragma: no cover - step() contains its own failures
             self.loop_error = e
             log.exception("the engine loop died")
             raise
+
+    def _parallel_stats(self) -> dict:
+        """Model parallelism's figures (none on one rank): rank 0's collectives and the replica's state."""
+        if self.replica is None:
+            return {}
+        c = self.replica.par.stats
+        return {
+            "tensor_parallel_size": self.replica.spec.size,
+            "tp_collectives": c.calls,
+            "tp_collective_s": round(c.seconds, 6),
+            "tp_collective_bytes": c.bytes,
+            "tp_replica_up": int(not self.replica.down),
+        }
+
+    def _check_replica(self) -> None:
+        """While idle: a rank process of this node that is gone takes the replica down now, not at the next
+        request (ranks on other nodes are noticed by the next collective)."""
+        if self.replica is not None and self.replica.missing():
+            try:
+                self.replica.fail(RuntimeError("found while idle"))
+            except ReplicaDown as e:
+                self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), "the model-parallel replica", e)
+                raise
 
     # ----------------------------------------------------------------------------------- one step
     def step(self) -> None:

@@ -350,11 +350,14 @@ class MiMoV2FlashForCausalLM(nn.Module):
         (`paged`: a `PagedBatch` describing the step). Returns each segment's logits ("all" tokens or the "last"
         one)."""
         x, bounds = self.hidden_states(segments, paged)
-        results = []
+        rows = []
         for j, mode in enumerate(logits_for):
             a, b = bounds[j], bounds[j + 1]
-            results.append(self.logits(x[a:b] if mode == "all" else x[b - 1 : b]))
-        return results
+            rows.append(x[a:b] if mode == "all" else x[b - 1 : b])
+        if self.par.single:
+            return [self.logits(h) for h in rows]
+        # Split: one gather for the step, not one per segment (the LM head's rows concatenated, then cut again).
+        return list(self.logits(torch.cat(rows)).split([h.shape[0] for h in rows]))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] of ids [T] (summed over the ranks that hold their rows)."""
@@ -368,7 +371,7 @@ class MiMoV2FlashForCausalLM(nn.Module):
         """The final hidden states (after the last norm: what the LM head and the first MTP layer read) of all the
         segments' tokens [T, hidden], and the segments' bounds in that order."""
         m, par = self.model, self.par
-        xs = [self._embeds(seg) for seg in segments]
+        xs = self._embed_all(segments)
         x = torch.cat(xs) if len(xs) > 1 else xs[0]
         positions = torch.cat([seg.positions for seg in segments]) if len(segments) > 1 else segments[0].positions
         bounds = [0]
@@ -383,6 +386,19 @@ class MiMoV2FlashForCausalLM(nn.Module):
             x = x + par.reduce(attn.o_proj(o.reshape(o.shape[0], -1)))
             x = x + par.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         return m.norm(x), bounds
+
+    def _embed_all(self, segments: list[SeqInput]) -> list[torch.Tensor]:
+        """Every segment's input embeddings; split over ranks, one lookup (one all-reduce) for the whole step."""
+        if self.par.single or any(seg.inputs_embeds is not None or seg.input_ids is None for seg in segments):
+            return [self._embeds(seg) for seg in segments]
+        last = self.config.vocab_size - 1
+        ids = [seg.input_ids if seg.media is None else seg.input_ids.clamp(max=last) for seg in segments]
+        xs = list(self.embed(torch.cat(ids)).split([len(t) for t in ids]))
+        for seg, x in zip(segments, xs):
+            if seg.media is not None:
+                rows, values = seg.media
+                x[rows] = values.to(x.dtype)
+        return xs
 
     def _embeds(self, seg: SeqInput) -> torch.Tensor:
         if seg.inputs_embeds is not None:

@@ -12,7 +12,8 @@ A single rank (`SINGLE`) makes none of these calls and computes exactly what the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,10 +22,21 @@ import torch.nn.functional as F
 from .shard import SINGLE, Shard
 
 
+@dataclass
+class CommStats:
+    """What this rank's collectives cost: calls and seconds spent in them (waiting for the slowest rank included),
+    and the bytes this rank contributed."""
+
+    calls: int = 0
+    seconds: float = 0.0
+    bytes: int = 0
+
+
 @dataclass(frozen=True)
 class Parallel:
     shard: Shard = SINGLE
     group: Any = None  # torch.distributed ProcessGroup (None: the default group)
+    stats: CommStats = field(default_factory=CommStats, compare=False)
 
     @property
     def single(self) -> bool:
@@ -36,8 +48,16 @@ class Parallel:
             return x
         import torch.distributed as dist
 
+        t0 = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self._count(t0, x)
         return x
+
+    def _count(self, t0: float, x: torch.Tensor) -> None:
+        s = self.stats
+        s.calls += 1
+        s.seconds += time.perf_counter() - t0
+        s.bytes += x.numel() * x.element_size()
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's vocabulary part of [T, V/N] logits, joined in rank order: [T, V]."""
@@ -46,7 +66,9 @@ class Parallel:
         import torch.distributed as dist
 
         parts = [torch.empty_like(x) for _ in range(self.shard.size)]
+        t0 = time.perf_counter()
         dist.all_gather(parts, x.contiguous(), group=self.group)
+        self._count(t0, x)
         return torch.cat(parts, dim=-1)
 
     def embed(self, ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

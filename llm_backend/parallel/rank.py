@@ -25,9 +25,12 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {rank} %(levelname)s %(message)s")
     import torch.distributed as dist
 
+    from mimo_epd.common.parent import exit_with_parent
+
     from ..models import load_llm
     from ..paged_attention import KVPools, PagedBatch
 
+    exit_with_parent()  # rank 0 gone, even by SIGKILL: this rank has nobody to serve
     set_threads(spec)
     try:
         control = join_groups(spec, rank)

@@ -8,8 +8,8 @@ torch.distributed groups join them:
 - the *device* group (the default group: gloo on CPUs, NCCL on GPUs) carries the forward's collectives
   (`comm.Parallel`); its timeout is `--dist-timeout-s`, so a rank that died or hangs fails the next collective
   within that time;
-- the *control* group (gloo, no practical timeout: an idle worker waits for its next step as long as it likes)
-  carries `StepCall`s, pickled with `broadcast_object_list`, from rank 0 to the others.
+- the *control* group (gloo) carries `StepCall`s, pickled with `broadcast_object_list`, from rank 0 to the
+  others: rank 0's sends time out like a collective, the other ranks wait for their next step without limit.
 
 Each step rank 0 broadcasts the step (`send`) and then runs the same forward as every other rank; only rank 0
 samples. Start-up is ordered: every rank joins the groups, loads its shard (no collective meanwhile), then all
@@ -125,6 +125,15 @@ class Replica:
         gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
         return ", ".join(gone)
 
+    def stuck(self) -> str:
+        """The ranks whose processes are stopped (SIGSTOP, a debugger) or zombies, in words ("" when none)."""
+        out = []
+        for i, p in enumerate(self.procs):
+            state = _proc_state(p.pid)
+            if state in ("T", "t", "Z"):
+                out.append(f"rank {i + 1} (pid {p.pid}, {'stopped' if state != 'Z' else 'a zombie'})")
+        return ", ".join(out)
+
     def send(self, call: StepCall) -> None:
         import torch.distributed as dist
 
@@ -138,7 +147,8 @@ class Replica:
     def fail(self, e: BaseException) -> None:
         """Marks the replica down after a failed broadcast or collective and raises `ReplicaDown`."""
         if not self.down:
-            self.down = f"model-parallel replica down: {self.missing() or 'a rank failed or timed out'} ({e})"
+            who = self.missing() or self.stuck() or "a rank failed or timed out"
+            self.down = f"model-parallel replica down: {who} ({e})"
             log.error("%s", self.down)
         raise ReplicaDown(self.down) from e
 
@@ -152,7 +162,7 @@ class Replica:
                 except Exception:  # noqa: BLE001 - stopping anyway
                     pass
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=0 if self.down else 10)  # a down replica's ranks may hang: not waited for
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
@@ -162,6 +172,15 @@ class Replica:
                 p.kill()
                 p.join(timeout=5)
         self.procs = []
+
+
+def _proc_state(pid: int | None) -> str:
+    """A local process's state letter from /proc ("" where there is none to read)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
 
 
 def join_groups(spec: RankSpec, rank: int) -> Any:
@@ -176,7 +195,10 @@ def join_groups(spec: RankSpec, rank: int) -> Any:
         world_size=spec.size,
         timeout=timedelta(seconds=spec.timeout_s),
     )
-    return dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    # Rank 0's sends wait at most the collective timeout (a hung rank must not hang the engine); the other ranks
+    # wait for their next step without limit (an idle engine sends nothing). The timeout is each process's own.
+    wait = timedelta(seconds=spec.timeout_s) if rank == 0 else CONTROL_TIMEOUT
+    return dist.new_group(backend="gloo", timeout=wait)
 
 
 def set_threads(spec: RankSpec) -> None:

@@ -36,10 +36,23 @@ class _EngineGauges:
                 "full_request_slots",
             ),
             ("llm_kv_swa_request_slots", "SWA-pool slots held by requests (not the prefix cache)", "swa_request_slots"),
+            ("llm_tensor_parallel_size", "ranks of this worker's model-parallel replica", "tensor_parallel_size"),
+            ("llm_tp_replica_up", "1 while every rank of the model-parallel replica serves", "tp_replica_up"),
         ]
         for name, doc, key in gauges:
             if key in s:
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        for name, doc, key in (
+            ("llm_tp_collectives", "collectives rank 0 made (all-reduces, all-gathers)", "tp_collectives"),
+            (
+                "llm_tp_collective_seconds",
+                "seconds rank 0 spent in collectives (waiting for peers included)",
+                "tp_collective_s",
+            ),
+            ("llm_tp_collective_bytes", "bytes rank 0 contributed to collectives", "tp_collective_bytes"),
+        ):
+            if key in s:
+                yield CounterMetricFamily(name, doc, value=float(s[key]))
         if "prefix_hit_tokens" in s:
             yield CounterMetricFamily(
                 "llm_prefix_cache_hit_tokens",

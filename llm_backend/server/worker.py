@@ -15,6 +15,7 @@ from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
 from mimo_epd.v1 import generator_pb2_grpc, kv_events_pb2_grpc
 
 from ..kv.events import DEFAULT_BLOCK, KVEventPublisher, KVEventsService, engine_load, event_block_size
+from ..parallel.replica import ReplicaDown
 from ..pd.decode import DecodeRole, DecodeSettings
 from ..pd.prefill import PrefillRole
 from .chat_template import load_chat_template
@@ -65,32 +66,13 @@ async def serve_llm(
     srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
     xfer = _attach_role(engine, core, srv, host, role)
     await srv.start()
-    runner = None
-    if config.http_port >= 0:
-        from .http import LLMHTTPServer, start_http
-
-        runner, http_port = await start_http(
-            LLMHTTPServer(
-                core,
-                template,
-                metrics,
-                config.media_timeout_s,
-                model,
-                config.edge,
-                config.auth,
-                max_prompts=config.max_prompts_per_request,
-                max_samples=config.max_samples_per_request,
-            ),
-            host,
-            config.http_port,
-        )
-        shown = shown_host(host)
-        log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
-        print(f"http {shown}:{http_port}", flush=True)
+    runner = await _start_http_api(core, template, metrics, config, model, name, host)
     stop = asyncio.Event()
     stop_on_signals(stop)  # before the ready line: a SIGTERM right after it is a clean stop
     srv.announce()
+    watch = asyncio.create_task(_stop_when_replica_down(engine, thread, stop))
     await stop.wait()
+    watch.cancel()
     t0 = time.monotonic()
     if runner is not None:
         from .http import stop_http
@@ -101,10 +83,47 @@ async def serve_llm(
     t1 = time.monotonic()
     stop_engine.set()
     thread.join(5)
+    engine.close()  # the other ranks of a model-parallel replica
     if xfer is not None:
         xfer.close()
     log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
-    return 0
+    return 1 if isinstance(engine.loop_error, ReplicaDown) else 0
+
+
+async def _start_http_api(core, template, metrics, config: ServerConfig, model: str, name: str, host: str):
+    """The OpenAI-compatible HTTP API on `core` (prints `http HOST:PORT`); None when --http-port is -1."""
+    if config.http_port < 0:
+        return None
+    from .http import LLMHTTPServer, start_http
+
+    runner, http_port = await start_http(
+        LLMHTTPServer(
+            core,
+            template,
+            metrics,
+            config.media_timeout_s,
+            model,
+            config.edge,
+            config.auth,
+            max_prompts=config.max_prompts_per_request,
+            max_samples=config.max_samples_per_request,
+        ),
+        host,
+        config.http_port,
+    )
+    shown = shown_host(host)
+    log.info("HTTP API on http://%s:%d (model %r, chat template: %s)", shown, http_port, name, template.origin)
+    print(f"http {shown}:{http_port}", flush=True)
+    return runner
+
+
+async def _stop_when_replica_down(engine, thread: threading.Thread, stop: asyncio.Event) -> None:
+    """A model-parallel replica with a rank gone cannot serve again: the worker exits (status 1) once its
+    requests have their errors, so the supervisor restarts the whole group (docs/parallel.md)."""
+    while thread.is_alive() or not isinstance(engine.loop_error, ReplicaDown):
+        await asyncio.sleep(0.5)
+    log.error("exiting: %s", engine.loop_error)
+    stop.set()
 
 
 def _attach_role(engine, core, srv: GrpcServer, host: str, role):

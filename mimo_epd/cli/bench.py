@@ -45,6 +45,11 @@ BENCHMARKS = (
         "MTP speculative decoding: off vs K = 1-3, without prefill MTP, one MTP layer reused (--sim: h200)",
     ),
     (
+        "parallel",
+        "parallel",
+        "tensor / expert parallelism on this machine: TP 2 (two ranks) vs one process, batch 1 and 16",
+    ),
+    (
         "structured",
         "structured",
         "grammar-constrained decoding (xgrammar): unconstrained vs json_schema vs regex, batch 1 and 16",

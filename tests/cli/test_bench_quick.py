@@ -306,3 +306,17 @@ def test_encoder_bench_repeats_report_the_median_run_and_paired_ranges():
         "pipelined 2x1": ["--forward-workers", "2", "--torch-threads", "1"],
     }
     assert shape_flags("") == {}
+
+
+def test_parallel_bench_quick():
+    """TP 2 and TP 2 with expert parallelism against one process: outputs identical, rank 0's collectives counted
+    (18 a step on the tiny model: two per layer, the embedding's, the logits'), the issue's ratio named."""
+    out = run_bench("parallel", "--modes", "tp1,tp2")
+    no_grades(out)
+    assert out["outputs_identical"] is True
+    for key in ("b1", "b16"):
+        assert out["modes"]["tp1"][key]["output_tokens_per_s"] > 0
+        tp2 = out["modes"]["tp2"][key]
+        assert tp2["collective_calls"] > 0 and tp2["collective_calls"] % 18 == 0
+        assert 0 < tp2["collective_share_of_wall"] < 1
+    assert "tp2_vs_tp1_tokens_per_s_b16" in out["ratios"]

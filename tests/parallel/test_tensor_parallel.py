@@ -183,3 +183,54 @@ def test_a_rank_killed_under_load_fails_the_replica_loudly_and_quickly():
         assert "rank 1" in reqs[0].error
     finally:
         llm.close()
+
+
+def test_a_rank_that_hangs_fails_the_replica_within_the_collective_timeout():
+    llm = LLM("tiny", tensor_parallel_size=2, dist_timeout_s=3, **OPTS)
+    try:
+        assert run(llm, PROMPTS[:1])
+        pid = llm.replica.procs[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        r = llm.add_request(PROMPTS[0], GREEDY)
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=r"model-parallel replica down: rank 1 \(pid \d+, stopped\)"):
+            while llm.has_work():
+                llm.step()
+        assert 2 < time.monotonic() - t0 < 20, "failed by the collective timeout (3 s), not at once, never hung"
+        assert r.finish_reason == "error" and r.error_code == "unavailable"
+    finally:
+        llm.close()
+        assert not llm.replica, "closed"
+
+
+def test_a_tp2_worker_serves_the_openai_api_and_exits_when_a_rank_dies():
+    """`mimo-epd llm --tp 2` as a real process: the OpenAI client gets the one-rank worker's answer, /metrics shows
+    the replica; SIGKILL of rank 1 makes the worker exit with status 1 (the supervisor restarts the group)."""
+    import openai
+    import psutil
+
+    from mimo_epd.testing.servers import scrape, start_server
+
+    ask = dict(model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0)
+    one = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
+    try:
+        want = openai.OpenAI(base_url=f"http://{one.http_address}/v1", api_key="x").completions.create(**ask)
+    finally:
+        assert one.stop() == 0
+    two = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1", "--tp", "2"], "llm")
+    try:
+        got = openai.OpenAI(base_url=f"http://{two.http_address}/v1", api_key="x").completions.create(**ask)
+        assert got.choices[0].text == want.choices[0].text
+        port = int(two.http_address.rsplit(":", 1)[1])
+        m = scrape(port)
+        assert m["llm_tensor_parallel_size"] == 2 and m["llm_tp_replica_up"] == 1 and m["llm_tp_collectives_total"] > 0
+        ranks = psutil.Process(two.proc.pid).children()
+        assert len(ranks) >= 1
+        for r in ranks:
+            if "spawn" in " ".join(r.cmdline()):
+                r.kill()
+        assert two.proc.wait(timeout=30) == 1
+        assert "model-parallel replica down: rank 1" in "".join(two.stderr_lines)
+    finally:
+        if two.proc.poll() is None:
+            two.proc.kill()

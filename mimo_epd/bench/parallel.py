@@ -1,0 +1,163 @@
+"""`mimo-epd bench parallel`: what tensor parallelism costs and gives on this machine, modes side by side.
+
+Modes (one engine each, the same requests, greedy, `ignore_eos`, the same total threads):
+- `tp1`: one process, `--threads` torch threads (the reference: what a user of one device runs);
+- `tp2`: two ranks (`--tensor-parallel-size 2`), `--threads / 2` threads each, gloo collectives over loopback;
+- `tp2_ep`: the same with expert parallelism (each rank holds half the experts, whole).
+
+Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once). Reported per mode and
+workload: output tokens/s (output tokens over wall time), TTFT P50/P90 (from `add_request` to the first token's
+callback) and, for the split modes, rank 0's collectives (calls per step, seconds and their share of the wall
+time: where the time goes). Every mode's outputs are checked equal to `tp1`'s. On a CPU with two cores the split
+cannot win much: a rank's GEMMs are half as big but so is its thread count, and each layer adds two all-reduces
+over loopback TCP; on GPUs the same split buys memory (a model that does not fit one device) and bandwidth.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mimo_epd.common.stats import percentile
+
+MODES = {
+    "tp1": dict(tensor_parallel_size=1),
+    "tp2": dict(tensor_parallel_size=2),
+    "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="tiny", help="the model (default: tiny, the shipped trained one)")
+    p.add_argument("--requests-b1", type=int, default=8, help="requests of the batch-1 runs (default: 8)")
+    p.add_argument("--requests-batch", type=int, default=32, help="requests of the batch-16 runs (default: 32)")
+    p.add_argument("--prompt-tokens", type=int, default=256, help="prompt length (default: 256)")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default: 64)")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in all, split over the ranks (default: 2)")
+    p.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+
+
+def log(msg: str) -> None:
+    print(f"[bench parallel] {msg}", file=sys.stderr, flush=True)
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(10, min(vocab, 4000), (length + (i % 8),), generator=g).tolist() for i in range(n)]
+
+
+def run_workload(llm, batch: list[list[int]], params, concurrent: bool) -> dict:
+    """Requests all at once (`concurrent`) or one after another; returns tokens/s, TTFTs and the outputs."""
+    firsts: dict[int, float] = {}
+    starts: dict[int, float] = {}
+
+    def on_token(r, token, logprob) -> None:
+        firsts.setdefault(r.id, time.perf_counter())
+
+    outputs, tokens = [], 0
+    t0 = time.perf_counter()
+    waves = [batch] if concurrent else [[p] for p in batch]
+    for wave in waves:
+        reqs = []
+        for p in wave:
+            r = llm.add_request(p, params, on_token=on_token)
+            starts[r.id] = time.perf_counter()
+            reqs.append(r)
+        while llm.has_work():
+            llm.step()
+        for r in reqs:
+            if r.finish_reason == "error":
+                raise SystemExit(f"request {r.id} failed: {r.error}")
+            outputs.append(list(r.output))
+            tokens += len(r.output)
+    wall = time.perf_counter() - t0
+    ttft = [firsts[i] - starts[i] for i in starts if i in firsts]
+    return {
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(percentile(ttft, 50), 4),
+        "ttft_p90_s": round(percentile(ttft, 90), 4),
+        "wall_s": round(wall, 3),
+        "_outputs": outputs,
+    }
+
+
+def run_mode(args, mode: str, workloads: dict) -> dict:
+    import torch
+
+    from llm_backend import LLM, SamplingParams
+
+    size = MODES[mode]["tensor_parallel_size"]
+    threads = max(1, args.threads // size)
+    torch.set_num_threads(threads)  # this process is rank 0; the other ranks take --torch-threads
+    llm = LLM(
+        args.model,
+        kv_cache_tokens=32768,
+        swa_cache_tokens=16384,
+        max_running=16,
+        torch_threads=threads,
+        **MODES[mode],
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    out = {"threads_per_rank": threads}
+    try:
+        run_workload(llm, workloads["b1"][:1], SamplingParams(max_tokens=4, temperature=0), False)  # warm-up
+        for key, batch in workloads.items():
+            before = llm.stats()
+            log(f"{mode} {key}")
+            res = run_workload(llm, batch, params, concurrent=key != "b1")
+            after = llm.stats()
+            if size > 1:
+                secs = after["tp_collective_s"] - before["tp_collective_s"]
+                res["collective_calls"] = after["tp_collectives"] - before["tp_collectives"]
+                res["collective_s"] = round(secs, 3)
+                res["collective_share_of_wall"] = round(secs / res["wall_s"], 3)
+            out[key] = res
+    finally:
+        llm.close()
+    return out
+
+
+def main(args) -> dict:
+    import torch
+
+    from llm_backend.models import model_config
+
+    modes = list(MODES) if not args.modes else args.modes.split(",")
+    if "tp1" not in modes:
+        modes.insert(0, "tp1")  # the reference every output is checked against
+    n1, nb = (2, 4) if args.quick else (args.requests_b1, args.requests_batch)
+    length, max_tokens = (32, 8) if args.quick else (args.prompt_tokens, args.max_tokens)
+    args.max_tokens = max_tokens
+    vocab = model_config(args.model).vocab_size
+    workloads = {"b1": prompts(n1, length, vocab), "b16": prompts(nb, length, vocab)}
+    torch.set_num_threads(args.threads)
+    results = {mode: run_mode(args, mode, workloads) for mode in modes}
+    identical = all(results[m][k]["_outputs"] == results["tp1"][k]["_outputs"] for m in modes for k in workloads)
+    for r in results.values():
+        for k in workloads:
+            r[k].pop("_outputs")
+    ratios = {}
+    for m in modes:
+        if m == "tp1":
+            continue
+        for k in workloads:
+            ratios[f"{m}_vs_tp1_tokens_per_s_{k}"] = round(
+                results[m][k]["output_tokens_per_s"] / results["tp1"][k]["output_tokens_per_s"], 3
+            )
+            ratios[f"{m}_vs_tp1_ttft_p50_{k}"] = round(
+                results[m][k]["ttft_p50_s"] / max(results["tp1"][k]["ttft_p50_s"], 1e-9), 3
+            )
+    return {
+        "bench": "parallel",
+        "model": args.model,
+        "threads_total": args.threads,
+        "prompt_tokens": length,
+        "max_tokens": max_tokens,
+        "requests": {"b1": n1, "b16": nb},
+        "outputs_identical": identical,
+        "modes": results,
+        "ratios": ratios,
+    }
