@@ -321,7 +321,6 @@ class LLMConfig:
             return
         # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
         for on, what in (
-            (self.speculative_steps > 0, "--speculative-steps"),
             (self.host_kv_bytes > 0 or bool(self.kv_store), "the KV tiers (--host-kv-bytes, --kv-store)"),
             (self.role != "both", f"--role {self.role}"),
         ):

@@ -187,6 +187,17 @@ class PagedBatch:
         return out
 
 
+class LayerOffset:
+    """A batch whose layer l is pool layer `base + l`: how the MTP layers (numbered from 0 in their module) attend
+    their KV, which the pools hold after the model's layers."""
+
+    def __init__(self, batch: PagedBatch, base: int):
+        self.batch, self.base = batch, base
+
+    def attend(self, layer: int, *args):
+        return self.batch.attend(self.base + layer, *args)
+
+
 class ContiguousKV:
     """One sequence's KV in pools of its own, token i in slot i of both pools: how a single sequence runs through
     the model's one attention path (`model(ids, positions, kv)`: references, tests, parity checks). The pools are

@@ -160,6 +160,7 @@ class LLM:
             auto,
             cfg.speculative_auto_margin,
             kv_loader=self.tiers,
+            peers=self.replica,
         )
 
     def _kv_layout(self, cfg: LLMConfig, mcfg, full_size: int) -> KVLayout:
@@ -552,6 +553,7 @@ def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots:
         timeout_s=cfg.dist_timeout_s,
         load_timeout_s=cfg.dist_load_timeout_s,
         threads=cfg.torch_threads,
+        mtp_layers=cfg.speculative_steps > 0,
     )
     replica = Replica(spec)
     replica.start()

@@ -15,7 +15,8 @@ import torch
 
 from ..models.mimo_v2_flash import SeqInput
 from ..paged_attention import KVPools, PagedBatch, SeqSlots
-from ..parallel.replica import Replica, StepCall
+from ..parallel.mirror import MirroredModel
+from ..parallel.replica import Replica
 from .interfaces import KVLoader, mask_rows
 from .penalties import Penalties
 from .sampler import SamplingError, sample
@@ -32,9 +33,9 @@ class ModelRunner:
         `kv_loader`: what queues KV for this forward from the host / shared store (kv.tiers.TieredRadixCache),
         loaded layer by layer while the forward runs; None without KV tiers. `peers`: the other ranks of a
         model-parallel replica (this runner is rank 0's): each forward is sent to them first, then run here."""
-        self.model = model
+        # A split model's forwards are sent to its other ranks first (parallel/mirror.py); one rank: the model.
+        self.model = MirroredModel(model, peers) if peers is not None else model
         self.pools = pools
-        self.peers = peers
         self.device = next(model.parameters()).device
         self.kv_loader = kv_loader
         self.penalties = Penalties(model.config.vocab_size)  # sampling controls, per request
@@ -76,25 +77,12 @@ class ModelRunner:
                 load.finish()
 
     def execute(self, segments: list[Segment]) -> list[SegmentResult]:
-        inputs, modes = [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments]
         with self._batch(segments) as paged:
-            if self.peers is None:
-                logits = self.model.forward_batch(inputs, modes, paged)
-            else:
-                logits = self._parallel_forward(inputs, modes, paged)
+            logits = self.model.forward_batch(
+                [self._inputs(s) for s in segments], ["all" if s.all_logits else "last" for s in segments], paged
+            )
         logits = self._masked(segments, logits)
         return [self._result(s, lg) for s, lg in zip(segments, logits)]
-
-    def _parallel_forward(self, inputs: list[SeqInput], modes: list[str], paged: PagedBatch) -> list[torch.Tensor]:
-        """The step on every rank: sent, then run here; any failure here leaves the ranks out of step, so it takes
-        the replica down (`ReplicaDown`: the engine fails every request and stops)."""
-        assert self.peers is not None
-        self.peers.send(StepCall(inputs, modes, paged.seqs))
-        try:
-            return self.model.forward_batch(inputs, modes, paged)
-        except Exception as e:  # noqa: BLE001 - a failed collective or forward: the replica is down
-            self.peers.fail(e)
-            raise
 
     @staticmethod
     def _masked(segments: list[Segment], logits) -> list[torch.Tensor]:

@@ -1,5 +1,5 @@
 """Speculative decoding's state (engine/speculative.py): a request's MTP progress (`MTPState`), the drafter's
-counters (`SpecStats`), and the two small records of an MTP layer pass (`_Run`, `_LayerOffset`)."""
+counters (`SpecStats`), and the record of one request in an MTP layer pass (`_Run`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..paged_attention import PagedBatch
 from .request import Request
 
 
@@ -77,16 +76,6 @@ class SpecStats:
             "catch_up_skipped_tokens": self.deferred - self.resumed,
             "catch_up_left_stale_tokens": self.left_stale,
         }
-
-
-class _LayerOffset:
-    """The MTP module attends its layer l; its KV is pool layer `base + l`."""
-
-    def __init__(self, batch: PagedBatch, base: int):
-        self.batch, self.base = batch, base
-
-    def attend(self, layer: int, *args):
-        return self.batch.attend(self.base + layer, *args)
 
 
 @dataclass

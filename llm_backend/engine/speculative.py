@@ -60,7 +60,7 @@ import time
 import torch
 
 from ..kv import SlotPool
-from ..paged_attention import KVPools, PagedBatch, SeqSlots
+from ..paged_attention import KVPools, LayerOffset, PagedBatch, SeqSlots
 from .interfaces import KVLoader
 from .penalties import needs_adjusting
 from .request import Request
@@ -68,7 +68,7 @@ from .runner import ModelRunner
 from .sampler import SamplingError, check_finite, distribution
 from .scheduler import Segment, SegmentResult
 from .spec_control import SpecController
-from .spec_state import MTPState, SpecStats, _LayerOffset, _Run
+from .spec_state import MTPState, SpecStats, _Run
 from .spec_verify import verify
 
 DRAFT_LAYERS = ("chain", "first")
@@ -98,9 +98,10 @@ class SpeculativeRunner(ModelRunner):
         auto: bool = True,
         auto_margin: float = 0.1,
         kv_loader: KVLoader | None = None,
+        peers=None,
     ):
         """`pools` hold the MTP layers' KV from layer `mtp_base` on (`reserve_layers`); `swa_pool` keeps which SWA
-        slots' MTP entries were never computed (its stale marks)."""
+        slots' MTP entries were never computed (its stale marks). `peers`: as `ModelRunner`'s."""
         mtp = getattr(model.model, "mtp", None)
         if mtp is None:
             raise ValueError("--speculative-steps needs a model with MTP layers (model.mtp.layers.* in its checkpoint)")
@@ -109,7 +110,7 @@ class SpeculativeRunner(ModelRunner):
             raise ValueError(f"--speculative-steps {steps}: the model has {n} MTP layers (use 1..{n}, 0 = off)")
         if layers not in DRAFT_LAYERS:
             raise ValueError(f"--speculative-layers must be one of {', '.join(DRAFT_LAYERS)}, got {layers!r}")
-        super().__init__(model, pools, kv_loader)
+        super().__init__(model, pools, kv_loader, peers)
         self.mtp, self.steps, self.layers, self.prefill_mtp = mtp, steps, layers, prefill_mtp
         self.depth = steps if layers == "chain" else 1  # MTP layers whose KV is kept
         self.window = mtp.kv_config().sliding_window  # MTP entries older than this are never read
@@ -230,8 +231,8 @@ class SpeculativeRunner(ModelRunner):
             seqs.append(SeqSlots(None, kv.swa[lo:], u.first - lo, len(u.tokens)))
             positions.extend(range(u.first - o, u.first - o + len(u.tokens)))
         paged = PagedBatch(self.pools, seqs)
-        out = self.mtp.step(
-            layer, emb, hidden, torch.tensor(positions, device=self.device), _LayerOffset(paged, self.base)
+        out = self.model.mtp_step(
+            layer, emb, hidden, torch.tensor(positions, device=self.device), LayerOffset(paged, self.base)
         )
         k = 0
         for u in runs:

@@ -359,6 +359,10 @@ class MiMoV2FlashForCausalLM(nn.Module):
         # Split: one gather for the step, not one per segment (the LM head's rows concatenated, then cut again).
         return list(self.logits(torch.cat(rows)).split([h.shape[0] for h in rows]))
 
+    def mtp_step(self, layer: int, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, paged):
+        """MTP layer `layer + 1` over T tokens (`MiMoV2FlashMTP.step`): what a drafter calls."""
+        return self.model.mtp.step(layer, embeds, hidden, positions, paged)
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings [T, hidden] of ids [T] (summed over the ranks that hold their rows)."""
         return self.par.embed(ids, self.model.embed_tokens.weight)

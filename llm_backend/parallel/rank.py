@@ -1,5 +1,5 @@
 """Ranks 1..N-1 of a model-parallel replica: each loads its shard, builds KV pools for its heads, then runs every
-forward rank 0 sends (`replica.StepCall`) until told to stop (None) or a peer is gone.
+forward call rank 0 sends (`mirror.ModelCall`) until told to stop (None) or a peer is gone.
 
 A rank has no scheduler, cache or API: the slots in each call are rank 0's (every rank's pools have the same slot
 count, each slot holding that rank's heads), so its KV mirrors rank 0's without any bookkeeping of its own. A rank
@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import sys
 from datetime import timedelta
+from typing import Any
 
 import torch
 
 from .comm import Parallel
+from .mirror import CALLS, rebuild
 from .replica import RankSpec, join_groups, set_threads
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,7 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     from mimo_epd.common.parent import exit_with_parent
 
     from ..models import load_llm
-    from ..paged_attention import KVPools, PagedBatch
+    from ..paged_attention import KVPools
 
     exit_with_parent()  # rank 0 gone, even by SIGKILL: this rank has nobody to serve
     set_threads(spec)
@@ -38,6 +40,9 @@ def rank_main(spec: RankSpec, rank: int) -> None:
         dtype = getattr(torch, spec.dtype)
         model = load_llm(spec.model, spec.device, dtype, spec.fp8_weights, spec.quantization, par=par)
         pools = KVPools(par.shard.attention_config(model.config), spec.full_slots, spec.swa_slots, dtype, spec.device)
+        if spec.mtp_layers:  # the same layer ids as rank 0's (engine/speculative.py reserve_layers)
+            mtp: Any = model.model.mtp
+            pools.add_sliding_layers(mtp.kv_config(), spec.swa_slots)
         dist.monitored_barrier(control, timeout=timedelta(seconds=spec.load_timeout_s))
     except Exception:
         log.exception("rank %d could not start", rank)
@@ -50,21 +55,10 @@ def rank_main(spec: RankSpec, rank: int) -> None:
             call = box[0]
             if call is None:
                 break
-            inputs = [_to(seg, device) for seg in call.inputs]
-            model.forward_batch(inputs, call.modes, PagedBatch(pools, call.seqs))
+            if call.method not in CALLS:
+                raise RuntimeError(f"rank 0 sent an unknown call {call.method!r}")
+            getattr(model, call.method)(*rebuild(call, pools, device))
         except Exception:
             log.exception("rank %d: the replica failed (rank 0 gone, a peer gone or a forward failed)", rank)
             sys.exit(1)
     dist.destroy_process_group()
-
-
-def _to(seg, device: torch.device):
-    """A `SeqInput` with its tensors on this rank's device."""
-    media = tuple(_move(t, device) for t in seg.media) if seg.media is not None else None
-    return type(seg)(
-        _move(seg.input_ids, device), _move(seg.positions, device), _move(seg.inputs_embeds, device), media
-    )
-
-
-def _move(t, device: torch.device):
-    return t.to(device) if isinstance(t, torch.Tensor) else t

@@ -8,10 +8,10 @@ torch.distributed groups join them:
 - the *device* group (the default group: gloo on CPUs, NCCL on GPUs) carries the forward's collectives
   (`comm.Parallel`); its timeout is `--dist-timeout-s`, so a rank that died or hangs fails the next collective
   within that time;
-- the *control* group (gloo) carries `StepCall`s, pickled with `broadcast_object_list`, from rank 0 to the
+- the *control* group (gloo) carries `ModelCall`s (mirror.py), pickled with `broadcast_object_list`, from rank 0 to the
   others: rank 0's sends time out like a collective, the other ranks wait for their next step without limit.
 
-Each step rank 0 broadcasts the step (`send`) and then runs the same forward as every other rank; only rank 0
+Each forward call rank 0 makes is broadcast first (`send`) and then made by every rank on its shard; only rank 0
 samples. Start-up is ordered: every rank joins the groups, loads its shard (no collective meanwhile), then all
 meet in a monitored barrier (`--dist-load-timeout-s`) that names a rank that never arrives.
 """
@@ -24,7 +24,7 @@ import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -57,19 +57,11 @@ class RankSpec:
     timeout_s: float
     load_timeout_s: float
     threads: int = 0
+    mtp_layers: bool = False  # the MTP layers' KV in the pools too (speculative decoding)
     env: dict = field(default_factory=dict)
 
     def shard(self, rank: int) -> Shard:
         return Shard(rank, self.size, self.expert_parallel)
-
-
-class StepCall(NamedTuple):
-    """One forward, as every rank runs it: the segments' inputs (`SeqInput`s, on the CPU), their logits modes and
-    their slots (`SeqSlots`)."""
-
-    inputs: list
-    modes: list[str]
-    seqs: list
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -134,7 +126,8 @@ class Replica:
                 out.append(f"rank {i + 1} (pid {p.pid}, {'stopped' if state != 'Z' else 'a zombie'})")
         return ", ".join(out)
 
-    def send(self, call: StepCall) -> None:
+    def send(self, call) -> None:
+        """Starts `call` (a `mirror.ModelCall`) on the other ranks."""
         import torch.distributed as dist
 
         if self.down:

@@ -7,7 +7,8 @@ tokens must be identical (the split sums partials in another order, so logits ar
   dequantized at load): every rank's tensors are exactly its part of the whole, and the resident bytes over the
   ranks are the whole plus the replicated parts once per extra rank (measured on the loaded tensors);
 - the engine at TP 2 and TP 2 with expert parallelism: text, a prefix-cache hit, media rows, prompt logprobs;
-  V2.5 at TP 2 and 4; a rank killed under load fails the replica loudly within the collective timeout.
+  MTP speculation (the MTP layers split like the main ones), grammar-constrained output, seeded sampling;
+  V2.5 at TP 2 and 4; a rank killed or stopped under load fails the replica loudly within the collective timeout.
 """
 
 from __future__ import annotations
@@ -78,7 +79,6 @@ def test_kv_heads_neither_multiple_nor_divisor_are_refused():
 @pytest.mark.parametrize(
     "option, says",
     [
-        (dict(speculative_steps=2), "--speculative-steps"),
         (dict(host_kv_bytes=1 << 20), "KV tiers"),
         (dict(role="prefill"), "--role prefill"),
     ],
@@ -148,6 +148,37 @@ def test_tp2_greedy_identical_to_one_rank_with_prefix_hits_media_and_logprobs(on
         got_media, got_scored, got_lp = media_and_scores(llm)
         assert got_media == ref_media and got_scored == ref_scored
         assert torch.allclose(torch.tensor(got_lp), torch.tensor(ref_lp), atol=1e-4)
+    finally:
+        llm.close()
+
+
+def test_tp2_with_mtp_speculation_grammar_and_seeded_sampling_equals_one_rank(one_rank):
+    """MTP speculation at TP 2 drafts and verifies on every rank (each forward mirrored): greedy tokens equal plain
+    one-rank decoding, acceptance equal to one-rank speculation's; a JSON-schema constraint and seeded sampled
+    requests give one-rank speculation's outputs too (sampling happens on rank 0 from the gathered logits)."""
+    from llm_backend.agentic.grammar import ConstraintSpec, GrammarCompilerPool, tokenizer_info
+
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 12}}, "required": ["a"]}
+    pool = GrammarCompilerPool(tokenizer_info(one_rank.tokenizer, one_rank.model.config.vocab_size, one_rank._eos))
+    constrained = SamplingParams(
+        max_tokens=40, temperature=0, grammar=pool.compile_sync(ConstraintSpec("json_schema", schema, "x"))
+    )
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, seed=7)
+    long = SamplingParams(max_tokens=40, temperature=0)
+    spec = dict(speculative_steps=3, speculative_auto=False)
+
+    def outputs(llm):
+        return run(llm, PROMPTS, long), run(llm, PROMPTS[:1], constrained), run(llm, PROMPTS, sampled)
+
+    ref_spec = LLM("tiny", **spec, **OPTS)
+    want = outputs(ref_spec)
+    assert want[:2] == outputs(one_rank)[:2]  # greedy: speculation changes nothing; sampled: the same law, not draws
+    llm = LLM("tiny", tensor_parallel_size=2, **spec, **OPTS)
+    try:
+        assert outputs(llm) == want
+        got, ref = llm.stats(), ref_spec.stats()
+        assert got["spec_accepted_tokens"] > 0
+        assert got["spec_acceptance_by_position"] == ref["spec_acceptance_by_position"]
     finally:
         llm.close()
 

@@ -1,0 +1,111 @@
+"""Rank 0's handle on a split model: every call that runs collectives is first sent to the other ranks, which make
+the same call on their shards (rank.py), then made here.
+
+The calls are the model's forward entry points the runners use: `forward_batch` and `hidden_states` (the model's
+layers over a `PagedBatch`), `mtp_step` (one MTP layer over a `LayerOffset` batch), `logits` (the LM head and its
+gather) and `embed` (the split embedding). A batch crosses as its `SeqSlots` (and layer offset): every rank's pools
+have the same slots, so each rank rebuilds the same batch over its own pools. Tensor arguments are sent as they are
+(CPU tensors; the ranks move them to their device). Anything that fails here after a call was sent leaves the ranks
+out of step, so it takes the replica down (`ReplicaDown`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..paged_attention import LayerOffset, PagedBatch
+
+# The methods sent to the other ranks, and whether their last argument is a batch over the KV pools.
+CALLS = {"forward_batch": True, "hidden_states": True, "mtp_step": True, "logits": False, "embed": False}
+
+
+class ModelCall(NamedTuple):
+    """One call every rank makes: `method` (one of CALLS) with `args`; for a batched call `seqs` (its
+    `SeqSlots`) and `base` (the layer offset of an MTP batch, or None) describe the batch."""
+
+    method: str
+    args: tuple
+    seqs: list | None = None
+    base: int | None = None
+
+
+def describe(method: str, args: tuple) -> ModelCall:
+    """The call as the other ranks receive it (the batch argument replaced by what rebuilds it)."""
+    if not CALLS[method]:
+        return ModelCall(method, tuple(_cpu(a) for a in args))
+    *rest, paged = args
+    if isinstance(paged, LayerOffset):
+        return ModelCall(method, tuple(_cpu(a) for a in rest), paged.batch.seqs, paged.base)
+    return ModelCall(method, tuple(_cpu(a) for a in rest), paged.seqs)
+
+
+def rebuild(call: ModelCall, pools, device: torch.device) -> tuple:
+    """The call's arguments on a rank: tensors on its device, the batch over its pools."""
+    args = tuple(_to(a, device) for a in call.args)
+    if call.seqs is None:
+        return args
+    paged: Any = PagedBatch(pools, call.seqs)
+    if call.base is not None:
+        paged = LayerOffset(paged, call.base)
+    return (*args, paged)
+
+
+def _cpu(a):
+    if isinstance(a, torch.Tensor):
+        return a.cpu()
+    if isinstance(a, list):
+        return [_cpu(x) for x in a]
+    if isinstance(a, tuple) and hasattr(a, "_fields"):  # a SeqInput
+        return type(a)(*(_cpu(x) for x in a))
+    if isinstance(a, tuple):
+        return tuple(_cpu(x) for x in a)
+    return a
+
+
+def _to(a, device: torch.device):
+    if isinstance(a, torch.Tensor):
+        return a.to(device)
+    if isinstance(a, list):
+        return [_to(x, device) for x in a]
+    if isinstance(a, tuple) and hasattr(a, "_fields"):
+        return type(a)(*(_to(x, device) for x in a))
+    if isinstance(a, tuple):
+        return tuple(_to(x, device) for x in a)
+    return a
+
+
+class MirroredModel:
+    """Stands for the model on rank 0 (what a runner holds): the forward entry points are sent, then run; the
+    rest (`config`, `model`, `parameters`, `par`) is the local model's."""
+
+    def __init__(self, model, replica):
+        self.local, self.replica = model, replica
+        self.config, self.model, self.par = model.config, model.model, model.par
+
+    def parameters(self):
+        return self.local.parameters()
+
+    def _call(self, method: str, *args):
+        self.replica.send(describe(method, args))
+        try:
+            return getattr(self.local, method)(*args)
+        except Exception as e:  # noqa: BLE001 - a failed collective or forward: the replica is down
+            self.replica.fail(e)
+            raise
+
+    def forward_batch(self, segments, logits_for, paged):
+        return self._call("forward_batch", segments, logits_for, paged)
+
+    def hidden_states(self, segments, paged):
+        return self._call("hidden_states", segments, paged)
+
+    def mtp_step(self, layer, embeds, hidden, positions, paged):
+        return self._call("mtp_step", layer, embeds, hidden, positions, paged)
+
+    def logits(self, hidden):
+        return self._call("logits", hidden)
+
+    def embed(self, ids):
+        return self._call("embed", ids)
