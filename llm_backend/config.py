@@ -98,6 +98,21 @@ class LLMConfig:
         "with --tensor-parallel-size N: each rank holds n_experts / N whole experts instead of a slice of each",
         _PAR,
     )
+    nnodes: int = flag(
+        1, "machines one replica spans (SGLang's --nnodes): --tensor-parallel-size / nnodes ranks each", _PAR
+    )
+    node_rank: int = flag(
+        0,
+        "this machine's place in the replica: 0 runs rank 0 (the worker: scheduler, API) and its node's ranks; "
+        "k > 0 runs ranks k * N/nnodes .. only, no API, and exits when they do",
+        _PAR,
+    )
+    dist_init_addr: str = flag(
+        "",
+        "HOST:PORT of node 0's torch.distributed TCP store (every node gives the same); empty = a free loopback port "
+        "(one machine only)",
+        _PAR,
+    )
     dist_timeout_s: float = flag(
         30.0, "seconds a collective waits for a peer before the replica is declared down (its requests failed)", _PAR
     )
@@ -317,6 +332,15 @@ class LLMConfig:
         n = self.tensor_parallel_size
         if n < 1 or self.dist_timeout_s <= 0 or self.dist_load_timeout_s <= 0:
             raise ValueError("--tensor-parallel-size must be >= 1 and --dist-timeout-s, --dist-load-timeout-s positive")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes or n % self.nnodes:
+            raise ValueError(
+                f"--nnodes {self.nnodes} and --node-rank {self.node_rank}: nnodes must divide --tensor-parallel-size "
+                f"{n} and 0 <= node-rank < nnodes"
+            )
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
+        if self.dist_init_addr and not _host_port(self.dist_init_addr):
+            raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         if n == 1:
             return
         # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
@@ -332,3 +356,8 @@ class LLMConfig:
 
         name = self.dtype if self.dtype != "auto" else ("bfloat16" if self.device.startswith("cuda") else "float32")
         return getattr(torch, name)
+
+
+def _host_port(addr: str) -> bool:
+    host, sep, port = addr.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)

@@ -23,7 +23,7 @@ from ..kv.tiers import TieredRadixCache
 from ..models import load_llm, model_config
 from ..paged_attention import KVPools
 from ..parallel.comm import SINGLE_RANK
-from ..parallel.replica import RankSpec, Replica, ReplicaDown, free_init_method
+from ..parallel.replica import Replica, ReplicaDown, spec_from_config
 from ..parallel.shard import Shard
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .interfaces import SchedulerRole, Ticket
@@ -532,30 +532,15 @@ def _checkpoint_interval(cfg: LLMConfig, window: int) -> int:
 
 
 def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots: int) -> Replica | None:
-    """With --tensor-parallel-size N > 1: ranks 1..N-1 started and joined (each loads its shard meanwhile)."""
+    """With --tensor-parallel-size N > 1: this node's other ranks started and every rank joined (each loads its
+    shard meanwhile)."""
     if cfg.tensor_parallel_size == 1:
         return None
     if not isinstance(model, str):
         raise ValueError("--tensor-parallel-size > 1 needs a model name or directory (every rank loads its shard)")
     shard = Shard(0, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
     shard.check(model_config(cfg.model, cfg.device, cfg.fp8_weights, cfg.quantization))  # before any rank starts
-    spec = RankSpec(
-        model=cfg.model,
-        dtype=str(dtype or cfg.torch_dtype()).removeprefix("torch."),
-        device=cfg.device,
-        fp8_weights=cfg.fp8_weights,
-        quantization=cfg.quantization,
-        size=cfg.tensor_parallel_size,
-        expert_parallel=cfg.enable_expert_parallel,
-        full_slots=full_slots,
-        swa_slots=cfg.swa_cache_tokens,
-        init_method=free_init_method(),
-        timeout_s=cfg.dist_timeout_s,
-        load_timeout_s=cfg.dist_load_timeout_s,
-        threads=cfg.torch_threads,
-        mtp_layers=cfg.speculative_steps > 0,
-    )
-    replica = Replica(spec)
+    replica = Replica(spec_from_config(cfg, dtype, full_slots))
     replica.start()
     return replica
 

@@ -35,11 +35,12 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     exit_with_parent()  # rank 0 gone, even by SIGKILL: this rank has nobody to serve
     set_threads(spec)
     try:
-        control = join_groups(spec, rank)
-        par = Parallel(spec.shard(rank))
+        control, device_group = join_groups(spec, rank)
+        par = Parallel(spec.shard(rank), device_group)
         dtype = getattr(torch, spec.dtype)
-        model = load_llm(spec.model, spec.device, dtype, spec.fp8_weights, spec.quantization, par=par)
-        pools = KVPools(par.shard.attention_config(model.config), spec.full_slots, spec.swa_slots, dtype, spec.device)
+        dev = spec.device_of(rank)
+        model = load_llm(spec.model, dev, dtype, spec.fp8_weights, spec.quantization, par=par)
+        pools = KVPools(par.shard.attention_config(model.config), spec.full_slots, spec.swa_slots, dtype, dev)
         if spec.mtp_layers:  # the same layer ids as rank 0's (engine/speculative.py reserve_layers)
             mtp: Any = model.model.mtp
             pools.add_sliding_layers(mtp.kv_config(), spec.swa_slots)
@@ -47,7 +48,7 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     except Exception:
         log.exception("rank %d could not start", rank)
         sys.exit(1)
-    device = torch.device(spec.device)
+    device = torch.device(spec.device_of(rank))
     while True:
         try:
             box: list = [None]

@@ -5,15 +5,15 @@ The process picture (docs/parallel.md): rank 0 is the worker process (scheduler,
 ranks 1..N-1 are processes it spawns (`rank.py`), each holding its shard and KV pools for its heads. Two
 torch.distributed groups join them:
 
-- the *device* group (the default group: gloo on CPUs, NCCL on GPUs) carries the forward's collectives
-  (`comm.Parallel`); its timeout is `--dist-timeout-s`, so a rank that died or hangs fails the next collective
-  within that time;
+- the *device* group (gloo on CPUs, NCCL on GPUs) carries the forward's collectives (`comm.Parallel`); its timeout
+  is `--dist-timeout-s`, so a rank that died or hangs fails the next collective within that time;
 - the *control* group (gloo) carries `ModelCall`s (mirror.py), pickled with `broadcast_object_list`, from rank 0 to the
   others: rank 0's sends time out like a collective, the other ranks wait for their next step without limit.
 
 Each forward call rank 0 makes is broadcast first (`send`) and then made by every rank on its shard; only rank 0
-samples. Start-up is ordered: every rank joins the groups, loads its shard (no collective meanwhile), then all
-meet in a monitored barrier (`--dist-load-timeout-s`) that names a rank that never arrives.
+samples. Start-up is ordered: every rank meets in the default group (its timeout is `--dist-load-timeout-s`: another
+node's ranks may start later), joins the two groups, loads its shard (no collective meanwhile), then all meet in a
+monitored barrier (`--dist-load-timeout-s`) that names a rank that never arrives.
 """
 
 from __future__ import annotations
@@ -57,11 +57,23 @@ class RankSpec:
     timeout_s: float
     load_timeout_s: float
     threads: int = 0
+    nnodes: int = 1
     mtp_layers: bool = False  # the MTP layers' KV in the pools too (speculative decoding)
     env: dict = field(default_factory=dict)
 
     def shard(self, rank: int) -> Shard:
         return Shard(rank, self.size, self.expert_parallel)
+
+    def node_ranks(self, node: int) -> range:
+        """The ranks node `node` runs (node 0 runs rank 0, the worker, and the next ones)."""
+        per = self.size // self.nnodes
+        return range(node * per, (node + 1) * per)
+
+    def device_of(self, rank: int) -> str:
+        """A rank's device: its node-local GPU index on CUDA, the CPU otherwise."""
+        if not self.device.startswith("cuda"):
+            return self.device
+        return f"cuda:{rank % (self.size // self.nnodes)}"
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:
@@ -84,18 +96,13 @@ class Replica:
     def start(self) -> None:
         import torch.distributed as dist
 
-        from .rank import rank_main
-
         if dist.is_initialized():
             raise RuntimeError("a model-parallel replica is already running in this process (one per process)")
-        ctx = mp.get_context("spawn")
-        for r in range(1, self.spec.size):
-            p = ctx.Process(target=rank_main, args=(self.spec, r), name=f"tp-rank-{r}", daemon=True)
-            p.start()
-            self.procs.append(p)
-        log.info("model parallelism: started ranks 1..%d (pids %s)", self.spec.size - 1, [p.pid for p in self.procs])
+        self.procs = start_ranks(self.spec, self.spec.node_ranks(0)[1:])
+        log.info("model parallelism: %d ranks, this node runs %s", self.spec.size, list(self.spec.node_ranks(0)))
         try:
-            self.control = join_groups(self.spec, 0)
+            self.control, device = join_groups(self.spec, 0)
+            self.par = Parallel(self.spec.shard(0), device)
         except Exception as e:
             self.close()
             raise RuntimeError(f"the model-parallel ranks did not join ({e})") from None
@@ -114,7 +121,7 @@ class Replica:
 
     def missing(self) -> str:
         """The ranks whose processes are gone, in words ("" when all run)."""
-        gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]
+        gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]  # local
         return ", ".join(gone)
 
     def stuck(self) -> str:
@@ -167,6 +174,56 @@ class Replica:
         self.procs = []
 
 
+def spec_from_config(cfg, dtype: torch.dtype | None = None, full_slots: int | None = None) -> RankSpec:
+    """The ranks' spec from an `LLMConfig` (every node derives the same one from the same flags)."""
+    if full_slots is None:
+        full_slots = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size
+    return RankSpec(
+        model=cfg.model,
+        dtype=str(dtype or cfg.torch_dtype()).removeprefix("torch."),
+        device=cfg.device,
+        fp8_weights=cfg.fp8_weights,
+        quantization=cfg.quantization,
+        size=cfg.tensor_parallel_size,
+        expert_parallel=cfg.enable_expert_parallel,
+        full_slots=full_slots,
+        swa_slots=cfg.swa_cache_tokens,
+        init_method=f"tcp://{cfg.dist_init_addr}" if cfg.dist_init_addr else free_init_method(),
+        timeout_s=cfg.dist_timeout_s,
+        load_timeout_s=cfg.dist_load_timeout_s,
+        threads=cfg.torch_threads,
+        nnodes=cfg.nnodes,
+        mtp_layers=cfg.speculative_steps > 0,
+    )
+
+
+def start_ranks(spec: RankSpec, ranks) -> list:
+    """Spawns one process per rank in `ranks` (daemons: they end with this process)."""
+    from .rank import rank_main
+
+    ctx = mp.get_context("spawn")
+    procs = []
+    for r in ranks:
+        p = ctx.Process(target=rank_main, args=(spec, r), name=f"tp-rank-{r}", daemon=True)
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def host_ranks(spec: RankSpec, node: int) -> int:
+    """Node `node` > 0 of a replica: runs its ranks until they exit; returns the first non-zero exit code (0 when
+    all stopped cleanly: rank 0 said stop)."""
+    procs = start_ranks(spec, spec.node_ranks(node))
+    log.info(
+        "node %d of %d: ranks %s (pids %s)", node, spec.nnodes, list(spec.node_ranks(node)), [p.pid for p in procs]
+    )
+    codes = []
+    for p in procs:
+        p.join()
+        codes.append(p.exitcode or 0)
+    return next((c for c in codes if c), 0)
+
+
 def _proc_state(pid: int | None) -> str:
     """A local process's state letter from /proc ("" where there is none to read)."""
     try:
@@ -176,22 +233,25 @@ def _proc_state(pid: int | None) -> str:
         return ""
 
 
-def join_groups(spec: RankSpec, rank: int) -> Any:
-    """Joins the device group (the default group) and returns the control group."""
+def join_groups(spec: RankSpec, rank: int) -> tuple[Any, Any]:
+    """Joins the replica: returns (control group, device group). The default group only meets (its timeout is the
+    load timeout: the ranks of other nodes may start minutes later); the device group's collectives time out after
+    --dist-timeout-s."""
     import torch.distributed as dist
 
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
     dist.init_process_group(
-        backend,
+        "gloo",
         init_method=spec.init_method,
         rank=rank,
         world_size=spec.size,
-        timeout=timedelta(seconds=spec.timeout_s),
+        timeout=timedelta(seconds=spec.load_timeout_s),
     )
+    device = dist.new_group(backend=backend, timeout=timedelta(seconds=spec.timeout_s))
     # Rank 0's sends wait at most the collective timeout (a hung rank must not hang the engine); the other ranks
     # wait for their next step without limit (an idle engine sends nothing). The timeout is each process's own.
     wait = timedelta(seconds=spec.timeout_s) if rank == 0 else CONTROL_TIMEOUT
-    return dist.new_group(backend="gloo", timeout=wait)
+    return dist.new_group(backend="gloo", timeout=wait), device
 
 
 def set_threads(spec: RankSpec) -> None:

@@ -37,6 +37,10 @@ def run_llm(args) -> int:
     except CheckpointError as e:
         return error(f"cannot start the LLM worker: {e}", 1)
     setup_logging(cfg.log_level)
+    if cfg.node_rank > 0:  # another machine's ranks of node 0's replica: no API, no scheduler
+        from llm_backend.parallel.replica import host_ranks, spec_from_config
+
+        return host_ranks(spec_from_config(cfg), cfg.node_rank)
     from .serve import exit_with_serve
 
     exit_with_serve()  # started by `serve`: leave with it
