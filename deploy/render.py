@@ -227,6 +227,60 @@ def render_llm(v) -> list[dict]:
     return out
 
 
+def render_multinode(v) -> list[dict]:
+    """One replica over `nodes` pods (a LeaderWorkerSet): the leader is a node (`serve --join`, its LLM worker rank 0
+    with the API), every other pod runs `mimo-epd llm --node-rank $(LWS_WORKER_INDEX)`, its ranks only. All meet at
+    the leader's torch.distributed store; the group is recreated when any pod restarts (a replica with a rank gone
+    cannot serve, docs/parallel.md)."""
+    m = v["llm"].get("multinode") or {}
+    if not m.get("enabled"):
+        return []
+    ns, name = v["namespace"], f"{APP}-llm-multinode"
+    addr = f"$(LWS_LEADER_ADDRESS):{m['distPort']}"
+    par = {"tensor-parallel-size": m["tensorParallelSize"], "nnodes": m["nodes"], "dist-init-addr": addr}
+    engine = {**m["llmFlags"], **par}
+    leader_flags = {**m["serveFlags"], **{f"llm-{k}": x for k, x in engine.items()}, "llm-node-rank": 0}
+    resources = {k: dict(x) for k, x in m["resources"].items()}
+    if m.get("gpus"):
+        resources.setdefault("limits", {})["nvidia.com/gpu"] = m["gpus"]
+    ports = {"health": m["healthPort"], "dist": m["distPort"]}
+    leader = mimo_container(
+        v, "llm-leader", node_args(v, m["healthPort"], m["shmBytes"], leader_flags), ports, resources, m["healthPort"]
+    )
+    volumes, mounts = shm_volume(m["shmBytes"])
+    leader["volumeMounts"] = mounts
+    worker = {
+        "name": "llm-ranks",
+        "image": v["image"],
+        "imagePullPolicy": v["imagePullPolicy"],
+        "args": ["llm", *flag_args({**engine, "node-rank": "$(LWS_WORKER_INDEX)"})],
+        "resources": resources,
+        "securityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False},
+    }
+    return [
+        {
+            "apiVersion": "leaderworkerset.x-k8s.io/v1",
+            "kind": "LeaderWorkerSet",
+            "metadata": meta(name, ns, "llm-multinode"),
+            "spec": {
+                "replicas": m["replicas"],
+                "leaderWorkerTemplate": {
+                    "size": m["nodes"],
+                    "restartPolicy": "RecreateGroupOnPodRestart",
+                    "leaderTemplate": {
+                        "metadata": {"labels": labels("llm-multinode")},
+                        "spec": {"containers": [leader], "volumes": volumes},
+                    },
+                    "workerTemplate": {
+                        "metadata": {"labels": labels("llm-multinode")},
+                        "spec": {"containers": [worker]},
+                    },
+                },
+            },
+        }
+    ]
+
+
 def render(values: dict) -> list[dict]:
     ns = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": values["namespace"]}}
     return [
@@ -236,6 +290,7 @@ def render(values: dict) -> list[dict]:
         *render_router(values),
         *render_encoders(values),
         *render_llm(values),
+        *render_multinode(values),
     ]
 
 

@@ -156,3 +156,37 @@ def test_every_mimo_command_parses_and_validates():
             EncoderServerConfig.from_args(args), NodeConfig.from_args(args)  # ValueError naming the flag
         seen.add(argv[0])
     assert seen == {"router", "serve"}
+
+
+def test_the_multinode_replica_is_a_leader_worker_set_whose_pods_validate_and_whose_commands_parse():
+    """`llm.multinode.enabled`: a LeaderWorkerSet (a CRD: its pod templates are validated as core Pods, strictly),
+    the leader's serve and the other pods' `llm --node-rank` parse with the real CLI and agree on the replica."""
+    from mimo_epd.cli import build_parser
+
+    values = copy.deepcopy(render.load_values())
+    values["llm"]["multinode"]["enabled"] = True
+    (lws,) = [o for o in render.render(values) if o["kind"] == "LeaderWorkerSet"]
+    t = lws["spec"]["leaderWorkerTemplate"]
+    assert t["size"] == 2 and t["restartPolicy"] == "RecreateGroupOnPodRestart"
+    parser = build_parser()
+    parsed = {}
+    for which in ("leaderTemplate", "workerTemplate"):
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "x", "namespace": "y"}, "spec": t[which]["spec"]}
+        kv.validate(pod, K8S, strict=True)
+        argv = [
+            a.replace("$(POD_IP)", "10.0.0.7")
+            .replace("$(LWS_LEADER_ADDRESS)", "10.0.0.7")
+            .replace("$(LWS_WORKER_INDEX)", "1")
+            for a in t[which]["spec"]["containers"][0]["args"]
+        ]
+        parsed[which] = parser.parse_args(argv)
+    lead, work = parsed["leaderTemplate"], parsed["workerTemplate"]
+    assert lead.llm_tensor_parallel_size == work.tensor_parallel_size == 16
+    assert lead.llm_nnodes == work.nnodes == 2 and lead.llm_node_rank == 0 and work.node_rank == 1
+    assert lead.llm_dist_init_addr == work.dist_init_addr == "10.0.0.7:29500"
+    assert lead.llm_model == work.model and lead.llm_enable_expert_parallel and work.enable_expert_parallel
+    from llm_backend.config import LLMConfig
+    from mimo_epd.common.flags import from_args
+
+    from_args(LLMConfig, work).validate()  # ValueError naming the flag
+    from_args(LLMConfig, lead, prefix="llm_").validate()
