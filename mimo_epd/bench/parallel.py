@@ -1,4 +1,5 @@
-"""`mimo-epd bench parallel`: what tensor parallelism costs and gives on this machine, modes side by side.
+"""`mimo-epd bench parallel`: what tensor parallelism costs and gives on this machine, modes side by side
+(`--sim`: the real shapes' deployments priced on the simulator instead, llm_backend/sim/parallel.py).
 
 Modes (one engine each, the same requests, greedy, `ignore_eos`, the same total threads):
 - `tp1`: one process, `--threads` torch threads (the reference: what a user of one device runs);
@@ -36,6 +37,14 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads in all, split over the ranks (default: 2)")
     p.add_argument("--modes", default="", help=f"comma-separated subset of {','.join(MODES)} (default: all)")
     p.add_argument("--quick", action="store_true", help="seconds-long smoke run")
+    p.add_argument(
+        "--sim",
+        action="store_true",
+        help="price the real shapes' deployments on the simulator instead (llm_backend/sim/parallel.py)",
+    )
+    p.add_argument("--sim-device", default="h200", choices=("h200", "h100"), help="device kind (default: h200)")
+    p.add_argument("--sim-requests", type=int, default=300, help="requests per simulated deployment (default: 300)")
+    p.add_argument("--sim-load", type=float, default=0.8, help="nominal load of the first deployment (default: 0.8)")
 
 
 def log(msg: str) -> None:
@@ -121,6 +130,10 @@ def run_mode(args, mode: str, workloads: dict) -> dict:
 
 
 def main(args) -> dict:
+    if args.sim:
+        from llm_backend.sim.parallel import simulate_modes
+
+        return simulate_modes(args)
     import torch
 
     from llm_backend.models import model_config
