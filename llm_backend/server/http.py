@@ -29,6 +29,7 @@ from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 
 from . import anthropic_protocol as ap
 from . import openai_protocol as proto
+from . import responses_protocol as rp
 from .chat_template import ChatTemplate, ChatTemplateError
 from .core import Final, GenerationCore, ServeError
 
@@ -129,6 +130,7 @@ class LLMHTTPServer:
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)
         r.add_post("/v1/messages", self.messages)
+        r.add_post("/v1/responses", self.responses)
         r.add_post("/v1/messages/count_tokens", self.count_tokens)
         r.add_get("/v1/models", self.models)
         r.add_get("/v1/models/{model}", self.model)
@@ -449,6 +451,58 @@ class LLMHTTPServer:
         self._check_model(req.model)
         prep, _ = await self._prepare(req)
         return web.json_response({"input_tokens": len(prep.prompt)})
+
+    # ------------------------------------------------------------------------------ the OpenAI Responses API
+    async def responses(self, request):
+        """`POST /v1/responses` (server/responses_protocol.py): the chat path, the Responses API's shapes."""
+        body = await read_json(request, self.edge)
+        req = rp.parse_responses(body, self.max_samples)
+        self._check_model(req.model)
+        prep, params = await self._prepare(req)
+        rid, model = rp.new_id(), self.core.model_name
+        if req.stream:
+            return await self._responses_stream(request, body, req, prep, params, rid, model)
+        res = await self.core.generate(prep, params, req.stop)
+        out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
+        status = rp.status_of(out.finish_reason(res.final.finish_reason))
+        output = rp.items(out.message(), status)
+        return web.json_response(rp.response_object(rid, model, body, output, status, res.final))
+
+    async def _responses_stream(self, request, body, req, prep, params, rid: str, model: str) -> web.StreamResponse:
+        gen = self.core.start(prep, params, req.stop)
+        resp = await self._open_sse(request)
+        out, si = ChatOutput(req.agentic.thinking, req.agentic.tools), rp.StreamItems()
+        try:
+            for name in ("response.created", "response.in_progress"):
+                await self._event(
+                    resp, *si.event(name, response=rp.response_object(rid, model, body, [], "in_progress", None))
+                )
+            final = None
+            async for ev in gen.events():
+                if isinstance(ev, Final):
+                    final = ev
+                    break
+                for d in out.push(ev.text):
+                    for name, data in si.push(d):
+                        await self._event(resp, name, data)
+            for d in out.flush():
+                for name, data in si.push(d):
+                    await self._event(resp, name, data)
+            assert final is not None
+            status = rp.status_of(out.finish_reason(final.finish_reason))
+            for name, data in si.close(status):
+                await self._event(resp, name, data)
+            done = rp.response_object(rid, model, body, si.output, status, final)
+            await self._event(resp, *si.event(f"response.{status}", response=done))
+        except ServeError as e:
+            await self._event(resp, *si.event("error", code=e.err_code or None, message=e.message, param=e.param))
+        except ConnectionResetError:
+            log.info("%s: the client closed the stream before its end; the request is cancelled", rid)
+            return resp
+        finally:
+            gen.cancel()
+        await resp.write_eof()
+        return resp
 
     @staticmethod
     async def _event(resp: web.StreamResponse, name: str, data: dict) -> None:

@@ -43,6 +43,7 @@ from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
 from mimo_epd.common.prompt_rules import RuleError, audio_in_video, encode_text, is_token_ids, normalize_messages
+from mimo_epd.common.responses_rules import to_chat as responses_to_chat
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +74,7 @@ ROUTED = {
     "/v1/completions": "completion",
     "/generate": "generate",
     "/v1/messages": "messages",  # Anthropic's: the same prompt as its chat translation (common/anthropic_rules.py)
+    "/v1/responses": "responses",  # OpenAI's Responses API: likewise (common/responses_rules.py)
 }
 RETRY_STATUS = (429, 503)  # the worker is overloaded or going down: another worker may take it
 
@@ -120,9 +122,9 @@ class Tokenizer:
         """(token ids, has media); raises Unroutable."""
         if not isinstance(body, dict):
             raise Unroutable("body")
-        if kind == "messages":
+        if kind in ("messages", "responses"):
             try:
-                body = to_chat(body)
+                body = to_chat(body) if kind == "messages" else responses_to_chat(body)
             except RuleError as e:
                 raise Unroutable(str(e)) from None
             kind = "chat"

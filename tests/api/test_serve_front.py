@@ -147,3 +147,31 @@ def test_anthropic_client_through_the_front(node):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "robot", "content": "x"}])
     assert e.value.body["type"] == "error" and e.value.body["error"]["param"] == "messages[0].role"
+
+
+def test_responses_api_through_the_front(node):
+    """/v1/responses through the router's front, routed with chat's affinity (its chat translation is the prompt):
+    a second turn finds its prefix cached; the client's streaming helper gets the same text; errors name the field."""
+    import openai
+
+    oai = openai.OpenAI(base_url=f"http://{node.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
+    turn1 = [{"role": "user", "content": "How do I sort a list in Python? " * 8}]
+    first = oai.responses.create(
+        model="tiny", instructions="Be brief.", input=turn1, max_output_tokens=8, temperature=0
+    )
+    turn2 = turn1 + [
+        {"role": "assistant", "content": first.output_text or "ok"},
+        {"role": "user", "content": "And in reverse?"},
+    ]
+    second = oai.responses.create(
+        model="tiny", instructions="Be brief.", input=turn2, max_output_tokens=8, temperature=0
+    )
+    assert second.usage.input_tokens_details.cached_tokens > 0
+    events = oai.responses.create(
+        model="tiny", instructions="Be brief.", input=turn2, max_output_tokens=8, temperature=0, stream=True
+    )
+    (streamed,) = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    assert streamed.output_text == second.output_text and streamed.status == second.status
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="tiny", input=[{"role": "robot", "content": "x"}])
+    assert "input[0].role" in str(e.value)

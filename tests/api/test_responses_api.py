@@ -1,0 +1,155 @@
+"""The OpenAI Responses API (`POST /v1/responses`) through the official `openai` client's `responses` resource against
+a real worker on the shipped `tiny` model: the answer equals the chat API's for the same conversation (instructions,
+input items, greedy), `max_output_tokens` makes it `incomplete`, streamed equals whole (the client parses every
+event), a forced function call comes back as a `function_call` item and its output can be sent back, a JSON schema
+in `text.format` constrains the output, and bad requests are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.integration
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_worker):
+    return openai.OpenAI(base_url=f"http://{tiny_worker.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def test_a_response_equals_the_chat_answer(oai):
+    system, user = "You answer briefly.", "How do I read a JSON file in Python?"
+    r = oai.responses.create(model="tiny", instructions=system, input=user, max_output_tokens=24, temperature=0)
+    c = oai.chat.completions.create(
+        model="tiny",
+        max_tokens=24,
+        temperature=0,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+    )
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert [i.type for i in r.output] == ["message"] and r.output_text == c.choices[0].message.content
+    assert r.status == {"length": "incomplete", "stop": "completed"}[c.choices[0].finish_reason]
+    if r.status == "incomplete":
+        assert r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == c.usage.completion_tokens and r.usage.input_tokens == c.usage.prompt_tokens
+
+
+def test_input_items_stream_equal_whole(oai):
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "Name a Python module for dates."}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "datetime"}]},
+        {"role": "user", "content": "And one for paths?"},
+    ]
+    whole = oai.responses.create(model="tiny", input=items, max_output_tokens=32, temperature=0)
+    deltas, kinds, final = [], [], None
+    for ev in oai.responses.create(model="tiny", input=items, max_output_tokens=32, temperature=0, stream=True):
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        if ev.type in ("response.completed", "response.incomplete"):
+            final = ev.response
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert "".join(deltas) == whole.output_text and final is not None and final.output_text == whole.output_text
+    assert final.status == whole.status and final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_a_forced_function_call_and_its_output(oai):
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = oai.responses.create(
+        model="tiny",
+        input=ask,
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+        max_output_tokens=64,
+        temperature=0,
+    )
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls and calls[0].name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].arguments), WEATHER["parameters"])
+    follow = ask + [
+        {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather", "arguments": calls[0].arguments},
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 21 C"},
+    ]
+    answer = oai.responses.create(model="tiny", input=follow, tools=[WEATHER], max_output_tokens=16, temperature=0)
+    assert answer.usage.output_tokens > 0 and answer.usage.input_tokens > r.usage.input_tokens
+
+
+def test_text_format_json_schema_constrains_the_output(oai):
+    schema = {
+        "type": "object",
+        "properties": {"topic": {"type": "string", "maxLength": 30}},
+        "required": ["topic"],
+        "additionalProperties": False,
+    }
+    r = oai.responses.create(
+        model="tiny",
+        input="Describe lists in JSON.",
+        text={"format": {"type": "json_schema", "name": "topic", "schema": schema, "strict": True}},
+        max_output_tokens=60,
+        temperature=0,
+    )
+    assert r.status == "completed"
+    jsonschema.validate(json.loads(r.output_text), schema)
+
+
+@pytest.mark.parametrize(
+    "kw, field",
+    [
+        (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+        (dict(input=[]), "input"),
+        (dict(input=[{"role": "robot", "content": "x"}]), "input[0].role"),
+        (dict(input="x", tools=[{"type": "web_search"}]), "tools[0].type"),
+        (dict(input="x", text={"format": {"type": "yaml"}}), "text.format.type"),
+        (dict(input="x", max_output_tokens=-1), "max_tokens"),
+    ],
+)
+def test_bad_requests_are_400s_naming_the_field(oai, kw, field):
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="tiny", **kw)
+    assert field in str(e.value)
+
+
+def test_an_unknown_field_is_named(tiny_worker):
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://{tiny_worker.http_address}/v1/responses",
+        data=json.dumps({"model": "tiny", "input": "x", "frobnicate": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(e.value.read())
+    assert e.value.code == 400 and body["error"]["param"] == "frobnicate"
+
+
+def test_a_truncated_response_and_its_last_item_are_incomplete(oai):
+    """Cut by `max_output_tokens`: the response is `incomplete` and so is the item the limit cut (vLLM reports the
+    item `completed`: vllm#57998); streamed, the terminal event is `response.incomplete` (OpenAI's reference)."""
+    r = oai.responses.create(model="tiny", input="Tell me a long story.", max_output_tokens=4, temperature=0)
+    assert r.status == "incomplete" and r.output[-1].status == "incomplete"
+    last = list(
+        oai.responses.create(
+            model="tiny", input="Tell me a long story.", max_output_tokens=4, temperature=0, stream=True
+        )
+    )
+    assert last[-1].type == "response.incomplete" and last[-1].response.output[-1].status == "incomplete"
+    done = [e for e in last if e.type == "response.output_item.done"]
+    assert done and done[-1].item.status == "incomplete"
+    assert [e.sequence_number for e in last] == list(range(len(last)))
