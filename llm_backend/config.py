@@ -80,6 +80,14 @@ class LLMConfig:
     max_prompts_per_request: int = flag(
         64, "prompts one /v1/completions request may carry as a list (each answered as one choice, run at once)", _SERVE
     )
+    responses_store_size: int = flag(
+        1024,
+        "Responses API answers kept for previous_response_id (the oldest dropped first; 0 = none kept)",
+        _SERVE,
+    )
+    responses_store_ttl_s: float = flag(
+        3600.0, "seconds a stored Responses API answer can be continued with previous_response_id", _SERVE
+    )
     media_timeout_s: float = flag(60.0, "seconds the encoder may take for one request's media", _SERVE)
     grammar_compile_timeout_s: float = flag(
         10.0, "seconds a structured-output grammar may take to compile before the request gets a 400", _SERVE

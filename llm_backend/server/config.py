@@ -25,6 +25,8 @@ class ServerConfig:
     default_max_tokens: int = _default("default_max_tokens")  # chat completions without max_tokens
     max_prompts_per_request: int = _default("max_prompts_per_request")  # a /v1/completions prompt list's length
     max_samples_per_request: int = _default("max_samples_per_request")  # n / best_of
+    responses_store_size: int = _default("responses_store_size")  # Responses API answers kept
+    responses_store_ttl_s: float = _default("responses_store_ttl_s")  # ... and for how long
     media_timeout_s: float = _default("media_timeout_s")  # deadline for the encoder to answer a request's media
     edge: EdgeConfig = field(default_factory=EdgeConfig)  # the HTTP API's limits (mimo_epd/common/http_server.py)
     auth: AuthConfig = field(default_factory=AuthConfig)  # API keys and TLS (mimo_epd/common/auth.py)
@@ -53,6 +55,8 @@ class ServerConfig:
             raise ValueError("need --max-waiting >= 0, --default-max-tokens >= 1 and --media-timeout-s > 0")
         if cfg.max_samples_per_request < 1:
             raise ValueError(f"--max-samples-per-request must be >= 1, got {cfg.max_samples_per_request}")
+        if cfg.responses_store_size < 0 or cfg.responses_store_ttl_s <= 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl-s positive")
         if cfg.max_prompts_per_request < 1:
             raise ValueError(f"--max-prompts-per-request must be >= 1, got {cfg.max_prompts_per_request}")
         return cfg

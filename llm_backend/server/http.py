@@ -113,6 +113,7 @@ class LLMHTTPServer:
         auth: AuthConfig | None = None,
         max_prompts: int = 64,
         max_samples: int = 16,
+        responses: rp.ResponseStore | None = None,
     ):
         self.core, self.template, self.metrics = core, template, metrics
         self.edge = edge or EdgeConfig()
@@ -122,6 +123,7 @@ class LLMHTTPServer:
         # endpoints answer anonymous clients when no --api-key is set.
         self.model_path = _name(model_path)
         self.max_prompts, self.max_samples = max_prompts, max_samples
+        self.responses_store = responses or rp.ResponseStore()
         self.started = int(time.time())
 
     def app(self) -> web.Application:
@@ -456,19 +458,22 @@ class LLMHTTPServer:
     async def responses(self, request):
         """`POST /v1/responses` (server/responses_protocol.py): the chat path, the Responses API's shapes."""
         body = await read_json(request, self.edge)
-        req = rp.parse_responses(body, self.max_samples)
+        history = self.responses_store.get(body.get("previous_response_id")) if isinstance(body, dict) else None
+        req, messages = rp.parse_responses(body, self.max_samples, history)
         self._check_model(req.model)
         prep, params = await self._prepare(req)
         rid, model = rp.new_id(), self.core.model_name
         if req.stream:
-            return await self._responses_stream(request, body, req, prep, params, rid, model)
+            return await self._responses_stream(request, body, (req, messages), prep, params, rid, model)
         res = await self.core.generate(prep, params, req.stop)
         out = ChatOutput.whole(res.text, req.agentic.thinking, req.agentic.tools)
         status = rp.status_of(out.finish_reason(res.final.finish_reason))
         output = rp.items(out.message(), status)
-        return web.json_response(rp.response_object(rid, model, body, output, status, res.final))
+        stored = self.responses_store.put(rid, body, messages, out.message())
+        return web.json_response(rp.response_object(rid, model, body, output, status, res.final, stored))
 
-    async def _responses_stream(self, request, body, req, prep, params, rid: str, model: str) -> web.StreamResponse:
+    async def _responses_stream(self, request, body, parsed, prep, params, rid: str, model: str) -> web.StreamResponse:
+        req, messages = parsed
         gen = self.core.start(prep, params, req.stop)
         resp = await self._open_sse(request)
         out, si = ChatOutput(req.agentic.thinking, req.agentic.tools), rp.StreamItems()
@@ -492,7 +497,8 @@ class LLMHTTPServer:
             status = rp.status_of(out.finish_reason(final.finish_reason))
             for name, data in si.close(status):
                 await self._event(resp, name, data)
-            done = rp.response_object(rid, model, body, si.output, status, final)
+            stored = self.responses_store.put(rid, body, messages, out.message())
+            done = rp.response_object(rid, model, body, si.output, status, final, stored)
             await self._event(resp, *si.event(f"response.{status}", response=done))
         except ServeError as e:
             await self._event(resp, *si.event("error", code=e.err_code or None, message=e.message, param=e.param))

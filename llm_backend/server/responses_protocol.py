@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 
 from mimo_epd.common.prompt_rules import RuleError
 from mimo_epd.common.responses_rules import to_chat
@@ -25,12 +26,14 @@ from . import openai_protocol as proto
 from .core import Final, ServeError
 
 
-def parse_responses(body, max_samples: int = 16) -> proto.GenRequest:
+def parse_responses(body, max_samples: int = 16, history: list[dict] | None = None) -> tuple[proto.GenRequest, list]:
+    """The chat API's request, and the chat messages it was parsed from (what ResponseStore keeps). `history`: the
+    stored conversation `previous_response_id` names (ResponseStore.get)."""
     try:
-        chat = to_chat(body)
+        chat = to_chat(body, history)
     except RuleError as e:
         raise ServeError.invalid(f"'{e.param}': {e.message}", param=e.param) from None
-    return proto.parse_chat(chat, max_samples)
+    return proto.parse_chat(chat, max_samples), chat["messages"]
 
 
 def new_id(prefix: str = "resp") -> str:
@@ -89,7 +92,9 @@ def call_item(iid: str, call_id: str, name: str, arguments: str, status: str) ->
     }
 
 
-def response_object(rid: str, model: str, body: dict, output: list[dict], status: str, final: Final | None) -> dict:
+def response_object(
+    rid: str, model: str, body: dict, output: list[dict], status: str, final: Final | None, stored: bool = False
+) -> dict:
     """The `response` object (`final` None while it is in progress)."""
     return {
         "id": rid,
@@ -109,7 +114,8 @@ def response_object(rid: str, model: str, body: dict, output: list[dict], status
         "tools": body.get("tools") or [],
         "text": body.get("text") or {"format": {"type": "text"}},
         "reasoning": body.get("reasoning"),
-        "store": False,
+        "store": stored,
+        "previous_response_id": body.get("previous_response_id"),
         "metadata": body.get("metadata") or {},
         "usage": usage(final) if final is not None else None,
     }
@@ -117,6 +123,49 @@ def response_object(rid: str, model: str, body: dict, output: list[dict], status
 
 def status_of(finish: str) -> str:
     return "incomplete" if finish == "length" else "completed"
+
+
+class ResponseStore:
+    """Answers kept for `previous_response_id`: each answer's conversation as chat messages (the request's, without
+    its instructions, which OpenAI does not carry over, then the answer), at most `size` of them, each for `ttl_s`
+    seconds; the oldest dropped first. A request with `store: false` is not kept."""
+
+    def __init__(self, size: int = 1024, ttl_s: float = 3600.0):
+        self.size, self.ttl_s = size, ttl_s
+        self._items: OrderedDict[str, tuple[float, list[dict]]] = OrderedDict()
+
+    def put(self, rid: str, body: dict, messages: list[dict], answer: dict) -> bool:
+        """Keeps the conversation (True) unless the request said `store: false` or the store holds none."""
+        if body.get("store") is False or self.size == 0:
+            return False
+        convo = list(messages[1:] if body.get("instructions") is not None else messages)
+        reply = {"role": "assistant", "content": answer.get("content")}
+        if answer.get("tool_calls"):
+            reply["tool_calls"] = answer["tool_calls"]
+        self._items[rid] = (time.monotonic() + self.ttl_s, [*convo, reply])
+        while len(self._items) > self.size:
+            self._items.popitem(last=False)
+        return True
+
+    def get(self, rid) -> list[dict] | None:
+        """The conversation `rid` continues (None when no id is given); a 400 naming `previous_response_id` when
+        it is not kept (expired, dropped or never answered here)."""
+        if rid is None:
+            return None
+        if not isinstance(rid, str):
+            raise ServeError.invalid("'previous_response_id': expected a string", param="previous_response_id")
+        now = time.monotonic()
+        while self._items and next(iter(self._items.values()))[0] <= now:
+            self._items.popitem(last=False)  # expired (entries are in insertion order: the same TTL each)
+        item = self._items.get(rid)
+        if item is None:
+            raise ServeError.invalid(
+                f"'previous_response_id': {rid[:64]!r} is not stored on this server: answers are kept "
+                f"{self.ttl_s:g} s, at most {self.size} of them (--responses-store-ttl-s, --responses-store-size), "
+                "and only by the worker that gave them; send the whole conversation in 'input'",
+                param="previous_response_id",
+            )
+        return list(item[1])
 
 
 class StreamItems:

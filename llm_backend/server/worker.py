@@ -24,6 +24,7 @@ from .core import GenerationCore
 from .grpc_service import SERVICE_NAME, GeneratorService
 from .kv_transfer import DecodeTicketing, PrefillClient, attach_decode, attach_prefill
 from .metrics import LLMMetrics
+from .responses_protocol import ResponseStore
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ async def _start_http_api(core, template, metrics, config: ServerConfig, model: 
             config.auth,
             max_prompts=config.max_prompts_per_request,
             max_samples=config.max_samples_per_request,
+            responses=ResponseStore(config.responses_store_size, config.responses_store_ttl_s),
         ),
         host,
         config.http_port,

@@ -9,8 +9,8 @@ apply, so they see the same prompt. Pure data, no server, no torch.
 thinking); `tools` of type `function` (`name`, `description`, `parameters`, `strict`) become functions and
 `tool_choice` `auto` / `none` / `required` / `{type: function, name}` the chat's; `max_output_tokens` becomes
 `max_tokens`; `text.format` (`text`, `json_object`, `json_schema` with `name` / `schema` / `strict`) becomes
-`response_format`; `reasoning` (an `effort`) turns the template's thinking on. Responses are not stored:
-`previous_response_id` and `store: true` with `background` are refused by name, as is any field not listed here.
+`response_format`; `reasoning` (an `effort`) turns the template's thinking on. `previous_response_id`'s stored
+conversation is the caller's to give (`history`); `background` is refused by name, as is any field not listed here.
 """
 
 from __future__ import annotations
@@ -166,16 +166,15 @@ def _text_format(body: dict, chat: dict) -> None:
         raise _bad("text.format.type", "expected text, json_object or json_schema")
 
 
-def to_chat(body) -> dict:
+def to_chat(body, history: list[dict] | None = None) -> dict:
     """A Responses API request body as an OpenAI chat request body (module docstring); RuleError names the field in
-    the Responses API's terms."""
+    the Responses API's terms. `history`: the chat messages of the stored conversation `previous_response_id`
+    names (the worker's store), placed after this request's instructions."""
     if not isinstance(body, dict):
         raise _bad("body", f"the request body must be a JSON object, got {type_name(body)}")
     unknown = sorted(set(body) - KNOWN)
     if unknown:
         raise _bad(unknown[0], "is not supported by this server")
-    if body.get("previous_response_id") is not None:
-        raise _bad("previous_response_id", "responses are not stored here: send the whole conversation in 'input'")
     if body.get("background"):
         raise _bad("background", "background responses are not served here")
     chat: dict = {"messages": []}
@@ -183,6 +182,7 @@ def to_chat(body) -> dict:
         if not isinstance(body["instructions"], str):
             raise _bad("instructions", "expected a string")
         chat["messages"].append({"role": "system", "content": body["instructions"]})
+    chat["messages"] += history or []
     items = body.get("input")
     if isinstance(items, str):
         chat["messages"].append({"role": "user", "content": items})

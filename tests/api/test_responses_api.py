@@ -110,7 +110,7 @@ def test_text_format_json_schema_constrains_the_output(oai):
 @pytest.mark.parametrize(
     "kw, field",
     [
-        (dict(input="x", previous_response_id="resp_1"), "previous_response_id"),
+        (dict(input="x", previous_response_id="resp_never"), "previous_response_id"),
         (dict(input=[]), "input"),
         (dict(input=[{"role": "robot", "content": "x"}]), "input[0].role"),
         (dict(input="x", tools=[{"type": "web_search"}]), "tools[0].type"),
@@ -153,3 +153,57 @@ def test_a_truncated_response_and_its_last_item_are_incomplete(oai):
     done = [e for e in last if e.type == "response.output_item.done"]
     assert done and done[-1].item.status == "incomplete"
     assert [e.sequence_number for e in last] == list(range(len(last)))
+
+
+def test_previous_response_id_continues_a_stored_conversation(oai):
+    """The follow-up by id equals sending the whole conversation (instructions not carried over, as OpenAI's);
+    `store: false` keeps nothing; a chain of three works; the id of an unknown answer is a 400 naming the field."""
+    first = oai.responses.create(
+        model="tiny",
+        instructions="Be brief.",
+        input="Name a Python web framework.",
+        max_output_tokens=12,
+        temperature=0,
+    )
+    assert first.store is True
+    by_id = oai.responses.create(
+        model="tiny", previous_response_id=first.id, input="And another one?", max_output_tokens=12, temperature=0
+    )
+    whole = oai.responses.create(
+        model="tiny",
+        input=[
+            {"role": "user", "content": "Name a Python web framework."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "And another one?"},
+        ],
+        max_output_tokens=12,
+        temperature=0,
+        store=False,
+    )
+    assert by_id.output_text == whole.output_text and by_id.usage.input_tokens == whole.usage.input_tokens
+    assert by_id.previous_response_id == first.id and whole.store is False
+    third = oai.responses.create(
+        model="tiny", previous_response_id=by_id.id, input="Thanks.", max_output_tokens=4, temperature=0
+    )
+    assert third.usage.input_tokens > by_id.usage.input_tokens
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.responses.create(model="tiny", previous_response_id=whole.id, input="x", max_output_tokens=4)
+    assert "previous_response_id" in str(e.value) and "not stored" in str(e.value)
+
+
+def test_the_store_is_bounded_and_expires():
+    from llm_backend.server.core import ServeError
+    from llm_backend.server.responses_protocol import ResponseStore
+
+    store = ResponseStore(size=2, ttl_s=0.2)
+    for rid in ("a", "b", "c"):
+        assert store.put(rid, {}, [{"role": "user", "content": rid}], {"content": "ok"})
+    with pytest.raises(ServeError, match="not stored"):
+        store.get("a")  # the oldest, dropped at the bound
+    assert store.get("c") == [{"role": "user", "content": "c"}, {"role": "assistant", "content": "ok"}]
+    import time
+
+    time.sleep(0.25)
+    with pytest.raises(ServeError, match="not stored"):
+        store.get("c")  # expired
+    assert not ResponseStore(size=0).put("x", {}, [], {"content": "ok"})
