@@ -126,8 +126,27 @@ class LLMHTTPServer:
         self.responses_store = responses or rp.ResponseStore()
         self.started = int(time.time())
 
+    @web.middleware
+    async def _count(self, request: web.Request, handler):
+        """Per-endpoint metrics: each request counted by its route (unknown paths as `unmatched`, so a scan of
+        made-up paths adds no series) and status, and timed to its answer's end."""
+        t0 = time.monotonic()
+        resource = getattr(request.match_info.route, "resource", None)
+        endpoint = resource.canonical if resource is not None else "unmatched"
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.on_http(endpoint, status, time.monotonic() - t0)
+
     def app(self) -> web.Application:
-        app = edge_app(self.edge, [errors_middleware], keys=self.auth.keys)
+        app = edge_app(self.edge, [self._count, errors_middleware], keys=self.auth.keys)
         r = app.router
         r.add_post("/v1/chat/completions", self.chat)
         r.add_post("/v1/completions", self.completions)

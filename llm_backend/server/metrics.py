@@ -120,6 +120,19 @@ class LLMMetrics:
         self.rejected = Counter(
             "llm_requests_rejected", "requests refused because too many were waiting (429)", registry=r
         )
+        self.http_requests = Counter(
+            "llm_http_requests",
+            "HTTP API requests by endpoint (its route) and status",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.http_seconds = Histogram(
+            "llm_http_request_seconds",
+            "HTTP API requests: arrival to the answer's last byte (streams included), by endpoint",
+            ["endpoint"],
+            buckets=E2E_BUCKETS,
+            registry=r,
+        )
         if stats is not None:
             self.watch(stats)
 
@@ -133,6 +146,10 @@ class LLMMetrics:
         self.cached_tokens.inc(final.cached_tokens)
         self.generated_tokens.inc(final.completion_tokens)
         self.finished.labels(final.finish_reason).inc()
+
+    def on_http(self, endpoint: str, status: int, seconds: float) -> None:
+        self.http_requests.labels(endpoint, str(status)).inc()
+        self.http_seconds.labels(endpoint).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

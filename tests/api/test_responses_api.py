@@ -207,3 +207,34 @@ def test_the_store_is_bounded_and_expires():
     with pytest.raises(ServeError, match="not stored"):
         store.get("c")  # expired
     assert not ResponseStore(size=0).put("x", {}, [], {"content": "ok"})
+
+
+def test_metrics_per_endpoint(oai, tiny_worker):
+    """Each endpoint counted by route and status, and timed; unknown paths share one `unmatched` series."""
+    from tests.api.conftest import scrape
+
+    def counts():
+        m = scrape(tiny_worker.http_address)
+        return {k: v for k, v in m.items() if k.startswith("llm_http_requests_total")}
+
+    before = counts()
+    oai.responses.create(model="tiny", input="Hi", max_output_tokens=2, temperature=0)
+    oai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        oai.responses.create(model="tiny", input=[])
+    import urllib.error
+    import urllib.request
+
+    for path in ("/nope-1", "/nope-2"):
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://{tiny_worker.http_address}{path}", timeout=10)
+    after = counts()
+
+    def grew(endpoint, status):
+        key = f'llm_http_requests_total{{endpoint="{endpoint}",status="{status}"}}'
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("/v1/responses", 200) == 1 and grew("/v1/responses", 400) == 1
+    assert grew("/v1/chat/completions", 200) == 1 and grew("unmatched", 404) == 2
+    m = scrape(tiny_worker.http_address)
+    assert m['llm_http_request_seconds_count{endpoint="/v1/responses"}'] >= 2
