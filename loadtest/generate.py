@@ -23,6 +23,9 @@ from loadtest.locust_cmd import locust_command, results_dir
 LOCUSTFILE = Path(__file__).with_name("generate_locustfile.py")
 
 
+HTTP_APIS = ("chat", "completions", "responses", "messages")
+
+
 def _percentiles(values: list[float]) -> dict:
     from mimo_epd.common.stats import summary
 
@@ -67,6 +70,10 @@ def _run(args, out_dir: Path) -> int:
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
         print("error: locust is not installed: pip install 'mimo-epd[loadtest]'", file=sys.stderr)
         return 2
+    bad = [a for a in args.apis.split(",") if a not in HTTP_APIS]
+    if bad or not args.apis:
+        print(f"error: --apis takes {', '.join(HTTP_APIS)}, got {args.apis!r}", file=sys.stderr)
+        return 2
     if args.workload not in ("chat", "images"):
         print(f"error: --workload must be chat or images, got {args.workload!r}", file=sys.stderr)
         return 2
@@ -94,6 +101,7 @@ def _run(args, out_dir: Path) -> int:
             "MIMO_EPD_GEN_GRPC": grpc_addr,
             "MIMO_EPD_GEN_GRPC_SHARE": str(args.grpc_share),
             "MIMO_EPD_GEN_WORKLOAD": args.workload,
+            "MIMO_EPD_GEN_HTTP_APIS": args.apis,
             "MIMO_EPD_GEN_MAX_TOKENS": str(args.max_tokens),
             "MIMO_EPD_GEN_IMAGES_DIR": str(img_dir),
             "MIMO_EPD_GEN_RESULTS": str(results),
@@ -157,6 +165,13 @@ def add_arguments(p) -> None:
         "`serve` is started here (default: '')",
     )
     p.add_argument("--grpc", default="", help="Generate address, e.g. 127.0.0.1:50051 (default: '')")
+    p.add_argument(
+        "--apis",
+        default="chat",
+        help="HTTP APIs the users take turns with, comma-separated: chat (/v1/chat/completions), completions "
+        "(/v1/completions), responses (/v1/responses), messages (/v1/messages); the same conversation each "
+        "(default: chat)",
+    )
     p.add_argument(
         "--grpc-share",
         type=float,

@@ -1,4 +1,5 @@
-"""Locust users for generation: streamed chat completions over the HTTP API and Generate over gRPC.
+"""Locust users for generation: streamed requests over the HTTP APIs (chat completions, completions, the Responses
+API, the Anthropic Messages API: `--apis`) and Generate over gRPC.
 
 Each user runs a closed loop of multi-turn sessions: it keeps one of a few shared system prompts (so
 prefix caching matters across users) and a conversation that grows by its own question and the answer
@@ -15,6 +16,7 @@ Configuration by environment (set by the runner):
     MIMO_EPD_GEN_GRPC        host:port of Generator/Generate (empty = no gRPC requests)
     MIMO_EPD_GEN_GRPC_SHARE  fraction of requests over gRPC (default 0.25)
     MIMO_EPD_GEN_WORKLOAD    chat | images
+    MIMO_EPD_GEN_HTTP_APIS   comma-separated: chat, completions, responses, messages (taken in turn at random)
     MIMO_EPD_GEN_MAX_TOKENS  completion tokens per request
     MIMO_EPD_GEN_IMAGES_DIR  JPEG files for the images workload
     MIMO_EPD_GEN_RESULTS     where to write the raw records (JSON)
@@ -46,6 +48,7 @@ WORKLOAD = os.environ.get("MIMO_EPD_GEN_WORKLOAD", "chat")
 MAX_TOKENS = int(os.environ.get("MIMO_EPD_GEN_MAX_TOKENS", "16"))
 IMAGES = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_GEN_IMAGES_DIR", "/nonexistent")).glob("*.jpg"))]
 RESULTS = os.environ.get("MIMO_EPD_GEN_RESULTS", "")
+HTTP_APIS = os.environ.get("MIMO_EPD_GEN_HTTP_APIS", "chat").split(",")
 TURNS = 3
 
 SYSTEM_PROMPTS = [
@@ -130,7 +133,8 @@ class GenerateUser(User):
         self.turns.append((question, answer or ""))
 
     # ------------------------------------------------------------------------------------ HTTP
-    def _chat(self, question: str, image: bytes | None) -> str | None:
+    def _messages(self, question: str, image: bytes | None) -> list[dict]:
+        """The conversation in the chat API's shape (the system prompt, the turns, the question)."""
         messages = [{"role": "system", "content": self.system}]
         for q, a in self.turns:
             messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -140,40 +144,35 @@ class GenerateUser(User):
             else [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": question}]
         )
         messages.append({"role": "user", "content": content})
-        body = {
-            "model": "",
-            "messages": messages,
-            "max_tokens": MAX_TOKENS,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "ignore_eos": True,
-        }
-        name = "chat stream" + (" +image" if image is not None else "")
+        return messages
+
+    def _chat(self, question: str, image: bytes | None) -> str | None:
+        """One streamed request on one of the HTTP APIs (`--apis`), the same conversation in its shape."""
+        api = self.rng.choice(HTTP_APIS)
+        path, body = _request(api, self._messages(question, image), self.system, question, image)
+        name = f"{api} stream" + (" +image" if image is not None else "")
         start = time.perf_counter()
         ttft, tokens, text, error = None, 0, [], None
         try:
-            with self.http.post(f"{HTTP}/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+            with self.http.post(f"{HTTP}{path}", json=body, stream=True, timeout=300) as r:
                 if r.status_code != 200:
                     error = f"HTTP {r.status_code}: {r.text[:200]}"
                 else:
                     for line in r.iter_lines():
                         if not line.startswith(b"data: ") or line == b"data: [DONE]":
                             continue
-                        msg = json.loads(line[6:])
-                        if "error" in msg:
-                            error = f"HTTP stream {msg['error'].get('type')}: {msg['error'].get('message', '')[:200]}"
+                        piece, used, err = _event(api, json.loads(line[6:]))
+                        if err:
+                            error = err
                             break
-                        for c in msg.get("choices") or []:
-                            piece = (c.get("delta") or {}).get("content")
-                            if piece:
-                                if ttft is None:
-                                    ttft = (time.perf_counter() - start) * 1e3
-                                text.append(piece)
-                        if msg.get("usage"):
-                            tokens = msg["usage"]["completion_tokens"]
+                        if piece:
+                            if ttft is None:
+                                ttft = (time.perf_counter() - start) * 1e3
+                            text.append(piece)
+                        tokens = used if used is not None else tokens
         except requests.RequestException as e:
             error = f"HTTP {type(e).__name__}: {e}"[:200]
-        self._record("http", name, start, ttft, tokens, error)
+        self._record("http" if api == "chat" else f"http-{api}", name, start, ttft, tokens, error)
         return None if error else "".join(text)
 
     # ------------------------------------------------------------------------------------ gRPC
@@ -199,6 +198,64 @@ class GenerateUser(User):
             error = f"grpc {e.code().name}: {(e.details() or '')[:200]}"
         self._record("grpc", name, start, ttft, tokens, error)
         return None if error else "".join(text)
+
+
+def _request(api: str, messages: list[dict], system: str, question: str, image: bytes | None) -> tuple[str, dict]:
+    """(path, body) of one streamed request on `api`; every API asks for exactly MAX_TOKENS tokens where it can."""
+    if api == "chat":
+        body = {"messages": messages, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True}
+        return "/v1/chat/completions", {**body, "model": "", "stream_options": {"include_usage": True}}
+    if api == "completions":
+        prompt = "".join(
+            f"{m['role']}: {m['content'] if isinstance(m['content'], str) else question}\n" for m in messages
+        )
+        body = {"model": "", "prompt": prompt + "assistant:", "max_tokens": MAX_TOKENS, "stream": True}
+        return "/v1/completions", {**body, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if api == "responses":
+        items = [{"role": m["role"], "content": m["content"]} for m in messages[1:]]
+        if image is not None:  # the Responses API's image part
+            items[-1] = {
+                "role": "user",
+                "content": [
+                    {"type": "input_image", "image_url": _data_url(image)},
+                    {"type": "input_text", "text": question},
+                ],
+            }
+        body = {"model": "", "instructions": system, "input": items, "max_output_tokens": MAX_TOKENS, "stream": True}
+        return "/v1/responses", {**body, "store": False}
+    turns = [{"role": m["role"], "content": m["content"]} for m in messages[1:]]
+    if image is not None:  # Anthropic's image block
+        data = base64.b64encode(image).decode()
+        img = {"type": "image", "source": {"type": "base64", "media_type": "image/jpeg", "data": data}}
+        turns[-1] = {"role": "user", "content": [img, {"type": "text", "text": question}]}
+    return "/v1/messages", {"model": "", "system": system, "messages": turns, "max_tokens": MAX_TOKENS, "stream": True}
+
+
+def _event(api: str, msg: dict) -> tuple[str | None, int | None, str | None]:
+    """(text piece, completion tokens so far, error) of one SSE event of `api`."""
+    if "error" in msg and api in ("chat", "completions"):
+        return None, None, f"HTTP stream {msg['error'].get('type')}: {msg['error'].get('message', '')[:200]}"
+    if msg.get("type") == "error":
+        err = msg.get("error") or msg
+        return None, None, f"HTTP stream error: {str(err.get('message', ''))[:200]}"
+    if api in ("chat", "completions"):
+        piece = "".join(
+            ((c.get("delta") or {}).get("content") or "") if api == "chat" else (c.get("text") or "")
+            for c in msg.get("choices") or []
+        )
+        return piece or None, (msg.get("usage") or {}).get("completion_tokens"), None
+    if api == "responses":
+        kind = msg.get("type", "")
+        if kind == "response.output_text.delta":
+            return msg["delta"], None, None
+        if kind in ("response.completed", "response.incomplete"):
+            return None, msg["response"]["usage"]["output_tokens"], None
+        return None, None, None
+    if msg.get("type") == "content_block_delta" and msg["delta"].get("type") == "text_delta":
+        return msg["delta"]["text"], None, None
+    if msg.get("type") == "message_delta":
+        return None, msg["usage"]["output_tokens"], None
+    return None, None, None
 
 
 @events.test_stop.add_listener

@@ -80,3 +80,61 @@ def test_summary_groups_failures_by_status():
     assert s["requests"] == 3 and s["failures"] == 2 and s["qps"] == 1.5 and s["tokens_per_s"] == 2.0
     assert s["failures_by_status"] == {"HTTP 429": 1, "grpc UNAVAILABLE": 1}
     assert s["p50_ms"] == 1000.0 and s["ttft_ms"]["p50_ms"] == 100.0
+
+
+def test_generate_loadtest_drives_every_http_api(tiny_worker, tmp_path):
+    """`--apis chat,completions,responses,messages` against a worker's own HTTP API (the chat workload: this worker
+    has no encoder): each API gets requests, none fails, tokens are counted per API."""
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "loadtest",
+            "generate",
+            "--http",
+            f"http://{tiny_worker.http_address}",
+            "--apis",
+            "chat,completions,responses,messages",
+            "--users",
+            "2",
+            "--spawn-rate",
+            "2",
+            "--run-time",
+            "6s",
+            "--max-tokens",
+            "4",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout.strip().splitlines()[-1])
+    assert s["failures"] == 0 and s["requests"] >= 8
+    assert set(s["by_api"]) == {"http", "http-completions", "http-responses", "http-messages"}
+    for api, part in s["by_api"].items():
+        assert part["requests"] > 0 and 0 < part["completion_tokens"] <= 4 * part["requests"], api
+        assert part["ttft_ms"]["p50_ms"] is not None, api
+
+
+def test_generate_loadtest_refuses_an_unknown_api():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mimo_epd",
+            "loadtest",
+            "generate",
+            "--http",
+            "http://127.0.0.1:9",
+            "--apis",
+            "chat,soap",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--apis" in r.stderr and "soap" in r.stderr
