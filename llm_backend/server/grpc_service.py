@@ -2,12 +2,17 @@
 `GenerationCore` as the HTTP API: media through the encoder (placeholders after BOS), deltas whose text
 comes from the incremental detokenizer (a delta may carry a token and no text yet: the bytes of an
 incomplete character, or text that could start a stop string, wait for the next token), then one final
-message. A client that cancels the call (or goes away) aborts the request, which frees its KV. The request's
+message (with `sampling.n` > 1: the samples' deltas interleaved, each marked with its index, and one final
+each; the prompt prefilled once). A client that cancels the call (or goes away) aborts the request, which frees its KV. The request's
 `constraint` (JSON schema, JSON object, regex, EBNF or a choice list) constrains the output as the HTTP API's
 structured outputs do (llm_backend/agentic).
 """
 
 from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import replace
 
 import grpc
 
@@ -21,72 +26,141 @@ SERVICE_NAME = generator_pb2.DESCRIPTOR.services_by_name["Generator"].full_name
 
 
 class GeneratorService(generator_pb2_grpc.GeneratorServicer):
-    def __init__(self, core: GenerationCore):
-        self.core = core
+    def __init__(self, core: GenerationCore, max_samples: int = 16):
+        self.core, self.max_samples = core, max_samples
 
     async def Generate(self, request: generator_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        core = self.core
-        s = request.sampling
-        gen = None
+        gens: list = []
         try:
-            if any(not x for x in s.stop):
-                raise ServeError.invalid("sampling.stop: a stop string must not be empty", param="sampling.stop")
-            try:
-                spec = constraint_from_proto(request.constraint)
-            except ToolError as e:
-                raise ServeError.invalid(str(e), param=e.param) from None
-            media, names = with_audio_tracks(request.media) if request.use_audio_in_video else (request.media, None)
-            prep = await core.prepare(
-                text=request.prompt,
-                token_ids=list(request.prompt_token_ids) or None,
-                media_items=list(media),
-                media_names=names,
-                timeout=context.time_remaining(),
-            )
-            prep.prefill_address = request.prefill_address
-            params = core.make_params(
-                s.max_tokens or 16,
-                len(prep.prompt),
-                temperature=s.temperature,
-                top_p=s.top_p or 1.0,
-                top_k=s.top_k,
-                seed=s.seed if s.has_seed else None,
-                stop_token_ids=tuple(s.stop_token_ids),
-                logprobs=s.logprobs,
-                ignore_eos=s.ignore_eos,
-                grammar=await core.grammar(spec),
-                presence_penalty=s.presence_penalty,
-                frequency_penalty=s.frequency_penalty,
-                repetition_penalty=s.repetition_penalty or 1.0,
-                logit_bias=tuple(sorted(s.logit_bias.items())),
-                min_tokens=s.min_tokens,
-            )
-            gen = core.start(prep, params, tuple(s.stop))
-            async for ev in gen.events():
+            prep, params, stop = await self._prepare(request, context)
+            n = request.sampling.n or 1
+            async for i, ev in self._events(prep, params, stop, n, gens):
                 if isinstance(ev, Final):
                     yield generator_pb2.GenerateResponse(
-                        final=generator_pb2.GenerateFinal(
-                            prompt_tokens=ev.prompt_tokens,
-                            cached_tokens=ev.cached_tokens,
-                            completion_tokens=ev.completion_tokens,
-                            ttft_ms=ev.ttft_s * 1e3,
-                            finish_reason=ev.finish_reason,
-                            media_tokens=ev.media_tokens,
-                            accepted_prediction_tokens=ev.accepted_prediction_tokens,
-                            rejected_prediction_tokens=ev.rejected_prediction_tokens,
-                            kv_transfer_bytes=ev.kv_transfer_bytes,
-                            kv_transfer_ms=ev.kv_transfer_s * 1e3,
-                            prefill_address=ev.prefill_address,
-                            prefill_failed_address=ev.prefill_failed_address,
-                            kv_events_position=ev.kv_events_position,
-                        )
+                        final=_final(ev, i, gens[i].r, request.sampling.prompt_logprobs)
                     )
-                    break
-                yield generator_pb2.GenerateResponse(
-                    delta=generator_pb2.TokenDelta(token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs)
-                )
+                else:
+                    delta = generator_pb2.TokenDelta(
+                        token_ids=ev.token_ids, text=ev.text, logprobs=ev.logprobs, index=i
+                    )
+                    yield generator_pb2.GenerateResponse(delta=delta)
         except ServeError as e:
             await context.abort(e.code, e.message)
         finally:
-            if gen is not None:
+            for gen in gens:
                 gen.cancel()  # a no-op once finished; a cancelled call frees its KV
+
+    async def _prepare(self, request, context):
+        core, s = self.core, request.sampling
+        if any(not x for x in s.stop):
+            raise ServeError.invalid("sampling.stop: a stop string must not be empty", param="sampling.stop")
+        if not 0 <= s.n <= self.max_samples:
+            raise ServeError.invalid(
+                f"sampling.n: {s.n} samples asked, at most {self.max_samples} (--max-samples-per-request)",
+                param="sampling.n",
+            )
+        try:
+            spec = constraint_from_proto(request.constraint)
+        except ToolError as e:
+            raise ServeError.invalid(str(e), param=e.param) from None
+        media, names = with_audio_tracks(request.media) if request.use_audio_in_video else (request.media, None)
+        prep = await core.prepare(
+            text=request.prompt,
+            token_ids=list(request.prompt_token_ids) or None,
+            media_items=list(media),
+            media_names=names,
+            timeout=context.time_remaining(),
+        )
+        prep.prefill_address = request.prefill_address
+        params = core.make_params(
+            s.max_tokens or 16,
+            len(prep.prompt),
+            temperature=s.temperature,
+            top_p=s.top_p or 1.0,
+            top_k=s.top_k,
+            seed=s.seed if s.has_seed else None,
+            stop_token_ids=tuple(s.stop_token_ids),
+            logprobs=s.logprobs,
+            ignore_eos=s.ignore_eos,
+            grammar=await core.grammar(spec),
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=s.repetition_penalty or 1.0,
+            logit_bias=tuple(sorted(s.logit_bias.items())),
+            min_tokens=s.min_tokens,
+            prompt_logprobs=s.prompt_logprobs,
+        )
+        return prep, params, tuple(s.stop)
+
+    async def _events(self, prep, params, stop, n: int, gens: list):
+        """(sample index, event) of `n` samples as they come: the first prefills the prompt, the others start once
+        its first token is out (the prompt then in the prefix cache; sample i gets seed + i); `gens` receives the
+        started generations (the caller cancels them)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        first = self.core.start(prep, params, stop)
+        gens.append(first)
+        pumps = [asyncio.ensure_future(_pump(0, first, queue))]
+        try:
+            finals, started = 0, n == 1
+            while finals < n:
+                if not started and (first.started.is_set() or finals):
+                    for i in range(1, n):
+                        seed = None if params.seed is None else params.seed + i
+                        p = replace(params, seed=seed, prompt_logprobs=False)  # the first sample scores the prompt
+                        gens.append(self.core.start(prep, p, stop))
+                        pumps.append(asyncio.ensure_future(_pump(i, gens[-1], queue)))
+                    started = True
+                i, ev = await _next(queue, first, started)
+                if isinstance(ev, BaseException):
+                    raise ev
+                if ev is None:
+                    continue  # the first sample's first token: start the others
+                finals += isinstance(ev, Final)
+                yield i, ev
+        finally:
+            for t in pumps:
+                t.cancel()
+
+
+async def _pump(i: int, gen, queue: asyncio.Queue) -> None:
+    try:
+        async for ev in gen.events():
+            await queue.put((i, ev))
+            if isinstance(ev, Final):
+                return
+    except Exception as e:  # noqa: BLE001 - a sample's failure is the call's: raised by the reader
+        await queue.put((i, e))
+
+
+async def _next(queue: asyncio.Queue, first, started: bool):
+    """The next (index, event); (0, None) when the first sample's first token arrived and the others wait for it."""
+    if started:
+        return await queue.get()
+    got = asyncio.ensure_future(queue.get())
+    flag = asyncio.ensure_future(first.started.wait())
+    done, _ = await asyncio.wait({got, flag}, return_when=asyncio.FIRST_COMPLETED)
+    if got in done:
+        flag.cancel()
+        return got.result()
+    got.cancel()
+    return 0, None
+
+
+def _final(ev: Final, index: int, r, prompt_logprobs: bool) -> generator_pb2.GenerateFinal:
+    return generator_pb2.GenerateFinal(
+        prompt_tokens=ev.prompt_tokens,
+        cached_tokens=ev.cached_tokens,
+        completion_tokens=ev.completion_tokens,
+        ttft_ms=ev.ttft_s * 1e3,
+        finish_reason=ev.finish_reason,
+        media_tokens=ev.media_tokens,
+        accepted_prediction_tokens=ev.accepted_prediction_tokens,
+        rejected_prediction_tokens=ev.rejected_prediction_tokens,
+        kv_transfer_bytes=ev.kv_transfer_bytes,
+        kv_transfer_ms=ev.kv_transfer_s * 1e3,
+        prefill_address=ev.prefill_address,
+        prefill_failed_address=ev.prefill_failed_address,
+        kv_events_position=ev.kv_events_position,
+        index=index,
+        prompt_logprobs=[math.nan if x is None else x for x in (r.prompt_logprobs or [])] if prompt_logprobs else [],
+    )

@@ -64,7 +64,11 @@ async def serve_llm(
     )
     metrics.watch(core.stats)
     thread.start()
-    srv.add(generator_pb2_grpc.add_GeneratorServicer_to_server, GeneratorService(core), SERVICE_NAME)
+    srv.add(
+        generator_pb2_grpc.add_GeneratorServicer_to_server,
+        GeneratorService(core, config.max_samples_per_request),
+        SERVICE_NAME,
+    )
     xfer = _attach_role(engine, core, srv, host, role)
     await srv.start()
     runner = await _start_http_api(core, template, metrics, config, model, name, host)

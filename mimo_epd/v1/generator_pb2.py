@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mimo_epd.v1 import encoder_pb2 as mimo__epd_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmimo_epd/v1/generator.proto\x12\x0bmimo_epd.v1\x1a\x19mimo_epd/v1/encoder.proto\"\x9c\x03\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.mimo_epd.v1.SamplingOptions.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8e\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12%\n\x05media\x18\x03 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.mimo_epd.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x31\n\nconstraint\x18\x07 \x01(\x0b\x32\x1d.mimo_epd.v1.OutputConstraint\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\"\xa6\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.mimo_epd.v1.ChoiceListH\x00\x12\x10\n\x08thinking\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"?\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\"\xe6\x02\n\rGenerateFinal\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x14\n\x0cmedia_tokens\x18\x06 \x01(\x05\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x07 \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x08 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\n \x01(\x01\x12\x17\n\x0fprefill_address\x18\x0b \x01(\t\x12\x1a\n\x12kv_events_position\x18\x0c \x01(\t\x12\x1e\n\x16prefill_failed_address\x18\r \x01(\t\"q\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.mimo_epd.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.mimo_epd.v1.GenerateFinalH\x00\x42\x06\n\x04kind2V\n\tGenerator\x12I\n\x08Generate\x12\x1c.mimo_epd.v1.GenerateRequest\x1a\x1d.mimo_epd.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmimo_epd/v1/generator.proto\x12\x0bmimo_epd.v1\x1a\x19mimo_epd/v1/encoder.proto\"\xc0\x03\n\x0fSamplingOptions\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x01\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05top_k\x18\x04 \x01(\x05\x12\x0c\n\x04seed\x18\x05 \x01(\x03\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x0c\n\x04stop\x18\t \x03(\t\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x18\n\x10presence_penalty\x18\x0b \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x0c \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\r \x01(\x01\x12?\n\nlogit_bias\x18\x0e \x03(\x0b\x32+.mimo_epd.v1.SamplingOptions.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0f \x01(\x05\x12\t\n\x01n\x18\x10 \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x11 \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"\x8e\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12%\n\x05media\x18\x03 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.mimo_epd.v1.SamplingOptions\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x17\n\x0fprefill_address\x18\x06 \x01(\t\x12\x31\n\nconstraint\x18\x07 \x01(\x0b\x32\x1d.mimo_epd.v1.OutputConstraint\x12\x1a\n\x12use_audio_in_video\x18\x08 \x01(\x08\"\xa6\x01\n\x10OutputConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x0e\n\x04\x65\x62nf\x18\x04 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x05 \x01(\x0b\x32\x17.mimo_epd.v1.ChoiceListH\x00\x12\x10\n\x08thinking\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"N\n\nTokenDelta\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\r\n\x05index\x18\x04 \x01(\x05\"\x8e\x03\n\rGenerateFinal\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x14\n\x0cmedia_tokens\x18\x06 \x01(\x05\x12\"\n\x1a\x61\x63\x63\x65pted_prediction_tokens\x18\x07 \x01(\x05\x12\"\n\x1arejected_prediction_tokens\x18\x08 \x01(\x05\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x04\x12\x16\n\x0ekv_transfer_ms\x18\n \x01(\x01\x12\x17\n\x0fprefill_address\x18\x0b \x01(\t\x12\x1a\n\x12kv_events_position\x18\x0c \x01(\t\x12\x1e\n\x16prefill_failed_address\x18\r \x01(\t\x12\r\n\x05index\x18\x0e \x01(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0f \x03(\x02\"q\n\x10GenerateResponse\x12(\n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x17.mimo_epd.v1.TokenDeltaH\x00\x12+\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x1a.mimo_epd.v1.GenerateFinalH\x00\x42\x06\n\x04kind2V\n\tGenerator\x12I\n\x08Generate\x12\x1c.mimo_epd.v1.GenerateRequest\x1a\x1d.mimo_epd.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,21 +35,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_options = b'8\001'
   _globals['_SAMPLINGOPTIONS']._serialized_start=72
-  _globals['_SAMPLINGOPTIONS']._serialized_end=484
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=436
-  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=484
-  _globals['_GENERATEREQUEST']._serialized_start=487
-  _globals['_GENERATEREQUEST']._serialized_end=757
-  _globals['_OUTPUTCONSTRAINT']._serialized_start=760
-  _globals['_OUTPUTCONSTRAINT']._serialized_end=926
-  _globals['_CHOICELIST']._serialized_start=928
-  _globals['_CHOICELIST']._serialized_end=957
-  _globals['_TOKENDELTA']._serialized_start=959
-  _globals['_TOKENDELTA']._serialized_end=1022
-  _globals['_GENERATEFINAL']._serialized_start=1025
-  _globals['_GENERATEFINAL']._serialized_end=1383
-  _globals['_GENERATERESPONSE']._serialized_start=1385
-  _globals['_GENERATERESPONSE']._serialized_end=1498
-  _globals['_GENERATOR']._serialized_start=1500
-  _globals['_GENERATOR']._serialized_end=1586
+  _globals['_SAMPLINGOPTIONS']._serialized_end=520
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_start=472
+  _globals['_SAMPLINGOPTIONS_LOGITBIASENTRY']._serialized_end=520
+  _globals['_GENERATEREQUEST']._serialized_start=523
+  _globals['_GENERATEREQUEST']._serialized_end=793
+  _globals['_OUTPUTCONSTRAINT']._serialized_start=796
+  _globals['_OUTPUTCONSTRAINT']._serialized_end=962
+  _globals['_CHOICELIST']._serialized_start=964
+  _globals['_CHOICELIST']._serialized_end=993
+  _globals['_TOKENDELTA']._serialized_start=995
+  _globals['_TOKENDELTA']._serialized_end=1073
+  _globals['_GENERATEFINAL']._serialized_start=1076
+  _globals['_GENERATEFINAL']._serialized_end=1474
+  _globals['_GENERATERESPONSE']._serialized_start=1476
+  _globals['_GENERATERESPONSE']._serialized_end=1589
+  _globals['_GENERATOR']._serialized_start=1591
+  _globals['_GENERATOR']._serialized_end=1677
 # @@protoc_insertion_point(module_scope)

@@ -273,3 +273,41 @@ def test_a_failed_batch_frees_everything(worker, prompts):
             break
         time.sleep(0.1)
     assert m["llm_kv_full_request_slots"] == 0 and m["llm_kv_swa_request_slots"] == 0
+
+
+def test_grpc_n_samples_and_prompt_logprobs_equal_http(worker, client, prompts, reference):
+    """gRPC `sampling.n`: the samples' deltas interleaved and marked, one final each, every sample equal to the
+    HTTP API's `n` sample of the same seed (seed + i); the prompt prefilled once (the later samples' prompts come
+    from the prefix cache); `sampling.prompt_logprobs` equal to transformers' log-softmax at each prompt position;
+    n over the limit is INVALID_ARGUMENT naming `sampling.n`."""
+    import grpc
+
+    from mimo_epd.v1 import generator_pb2, generator_pb2_grpc
+
+    stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(worker.address))
+    ids = prompts[0]
+    opts = generator_pb2.SamplingOptions(
+        max_tokens=8, temperature=0.9, seed=11, has_seed=True, n=3, prompt_logprobs=True, ignore_eos=True
+    )
+    tokens: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finals = {}
+    for msg in stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=opts), timeout=60):
+        if msg.HasField("delta"):
+            tokens[msg.delta.index] += list(msg.delta.token_ids)
+        else:
+            finals[msg.final.index] = msg.final
+    assert sorted(finals) == [0, 1, 2]
+    http = client.completions.create(
+        model="tiny", prompt=ids, max_tokens=8, temperature=0.9, seed=11, n=3, extra_body={"ignore_eos": True}
+    )
+    tok = load_tokenizer("tiny")
+    assert [tok.decode(tokens[i]) for i in range(3)] == [c.text for c in http.choices]
+    assert all(len(tokens[i]) == finals[i].completion_tokens == 8 for i in range(3))
+    assert finals[1].cached_tokens > 0 and finals[2].cached_tokens > 0  # the prompt's KV from the first sample
+    lp = list(finals[0].prompt_logprobs)
+    want = [float(reference[0][j, ids[j + 1]]) for j in range(len(ids) - 1)]
+    assert len(lp) == len(want) and max(abs(a - b) for a, b in zip(lp, want)) < 1e-3
+    too_many = generator_pb2.SamplingOptions(max_tokens=2, n=1000)
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=too_many), timeout=60))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details()
