@@ -64,18 +64,23 @@ def run(args) -> int:
         return _run(args, out_dir)
 
 
-def _run(args, out_dir: Path) -> int:
+def _refusal(args) -> str:
+    """Why the arguments cannot run ("" when they can)."""
     import importlib.util
 
     if importlib.util.find_spec("locust") is None:  # not imported here: it monkey-patches the process
-        print("error: locust is not installed: pip install 'mimo-epd[loadtest]'", file=sys.stderr)
-        return 2
-    bad = [a for a in args.apis.split(",") if a not in HTTP_APIS]
-    if bad or not args.apis:
-        print(f"error: --apis takes {', '.join(HTTP_APIS)}, got {args.apis!r}", file=sys.stderr)
-        return 2
+        return "locust is not installed: pip install 'mimo-epd[loadtest]'"
+    if not args.apis or any(a not in HTTP_APIS for a in args.apis.split(",")):
+        return f"--apis takes {', '.join(HTTP_APIS)}, got {args.apis!r}"
     if args.workload not in ("chat", "images"):
-        print(f"error: --workload must be chat or images, got {args.workload!r}", file=sys.stderr)
+        return f"--workload must be chat or images, got {args.workload!r}"
+    return ""
+
+
+def _run(args, out_dir: Path) -> int:
+    refusal = _refusal(args)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
         return 2
     from mimo_epd.testing.servers import start_server
 
