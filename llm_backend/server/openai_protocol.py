@@ -139,9 +139,24 @@ def _controls(body: dict, s: dict) -> None:
         s["min_tokens"] = m
 
 
+# vLLM's sampling extensions this server does not apply, with the value that means "off": a request asking for
+# anything else is refused naming the field rather than answered as if it had not asked (docs/api.md).
+NOT_APPLIED = {
+    "min_p": 0,
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "truncate_prompt_tokens": None,
+    "include_stop_str_in_output": False,
+    "priority": 0,
+}
+
+
 def _unsupported(body: dict) -> None:
     if body.get("functions"):
         raise _bad("functions", "the deprecated 'functions' field is not supported: use 'tools'")
+    for key, off in NOT_APPLIED.items():
+        if key in body and body[key] != off:
+            raise _bad(key, f"is not supported by this server (only {off!r}, which changes nothing)")
 
 
 def _samples(body: dict, req: GenRequest, max_samples: int) -> None:

@@ -238,3 +238,18 @@ def test_metrics_per_endpoint(oai, tiny_worker):
     assert grew("/v1/chat/completions", 200) == 1 and grew("unmatched", 404) == 2
     m = scrape(tiny_worker.http_address)
     assert m['llm_http_request_seconds_count{endpoint="/v1/responses"}'] >= 2
+
+
+@pytest.mark.parametrize("field, value", [("min_p", 0.1), ("use_beam_search", True), ("truncate_prompt_tokens", 8)])
+def test_vllm_extensions_not_applied_are_refused_by_name(oai, field, value):
+    """vLLM's sampling extensions this server does not apply are 400s naming them, not silently ignored; their
+    no-op values pass."""
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2, extra_body={field: value}
+        )
+    assert field in str(e.value)
+    ok = oai.completions.create(
+        model="tiny", prompt="x", max_tokens=2, extra_body={"min_p": 0, "use_beam_search": False}
+    )
+    assert ok.usage.completion_tokens == 2 or ok.choices[0].finish_reason == "stop"
