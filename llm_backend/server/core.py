@@ -20,7 +20,7 @@ import functools
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol
 
 import grpc
@@ -424,6 +424,36 @@ class GenerationCore:
                 t.cancel()
             raise
 
+    async def sample_events(self, prep: Prepared, params, stop, n: int, gens: list):
+        """(sample index, event) of `n` samples of one prompt as they come (the streamed form of
+        `generate_samples`): the first prefills the prompt, the others start once its first token is out (the prompt
+        then in the prefix cache; sample i gets seed + i; only the first scores the prompt when prompt logprobs are
+        asked). `gens` receives the started generations: the caller cancels them. A sample's failure is raised."""
+        queue: asyncio.Queue = asyncio.Queue()
+        if not gens:  # the caller may have started the first itself (its errors before a stream opens)
+            gens.append(self.start(prep, params, stop))
+        first = gens[0]
+        pumps = [asyncio.ensure_future(_pump(0, first, queue))]
+        try:
+            finals, started = 0, n == 1
+            while finals < n:
+                if not started and (first.started.is_set() or finals):
+                    for i in range(1, n):
+                        seed = None if params.seed is None else params.seed + i
+                        gens.append(self.start(prep, replace(params, seed=seed, prompt_logprobs=False), stop))
+                        pumps.append(asyncio.ensure_future(_pump(i, gens[-1], queue)))
+                    started = True
+                i, ev = await _next_sample(queue, first, started)
+                if isinstance(ev, BaseException):
+                    raise ev
+                if ev is None:
+                    continue  # the first sample's first token: start the others
+                finals += isinstance(ev, Final)
+                yield i, ev
+        finally:
+            for t in pumps:
+                t.cancel()
+
     async def _collect(self, gen: Generation) -> Result:
         text, ids, lps, tops = [], [], [], []
         try:
@@ -579,3 +609,27 @@ class Generation:
             self.core.abort(self.r)
             if self.core.metrics is not None:
                 self.core.metrics.finished.labels("abort").inc()
+
+
+async def _pump(i: int, gen: Generation, queue: asyncio.Queue) -> None:
+    try:
+        async for ev in gen.events():
+            await queue.put((i, ev))
+            if isinstance(ev, Final):
+                return
+    except Exception as e:  # noqa: BLE001 - a sample's failure is the request's: raised by the reader
+        await queue.put((i, e))
+
+
+async def _next_sample(queue: asyncio.Queue, first: Generation, started: bool):
+    """The next (index, event); (0, None) when the first sample's first token arrived and the others wait for it."""
+    if started:
+        return await queue.get()
+    got = asyncio.ensure_future(queue.get())
+    flag = asyncio.ensure_future(first.started.wait())
+    done, _ = await asyncio.wait({got, flag}, return_when=asyncio.FIRST_COMPLETED)
+    if got in done:
+        flag.cancel()
+        return got.result()
+    got.cancel()
+    return 0, None

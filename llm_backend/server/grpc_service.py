@@ -10,9 +10,7 @@ structured outputs do (llm_backend/agentic).
 
 from __future__ import annotations
 
-import asyncio
 import math
-from dataclasses import replace
 
 import grpc
 
@@ -34,7 +32,7 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
         try:
             prep, params, stop = await self._prepare(request, context)
             n = request.sampling.n or 1
-            async for i, ev in self._events(prep, params, stop, n, gens):
+            async for i, ev in self.core.sample_events(prep, params, stop, n, gens):
                 if isinstance(ev, Final):
                     yield generator_pb2.GenerateResponse(
                         final=_final(ev, i, gens[i].r, request.sampling.prompt_logprobs)
@@ -91,59 +89,6 @@ class GeneratorService(generator_pb2_grpc.GeneratorServicer):
             prompt_logprobs=s.prompt_logprobs,
         )
         return prep, params, tuple(s.stop)
-
-    async def _events(self, prep, params, stop, n: int, gens: list):
-        """(sample index, event) of `n` samples as they come: the first prefills the prompt, the others start once
-        its first token is out (the prompt then in the prefix cache; sample i gets seed + i); `gens` receives the
-        started generations (the caller cancels them)."""
-        queue: asyncio.Queue = asyncio.Queue()
-        first = self.core.start(prep, params, stop)
-        gens.append(first)
-        pumps = [asyncio.ensure_future(_pump(0, first, queue))]
-        try:
-            finals, started = 0, n == 1
-            while finals < n:
-                if not started and (first.started.is_set() or finals):
-                    for i in range(1, n):
-                        seed = None if params.seed is None else params.seed + i
-                        p = replace(params, seed=seed, prompt_logprobs=False)  # the first sample scores the prompt
-                        gens.append(self.core.start(prep, p, stop))
-                        pumps.append(asyncio.ensure_future(_pump(i, gens[-1], queue)))
-                    started = True
-                i, ev = await _next(queue, first, started)
-                if isinstance(ev, BaseException):
-                    raise ev
-                if ev is None:
-                    continue  # the first sample's first token: start the others
-                finals += isinstance(ev, Final)
-                yield i, ev
-        finally:
-            for t in pumps:
-                t.cancel()
-
-
-async def _pump(i: int, gen, queue: asyncio.Queue) -> None:
-    try:
-        async for ev in gen.events():
-            await queue.put((i, ev))
-            if isinstance(ev, Final):
-                return
-    except Exception as e:  # noqa: BLE001 - a sample's failure is the call's: raised by the reader
-        await queue.put((i, e))
-
-
-async def _next(queue: asyncio.Queue, first, started: bool):
-    """The next (index, event); (0, None) when the first sample's first token arrived and the others wait for it."""
-    if started:
-        return await queue.get()
-    got = asyncio.ensure_future(queue.get())
-    flag = asyncio.ensure_future(first.started.wait())
-    done, _ = await asyncio.wait({got, flag}, return_when=asyncio.FIRST_COMPLETED)
-    if got in done:
-        flag.cancel()
-        return got.result()
-    got.cancel()
-    return 0, None
 
 
 def _final(ev: Final, index: int, r, prompt_logprobs: bool) -> generator_pb2.GenerateFinal:

@@ -347,8 +347,10 @@ class LLMHTTPServer:
 
     async def completions(self, request):
         req = proto.parse_completion(await read_json(request, self.edge), self.max_prompts, self.max_samples)
-        if len(req.prompts) == 1 and not (req.echo or req.prompt_logprobs is not None or req.best_of > 1):
-            return await self._run(request, req)
+        if len(req.prompts) == 1 and (
+            req.stream or not (req.echo or req.prompt_logprobs is not None or req.best_of > 1)
+        ):
+            return await self._run(request, req)  # streamed: echo and prompt lists are refused by the parser
         return await self._score(req)
 
     async def _samples(self, req: proto.GenRequest, prep, params) -> list:
@@ -589,76 +591,53 @@ class LLMHTTPServer:
         await resp.write(f"data: {data}\n\n".encode())
 
     async def _stream(self, request, req, prep, params, rid, model):
-        gen = self.core.start(prep, params, req.stop)  # overload and prompt errors before the stream starts
+        """A streamed chat or completion, `n` samples interleaved (each chunk's choice `index` says whose; the
+        prompt prefilled once); with `stream_options.include_usage`, one usage chunk at the end for all of them."""
+        gens = [self.core.start(prep, params, req.stop)]  # overload and prompt errors before the stream starts
         created = int(time.time())
         chat = req.kind == "chat"
         resp = await self._open_sse(request)
-        offset = 0
-        out = ChatOutput(req.agentic.thinking, req.agentic.tools)
+        outs = [ChatOutput(req.agentic.thinking, req.agentic.tools) for _ in range(req.n)]
+        offsets = [0] * req.n
+
+        def chunk(i: int, delta_or_text, finish=None, lp=None) -> dict:
+            build = proto.chat_chunk if chat else proto.completion_chunk
+            return build(rid, model, created, delta_or_text, finish, lp, include_usage=req.include_usage, index=i)
 
         async def events() -> None:
-            nonlocal offset
             if chat:
-                await self._send(
-                    resp,
-                    proto.chat_chunk(
-                        rid, model, created, {"role": "assistant", "content": ""}, include_usage=req.include_usage
-                    ),
-                )
-            async for ev in gen.events():
+                for i in range(req.n):
+                    await self._send(resp, chunk(i, {"role": "assistant", "content": ""}))
+            finals = []
+            async for i, ev in self.core.sample_events(prep, params, req.stop, req.n, gens):
                 if isinstance(ev, Final):
-                    if chat:
-                        for d in out.flush():
-                            await self._send(
-                                resp, proto.chat_chunk(rid, model, created, d, include_usage=req.include_usage)
-                            )
-                        await self._send(
-                            resp,
-                            proto.chat_chunk(
-                                rid,
-                                model,
-                                created,
-                                {},
-                                out.finish_reason(ev.finish_reason),
-                                include_usage=req.include_usage,
-                            ),
-                        )
-                    else:
-                        await self._send(
-                            resp,
-                            proto.completion_chunk(
-                                rid, model, created, "", ev.finish_reason, include_usage=req.include_usage
-                            ),
-                        )
-                    if req.include_usage:
-                        await self._send(
-                            resp,
-                            proto.usage_chunk(
-                                rid, model, created, "chat.completion.chunk" if chat else "text_completion", ev
-                            ),
-                        )
-                    break
-                lp = self._logprobs(req, ev.token_ids, ev.logprobs, ev.top_logprobs, offset)
-                offset += len(ev.text)
+                    finals.append(ev)
+                    for d in outs[i].flush() if chat else []:
+                        await self._send(resp, chunk(i, d))
+                    finish = outs[i].finish_reason(ev.finish_reason) if chat else ev.finish_reason
+                    await self._send(resp, chunk(i, {} if chat else "", finish))
+                    continue
+                lp = self._logprobs(req, ev.token_ids, ev.logprobs, ev.top_logprobs, offsets[i])
+                offsets[i] += len(ev.text)
                 if not ev.text and lp is None:
                     continue
-                if chat:
-                    deltas = out.push(ev.text) or ([{"content": ""}] if lp is not None else [])
-                    for k, d in enumerate(deltas):
-                        chunk = proto.chat_chunk(
-                            rid, model, created, d, None, lp if k == 0 else None, include_usage=req.include_usage
-                        )
-                        await self._send(resp, chunk)
-                else:
-                    await self._send(
-                        resp,
-                        proto.completion_chunk(rid, model, created, ev.text, None, lp, include_usage=req.include_usage),
-                    )
+                if not chat:
+                    await self._send(resp, chunk(i, ev.text, None, lp))
+                    continue
+                deltas = outs[i].push(ev.text) or ([{"content": ""}] if lp is not None else [])
+                for k, d in enumerate(deltas):
+                    await self._send(resp, chunk(i, d, None, lp if k == 0 else None))
+            if req.include_usage:
+                body = proto.usage_chunk(
+                    rid, model, created, "chat.completion.chunk" if chat else "text_completion", finals[0]
+                )
+                body["usage"] = proto.summed_usage(finals, prompt_once=True)
+                await self._send(resp, body)
 
-        return await self._run_stream(resp, gen, rid, events)
+        return await self._run_stream(resp, gens, rid, events)
 
     @classmethod
-    async def _run_stream(cls, resp: web.StreamResponse, gen, rid: str, events) -> web.StreamResponse:
+    async def _run_stream(cls, resp: web.StreamResponse, gens: list, rid: str, events) -> web.StreamResponse:
         """Sends the stream's events (`await events()`), then `[DONE]`; a ServeError on the way becomes an error
         event. A client that closes the stream first (or the router in front, ending it while it drains) only
         cancels the request: its KV is freed and nothing is logged as an error."""
@@ -668,7 +647,8 @@ class LLMHTTPServer:
             except ServeError as e:
                 await cls._send(resp, proto.error_body(e.http_status, e.message, e.param, e.err_code))
             finally:
-                gen.cancel()  # a no-op once finished; frees the KV of a request whose client went away
+                for gen in gens:
+                    gen.cancel()  # a no-op once finished; frees the KV of a request whose client went away
             await cls._send(resp, "[DONE]")
             await resp.write_eof()
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the transport is closing
@@ -715,7 +695,7 @@ class LLMHTTPServer:
                         },
                     )
 
-        return await self._run_stream(resp, gen, rid, events)
+        return await self._run_stream(resp, [gen], rid, events)
 
 
 async def start_http(server: LLMHTTPServer, host: str, port: int) -> tuple[web.AppRunner, int]:

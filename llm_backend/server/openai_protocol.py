@@ -5,7 +5,7 @@ Parsing never raises anything but `ServeError` (400, `param` = the offending fie
 OpenAI API: chat `messages` with roles system / developer (as system) / user / assistant and content as a
 string or a list of `text`, `image_url` (http(s) or `data:` URL; a bare string URL too), `video_url`,
 `audio_url` and `input_audio` (base64 bytes and a format) parts; `max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop` (a string or a
-list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` = 1, `stream` with
+list; integers in the list are stop token ids), `logprobs` / `top_logprobs`, `n` (streamed too), `stream` with
 `stream_options.include_usage`; the common extensions `top_k`, `ignore_eos`, `stop_token_ids`; the agentic
 fields (`tools`, `tool_choice`, `parallel_tool_calls`, `chat_template_kwargs`, assistant `tool_calls` and
 `reasoning_content`, `tool` messages), parsed by llm_backend/agentic. Features this server does not implement
@@ -167,8 +167,8 @@ def _samples(body: dict, req: GenRequest, max_samples: int) -> None:
     req.best_of = best or req.n
     if req.best_of < req.n:
         raise _bad("best_of", f"must be >= n ({req.n}), got {req.best_of}")
-    if req.best_of > 1 and req.stream:
-        raise _bad("n" if best is None else "best_of", "several samples are answered without stream")
+    if req.best_of > req.n and req.stream:  # the best n of best_of are known only at the end
+        raise _bad("best_of", "best_of > n is answered without stream")
 
 
 def _common(body: dict, req: GenRequest, min_tokens: int = 1, max_samples: int = 16) -> None:
@@ -295,6 +295,8 @@ def parse_completion(body, max_prompts: int = 64, max_samples: int = 16) -> GenR
         req.score_only, req.max_tokens = True, 1  # one token computed, none returned
     if req.echo and req.stream:
         raise _bad("echo", "echo is answered without stream")
+    if req.prompt_logprobs is not None and req.stream:
+        raise _bad("prompt_logprobs", "prompt logprobs are answered without stream")
     if req.max_tokens is None:
         req.max_tokens = 16  # the OpenAI completions default
     return req
@@ -532,14 +534,21 @@ def chat_response(rid: str, model: str, message: dict, finish_reason: str, final
 
 
 def chat_chunk(
-    rid: str, model: str, created: int, delta: dict, finish_reason=None, logprobs=None, include_usage: bool = False
+    rid: str,
+    model: str,
+    created: int,
+    delta: dict,
+    finish_reason=None,
+    logprobs=None,
+    include_usage: bool = False,
+    index: int = 0,
 ) -> dict:
     out = {
         "id": rid,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         out["usage"] = None
@@ -558,14 +567,21 @@ def completion_response(rid: str, model: str, text: str, final: Final, logprobs:
 
 
 def completion_chunk(
-    rid: str, model: str, created: int, text: str, finish_reason=None, logprobs=None, include_usage: bool = False
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason=None,
+    logprobs=None,
+    include_usage: bool = False,
+    index: int = 0,
 ) -> dict:
     out = {
         "id": rid,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
     }
     if include_usage:
         out["usage"] = None

@@ -78,7 +78,7 @@ async def test_malformed_json(worker, raw):
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop[0]"),
         ({"messages": [{"role": "user", "content": "x"}], "stop": {"a": 1}}, "stop"),
         ({"messages": [{"role": "user", "content": "x"}], "n": 17}, "n"),
-        ({"messages": [{"role": "user", "content": "x"}], "n": 2, "stream": True}, "n"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 2, "best_of": 3, "stream": True}, "best_of"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}, "presence_penalty"),
@@ -276,6 +276,6 @@ async def test_a_stream_whose_client_closed_ends_quietly_and_cancels_the_request
 
     resp, gen = ClosedResponse(), Gen()
     with caplog.at_level("INFO", logger="llm_backend.server.http"):
-        assert await LLMHTTPServer._run_stream(resp, gen, "chatcmpl-x", events) is resp
+        assert await LLMHTTPServer._run_stream(resp, [gen], "chatcmpl-x", events) is resp
     assert gen.cancelled and resp.writes == 1
     assert any("closed the stream before its end" in r.message for r in caplog.records)

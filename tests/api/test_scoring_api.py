@@ -194,6 +194,35 @@ def test_n_samples_share_the_prompt_and_seeds_make_them_reproducible(client, wor
     assert hits >= 3 * (r.usage.prompt_tokens - 1 - 16)  # each later sample found it cached (up to a page)
 
 
+def test_n_samples_stream_interleaved_and_equal_the_whole_answer(client):
+    """`stream` with n = 3: every chunk names its choice, each choice's text equals the non-streamed answer's of the
+    same seed, each ends with its own finish reason, and the one usage chunk counts the prompt once."""
+    prompt = "The json module can serialize Python objects and parse"
+    kw = dict(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, n=3, seed=7)
+    whole = client.completions.create(**kw)
+    texts, finishes, usage = {0: "", 1: "", 2: ""}, {}, None
+    for c in client.completions.create(**kw, stream=True, stream_options={"include_usage": True}):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finishes[ch.index] = ch.finish_reason
+        usage = c.usage or usage
+    assert [texts[i] for i in range(3)] == [x.text for x in whole.choices] and sorted(finishes) == [0, 1, 2]
+    assert usage.completion_tokens == whole.usage.completion_tokens and usage.prompt_tokens == whole.usage.prompt_tokens
+    msgs = [{"role": "user", "content": prompt}]
+    chat_whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=1.0, n=2, seed=3)
+    got = {0: "", 1: ""}
+    for c in client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=1.0, n=2, seed=3, stream=True
+    ):
+        for ch in c.choices:
+            got[ch.index] += ch.delta.content or ""
+    assert [got[0], got[1]] == [x.message.content for x in chat_whole.choices]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(**{**kw, "best_of": 4}, stream=True)
+    assert "best_of" in str(e.value)
+
+
 def test_best_of_returns_the_most_likely(client):
     prompt = "Return a new list containing"
     many = client.completions.create(
@@ -211,7 +240,8 @@ def test_best_of_returns_the_most_likely(client):
     [
         ({"prompt": "x", "n": 17}, "n"),
         ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
-        ({"prompt": "x", "n": 2, "stream": True}, "n"),
+        ({"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),
+        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ],
 )
 def test_sample_limits(worker, body, param):
