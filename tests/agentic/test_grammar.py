@@ -130,3 +130,17 @@ def test_compiles_are_cached_by_their_schema(pool):
         pool.compile(ConstraintSpec("json_schema", {"properties": {"zz": {"type": "integer"}}, "type": "object"}, "x"))
     )
     assert g1 is g2 and pool.stats.cache_hits == hits + 1
+
+
+def test_sampling_controls_compose_with_a_grammar_and_speculation(plain, llm, pool):
+    """Penalties, logit_bias and min_tokens under a JSON schema: the output still validates (the grammar masks the
+    adjusted row), the penalties change it, and speculation gives exactly plain decoding's answer (verification
+    uses the same adjusted, masked distribution)."""
+    spec = ConstraintSpec("json_schema", SCHEMA, "response_format")
+    controls = dict(presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.2, min_tokens=5)
+    adjusted = run(plain, spec, pool, **controls)
+    for o in adjusted:
+        assert o.finish_reason == "stop", o.text
+        jsonschema.validate(json.loads(o.text), SCHEMA)
+    assert [o.text for o in adjusted] != [o.text for o in run(plain, spec, pool)]
+    assert [o.text for o in run(llm, spec, pool, **controls)] == [o.text for o in adjusted]

@@ -253,3 +253,77 @@ def test_vllm_extensions_not_applied_are_refused_by_name(oai, field, value):
         model="tiny", prompt="x", max_tokens=2, extra_body={"min_p": 0, "use_beam_search": False}
     )
     assert ok.usage.completion_tokens == 2 or ok.choices[0].finish_reason == "stop"
+
+
+def test_an_image_input_equals_the_chat_answer_with_the_same_image(worker, images):
+    """`input_image` (a data: URI) through the encoder service: the same prompt tokens (media rows included) and
+    the same greedy answer as the chat API given the image as `image_url`."""
+    from tests.api.test_openai_api import data_url
+
+    url = data_url(images["a.jpg"])
+    oai = openai.OpenAI(base_url=f"http://{worker.http_address}/v1", api_key="unused", max_retries=0, timeout=120)
+    r = oai.responses.create(
+        model="tiny-random",
+        input=[
+            {
+                "role": "user",
+                "content": [{"type": "input_image", "image_url": url}, {"type": "input_text", "text": "What is it?"}],
+            }
+        ],
+        max_output_tokens=6,
+        temperature=0,
+        store=False,
+    )
+    c = oai.chat.completions.create(
+        model="tiny-random",
+        messages=[
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What is it?"}],
+            }
+        ],
+        max_tokens=6,
+        temperature=0,
+    )
+    assert r.output_text == c.choices[0].message.content and r.usage.input_tokens == c.usage.prompt_tokens
+    assert r.usage.input_tokens > 100  # the image's rows are in the prompt
+
+
+def test_reasoning_items_and_their_stream_events_parse_as_the_client_types():
+    """A message with reasoning, text and a tool call (agentic/output.py's shape) as output items and as stream
+    events, each validated by the `openai` client's own models (the shipped model's thinking is empty at greedy,
+    so the shapes are checked here, the live path by the tests above)."""
+    import pydantic
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    from llm_backend.server import responses_protocol as rp
+
+    message = {
+        "reasoning_content": "Light scatters.",
+        "content": "Rayleigh scattering.",
+        "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    items = rp.items(message, "completed")
+    assert [i["type"] for i in items] == ["reasoning", "message", "function_call"]
+    resp = Response.model_validate(rp.response_object("resp_1", "tiny", {}, items, "completed", None))
+    assert resp.output[0].content[0].text == "Light scatters." and resp.output_text == "Rayleigh scattering."
+    si = rp.StreamItems()
+    events = []
+    for delta in (
+        {"reasoning_content": "Light "},
+        {"reasoning_content": "scatters."},
+        {"content": "Rayleigh "},
+        {"content": "scattering."},
+        {"tool_calls": [{"index": 0, "id": "call_1", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
+    ):
+        events += si.push(delta)
+    events += si.close("completed")
+    adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+    parsed = [adapter.validate_python(data) for _, data in events]
+    kinds = [e.type for e in parsed]
+    assert kinds[:2] == ["response.output_item.added", "response.reasoning_text.delta"]
+    assert "response.reasoning_text.done" in kinds and kinds[-1] == "response.output_item.done"
+    done = [e.item for e in parsed if e.type == "response.output_item.done"]
+    assert [d.type for d in done] == ["reasoning", "message", "function_call"]
+    assert done[0].content[0].text == "Light scatters." and done[2].arguments == '{"a": 1}'
+    assert [e.sequence_number for e in parsed] == list(range(len(parsed)))

@@ -179,8 +179,9 @@ def test_n_samples_share_the_prompt_and_seeds_make_them_reproducible(client, wor
     texts = [x.text for x in a.choices]
     assert [x.index for x in a.choices] == [0, 1, 2] and texts == [x.text for x in b.choices]
     assert texts != [x.text for x in c.choices] and len(set(texts)) > 1
-    one = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=8)
-    assert one.choices[0].text == c.choices[0].text  # sample 0 is the single request with the same seed
+    for i in range(3):  # sample i is the single request seeded seed + i
+        one = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=1.0, seed=8 + i)
+        assert one.choices[0].text == c.choices[i].text
     assert a.usage.completion_tokens == 24
     chat = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": prompt}], max_tokens=6, temperature=1.0, n=2, seed=3
