@@ -141,3 +141,39 @@ def test_raw_bad_bodies_are_named(worker, body, field):
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(req, timeout=60)
     assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == field
+
+
+def test_thinking_blocks_and_their_stream_events_parse_as_the_client_types():
+    """MiMo's reasoning as Anthropic `thinking` blocks (before the text and the tool call) and as stream events
+    (`thinking_delta`), each validated by the `anthropic` client's own models; the request's `thinking` opens the
+    template's thinking block (the shipped model's thinking is empty at greedy, so the shapes are checked here)."""
+    import pydantic
+    from anthropic.types import Message, RawMessageStreamEvent
+
+    from llm_backend.server import anthropic_protocol as ap
+    from mimo_epd.common.anthropic_rules import to_chat
+
+    chat = to_chat({"max_tokens": 8, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled"}})
+    assert chat["chat_template_kwargs"] == {"enable_thinking": True}
+    message = {
+        "reasoning_content": "Think first.",
+        "content": "Answer.",
+        "tool_calls": [{"id": "toolu_1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}],
+    }
+    blocks = ap.blocks(message)
+    assert [b["type"] for b in blocks] == ["thinking", "text", "tool_use"]
+    body = {"id": "msg_1", "type": "message", "role": "assistant", "model": "tiny", "content": blocks}
+    body.update(stop_reason="tool_use", stop_sequence=None, usage={"input_tokens": 1, "output_tokens": 2})
+    m = Message.model_validate(body)
+    assert m.content[0].thinking == "Think first." and m.content[2].input == {"a": 1}
+    sb, events = ap.StreamBlocks(), []
+    for delta in ({"reasoning_content": "Think "}, {"reasoning_content": "first."}, {"content": "Answer."}):
+        events += sb.push(delta)
+    events += sb.close()
+    adapter = pydantic.TypeAdapter(RawMessageStreamEvent)
+    parsed = [adapter.validate_python(data) for _, data in events]
+    thinking = "".join(
+        e.delta.thinking for e in parsed if e.type == "content_block_delta" and e.delta.type == "thinking_delta"
+    )
+    assert thinking == "Think first." and parsed[0].content_block.type == "thinking"
+    assert [e.type for e in parsed].count("content_block_stop") == 2
