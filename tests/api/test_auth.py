@@ -25,6 +25,8 @@ POST = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
     "/v1/completions": {"prompt": "hi", "max_tokens": 1},
     "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    "/v1/responses": {"input": "hi", "max_output_tokens": 1},
+    "/v1/messages": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
 }
 
 
