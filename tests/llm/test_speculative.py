@@ -17,6 +17,7 @@ from llm_backend.engine.llm import LLM
 from llm_backend.engine.request import SamplingParams
 from llm_backend.engine.speculative import SpeculativeRunner
 from llm_backend.models import TINY_LLM_CONFIG, MiMoV2FlashForCausalLM, init_random_weights
+from tests.router.conftest import redis_server  # noqa: E402,F401 - the real redis-server fixture
 
 CFG = replace(TINY_LLM_CONFIG, num_hidden_layers=4, layer_types=[], mlp_layer_types=[], num_nextn_predict_layers=3)
 CFG.__post_init__()
@@ -691,3 +692,22 @@ def test_speculation_over_the_host_tier_keeps_stale_windows_stale(model):
     floors = {lo for rid, lo in reads if rid == res.request_id}
     assert max(floors) >= len(p) + 1  # past the first turn's stale window, restored from the host
     idle(llm)
+
+
+def test_speculation_over_the_shared_store_between_two_workers(model, redis_server):  # noqa: F811
+    """Speculation composes with the shared KV store (Redis here): worker A, drafting, writes its pages (prompt
+    chunks longer than the window, so its inserted pages carry their window and MTP layers' KV); worker B, a fresh
+    tree, loads them and drafts from the store's KV: both give plain decoding's tokens, B's prompts come from the
+    store, and no page is corrupt."""
+    ps = prompts(n=3, seed=21, lo=200, hi=260)
+    want = outputs(engine(model), ps)
+    kw = dict(speculative_steps=3, kv_store=redis_server.url, kv_store_write="insert", chunk_size=256)
+    a = engine(model, **kw)
+    assert outputs(a, ps) == want and a.stats()["spec_drafted_tokens"] > 0
+    a.tiers.store.flush()
+    b = engine(model, **kw)
+    assert outputs(b, ps) == want
+    s = b.stats()
+    assert s["kv_store_hits"] > 0 and s["kv_store_corrupt"] == 0 and s["spec_drafted_tokens"] > 0
+    idle(a)
+    idle(b)
