@@ -167,3 +167,33 @@ def test_an_audio_prompt_with_speculation_equals_colocated(fleet, tmp_path):
     assert got.choices[0].message.content == want.choices[0].message.content
     assert got.usage.prompt_tokens == want.usage.prompt_tokens > 40  # the clip's rows are in both prompts
     assert scrape(port(dec))["llm_pd_remote_prefills"] >= 1
+
+
+def test_sampled_outputs_through_p_d_and_speculation_have_colocated_plain_distribution(fleet):
+    """Speculative sampling is lossless in distribution, not draw for draw: 64 seeded, sampled requests through P/D
+    with speculation against the same 64 on the colocated worker without it. The first token is sampled on the
+    prefill worker from the same seed, so it is the same draw; for the later positions, how often the sample is the
+    greedy token is the same proportion in both (a two-proportion z-test; a biased verifier, e.g. one that kept a
+    draft without the rejection test, moves it by far more than the bound)."""
+    import math
+
+    both, spec, pre, dec = fleet
+    tok = load_tokenizer("tiny")
+    text = "The json module can serialize Python objects. The json module can parse JSON text into objects. "
+    ids = tok.encode(text * 3)  # text the model was trained on: confident enough for the statistic to inform
+    greedy, _ = stream(both.address, ids_request(ids, 4))
+    hits = {"plain": 0, "pd": 0}
+    n, positions = 64, (1, 2, 3)
+    for seed in range(n):
+        outs = {}
+        for name, srv in (("plain", both), ("pd", dec)):
+            req = ids_request(ids, 4)
+            req.sampling.temperature, req.sampling.seed, req.sampling.has_seed = 0.8, seed, True
+            outs[name], _ = stream(srv.address, req)
+            hits[name] += sum(outs[name][j] == greedy[j] for j in positions)
+        assert outs["pd"][0] == outs["plain"][0], seed  # the first token: the prefill worker's draw, same seed
+    p1, p2 = hits["plain"] / (n * len(positions)), hits["pd"] / (n * len(positions))
+    pooled = (hits["plain"] + hits["pd"]) / (2 * n * len(positions))
+    z = (p1 - p2) / math.sqrt(max(pooled * (1 - pooled) * 2 / (n * len(positions)), 1e-12))
+    assert 0.05 < pooled < 0.95, pooled  # the statistic carries information at this temperature
+    assert abs(z) < 4, (p1, p2, z)
