@@ -370,7 +370,18 @@ class LLM:
         if self.replica is None:
             return {}
         c = self.replica.par.stats
+        ep = {}
+        counts = [m.expert_tokens for m in self.model.modules() if getattr(m, "held", None) is not None]
+        if counts:  # expert parallelism: tokens per expert summed over the MoE layers, and per rank
+            per_expert = torch.stack(counts).sum(0).tolist()
+            size = self.replica.spec.size
+            k = len(per_expert) // size
+            ep = {
+                "ep_expert_tokens": per_expert,
+                "ep_tokens_per_rank": [sum(per_expert[r * k : (r + 1) * k]) for r in range(size)],
+            }
         return {
+            **ep,
             "tensor_parallel_size": self.replica.spec.size,
             "tp_collectives": c.calls,
             "tp_collective_s": round(c.seconds, 6),

@@ -197,6 +197,11 @@ class MoE(nn.Module):
         sh = par.shard
         held = sh.experts(cfg.n_routed_experts)
         self.held = (held.start, held.stop) if sh.expert_parallel and not sh.single else None
+        # Expert parallelism: tokens routed to each expert, all ranks' experts (every rank routes every token): the
+        # load per rank a balancer needs (stats()["ep_expert_tokens"]).
+        n = cfg.n_routed_experts if self.held is not None else 0
+        counts = torch.zeros(n, dtype=torch.long, device="cpu")  # on the CPU even under the loader's meta device
+        self.register_buffer("expert_tokens", counts, persistent=False)
         e, h, i = held.stop - held.start, cfg.hidden_size, sh.moe_intermediate(cfg.moe_intermediate_size)
         if q is not None and q.quantized(f"{prefix}.experts") and q.mxfp4_block:
             self.experts: nn.Module = MXFP4Experts(e, h, i, q.mxfp4_block)
@@ -212,6 +217,7 @@ class MoE(nn.Module):
         c = self.gate.cfg
         if self.held is not None:  # expert parallelism: this rank's experts' share of every token
             weights, ids = self.gate(x)
+            self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
             lo, hi = self.held
             mine = (ids >= lo) & (ids < hi)
             local = (ids - lo).masked_fill(~mine, hi - lo)  # id hi - lo: held elsewhere, skipped

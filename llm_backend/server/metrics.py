@@ -42,6 +42,15 @@ class _EngineGauges:
         for name, doc, key in gauges:
             if key in s:
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
+        if "ep_tokens_per_rank" in s:
+            c = CounterMetricFamily(
+                "llm_ep_routed_tokens",
+                "expert parallelism: token-expert pairs routed to each rank's experts",
+                labels=["rank"],
+            )
+            for r, v in enumerate(s["ep_tokens_per_rank"]):
+                c.add_metric([str(r)], float(v))
+            yield c
         for name, doc, key in (
             ("llm_tp_collectives", "collectives rank 0 made (all-reduces, all-gathers)", "tp_collectives"),
             (

@@ -147,6 +147,15 @@ def test_tp2_greedy_identical_to_one_rank_with_prefix_hits_media_and_logprobs(on
         assert run(llm, PROMPTS) == ref and llm.stats()["prefix_hit_tokens"] > 0  # the second pass hits the cache
         got_media, got_scored, got_lp = media_and_scores(llm)
         assert got_media == ref_media and got_scored == ref_scored
+        s = llm.stats()
+        if ep:  # per-rank expert load: every rank's experts got tokens, the total is every routed pair
+            cfg = one_rank.model.config
+            moe_layers = cfg.mlp_layer_types.count("sparse")
+            assert len(s["ep_tokens_per_rank"]) == 2 and min(s["ep_tokens_per_rank"]) > 0
+            assert sum(s["ep_expert_tokens"]) % (cfg.num_experts_per_tok * moe_layers) == 0
+            assert sum(s["ep_tokens_per_rank"]) == sum(s["ep_expert_tokens"]) > 0
+        else:
+            assert "ep_tokens_per_rank" not in s
         assert torch.allclose(torch.tensor(got_lp), torch.tensor(ref_lp), atol=1e-4)
     finally:
         llm.close()
