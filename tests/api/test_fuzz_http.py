@@ -1,4 +1,5 @@
-"""Hypothesis over the HTTP request schemas (chat completions, completions, /generate), on the worker's own HTTP
+"""Hypothesis over the HTTP request schemas (chat completions, completions, /generate, the Responses and Anthropic
+Messages APIs), on the worker's own HTTP
 API and through the router's front: every field is either a plausible value or any JSON value, bodies are
 sometimes gzip-encoded, truncated or not JSON at all. Whatever arrives, the answer is never a 500, and every
 error on these paths has the OpenAI error shape (JSON `{"error": {"message", "type", ...}}`).
@@ -128,7 +129,87 @@ GENERATE = st.fixed_dictionaries(
         "stream": st.booleans() | junk,
     },
 )
-SCHEMAS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION, "/generate": GENERATE}
+resp_part = st.one_of(
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["input_text", "output_text"]), "text": st.text(max_size=20) | junk}
+    ),
+    st.fixed_dictionaries({"type": st.just("input_image"), "image_url": urls | junk}),
+    junk,
+)
+resp_item = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "system", "developer"]) | junk},
+        optional={"content": st.text(max_size=30) | st.lists(resp_part, max_size=2) | junk, "type": junk},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call"), "call_id": st.text(max_size=5) | junk, "name": st.text(max_size=5) | junk},
+        optional={"arguments": st.sampled_from(['{"city": "Paris"}', "{"]) | junk},
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": st.text(max_size=5) | junk, "output": junk}
+    ),
+    junk,
+)
+RESPONSES = st.fixed_dictionaries(
+    {"input": st.text(max_size=30) | st.lists(resp_item, max_size=3) | junk, "max_output_tokens": small},
+    optional={
+        **{k: common[k] for k in ("model", "stream", "temperature", "top_p")},
+        "instructions": st.text(max_size=20) | junk,
+        "tools": st.lists(
+            st.fixed_dictionaries(
+                {"type": st.just("function") | junk, "name": st.sampled_from(["f"]) | junk},
+                optional={"parameters": schema | junk},
+            ),
+            max_size=2,
+        )
+        | junk,
+        "tool_choice": st.sampled_from(["auto", "none", "required"]) | junk,
+        "text": st.fixed_dictionaries(
+            {
+                "format": st.fixed_dictionaries(
+                    {"type": st.sampled_from(["text", "json_object", "json_schema"]) | junk},
+                    optional={"schema": schema | junk},
+                )
+            }
+        )
+        | junk,
+        "reasoning": st.fixed_dictionaries({}, optional={"effort": st.sampled_from(["low", "none"]) | junk}) | junk,
+        "previous_response_id": st.text(max_size=8) | junk,
+        "store": st.booleans() | junk,
+    },
+)
+MESSAGES = st.fixed_dictionaries(
+    {
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "assistant"]) | junk},
+                optional={"content": st.text(max_size=30) | st.lists(part, max_size=2) | junk},
+            ),
+            max_size=3,
+        )
+        | junk,
+        "max_tokens": small,
+    },
+    optional={
+        **{k: common[k] for k in ("model", "stream", "temperature", "top_p")},
+        "system": st.text(max_size=20) | junk,
+        "stop_sequences": st.lists(st.text(max_size=3), max_size=2) | junk,
+        "thinking": st.fixed_dictionaries({"type": st.sampled_from(["enabled", "disabled"]) | junk}) | junk,
+        "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool"]) | junk}) | junk,
+    },
+)
+SCHEMAS = {
+    "/v1/chat/completions": CHAT,
+    "/v1/completions": COMPLETION,
+    "/generate": GENERATE,
+    "/v1/responses": RESPONSES,
+    "/v1/messages": MESSAGES,
+}
+# The last event of a stream that ended (an error inside a stream is an event too, then the end).
+STREAM_END = {
+    "/v1/responses": (b"response.completed", b"response.incomplete", b"error"),
+    "/v1/messages": (b"message_stop", b"event: error"),
+}
 wire = st.sampled_from(["json", "json", "json", "gzip", "truncated", "junk"])
 
 
@@ -154,11 +235,14 @@ def send(address: str, path: str, data: bytes, headers: dict) -> tuple[int, byte
         c.close()
 
 
-def check(status: int, body: bytes, ctype: str, sent) -> None:
+def check(status: int, body: bytes, ctype: str, sent, path: str = "") -> None:
     assert status != 500 and status < 600, (status, body[:300], sent)
     if status >= 400:
         err = json.loads(body)["error"]  # raises on a non-JSON error body
         assert isinstance(err["message"], str) and err["type"], body[:300]
+    elif "text/event-stream" in ctype and path in STREAM_END:
+        last = body.rstrip().rsplit(b"\n\n", 1)[-1]
+        assert any(marker in last for marker in STREAM_END[path]), body[-300:]
     elif "text/event-stream" in ctype:
         assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
 
@@ -178,7 +262,7 @@ def test_no_input_reaches_a_500(target, path):
         data, headers = encode(body, how)
         status, raw, ctype = send(target.http_address, path, data, headers)
         seen[status] = seen.get(status, 0) + 1
-        check(status, raw, ctype, (how, body))
+        check(status, raw, ctype, (how, body), path)
 
     run()
     if LONG_RUN:  # the campaign's figures (docs/reliability.md): statuses seen, with -s
