@@ -503,18 +503,7 @@ class LLMHTTPServer:
                 await self._event(
                     resp, *si.event(name, response=rp.response_object(rid, model, body, [], "in_progress", None))
                 )
-            final = None
-            async for ev in gen.events():
-                if isinstance(ev, Final):
-                    final = ev
-                    break
-                for d in out.push(ev.text):
-                    for name, data in si.push(d):
-                        await self._event(resp, name, data)
-            for d in out.flush():
-                for name, data in si.push(d):
-                    await self._event(resp, name, data)
-            assert final is not None
+            final = await self._relay(resp, gen, out, si.push)
             status = rp.status_of(out.finish_reason(final.finish_reason))
             for name, data in si.close(status):
                 await self._event(resp, name, data)
@@ -531,6 +520,21 @@ class LLMHTTPServer:
         await resp.write_eof()
         return resp
 
+    @classmethod
+    async def _relay(cls, resp: web.StreamResponse, gen, out: ChatOutput, push) -> Final:
+        """Streams a generation's chat deltas (agentic/output.py) through `push` (a delta -> its named events: the
+        Responses or the Messages API's shapes) as SSE events, the parser flushed at the end; returns the Final."""
+        async for ev in gen.events():
+            if isinstance(ev, Final):
+                for d in out.flush():
+                    for name, data in push(d):
+                        await cls._event(resp, name, data)
+                return ev
+            for d in out.push(ev.text):
+                for name, data in push(d):
+                    await cls._event(resp, name, data)
+        raise AssertionError("unreachable: events() always ends with a Final")
+
     @staticmethod
     async def _event(resp: web.StreamResponse, name: str, data: dict) -> None:
         await resp.write(f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode())
@@ -543,20 +547,9 @@ class LLMHTTPServer:
         start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": len(prep.prompt), "output_tokens": 0})
         try:
             await self._event(resp, "message_start", {"type": "message_start", "message": start})
-            final = None
-            async for ev in gen.events():
-                if isinstance(ev, Final):
-                    final = ev
-                    break
-                for d in out.push(ev.text):
-                    for name, data in sb.push(d):
-                        await self._event(resp, name, data)
-            for d in out.flush():
-                for name, data in sb.push(d):
-                    await self._event(resp, name, data)
+            final = await self._relay(resp, gen, out, sb.push)
             for name, data in sb.close():
                 await self._event(resp, name, data)
-            assert final is not None
             reason, seq = ap.stop_reason(out.finish_reason(final.finish_reason), final)
             delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
             await self._event(resp, "message_delta", {**delta, "usage": {"output_tokens": final.completion_tokens}})

@@ -82,33 +82,17 @@ def test_summary_groups_failures_by_status():
     assert s["p50_ms"] == 1000.0 and s["ttft_ms"]["p50_ms"] == 100.0
 
 
+def loadtest_generate(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "mimo_epd", "loadtest", "generate", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 def test_generate_loadtest_drives_every_http_api(tiny_worker, tmp_path):
     """`--apis chat,completions,responses,messages` against a worker's own HTTP API (the chat workload: this worker
     has no encoder): each API gets requests, none fails, tokens are counted per API."""
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mimo_epd",
-            "loadtest",
-            "generate",
-            "--http",
-            f"http://{tiny_worker.http_address}",
-            "--apis",
-            "chat,completions,responses,messages",
-            "--users",
-            "2",
-            "--spawn-rate",
-            "2",
-            "--run-time",
-            "6s",
-            "--max-tokens",
-            "4",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    r = loadtest_generate(
+        *("--http", f"http://{tiny_worker.http_address}", "--apis", "chat,completions,responses,messages"),
+        *("--users", "2", "--spawn-rate", "2", "--run-time", "6s", "--max-tokens", "4"),
     )
     assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads(r.stdout.strip().splitlines()[-1])
@@ -120,21 +104,5 @@ def test_generate_loadtest_drives_every_http_api(tiny_worker, tmp_path):
 
 
 def test_generate_loadtest_refuses_an_unknown_api():
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mimo_epd",
-            "loadtest",
-            "generate",
-            "--http",
-            "http://127.0.0.1:9",
-            "--apis",
-            "chat,soap",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    r = loadtest_generate("--http", "http://127.0.0.1:9", "--apis", "chat,soap", timeout=120)
     assert r.returncode == 2 and "--apis" in r.stderr and "soap" in r.stderr
