@@ -584,6 +584,7 @@ class _Targets:
     `put` / `put_expert` keeps only this rank's part (a rank holds one whole tensor at a time, the one being read)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype, shard: Shard = SINGLE, cfg=None):
+        self.model = model  # on the meta device: this rank's modules (their FP8 blocks)
         self.meta = dict(model.named_parameters()) | dict(model.named_buffers())
         self.dtype = dtype
         self.out: dict[str, torch.Tensor] = {}
@@ -593,12 +594,17 @@ class _Targets:
         """Parameter `name` from its whole value (this rank's part of it kept)."""
         self.get(name).copy_(self.shard.take(name, whole, self.cfg))
 
+    def put_scale(self, weight: str, weight_shape: tuple[int, ...], whole: torch.Tensor) -> None:
+        """The block scales of FP8 weight `weight` (its whole shape `weight_shape`), cut with it block for block."""
+        self.get(f"{weight}_scale_inv").copy_(self.shard.take_scale(weight, weight_shape, whole, self.cfg))
+
     def holds(self, expert: int) -> bool:
         held = self.shard.experts(self.cfg.n_routed_experts) if self.cfg is not None else None
         return held is None or held.start <= expert < held.stop
 
     def put_expert(self, packed: str, expert: int, part: str, value: torch.Tensor, inter: int) -> None:
-        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] into the packed parameter `packed`."""
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] into the packed parameter `packed` (`inter` =
+        I). Split: also an FP8 expert's scales (`packed` ending in `_scale_inv`), cut in blocks of the same rows."""
         t = self.get(packed)
         sh = self.shard
         if sh.single:
@@ -607,11 +613,11 @@ class _Targets:
             return
         e = expert - sh.experts(self.cfg.n_routed_experts).start
         if part == "down_proj":
-            t[e] = value if sh.expert_parallel else value[:, sh.part(inter)]
+            t[e] = value if sh.expert_parallel else _cut_blocks(value, 1, inter, sh, packed)
             return
         local = t.shape[1] // 2
         offset = 0 if part == "gate_proj" else local
-        t[e, offset : offset + local] = value if sh.expert_parallel else value[sh.part(inter)]
+        t[e, offset : offset + local] = value if sh.expert_parallel else _cut_blocks(value, 0, inter, sh, packed)
 
     def get(self, name: str) -> torch.Tensor:
         t = self.out.get(name)
@@ -619,6 +625,20 @@ class _Targets:
             m = self.meta[name]
             t = self.out[name] = torch.empty(m.shape, dtype=_target_dtype(name, m, self.dtype))
         return t
+
+
+def _cut_blocks(value: torch.Tensor, dim: int, inter: int, shard: Shard, name: str) -> torch.Tensor:
+    """This rank's part of an expert's intermediate dimension `dim` of `value`: the weight's own rows / columns
+    (size `inter`), or its scales' blocks of them (size inter / block), refused off a block edge."""
+    n = value.shape[dim]
+    block = -(-inter // n)
+    r = shard.part(inter)
+    if r.start % block or r.stop % block:
+        raise ValueError(
+            f"{name}: this rank's part {r.start}..{r.stop} of the intermediate size {inter} does not fall on the FP8 "
+            f"block of {block}; use --fp8-weights dequantize or --enable-expert-parallel at this size"
+        )
+    return value.narrow(dim, r.start // block, (r.stop - r.start) // block)
 
 
 def load_checkpoint(
@@ -694,10 +714,15 @@ def _fill(plan: Plan, p: Piece, reader: _Reader, targets: _Targets) -> None:
                 targets.get(packed)[p.expert, rows] = w
             targets.get(f"{packed}_scale")[p.expert, rows] = s
         elif fp8:
-            mod = _module_of(plan.model, packed)
+            mod = _module_of(targets.model, packed)
             assert isinstance(mod, BlockFP8Experts)
             bn = (mod.down_block if p.part == "down_proj" else mod.gate_up_block)[0]
             w, s = _fp8_pair(w, s, block)
+            if not targets.shard.single:  # this rank's rows / columns, and their scales block for block
+                targets.put_expert(packed, p.expert, p.part, w, i)
+                srows = row_scales(s, w.shape[0], block[0]) if bn == 1 else s
+                targets.put_expert(f"{packed}_scale_inv", p.expert, p.part, srows, i)
+                return
             if direct is None:
                 targets.get(packed)[p.expert, rows] = w
             srows = row_scales(s, w.shape[0], block[0]) if bn == 1 else s
@@ -730,12 +755,12 @@ def _plain(w: torch.Tensor, s: torch.Tensor | None, block, dtype: torch.dtype) -
 
 def _put(targets: _Targets, name: str, w: torch.Tensor, s: torch.Tensor | None, block) -> None:
     if f"{name}_scale_inv" in targets.meta:  # an FP8 layer: kept or quantized now
-        mod_block = targets.meta[f"{name}_scale_inv"].shape
+        mod = _module_of(targets.model, name)
         q, sc = _fp8_pair(w, s, block)
-        if tuple(sc.shape) != tuple(mod_block):  # row-granular target
+        if getattr(mod, "block", block)[0] == 1 and sc.shape[0] != q.shape[0]:  # row-granular target
             sc = row_scales(sc, q.shape[0], block[0])
-        targets.get(name).copy_(q)
-        targets.get(f"{name}_scale_inv").copy_(sc)
+        targets.put(name, q)
+        targets.put_scale(name, tuple(q.shape), sc)
     else:
         targets.put(name, _plain(w, s, block, targets.get(name).dtype))
 
@@ -769,8 +794,8 @@ def _fill_qkv(plan: Plan, p: Piece, w: torch.Tensor, s: torch.Tensor | None, blo
         if s is None:  # stored bf16: as is, or quantized now (--quantization fp8)
             _put(targets, target, w[sel], None, block)
         elif f"{target}_scale_inv" in targets.meta:  # kept FP8: rows and their own scale rows
-            targets.get(target).copy_(w[sel])
-            targets.get(f"{target}_scale_inv").copy_(per_row[sel])
+            targets.put(target, w[sel])
+            targets.put_scale(target, (len(sel), w.shape[1]), per_row[sel])
         else:  # dequantized (above): each chunk whole with its own scales, then split
             assert deq is not None
             targets.put(target, deq[sel])

@@ -29,7 +29,7 @@ from mimo_epd.layers import RMSNorm
 from ..kernels import triton_enabled
 from ..kernels.moe import fused_moe, fused_moe_torch, topk_routing
 from ..parallel.comm import SINGLE_RANK, Parallel
-from .quant import BlockFP8Experts, Fp8Spec, MXFP4Experts, make_linear
+from .quant import BlockFP8Experts, Fp8Spec, MXFP4Experts, QuantizedExperts, make_linear
 
 
 @dataclass
@@ -221,9 +221,9 @@ class MoE(nn.Module):
             lo, hi = self.held
             mine = (ids >= lo) & (ids < hi)
             local = (ids - lo).masked_fill(~mine, hi - lo)  # id hi - lo: held elsewhere, skipped
-            return fused_moe_torch(x, self.experts.gate_up_proj, self.experts.down_proj, weights * mine, local).view(
-                shape
-            )
+            quantized = self.experts if isinstance(self.experts, QuantizedExperts) else None  # FP8 / MXFP4 kept
+            gu, down = self.experts.gate_up_proj, self.experts.down_proj
+            return fused_moe_torch(x, gu, down, weights * mine, local, quantized=quantized).view(shape)
         if (
             c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, (Experts, BlockFP8Experts))
         ):  # fused routing + grouped expert GEMMs (kernels/moe.py); FP8 experts dequantized tile by tile in them

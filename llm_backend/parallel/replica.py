@@ -22,6 +22,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -124,6 +125,16 @@ class Replica:
         gone = [f"rank {i + 1} (exit code {p.exitcode})" for i, p in enumerate(self.procs) if not p.is_alive()]  # local
         return ", ".join(gone)
 
+    def _who(self, wait_s: float = 1.0) -> str:
+        """The ranks gone or stopped, waiting up to `wait_s` for a rank whose socket closed to be seen exiting (a
+        collective can fail before the kernel has reaped the process)."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            who = self.missing() or self.stuck()
+            if who or time.monotonic() >= deadline:
+                return who
+            time.sleep(0.05)
+
     def stuck(self) -> str:
         """The ranks whose processes are stopped (SIGSTOP, a debugger) or zombies, in words ("" when none)."""
         out = []
@@ -147,7 +158,7 @@ class Replica:
     def fail(self, e: BaseException) -> None:
         """Marks the replica down after a failed broadcast or collective and raises `ReplicaDown`."""
         if not self.down:
-            who = self.missing() or self.stuck() or "a rank failed or timed out"
+            who = self._who() or "a rank failed or timed out"
             self.down = f"model-parallel replica down: {who} ({e})"
             log.error("%s", self.down)
         raise ReplicaDown(self.down) from e

@@ -17,8 +17,9 @@ A `Shard` is (rank, size, expert_parallel). Its rules, by parameter (vLLM's and 
   layers' `eh_proj`.
 
 The same rules serve the loader (each tensor read and sliced to this rank's part before it is kept: a rank never
-holds another rank's part of more than the one tensor being read), the model's constructors (local shapes) and
-the KV pools (this rank's KV heads). A shape a rule cannot split is refused by `check`, naming the field.
+holds another rank's part of more than the one tensor being read; an FP8 weight's block scales are cut with it,
+block for block), the model's constructors (local shapes) and the KV pools (this rank's KV heads). A shape a rule
+cannot split is refused by `check`, naming the field; an FP8 cut off a block edge by the loader, naming the tensor.
 """
 
 from __future__ import annotations
@@ -97,52 +98,68 @@ class Shard:
         for name, value in need:
             if value % n:
                 raise ValueError(f"{why}: the model's {name} ({value}) is not a multiple of {n}")
+        if cfg.quant is not None and cfg.quant.mxfp4_block:
+            raise ValueError(f"{why}: MXFP4 experts kept packed are not split yet; use --fp8-weights dequantize")
         for kind in sorted(set(cfg.layer_types)):
             i = cfg.layer_types.index(kind)
             kv = cfg.kv_heads(i)
             if (kv >= n and kv % n) or (kv < n and n % kv):
                 raise ValueError(f"{why}: {kind} layers have {kv} KV heads, neither a multiple nor a divisor of {n}")
-        if cfg.quant is not None:
-            raise ValueError(
-                f"{why}: FP8 weights kept FP8 are not split yet; load them with --fp8-weights dequantize "
-                "(docs/parallel.md)"
-            )
 
     # --- the loader's rule ------------------------------------------------------------------------------
-    def take(self, name: str, full: torch.Tensor, cfg) -> torch.Tensor:
-        """This rank's part of parameter `name` (our name, the model's full shape `full`): a view into `full`."""
+    def cuts(self, name: str, shape: tuple[int, ...], cfg) -> dict[int, list[slice]]:
+        """The index ranges this rank keeps of parameter `name` (our name; `shape` the whole model's), per
+        dimension: dimensions not named are kept whole; several ranges are joined in order."""
         if self.single:
-            return full
+            return {}
         m = _ATTN.search(name)
         if m:
-            proj, kind = m.groups()
-            kv_heads = self._kv_heads(name, cfg)
+            proj = m.group(1)
             if proj == "o_proj":
-                return full[:, self._heads_cols(cfg.num_attention_heads, cfg.v_head_dim)]
+                return {1: [self._rows(self.part(cfg.num_attention_heads), cfg.v_head_dim)]}
             if proj == "q_proj":
-                rows = self._rows(self.part(cfg.num_attention_heads), cfg.head_dim)
-            else:
-                dim = cfg.head_dim if proj == "k_proj" else cfg.v_head_dim
-                rows = self._rows(self.kv_part(kv_heads), dim)
-            return full[rows]
+                return {0: [self._rows(self.part(cfg.num_attention_heads), cfg.head_dim)]}
+            dim = cfg.head_dim if proj == "k_proj" else cfg.v_head_dim
+            return {0: [self._rows(self.kv_part(self._kv_heads(name, cfg)), dim)]}
         if name.endswith("self_attn.sinks"):
-            return full[self.part(cfg.num_attention_heads)]
+            return {0: [self.part(cfg.num_attention_heads)]}
         m = _MLP.search(name)
         if m:
-            return full[:, self.part(full.shape[1])] if m.group(1) == "down_proj" else full[self.part(full.shape[0])]
+            return {1: [self.part(shape[1])]} if m.group(1) == "down_proj" else {0: [self.part(shape[0])]}
         m = _EXPERTS.search(name)
         if m:
-            full = full[self.experts(full.shape[0])]
+            out = {0: [self.experts(shape[0])]}
             if self.expert_parallel:
-                return full
+                return out
             if m.group(1) == "down_proj":
-                return full[:, :, self.part(full.shape[2])]
-            inter = full.shape[1] // 2
-            local = self.part(inter)
-            return torch.cat((full[:, local], full[:, inter + local.start : inter + local.stop]), dim=1)
+                return {**out, 2: [self.part(shape[2])]}
+            inter, local = shape[1] // 2, self.part(shape[1] // 2)
+            return {**out, 1: [local, slice(inter + local.start, inter + local.stop)]}
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
-            return full[self.part(full.shape[0])]
-        return full
+            return {0: [self.part(shape[0])]}
+        return {}
+
+    def take(self, name: str, full: torch.Tensor, cfg) -> torch.Tensor:
+        """This rank's part of parameter `name` (our name, the model's full shape `full`)."""
+        return _apply(full, self.cuts(name, tuple(full.shape), cfg))
+
+    def take_scale(self, name: str, weight_shape: tuple[int, ...], scale: torch.Tensor, cfg) -> torch.Tensor:
+        """This rank's part of the block scales of FP8 weight `name` (the whole weight's shape `weight_shape`): the
+        weight's cuts in blocks. A cut that does not fall on a block edge is refused (ValueError naming it): an FP8
+        weight is never re-scaled to fit a split."""
+        cuts = {}
+        for dim, ranges in self.cuts(name, weight_shape, cfg).items():
+            block = -(-weight_shape[dim] // scale.shape[dim])
+            mapped = []
+            for r in ranges:
+                if r.start % block or (r.stop % block and r.stop != weight_shape[dim]):
+                    raise ValueError(
+                        f"{name}: this rank's rows / columns {r.start}..{r.stop} of {weight_shape[dim]} do not fall on "
+                        f"the FP8 block of {block}; use --fp8-weights dequantize at this --tensor-parallel-size"
+                    )
+                mapped.append(slice(r.start // block, -(-r.stop // block)))
+            cuts[dim] = mapped
+        return _apply(scale, cuts)
 
     def local_shape(self, name: str, full_shape: tuple[int, ...], cfg) -> tuple[int, ...]:
         return tuple(self.take(name, torch.empty(full_shape, device="meta"), cfg).shape)
@@ -160,6 +177,13 @@ class Shard:
             return cfg.swa_num_key_value_heads or 2 * cfg.num_key_value_heads
         m = _LAYER.match(name)
         return cfg.kv_heads(int(m.group(1)) if m else 0)
+
+
+def _apply(t: torch.Tensor, cuts: dict[int, list[slice]]) -> torch.Tensor:
+    for dim, ranges in cuts.items():
+        parts = [t.narrow(dim, r.start, r.stop - r.start) for r in ranges]
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+    return t
 
 
 def _len(s: slice) -> int:

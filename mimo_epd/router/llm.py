@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mimo_epd.common.auth import client_interceptors
+from mimo_epd.common.shutdown import await_chain
 from mimo_epd.v1 import generator_pb2_grpc
 
 from .channels import channel_options
@@ -57,6 +58,7 @@ from .sync import IndexSync
 log = logging.getLogger(__name__)
 
 RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+CLOSE_WAIT_S = 5.0  # close(): how long the background tasks get to stop once cancelled
 
 
 @dataclass
@@ -175,9 +177,18 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
 
     async def close(self) -> None:
         self._closing = True
-        for t in [*self._tasks, *self._rechecks.values()]:
+        tasks = [*self._tasks, *self._rechecks.values()]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, *self._rechecks.values(), return_exceptions=True)
+        if tasks:  # a task stuck in a client's own cleanup (redis-py closing a socket) is abandoned, named, not awaited
+            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            for t in stuck:
+                log.warning(
+                    "router close: the %s task did not stop in %g s; abandoned (%s)",
+                    t.get_name(),
+                    CLOSE_WAIT_S,
+                    await_chain(t),
+                )
         await asyncio.gather(*(f.stop() for f in self.feeds.values()), return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
         await self.state.close()

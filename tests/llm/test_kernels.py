@@ -178,7 +178,7 @@ def test_fused_moe(n_tokens):
         num_hidden_layers=2,
     )
     gen = torch.Generator().manual_seed(n_tokens)
-    experts = Experts(cfg)
+    experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(n_experts, 2 * inter, hidden, generator=gen) * 0.3)
         experts.down_proj.copy_(torch.randn(n_experts, hidden, inter, generator=gen) * 0.3)

@@ -88,9 +88,34 @@ def test_features_not_split_yet_are_refused_not_served_on_one_rank(option, says)
         LLMConfig(tensor_parallel_size=2, **option).validate()
 
 
-def test_fp8_kept_resident_is_refused_at_tp2_by_name(v25):
-    with pytest.raises(ValueError, match="--fp8-weights dequantize"):
-        load_checkpoint(v25, torch.float32, "keep", par=Parallel(Shard(0, 2)))
+def test_fp8_kept_resident_split_off_a_block_edge_is_refused_by_name(v25):
+    """Tensor-parallel experts of the tiny V2.5 (intermediate 128, FP8 block 128): half an expert's columns is not
+    a whole block, so the split is refused naming the tensor, never re-scaled."""
+    with pytest.raises(ValueError, match=r"experts.*FP8 block of 128.*--fp8-weights dequantize"):
+        load_checkpoint(v25, torch.float32, "keep", progress=False, par=Parallel(Shard(0, 2)))
+
+
+def test_fp8_kept_resident_is_cut_block_for_block(v25):
+    """FP8 kept at TP 2 with expert parallelism: every rank's FP8 bytes and fp32 scales are exactly the whole
+    checkpoint's cut (weights by the rules, scales by the same cut in blocks), nothing dequantized or re-scaled."""
+    whole = load_checkpoint(v25, torch.float32, "keep", progress=False)
+    full, cfg = whole.state_dict(), whole.config
+    fp8 = [k for k, v in full.items() if v.dtype == torch.float8_e4m3fn]
+    assert fp8
+    for r in range(2):
+        shard = Shard(r, 2, True)
+        part = load_checkpoint(v25, torch.float32, "keep", progress=False, par=Parallel(shard)).state_dict()
+        for name, t in part.items():
+            if name.endswith("_scale_inv"):
+                w = name.removesuffix("_scale_inv")
+                want = shard.take_scale(w, tuple(full[w].shape), full[name], cfg)
+            else:
+                want = shard.take(name, full[name], cfg)
+            assert t.dtype == full[name].dtype and t.shape == want.shape, name
+            assert torch.equal(
+                t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t,
+                want.view(torch.uint8) if want.dtype == torch.float8_e4m3fn else want,
+            ), name
 
 
 @pytest.mark.parametrize("size, ep", [(2, False), (4, False), (2, True)])
@@ -188,6 +213,20 @@ def test_tp2_with_mtp_speculation_grammar_and_seeded_sampling_equals_one_rank(on
         got, ref = llm.stats(), ref_spec.stats()
         assert got["spec_accepted_tokens"] > 0
         assert got["spec_acceptance_by_position"] == ref["spec_acceptance_by_position"]
+    finally:
+        llm.close()
+
+
+def test_v25_fp8_kept_at_tp2_with_expert_parallelism_equals_one_rank(v25):
+    prompts = [
+        [int(t) for t in torch.randint(9, 4096, (n,), generator=torch.Generator().manual_seed(n))] for n in (5, 40)
+    ]
+    opts = dict(OPTS, fp8_weights="keep")
+    ref = run(LLM(v25, **opts), prompts)
+    llm = LLM(v25, tensor_parallel_size=2, enable_expert_parallel=True, **opts)
+    try:
+        assert run(llm, prompts) == ref
+        assert any(p.dtype == torch.float8_e4m3fn for p in llm.model.parameters())  # kept FP8 on rank 0
     finally:
         llm.close()
 
