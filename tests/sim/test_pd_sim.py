@@ -85,3 +85,31 @@ def test_prefill_placed_by_affinity_finds_the_sessions_prefix_round_robin_does_n
     # affinity: turns 2-4 of a session prefill where turn 1 did, finding (t-1)/t of the prompt cached
     assert aff["prefill_cached_fraction"] > 0.45
     assert rr["prefill_cached_fraction"] < 0.8 * aff["prefill_cached_fraction"]
+
+
+def test_bench_pd_goodput_is_searched_between_grid_rates():
+    """A grid whose first rate passes and second fails: the goodput lands strictly between them after the search,
+    with its bracket, and every searched rate's attainment reported (monotone across the bracket)."""
+    import argparse
+
+    from mimo_epd.bench import pd
+
+    p = argparse.ArgumentParser()
+    pd.add_arguments(p)
+    args = p.parse_args(
+        ["--shapes", "flash", "--traces", "mooncake", "--requests", "40", "--rates", "1,1024", "--workers", "2"]
+        + ["--search-steps", "3"]
+    )
+    out = pd.main(args)
+    searched = 0
+    for mode, row in out["results"]["flash/mooncake"]["modes"].items():
+        att = row["attainment"]
+        if att["1.0"] >= args.slo_share and att["1024.0"] < args.slo_share:
+            lo, hi = row["goodput_bracket"]
+            assert 1.0 <= lo < hi <= 1024.0 and row["goodput_rate_factor"] == lo, mode
+            assert len(att) == 2 + 3 and att[str(lo)] >= args.slo_share, mode
+            searched += 1
+        else:
+            assert "goodput_bracket" not in row, mode
+    assert searched >= 1  # the split's grid passes at 1 and fails at 1024: its goodput was searched
+    assert out["search_steps"] == 3
