@@ -35,6 +35,14 @@ def parse_messages(body, max_samples: int = 16, require_max_tokens: bool = True)
     return proto.parse_chat(chat, max_samples)
 
 
+def error_event(e: ServeError) -> tuple[str, dict]:
+    """A failure after the stream started, as Anthropic's `error` event."""
+    kind = (
+        "overloaded_error" if e.http_status == 429 else "api_error" if e.http_status >= 500 else "invalid_request_error"
+    )
+    return "error", {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
 def new_id() -> str:
     return "msg_" + uuid.uuid4().hex
 

@@ -498,7 +498,8 @@ class LLMHTTPServer:
         gen = self.core.start(prep, params, req.stop)
         resp = await self._open_sse(request)
         out, si = ChatOutput(req.agentic.thinking, req.agentic.tools), rp.StreamItems()
-        try:
+
+        async def events() -> None:
             for name in ("response.created", "response.in_progress"):
                 await self._event(
                     resp, *si.event(name, response=rp.response_object(rid, model, body, [], "in_progress", None))
@@ -510,15 +511,8 @@ class LLMHTTPServer:
             stored = self.responses_store.put(rid, body, messages, out.message())
             done = rp.response_object(rid, model, body, si.output, status, final, stored)
             await self._event(resp, *si.event(f"response.{status}", response=done))
-        except ServeError as e:
-            await self._event(resp, *si.event("error", code=e.err_code or None, message=e.message, param=e.param))
-        except ConnectionResetError:
-            log.info("%s: the client closed the stream before its end; the request is cancelled", rid)
-            return resp
-        finally:
-            gen.cancel()
-        await resp.write_eof()
-        return resp
+
+        return await self._named_stream(resp, gen, rid, events, si.error)
 
     @classmethod
     async def _relay(cls, resp: web.StreamResponse, gen, out: ChatOutput, push) -> Final:
@@ -545,7 +539,8 @@ class LLMHTTPServer:
         out, sb = ChatOutput(req.agentic.thinking, req.agentic.tools), ap.StreamBlocks()
         start = {"id": rid, "type": "message", "role": "assistant", "model": model, "content": []}
         start.update(stop_reason=None, stop_sequence=None, usage={"input_tokens": len(prep.prompt), "output_tokens": 0})
-        try:
+
+        async def events() -> None:
             await self._event(resp, "message_start", {"type": "message_start", "message": start})
             final = await self._relay(resp, gen, out, sb.push)
             for name, data in sb.close():
@@ -554,15 +549,18 @@ class LLMHTTPServer:
             delta = {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": seq}}
             await self._event(resp, "message_delta", {**delta, "usage": {"output_tokens": final.completion_tokens}})
             await self._event(resp, "message_stop", {"type": "message_stop"})
+
+        return await self._named_stream(resp, gen, rid, events, ap.error_event)
+
+    @classmethod
+    async def _named_stream(cls, resp: web.StreamResponse, gen, rid: str, events, error) -> web.StreamResponse:
+        """Sends a stream of named SSE events (the Responses and the Messages APIs: `await events()`); a ServeError on
+        the way becomes the API's own error event (`error(e)` -> (name, data)). A client that closes the stream first
+        only cancels the request: its KV is freed and nothing is logged as an error."""
+        try:
+            await events()
         except ServeError as e:
-            kind = (
-                "overloaded_error"
-                if e.http_status == 429
-                else "api_error"
-                if e.http_status >= 500
-                else "invalid_request_error"
-            )
-            await self._event(resp, "error", {"type": "error", "error": {"type": kind, "message": e.message}})
+            await cls._event(resp, *error(e))
         except ConnectionResetError:
             log.info("%s: the client closed the stream before its end; the request is cancelled", rid)
             return resp

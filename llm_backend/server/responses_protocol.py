@@ -183,6 +183,10 @@ class StreamItems:
         self.seq += 1
         return name, ev
 
+    def error(self, e: ServeError) -> tuple[str, dict]:
+        """A failure after the stream started, as the Responses API's `error` event (numbered like the rest)."""
+        return self.event("error", code=e.err_code or None, message=e.message, param=e.param)
+
     def _where(self) -> dict:
         return {"item_id": self.output[-1]["id"], "output_index": len(self.output) - 1}
 

@@ -342,3 +342,31 @@ def test_grpc_n_samples_and_prompt_logprobs_equal_http(worker, client, prompts, 
     with pytest.raises(grpc.RpcError) as e:
         list(stub.Generate(generator_pb2.GenerateRequest(prompt_token_ids=ids, sampling=too_many), timeout=60))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "sampling.n" in e.value.details()
+
+
+def test_a_streamed_n_whose_client_leaves_frees_every_sample(worker):
+    """A streamed n = 4 request whose client closes the connection after the first chunks: every sample is
+    cancelled and no KV slot stays held by a request (the pools' request counts back to idle)."""
+    import http.client
+    import time
+
+    host, port = worker.http_address.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = {"prompt": "The json module can", "max_tokens": 1500, "n": 4, "stream": True, "ignore_eos": True}
+    c.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200
+    r.read(400)  # a few chunks, then the client goes away
+    c.close()
+    left = time.monotonic()
+    for _ in range(100):
+        m = scrape_http(worker.http_address)
+        if (
+            m["llm_kv_full_request_slots"] == 0
+            and m["llm_kv_swa_request_slots"] == 0
+            and m["llm_requests_running"] == 0
+        ):
+            break
+        time.sleep(0.1)
+    assert m["llm_kv_full_request_slots"] == 0 and m["llm_kv_swa_request_slots"] == 0 and m["llm_requests_running"] == 0
+    assert time.monotonic() - left < 5  # cancelled, not run to the end (4 x 1500 tokens take far longer here)
