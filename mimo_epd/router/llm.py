@@ -37,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -61,6 +61,13 @@ RETRY_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 CLOSE_WAIT_S = 5.0  # close(): how long the background tasks get to stop once cancelled
 
 
+def _float(text) -> float:
+    try:
+        return float(text or 0.0)
+    except ValueError:
+        return 0.0
+
+
 @dataclass
 class WorkerView:
     id: str
@@ -73,6 +80,26 @@ class WorkerView:
     registered: bool = False  # seen in the registry at the last refresh
     registered_at: float = 0.0  # when it was last seen there (monotonic)
     role: str = "both"  # both, prefill or decode (docs/pd.md): only prefill workers are never sent Generate
+    load_at: float = 0.0  # wall time the worker took `load` (its feed reply's time_s, its registration's `updated`)
+    # This router's requests to it that finished lately: (wall time, queued tokens, running tokens) each.
+    done: deque = field(default_factory=lambda: deque(maxlen=4096))
+
+    def set_load(self, load: dict, at: float) -> None:
+        self.load, self.load_at = load, at
+        while self.done and self.done[0][0] < at:
+            self.done.popleft()
+
+    def current_load(self) -> tuple[int, int, int]:
+        """(queued tokens, running tokens, requests) as the worker last said, less this router's own requests that
+        finished after it said so (a snapshot taken while the previous turn ran would otherwise push an agent's
+        next turn, sent the moment the answer arrives, off its cache), and never below this router's own counts.
+        Snapshot and finish times are wall clocks of two machines: a skew misdates only the last moments' flights."""
+        q, r = int(self.load.get("queued_tokens", 0)), int(self.load.get("running_tokens", 0))
+        n = int(self.load.get("waiting", 0)) + int(self.load.get("running", 0))
+        for t, dq, dr in self.done:
+            if t >= self.load_at:
+                q, r, n = q - dq, r - dr, n - 1
+        return max(q, self.local_queued, 0), max(r, self.local_running, 0), max(n, 0)
 
 
 @dataclass
@@ -160,7 +187,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if w is not None:
             w.block_size = reply.block_size or w.block_size
             w.role = reply.role or "both"
-            w.load = {k: getattr(reply.load, k) for k in LOAD_FIELDS}
+            w.set_load({k: getattr(reply.load, k) for k in LOAD_FIELDS}, reply.time_s or time.time())
         if self.down.pop(feed.id, None) is not None:
             log.info("LLM worker %s is back", feed.address)
 
@@ -213,7 +240,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             w.http_address = f.get("http_address", w.http_address)
             w.block_size = int(f.get("block_size") or w.block_size or 16)
             w.role = f.get("role") or w.role
-            w.load = {k: int(f.get(k) or 0) for k in LOAD_FIELDS}
+            w.set_load({k: int(f.get(k) or 0) for k in LOAD_FIELDS}, _float(f.get("updated")) or time.time())
         keep = time.monotonic() < self._keep_members_until
         if not self.feeds and not keep:  # discovered workers leave when their registration expires
             for wid in [w for w in self.workers if w not in llm]:
@@ -324,9 +351,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                 predicted[w.id] = max(predicted[w.id], self._recent_match(w.id, hashes[:cap]) * B)
         cands = []
         for w in workers:
-            q = max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
-            r = max(int(w.load.get("running_tokens", 0)) if not self.degraded else 0, w.local_running)
-            n = int(w.load.get("waiting", 0)) + int(w.load.get("running", 0)) if not self.degraded else 0
+            q, r, n = w.current_load() if not self.degraded else (w.local_queued, w.local_running, 0)
             cands.append(Candidate(w.id, predicted[w.id], q, r, max(n, len(self.flights.get(w.id, ())))))
         view = RequestView(len(tokens), B, tuple(hashes))
         order = self.policy.rank(view, cands)
@@ -354,7 +379,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
 
     def _queued(self, wid: str) -> int:
         w = self.workers[wid]
-        return max(int(w.load.get("queued_tokens", 0)) if not self.degraded else 0, w.local_queued)
+        return w.current_load()[0] if not self.degraded else w.local_queued
 
     # A worker publishes a request's blocks when it caches them, and the feed brings them a poll later: a client
     # that sends its next turn as soon as the answer arrives is routed before the index knows. So the router
@@ -400,6 +425,11 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         lst = self.flights.get(flight.choice.worker, [])
         if flight in lst:
             lst.remove(flight)
+            w = self.workers.get(flight.choice.worker)
+            if w is not None:  # its footprint, as _recount counted it, leaves the worker's last snapshot too
+                queued = 0 if flight.streaming else flight.prompt_tokens - flight.choice.predicted_tokens
+                running = flight.prompt_tokens + flight.generated if flight.streaming else 0
+                w.done.append((time.time(), queued, running))
         self._recount(flight.choice.worker)
 
     def _recount(self, wid: str) -> None:

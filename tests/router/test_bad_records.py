@@ -6,6 +6,7 @@ leave afterwards."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from llm_backend.kv.events import STORED, block_hashes
 from mimo_epd.common.shutdown import await_chain
@@ -109,3 +110,45 @@ async def _dead_loop() -> None:
 
 def test_a_loop_that_ends_is_reported_not_silent():
     asyncio.run(_dead_loop())
+
+
+async def _stale_load_scenario() -> None:
+    from llm_backend.kv.events import USABLE
+    from mimo_epd.router.llm import Choice
+    from mimo_epd.router.state import MemoryState
+
+    state = MemoryState()
+    router = LLMRouter(LLMRouterConfig(model="tiny-random", discovery_interval_s=0.05), state)
+    tokens = list(range(1, 41))  # 10 blocks of 4; the session's worker holds the first 4 (a 40 % match)
+    hashes = block_hashes(tokens, 4)
+    a, b = "llm/127.0.0.1:7001", "llm/127.0.0.1:7002"
+    await state.register(b, {**GOOD, "address": "127.0.0.1:7002"}, 30)
+    busy = {**GOOD, "running_tokens": "300", "running": "1", "updated": "0"}
+    await state.register(a, busy, 30)
+    await state.apply(a, True, hashes[:4], [STORED] * 3 + [USABLE], {}, 30)
+    await router.start(wait_s=0.0)
+    try:
+        await asyncio.sleep(0.2)
+        # a's last word says it still runs a request: 40 % of the cache does not outweigh a full load
+        first = await router.pick(tokens)
+        assert [(c.worker, c.predicted_tokens) for c in first] == [(b, 0), (a, 16)]
+        # ... unless that request was this router's and finished after a said so
+        await state.register(a, {**busy, "updated": f"{time.time():.3f}"}, 30)
+        await asyncio.sleep(0.2)
+        flight = router.started(Choice(a, "127.0.0.1:7001", "", 0, 0), 300)
+        router.progressed(flight, 1)
+        router.finished(flight)
+        assert [c.worker for c in await router.pick(tokens)] == [a, b]
+        assert router.workers[a].current_load() == (0, 0, 0)
+        # a newer word from the worker supersedes the discount
+        await state.register(a, {**busy, "updated": f"{time.time() + 1:.3f}"}, 30)
+        await asyncio.sleep(0.2)
+        assert router.workers[a].current_load() == (0, 300, 1) and not router.workers[a].done
+    finally:
+        await router.close()
+
+
+def test_own_finished_requests_leave_a_stale_load_snapshot():
+    """A worker's load snapshot taken while this router's request still ran is discounted by that request once it
+    finished: an agent's next turn, sent as the answer arrives, stays on its cache (test_fleet's flake)."""
+    asyncio.run(_bounded(_stale_load_scenario(), 20))
