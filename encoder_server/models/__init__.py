@@ -6,7 +6,10 @@ real Qwen2.5-VL vision architecture at small sizes (`TINY_VISION_CONFIG`) with d
 loads through the same path as a user's multimodal checkpoint and runs on a laptop CPU with nothing downloaded.
 `tiny-random` builds those weights without reading any file. `load_vision_model(PATH)` loads a checkpoint
 directory saved by transformers: a vision model alone (`model_type: qwen2_5_vl_vision`), a full Qwen2.5-VL
-checkpoint, or a `mimo_v2_flash` checkpoint with a `vision_config`; only the `visual.*` weights are read.
+checkpoint, or a `mimo_v2_flash` checkpoint with a `vision_config`; only the `visual.*` weights are read. The
+tower is chosen by the vision config's `model_type`: `mimovl` (MiMo-V2.5's own ViT, `mimo_vision.py`) or
+Qwen2.5-VL's; the tower's kind is the first part of the model id, so no embedding of one tower is ever a cache hit
+for the other.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import torch
 
 from mimo_epd.common.model_names import TINY_RANDOM, resolve_model
 
+from .mimo_vision import MODEL_TYPE as MIMO_VISION_TYPE
+from .mimo_vision import MiMoVisionConfig, MiMoVisionTower
 from .qwen2_5_vision import Qwen2_5VisionTower, VisionConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "MiMoVisionConfig",
+    "MiMoVisionTower",
     "Qwen2_5VisionTower",
     "VisionConfig",
     "LoadedVisionModel",
@@ -73,9 +80,12 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
         raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16") from None
 
 
+VisionTower = Qwen2_5VisionTower | MiMoVisionTower
+
+
 @dataclass
 class LoadedVisionModel:
-    module: Qwen2_5VisionTower
+    module: VisionTower
     # Identifies the weights; part of every content key, so a different model never hits the cache.
     model_id: str
     # The checkpoint's preprocessor_config.json, when it has one.
@@ -90,6 +100,8 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) ->
     for name, p in sorted(model.named_parameters()):
         if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("ln_q.weight"):
             state[name] = torch.ones(p.shape)
+        elif name.endswith("attn.sinks"):  # logits added to a key's: of the order of the logits themselves
+            state[name] = torch.randn(p.shape, generator=gen)
         elif name.endswith("bias"):
             state[name] = torch.randn(p.shape, generator=gen) * std * 0.1
         else:
@@ -162,8 +174,7 @@ def load_vision_model(
                 f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
                 "(expected qwen2_5_vl or qwen2_5_vl_vision) and its config has no vision_config"
             )
-        cfg = VisionConfig.from_hf_dict(cfg_dict)
-        model = Qwen2_5VisionTower(cfg)
+        model = _tower_for(cfg_dict)
         state = _vision_weights(_read_safetensors(directory))
         from mimo_epd.common.checkpoint import load_weights
 
@@ -177,15 +188,26 @@ def load_vision_model(
                 "model %s: ignoring %d unexpected weights, e.g. %s", name_or_path, len(unexpected), unexpected[:5]
             )
         pp = directory / "preprocessor_config.json"
-        info = LoadedVisionModel(model, _checkpoint_id(directory), json.loads(pp.read_text()) if pp.is_file() else None)
+        kind = "mimovl" if isinstance(model, MiMoVisionTower) else "qwen2_5_vl"
+        info = LoadedVisionModel(
+            model, f"{kind}:{_checkpoint_id(directory)}", json.loads(pp.read_text()) if pp.is_file() else None
+        )
     model.to(device=device, dtype=torch_dtype).eval()
     info.model_id = f"{info.model_id}/{str(torch_dtype).removeprefix('torch.')}"
     return info if return_info else model
 
 
-def random_model(config: VisionConfig, seed: int = TINY_SEED) -> Qwen2_5VisionTower:
+def _tower_for(cfg_dict: dict) -> VisionTower:
+    """The tower a checkpoint's config names (its `vision_config`, or the config itself for a vision-only one)."""
+    vision = cfg_dict.get("vision_config", cfg_dict)
+    if vision.get("model_type") == MIMO_VISION_TYPE:
+        return MiMoVisionTower(MiMoVisionConfig.from_hf_dict(vision))
+    return Qwen2_5VisionTower(VisionConfig.from_hf_dict(cfg_dict))
+
+
+def random_model(config: VisionConfig | MiMoVisionConfig, seed: int = TINY_SEED) -> VisionTower:
     """A tower of any config with deterministic random weights."""
-    model = Qwen2_5VisionTower(config)
+    model: VisionTower = MiMoVisionTower(config) if isinstance(config, MiMoVisionConfig) else Qwen2_5VisionTower(config)
     init_random_weights(model, seed)
     return model.eval()
 

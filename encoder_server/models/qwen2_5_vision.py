@@ -63,11 +63,11 @@ class VisionConfig:
 class PatchEmbed(nn.Module):
     """A Conv3d whose kernel equals its stride: one linear map per (t, p, p) patch."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, in_channels: int, hidden_size: int, patch_size: int, temporal_patch_size: int):
         super().__init__()
-        self.cfg = cfg
-        k = (cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        self.proj = nn.Conv3d(cfg.in_channels, cfg.hidden_size, kernel_size=k, stride=k, bias=False)
+        self.in_channels = in_channels
+        k = (temporal_patch_size, patch_size, patch_size)
+        self.proj = nn.Conv3d(in_channels, hidden_size, kernel_size=k, stride=k, bias=False)
 
     def set_input_normalization(self, mean, std) -> None:
         """Per-channel mean/std (of 0..1 pixels) for raw uint8 patch input: normalisation is folded into the
@@ -83,7 +83,7 @@ class PatchEmbed(nn.Module):
             # temporal slices of the kernel see the same pixels, so they fold into one by summing.
             # Half the preprocessing output and half the GEMM, same result up to float rounding.
             w = w.sum(dim=2)
-        w = w.reshape(w.shape[0], self.cfg.in_channels, -1)  # [hidden, C, k]
+        w = w.reshape(w.shape[0], self.in_channels, -1)  # [hidden, C, k]
         if pixel_values.dtype == torch.uint8:
             norm = getattr(self, "_norm", None)
             if norm is None:
@@ -114,14 +114,16 @@ def uint8_linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor, ro
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, cfg: VisionConfig):
+    """down(act(gate(x)) * up(x)), with biases (both towers' blocks)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=True)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=True)
-        if cfg.hidden_act not in _ACTIVATIONS:
-            raise ValueError(f"unsupported hidden_act {cfg.hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=True)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=True)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=True)
+        if hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; known: {sorted(_ACTIVATIONS)}")
+        self.act = _ACTIVATIONS[hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -222,7 +224,7 @@ class VisionBlock(nn.Module):
         self.norm1 = RMSNorm(cfg.hidden_size)
         self.norm2 = RMSNorm(cfg.hidden_size)
         self.attn = VisionAttention(cfg)
-        self.mlp = VisionMLP(cfg)
+        self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, cu_seqlens, rotation):
         x = x + self.attn(self.norm1(x), cu_seqlens, rotation)
@@ -332,7 +334,7 @@ class Qwen2_5VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.config = cfg
-        self.patch_embed = PatchEmbed(cfg)
+        self.patch_embed = PatchEmbed(cfg.in_channels, cfg.hidden_size, cfg.patch_size, cfg.temporal_patch_size)
         self.blocks = nn.ModuleList([VisionBlock(cfg) for _ in range(cfg.depth)])
         self.merger = PatchMerger(cfg)
         half = cfg.head_dim // 2  # each of h and w rotates half of the head
