@@ -1,4 +1,5 @@
-"""Image preprocessing in the Qwen2-VL processor convention (transformers `Qwen2VLImageProcessor`).
+"""Image preprocessing in the Qwen2-VL processor convention (transformers `Qwen2VLImageProcessor`), and in MiMo-V2.5's
+(`processor="mimo"`, the reference being vLLM's `MiMoVLProcessor`; see the end of this docstring).
 
 `preprocess_images(images, config, device)` returns `(pixel_values [num_patches, C*T*P*P], grid_thw [n, 3])`
 exactly in the order and layout of transformers' `Qwen2VLImageProcessor`:
@@ -10,6 +11,13 @@ exactly in the order and layout of transformers' `Qwen2VLImageProcessor`:
 3. rescale by 1/255 and normalize with the CLIP mean/std (fused into one affine map per channel);
 4. patchify: a still image becomes `temporal_patch_size` identical frames; patches are ordered
    merge-block-major so that each `merge x merge` group the vision merger folds is contiguous.
+
+MiMo's processor differs in three places, all followed exactly when `PreprocessConfig.processor == "mimo"`:
+its `smart_resize` first scales an image whose short side is under the factor up to the factor (`mimo_smart_resize`);
+it resizes the pixels as floats, bilinear without antialiasing (torch `interpolate`, align_corners=False), and never
+rounds them back to uint8; it normalizes with the ImageNet mean/std. So a MiMo image is always resized by torch,
+in the server process (never by PIL in a decode process), and never from a JPEG draft (the reference decodes the
+whole image; a draft's pixels differ).
 """
 
 from __future__ import annotations
@@ -24,6 +32,9 @@ import torch
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_MEAN = (123.675 / 255, 116.28 / 255, 103.53 / 255)  # MiMo's processor: (x - 255 m) / (255 s)
+IMAGENET_STD = (58.395 / 255, 57.12 / 255, 57.375 / 255)
+PROCESSORS = ("qwen2_vl", "mimo")
 MAX_ASPECT_RATIO = 200
 
 
@@ -40,6 +51,16 @@ class PreprocessConfig:
     max_pixels: int = 28 * 28 * 1280
     mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     std: tuple[float, float, float] = OPENAI_CLIP_STD
+    processor: str = "qwen2_vl"  # whose resize rules: qwen2_vl (bicubic to uint8) or mimo (bilinear floats)
+
+    def __post_init__(self):
+        if self.processor not in PROCESSORS:
+            raise ValueError(f"preprocessing processor {self.processor!r}: one of {PROCESSORS}")
+
+    @property
+    def exact_floats(self) -> bool:
+        """Pixels are resized as floats by torch (MiMo): no uint8 patches, no PIL, no JPEG draft."""
+        return self.processor == "mimo"
 
     @property
     def factor(self) -> int:
@@ -69,6 +90,25 @@ class PreprocessConfig:
             max_pixels=d.get("max_pixels", size.get("longest_edge", base.max_pixels)),
             mean=tuple(d.get("image_mean", base.mean)),
             std=tuple(d.get("image_std", base.std)),
+            processor=d.get("processor", base.processor),
+        )
+
+    @classmethod
+    def mimo(cls, vision: dict, processor_config: dict | None = None) -> "PreprocessConfig":
+        """A MiMo checkpoint's: its vision_config's geometry and its config's `processor_config` pixel bounds, with
+        the MiMo processor's defaults (4 and 4096 merged tokens' worth of pixels) where it has none."""
+        pc = processor_config or {}
+        patch, merge = int(vision.get("patch_size", 16)), int(vision.get("spatial_merge_size", 2))
+        unit = patch * merge
+        return cls(
+            patch_size=patch,
+            merge_size=merge,
+            temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
+            min_pixels=int(pc.get("image_min_pixels") or 4 * unit * unit),
+            max_pixels=int(pc.get("image_max_pixels") or 4096 * unit * unit),
+            mean=IMAGENET_MEAN,
+            std=IMAGENET_STD,
+            processor="mimo",
         )
 
     def fingerprint(self) -> str:
@@ -78,8 +118,15 @@ class PreprocessConfig:
 
 PRESETS = {
     "qwen2_5_vl": PreprocessConfig(),
-    "mimo_v2_5": PreprocessConfig(patch_size=16, min_pixels=3136, max_pixels=12845056),
+    "mimo_v2_5": PreprocessConfig.mimo({}),
+    # Qwen2-VL's rules at patch 16: a Qwen-architecture tower built with MiMo's patch size (tests, benchmarks)
+    "qwen2_vl_patch16": PreprocessConfig(patch_size=16, min_pixels=3136, max_pixels=12845056),
 }
+
+
+def preset_for_tower(patch_size: int) -> PreprocessConfig:
+    """A Qwen-architecture tower's preprocessing when its checkpoint names none: Qwen2-VL's rules at its patch."""
+    return PRESETS["qwen2_vl_patch16" if patch_size == 16 else "qwen2_5_vl"]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -106,8 +153,32 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
+def mimo_smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """MiMo's processor's rules: as `smart_resize`, except that an image whose short side is under `factor` is
+    first scaled (aspect kept, the long side truncated) to a short side of `factor`, and that a size the bounds
+    round to nothing is refused rather than floored at `factor`."""
+    if height <= 0 or width <= 0:
+        raise ImageSizeError(f"image has an empty size {width}x{height}")
+    h, w = height, width
+    if min(h, w) < factor:
+        h, w = (factor, int(w * factor / h)) if h < w else (int(h * factor / w), factor)
+    elif max(h, w) / min(h, w) > MAX_ASPECT_RATIO:
+        raise ImageSizeError(f"image is {width}x{height}; aspect ratio must be at most {MAX_ASPECT_RATIO}")
+    h_bar, w_bar = round(h / factor) * factor, round(w / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((h * w) / max_pixels)
+        h_bar, w_bar = math.floor(h / beta / factor) * factor, math.floor(w / beta / factor) * factor
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (h * w))
+        h_bar, w_bar = math.ceil(h * beta / factor) * factor, math.ceil(w * beta / factor) * factor
+    if h_bar <= 0 or w_bar <= 0:
+        raise ImageSizeError(f"image is {width}x{height}; MiMo's resize rules give it an empty size")
+    return int(h_bar), int(w_bar)
+
+
 def target_size(height: int, width: int, config: PreprocessConfig) -> tuple[int, int]:
-    return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
+    rule = mimo_smart_resize if config.processor == "mimo" else smart_resize
+    return rule(height, width, config.factor, config.min_pixels, config.max_pixels)
 
 
 def grid_for(height: int, width: int, config: PreprocessConfig, frames: int = 1) -> tuple[int, int, int]:
@@ -160,6 +231,14 @@ def resize_pil(image: np.ndarray, size: tuple[int, int]) -> torch.Tensor:
     return torch.from_numpy(np.require(resize_pil_hwc(image, size), requirements=["C", "W"])).permute(2, 0, 1)
 
 
+def resize_bilinear_floats(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[N, 3, H, W] uint8 (0..255) on any device -> [N, 3, H', W'] float32, bilinear without antialiasing and
+    without rounding: MiMo's processor's resize."""
+    import torch.nn.functional as F
+
+    return F.interpolate(batch.float(), list(size), mode="bilinear", align_corners=False)
+
+
 def resize_torch(batch: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
     """[N, 3, H, W] uint8 on any device -> [N, 3, H', W'] uint8, bicubic with antialiasing (torchvision)."""
     from torchvision.transforms import InterpolationMode
@@ -178,7 +257,8 @@ def normalize_patchify(
 ) -> torch.Tensor:
     """Torch reference: [N, 3, H, W] uint8 (already resized) -> [N * gh * gw, 3*T*P*P] normalized patches.
 
-    Rescale and normalize are fused as transformers does: (x - 255*mean) / (255*std) in fp32.
+    Rescale and normalize are fused as transformers does: (x - 255*mean) / (255*std) in fp32. `resized` may also be
+    float32 pixels in 0..255 (MiMo's unrounded resize).
     fold_time: emit each still image once ([.., 3*P*P]) instead of T identical frames; the vision
     tower folds its temporal kernel to match (see PatchEmbed).
     """
@@ -303,7 +383,11 @@ def preprocess_images(
 
     # Resize, batching the images that share a source and a target size.
     resized: list[torch.Tensor | None] = [None] * len(arrays)
-    if resize_backend == "pil":
+    if config.exact_floats:
+        for i, (arr, size) in enumerate(zip(arrays, targets)):
+            batch = _to_tensor(arr).to(device).permute(2, 0, 1)[None]
+            resized[i] = resize_bilinear_floats(batch, size)[0]
+    elif resize_backend == "pil":
         for i, (arr, size) in enumerate(zip(arrays, targets)):
             a = arr.cpu().numpy() if isinstance(arr, torch.Tensor) else arr
             resized[i] = resize_pil(np.ascontiguousarray(a), size).to(device)
@@ -318,7 +402,7 @@ def preprocess_images(
             for j, i in enumerate(idxs):
                 resized[i] = out[j]
 
-    use_kernel = _fused_kernel_available(device)
+    use_kernel = _fused_kernel_available(device) and not config.exact_floats  # the kernel reads uint8
     patches = []
     for img in resized:
         batch = img.unsqueeze(0).contiguous()

@@ -10,9 +10,9 @@ from .probe import Probe
 
 def draft_size(probe: Probe, preprocess: PreprocessConfig | None) -> tuple[int, int] | None:
     """The size to decode down to, (w, h) in the stored orientation (what PIL's `draft` takes), or None for a
-    full decode: not a JPEG, no preprocessing to aim at, or a target above half the source."""
-    if probe.format != "JPEG" or preprocess is None:
-        return None
+    full decode: not a JPEG, no preprocessing to aim at, MiMo's processor, or a target above half the source."""
+    if probe.format != "JPEG" or preprocess is None or preprocess.exact_floats:
+        return None  # MiMo's processor resizes the whole image's pixels: a draft's would differ
     oh, ow = probe.oriented_size
     try:
         th, tw = target_size(oh, ow, preprocess)

@@ -189,12 +189,31 @@ def load_vision_model(
             )
         pp = directory / "preprocessor_config.json"
         kind = "mimovl" if isinstance(model, MiMoVisionTower) else "qwen2_5_vl"
-        info = LoadedVisionModel(
-            model, f"{kind}:{_checkpoint_id(directory)}", json.loads(pp.read_text()) if pp.is_file() else None
-        )
+        pre = json.loads(pp.read_text()) if pp.is_file() else None
+        if isinstance(model, MiMoVisionTower):  # MiMo's processor settings live in config.json
+            pre = mimo_preprocessor_config(cfg_dict)
+        info = LoadedVisionModel(model, f"{kind}:{_checkpoint_id(directory)}", pre)
     model.to(device=device, dtype=torch_dtype).eval()
     info.model_id = f"{info.model_id}/{str(torch_dtype).removeprefix('torch.')}"
     return info if return_info else model
+
+
+def mimo_preprocessor_config(cfg_dict: dict) -> dict:
+    """A MiMo checkpoint's preprocessing, in `preprocessor_config.json`'s spelling (`PreprocessConfig.from_hf_dict`):
+    MiMo's processor rules, its vision_config's geometry, the pixel bounds of its config's `processor_config`."""
+    from ..preprocess import PreprocessConfig
+
+    p = PreprocessConfig.mimo(cfg_dict.get("vision_config", cfg_dict), cfg_dict.get("processor_config"))
+    return {
+        "patch_size": p.patch_size,
+        "merge_size": p.merge_size,
+        "temporal_patch_size": p.temporal_patch_size,
+        "min_pixels": p.min_pixels,
+        "max_pixels": p.max_pixels,
+        "image_mean": list(p.mean),
+        "image_std": list(p.std),
+        "processor": p.processor,
+    }
 
 
 def _tower_for(cfg_dict: dict) -> VisionTower:

@@ -33,7 +33,7 @@ from ..fetch import FairFetchScheduler, Fetcher, FetchLimits, UrlPolicy, parse_n
 from ..metrics import EncoderMetrics
 from ..models import LoadedVisionModel, load_vision_model, resolve_dtype
 from ..models.audio_loader import LoadedAudioModel, load_audio_model
-from ..preprocess import PreprocessConfig, preprocess_images
+from ..preprocess import PreprocessConfig, preprocess_images, preset_for_tower
 from .admission import Admission, InflightTable
 from .audio_path import AudioPath
 from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
@@ -147,11 +147,11 @@ class EncodePipeline:
 
     def _make_decode_pool(self) -> DecodePool:
         """The decode processes; they resize and patchify too when `resize_in` is the decoder."""
-        c, in_decoder = self.config, self.resize_in == "decoder"
+        c, in_decoder = self.config, self.resize_in == "decoder" and not self.preprocess_config.exact_floats
         options = DecodeOptions(
             max_pixels=c.max_image_pixels,
             decoder=c.decoder,
-            jpeg_draft=c.jpeg_draft,
+            jpeg_draft=c.jpeg_draft and not self.preprocess_config.exact_floats,
             resize=in_decoder,
             patchify=in_decoder,
             preprocess=self.preprocess_config,
@@ -215,8 +215,7 @@ class EncodePipeline:
         elif self.model.preprocessor_config:
             base = PreprocessConfig.from_hf_dict(self.model.preprocessor_config)
         else:
-            patch = self.model.module.config.patch_size
-            base = PreprocessConfig.preset("mimo_v2_5" if patch == 16 else "qwen2_5_vl")
+            base = preset_for_tower(self.model.module.config.patch_size)
         tower = self.model.module.config
         if (base.patch_size, base.merge_size, base.temporal_patch_size) != (
             tower.patch_size,

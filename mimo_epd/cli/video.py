@@ -73,7 +73,7 @@ def run_encode_video(args) -> int:
     import torch
 
     from encoder_server.models import load_vision_model
-    from encoder_server.preprocess import PreprocessConfig
+    from encoder_server.preprocess import PreprocessConfig, preset_for_tower
     from encoder_server.video.decode import VideoError
     from encoder_server.video.encode import encode_video
 
@@ -90,7 +90,7 @@ def run_encode_video(args) -> int:
     pre = (
         PreprocessConfig.from_hf_dict(info.preprocessor_config)
         if info.preprocessor_config
-        else PreprocessConfig.preset("mimo_v2_5" if tower.patch_size == 16 else "qwen2_5_vl")
+        else preset_for_tower(tower.patch_size)
     )
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)

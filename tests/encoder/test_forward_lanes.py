@@ -29,7 +29,7 @@ def tiny_inputs(n: int = 3):
     from tests.conftest import textured
 
     model = load_vision_model("tiny", return_info=True).module
-    pre = PreprocessConfig.preset("mimo_v2_5" if model.config.patch_size == 16 else "qwen2_5_vl")
+    pre = PreprocessConfig.preset("qwen2_vl_patch16" if model.config.patch_size == 16 else "qwen2_5_vl")
     model.patch_embed.set_input_normalization(pre.mean, pre.std)
     images = [textured(96 + 32 * i, 128, seed=i) for i in range(n)]
     return model, [preprocess_images([im], pre, fold_time=True) for im in images]

@@ -15,7 +15,9 @@ from encoder_server.kernels import patchify_triton  # noqa: E402
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("preset,n,gh,gw", [("qwen2_5_vl", 1, 2, 2), ("qwen2_5_vl", 2, 4, 2), ("mimo_v2_5", 1, 2, 4)])
+@pytest.mark.parametrize(
+    "preset,n,gh,gw", [("qwen2_5_vl", 1, 2, 2), ("qwen2_5_vl", 2, 4, 2), ("qwen2_vl_patch16", 1, 2, 4)]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_torch_reference(preset, n, gh, gw, dtype):
     cfg = PreprocessConfig.preset(preset)

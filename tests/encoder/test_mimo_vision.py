@@ -171,3 +171,50 @@ def test_loader_chooses_the_tower_by_model_type_and_keys_the_cache_by_it(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mimo_v2", "vision_config": vision}))
     with pytest.raises(MiMoVisionConfigError, match="kv_channels"):
         load_vision_model(str(tmp_path))
+
+
+def test_mimo_preprocessing_rules():
+    """MiMo's processor: small images scaled to the factor first, bilinear floats (no uint8 rounding), ImageNet
+    mean/std, and the decode processes / JPEG draft never used for it."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from encoder_server.preprocess import (
+        ImageSizeError,
+        PreprocessConfig,
+        mimo_smart_resize,
+        normalize_patchify,
+        preprocess_images,
+        smart_resize,
+    )
+
+    cfg = PreprocessConfig.preset("mimo_v2_5")
+    assert (cfg.patch_size, cfg.min_pixels, cfg.max_pixels, cfg.exact_floats) == (16, 4 * 32 * 32, 4096 * 32 * 32, True)
+    # a 10 x 100 image: the short side goes to 32 first (the long to int(100 * 32 / 10) = 320), then the bounds
+    assert mimo_smart_resize(10, 100, 32, 4096, 4096 * 1024) == (32, 320)
+    assert smart_resize(10, 100, 32, 4096, 4096 * 1024) != (32, 320)  # Qwen's rule differs here
+    assert mimo_smart_resize(1, 1, 32, 4096, 1 << 22) == (64, 64)
+    with pytest.raises(ImageSizeError):
+        mimo_smart_resize(40, 9000, 32, 4096, 1 << 22)
+    img = np.random.default_rng(0).integers(0, 256, (45, 70, 3), dtype=np.uint8)
+    pv, grid = preprocess_images([img], cfg)
+    th, tw = mimo_smart_resize(45, 70, 32, cfg.min_pixels, cfg.max_pixels)
+    assert grid.tolist() == [[1, th // 16, tw // 16]]
+    floats = F.interpolate(torch.from_numpy(img).permute(2, 0, 1)[None].float(), [th, tw], mode="bilinear")
+    assert not torch.equal(floats, floats.round())  # the reference's pixels are not whole levels...
+    torch.testing.assert_close(pv, normalize_patchify(floats, cfg), rtol=0, atol=0)  # ...and neither are ours
+    mean = torch.tensor([123.675, 116.28, 103.53])
+    std = torch.tensor([58.395, 57.12, 57.375])
+    first = ((floats[0, :, :16, :16] - mean[:, None, None]) / std[:, None, None]).reshape(-1)
+    torch.testing.assert_close(pv[0].view(3, 2, 256)[:, 0].reshape(-1), first, rtol=1e-6, atol=1e-6)
+
+
+def test_mimo_checkpoint_preprocessing_comes_from_its_config(tmp_path):
+    from encoder_server.models import mimo_preprocessor_config
+    from encoder_server.preprocess import PreprocessConfig
+
+    d = mimo_preprocessor_config(
+        {"vision_config": {**TINY, "model_type": "mimovl"}, "processor_config": {"image_max_pixels": 65536}}
+    )
+    cfg = PreprocessConfig.from_hf_dict(d)
+    assert (cfg.processor, cfg.max_pixels, cfg.min_pixels, cfg.patch_size) == ("mimo", 65536, 4096, 16)

@@ -32,7 +32,7 @@ TOL = 1e-5
 # smaller than one factor (scaled up to min_pixels, as the reference does), down to 1x1.
 TINY = {
     "qwen2_5_vl": [(10, 10), (1, 1), (27, 500), (5, 900), (2, 11), (13, 27)],
-    "mimo_v2_5": [(29, 29), (10, 10), (1, 1), (31, 6000), (7, 100), (1, 150)],
+    "qwen2_vl_patch16": [(29, 29), (10, 10), (1, 1), (31, 6000), (7, 100), (1, 150)],
 }
 SIZES = {
     "qwen2_5_vl": [
@@ -53,7 +53,7 @@ SIZES = {
         (55, 83),
         (250, 37),
     ],
-    "mimo_v2_5": [
+    "qwen2_vl_patch16": [
         (33, 33),
         (32, 32),
         (33, 4950),

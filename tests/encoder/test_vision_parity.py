@@ -67,7 +67,7 @@ def pair(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(d)
     ours = load_vision_model(str(d))
-    preset = "mimo_v2_5" if kw["patch_size"] == 16 else "qwen2_5_vl"
+    preset = "qwen2_vl_patch16" if kw["patch_size"] == 16 else "qwen2_5_vl"
     return hf, ours, PreprocessConfig.preset(preset)
 
 
