@@ -110,15 +110,20 @@ def init_random_weights(model: torch.nn.Module, seed: int, std: float = 0.02) ->
     assert not unexpected and not set(missing) & set(state), (missing, unexpected)
 
 
-def _read_safetensors(directory: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _read_safetensors(directory: Path, only: str | None = None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors; with `only`, just those whose name contains it (a released MiMo checkpoint
+    holds 300 GB of LLM weights beside a 1.5 GB vision tower: only the tower's are read)."""
+    from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {directory}")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                if only is None or only in f".{name}":
+                    state[name] = fh.get_tensor(name)
     return state
 
 
@@ -175,7 +180,9 @@ def load_vision_model(
                 "(expected qwen2_5_vl or qwen2_5_vl_vision) and its config has no vision_config"
             )
         model = _tower_for(cfg_dict)
-        state = _vision_weights(_read_safetensors(directory))
+        state = _vision_weights(_read_safetensors(directory, only=".visual."))
+        if not state:  # a vision-only checkpoint: names without a prefix
+            state = _vision_weights(_read_safetensors(directory))
         from mimo_epd.common.checkpoint import load_weights
 
         missing, unexpected = load_weights(model, state, directory)

@@ -90,6 +90,13 @@ class MiMoVisionConfig:
         known = {f.name for f in fields(cls)}
         cfg = cls(**{k: v for k, v in d.items() if k in known and v is not None})
         cfg.check()
+        # released keys this tower reads nothing from, but which must agree with the ones it does read
+        for name, want in (
+            ("num_query_groups", cfg.num_heads // cfg.num_key_value_heads),
+            ("spatial_patch_size", cfg.patch_size),
+        ):
+            if d.get(name) is not None and d[name] != want:
+                raise MiMoVisionConfigError(f"vision_config.{name}: {d[name]}, expected {want} from the other keys")
         return cfg
 
     def check(self) -> None:
@@ -123,9 +130,16 @@ class MiMoVisionConfig:
         return self.use_sink and block not in self.fullatt_block_indexes
 
     def to_dict(self) -> dict:
-        """The released spelling (`in_chans`, `model_type`), as `make-checkpoint` writes it."""
+        """The released spelling, as `make-checkpoint` writes it: `in_chans`, `model_type`, the derived
+        `num_query_groups` and `spatial_patch_size`, and no `qk_channels` / `kv_channels` when they are the
+        default 64 (the released config leaves them out)."""
         d = asdict(self)
         d["in_chans"] = d.pop("in_channels")
+        d["num_query_groups"] = self.num_heads // self.num_key_value_heads
+        d["spatial_patch_size"] = self.patch_size
+        for k in ("qk_channels", "kv_channels"):
+            if d[k] == 64:
+                del d[k]
         return {"model_type": MODEL_TYPE, **d}
 
 

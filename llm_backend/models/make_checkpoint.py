@@ -14,6 +14,9 @@ What each `like` reproduces (docs/model.md has the table and the sources):
 - `v2.5-pro`: as v2.5 with 8 KV heads in both layer types (pre-split 8 ways), 70 layers' pattern (full at 0, 7, 15,
   ...; scaled down keeps the first and the seventh), value scale 0.612.
 - `v2.6`: as v2.5 with a bf16 router (`moe_router_dtype`), 3 MTP layers, `layernorm_epsilon` 1e-6.
+- `v2.5` also carries MiMo's vision tower: a `vision_config` with `model_type: mimovl` in the released spelling
+  (`in_chans`, `num_query_groups`, `spatial_patch_size`, no `qk_channels`: 64), window and full blocks, sinks, and
+  its bf16 weights under `visual.*` in the last shard (`_vision`). The audio tokenizer is not written yet.
 
 Weights: `bf16` (as a bf16 release would be), `fp8` (float8_e4m3fn, fp32 `weight_scale_inv` per 128 x 128 block;
 the router gate, its correction bias, norms, embeddings, LM head and `o_proj` as the release keeps them) or, for
@@ -214,6 +217,56 @@ def _mlp(w: _Writer, r: _Rand, file: str, p: str, s: Shape, inter: int) -> None:
         w.linear(file, f"{p}.{name}", r.weight(rows, cols))
 
 
+def vision_config(s: Shape) -> dict:
+    """V2.5's `vision_config`, scaled down: its keys and rules, 4 blocks (full at 0; row, column and row windows
+    after it), output = the LLM's hidden size."""
+    return {
+        "model_type": "mimovl",
+        "depth": 4,
+        "hidden_size": 128,
+        "intermediate_size": 192,
+        "out_hidden_size": s.hidden,
+        "num_heads": 4,
+        "num_key_value_heads": 2,
+        "num_query_groups": 2,
+        "in_chans": 3,
+        "patch_size": 16,
+        "spatial_patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "tokens_per_second": 2,
+        "hidden_act": "silu",
+        "use_sink": True,
+        "window_size": 128,
+        "visual_token_window_size": 16,
+        "fullatt_block_indexes": [0],
+        "vit_window_attn_types": [-1, 0, 1, 0],
+    }
+
+
+def _vision(w: _Writer, r: _Rand, file: str, v: dict) -> None:
+    """The tower's weights under `visual.*`, bf16 (the release keeps its towers in bf16), fused qkv rows [Q|K|V]."""
+    hid, inter, heads, kv, qk = v["hidden_size"], v["intermediate_size"], v["num_heads"], v["num_key_value_heads"], 64
+    p, t, merged = v["patch_size"], v["temporal_patch_size"], v["hidden_size"] * v["spatial_merge_size"] ** 2
+    w.put(file, "visual.patch_embed.proj.weight", r.weight(hid, 3 * t * p * p).view(hid, 3, t, p, p))
+    for i in range(v["depth"]):
+        b = f"visual.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            w.put(file, f"{b}.{norm}.weight", 1 + r.vec(hid, 0.1))
+        w.put(file, f"{b}.attn.qkv.weight", r.weight((heads + 2 * kv) * qk, hid, 0.1))
+        w.put(file, f"{b}.attn.qkv.bias", r.vec((heads + 2 * kv) * qk, 0.02))
+        w.put(file, f"{b}.attn.proj.weight", r.weight(hid, heads * qk))
+        w.put(file, f"{b}.attn.proj.bias", r.vec(hid, 0.02))
+        if v["use_sink"] and i not in v["fullatt_block_indexes"]:
+            w.put(file, f"{b}.attn.sinks", r.vec(heads))
+        for name, (rows, cols) in (("gate_proj", (inter, hid)), ("up_proj", (inter, hid)), ("down_proj", (hid, inter))):
+            w.put(file, f"{b}.mlp.{name}.weight", r.weight(rows, cols))
+            w.put(file, f"{b}.mlp.{name}.bias", r.vec(rows, 0.02))
+    w.put(file, "visual.merger.ln_q.weight", 1 + r.vec(hid, 0.1))
+    w.put(file, "visual.merger.mlp.0.weight", r.weight(merged, merged))
+    w.put(file, "visual.merger.mlp.2.weight", r.weight(v["out_hidden_size"], merged))
+
+
 def write_checkpoint(
     out: str, like: str = "v2-flash", weights: str = "fp8", scale: str = "tiny", seed: int = 0, shards: int = 4
 ) -> dict:
@@ -245,6 +298,9 @@ def write_checkpoint(
         w.put(f, f"{p}.mlp.gate.e_score_correction_bias", r.vec(s.experts, 0.01), torch.float32)
         for e in range(s.experts):
             _mlp(w, r, f, f"{p}.mlp.experts.{e}", s, s.moe_inter)
+    if like == "v2.5":
+        cfg["vision_config"] = vision_config(s)
+        _vision(w, r, names[-1], cfg["vision_config"])
     w.put(names[-1], "model.norm.weight", 1 + r.vec(s.hidden, 0.1))
     w.put(names[-1], "lm_head.weight", r.weight(4096, s.hidden))
     for k in range(s.mtp):

@@ -52,6 +52,7 @@ class Checkpoint:
     max_position_embeddings: int | None
     tokenizer_file: str  # its tokenizer.json, or "" when it has none
     unsupported_vision: str = ""  # the vision_config's model_type when it is a tower the encoders do not run
+    unsupported_audio: str = ""  # the audio_config's model_type when it is a tower the encoders do not run
 
     @property
     def config_file(self) -> str:
@@ -132,7 +133,9 @@ def _int(cfg: dict, key: str) -> int | None:
 
 
 # vision_config model types of towers the encoders run (absent: a Qwen2.5-VL layout without one)
-VISION_SUB_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision", None)
+VISION_SUB_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision", "mimovl", None)
+# audio_config model types of towers the encoders run (Qwen2-Audio's; MiMo-Audio's tokenizer: not yet)
+AUDIO_SUB_TYPES = ("qwen2_audio_encoder", None)
 
 
 def _vision_width(cfg: dict) -> int | None:
@@ -140,7 +143,7 @@ def _vision_width(cfg: dict) -> int | None:
     sub = cfg.get("vision_config")
     if isinstance(sub, dict):
         if sub.get("model_type") not in VISION_SUB_TYPES:
-            return None  # a tower the encoders do not run (MiMo-V2.5's `mimovl`): `unsupported_vision` says so
+            return None  # a tower the encoders do not run: `unsupported_vision` says so
         return _int(sub, "out_hidden_size") or _int(sub, "hidden_size")
     if model_type == "qwen2_5_vl_vision":
         return _int(cfg, "out_hidden_size") or _int(cfg, "hidden_size")
@@ -152,7 +155,7 @@ def _audio_width(cfg: dict) -> int | None:
     checkpoint's own LLM width (`text_config.hidden_size`, or `hidden_size` beside the `audio_config`), else the
     tower's `out_hidden_size` / `d_model`."""
     sub = cfg.get("audio_config")
-    if not isinstance(sub, dict):
+    if not isinstance(sub, dict) or sub.get("model_type") not in AUDIO_SUB_TYPES:
         return None
     text = cfg.get("text_config")
     return (
@@ -193,7 +196,15 @@ def inspect_checkpoint(name: str, check_weights: bool = True) -> Checkpoint:
         max_position_embeddings=_int(text, "max_position_embeddings"),
         tokenizer_file=tok if os.path.isfile(tok) else "",
         unsupported_vision=_unsupported_vision(cfg),
+        unsupported_audio=_unsupported_audio(cfg),
     )
+
+
+def _unsupported_audio(cfg: dict) -> str:
+    sub = cfg.get("audio_config")
+    if isinstance(sub, dict) and sub.get("model_type") not in AUDIO_SUB_TYPES:
+        return str(sub.get("model_type"))
+    return ""
 
 
 def _unsupported_vision(cfg: dict) -> str:
@@ -325,6 +336,11 @@ def plan_node(
             )
         )
         vision = None
+    if vision is not None and vision.unsupported_audio:
+        notices.append(
+            f"{vision.config_file}: its audio tower ({vision.unsupported_audio}) is not one the encoders run yet: "
+            "images and video are served, requests with audio are refused"
+        )
     if lm is not None and vision is not None and vision.vision_width != lm.llm_hidden_size:
         raise CheckpointError(
             f"the vision tower's output width {vision.vision_width} ({vision.config_file}) != the LLM's hidden size "

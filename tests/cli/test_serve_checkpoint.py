@@ -148,3 +148,48 @@ def test_the_plan_checks_the_audio_towers_width_and_says_why_audio_alone_is_text
     (audio_only / "config.json").write_text(json.dumps(cfg))
     plan = plan_node(str(audio_only))
     assert plan.vision is None and any("--audio-model" in n for n in plan.notices), plan.notices
+
+
+def test_serve_a_v25_checkpoint_answers_an_image_through_mimos_own_tower(tmp_path):
+    """`make-checkpoint --like v2.5` then `serve DIR`: the openai client's chat with an image is answered, and the
+    node's Encode rows for that image are MiMo's tower on MiMo's preprocessing of its pixels (a lossless PNG, so
+    any decoder gives the same pixels), computed here directly."""
+    import grpc
+    import numpy as np
+    import openai
+    import torch
+
+    from encoder_server.models import load_vision_model
+    from encoder_server.preprocess import PreprocessConfig, preprocess_images
+    from llm_backend.models.make_checkpoint import write_checkpoint
+    from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+    d = str(tmp_path / "v25")
+    write_checkpoint(d, "v2.5", "fp8")
+    pixels = textured(90, 130, seed=5)
+    png = encode_image(pixels, "PNG")
+    s = start_server([d, *NODE], "serve")
+    try:
+        client = openai.OpenAI(base_url=f"http://{s.http_address}/v1", api_key="none")
+        url = "data:image/png;base64," + base64.b64encode(png).decode()
+        reply = client.chat.completions.create(
+            model="v25",
+            max_tokens=3,
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        )
+        assert reply.usage.completion_tokens == 3 and reply.usage.prompt_tokens > 12
+        with grpc.insecure_channel(s.address) as ch:
+            item = (
+                encoder_pb2_grpc.EncoderStub(ch)
+                .Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=png)]), timeout=120)
+                .items[0]
+            )
+    finally:
+        assert s.stop() == 0
+    got = torch.frombuffer(bytearray(item.embedding.data), dtype=getattr(torch, item.embedding.dtype))
+    info = load_vision_model(d, return_info=True)
+    pv, grid = preprocess_images([np.asarray(pixels)], PreprocessConfig.from_hf_dict(info.preprocessor_config))
+    want = info.module(pv, grid)
+    assert list(item.grid_thw) == grid[0].tolist() and item.num_tokens == want.shape[0]
+    got = got.view(want.shape).float()
+    assert ((got - want).norm() / want.norm()).item() < 1e-5

@@ -527,9 +527,10 @@ def test_release_config_round_trip():
     assert back.kv_heads(1) == cfg.kv_heads(1) and back.window == cfg.window
 
 
-def test_v25_with_its_own_towers_serves_text(ckpts, tmp_path):
+def test_v25_with_its_own_towers_plans_vision_and_refuses_audio(ckpts, tmp_path):
     """A V2.5 checkpoint declares MiMo's own ViT (`vision_config.model_type: mimovl`) and audio config: `serve`'s
-    plan starts its LLM and says, in one notice, that media is refused (the encoders run Qwen's towers only)."""
+    plan starts its LLM and its vision tower, and says, in one notice, that audio is refused (MiMo-Audio's tokenizer
+    is not run yet)."""
     from mimo_epd.common.checkpoint import plan_node
 
     d = tmp_path / "v25-omni"
@@ -539,8 +540,9 @@ def test_v25_with_its_own_towers_serves_text(ckpts, tmp_path):
     cfg["audio_config"] = {"model_type": "mimo_audio", "d_model": 1024}
     json.dump(cfg, open(d / "config.json", "w"))
     plan = plan_node(str(d))
-    assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is None
-    assert len(plan.notices) == 1 and "vision tower (mimovl) is not one the encoders run yet" in plan.notices[0]
+    assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is not None
+    assert plan.vision.vision_width == 256 and plan.vision.audio_width is None
+    assert len(plan.notices) == 1 and "audio tower (mimo_audio) is not one the encoders run yet" in plan.notices[0]
 
 
 def test_converted_rope_and_nulls_are_read_exactly():
