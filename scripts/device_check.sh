@@ -13,7 +13,7 @@ exec > >(tee "$OUT/device_check.log") 2>&1
 nvidia-smi -L || echo "no nvidia-smi: this script is for a GPU machine"
 make install-dev >/dev/null
 .venv/bin/python -c "import torch; print('cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '')"
-timeout 900 .venv/bin/python -m pytest -q tests/llm/test_fp8_kernels.py tests/llm/test_kernels.py -x -p no:cacheprovider
+timeout 900 .venv/bin/python -m pytest -q tests/llm/test_fp8_kernels.py tests/llm/test_kernels.py tests/encoder/test_kernels_band_attention.py tests/encoder/test_kernels_patchify.py -x -p no:cacheprovider
 CK="$OUT/v25-small"
 [ -f "$CK/config.json" ] || .venv/bin/mimo-epd make-checkpoint "$CK" --like v2.5 --scale small
 timeout 600 .venv/bin/python - "$CK" <<'PY'

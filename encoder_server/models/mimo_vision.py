@@ -188,9 +188,20 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens
     return out
 
 
+def _kernel_usable() -> bool:
+    try:
+        from ..kernels.band_attention import band_attention_triton  # noqa: F401
+    except Exception:  # pragma: no cover - Triton missing on this build
+        return False
+    return True
+
+
 class MiMoVisionAttention(nn.Module):
-    def __init__(self, cfg: MiMoVisionConfig, sinks: bool):
+    """`kernel`: the Triton band kernel (K/V never expanded) instead of the torch twin; None = on CUDA only."""
+
+    def __init__(self, cfg: MiMoVisionConfig, sinks: bool, kernel: bool | None = None):
         super().__init__()
+        self.kernel = kernel
         self.heads, self.kv_heads, self.dim = cfg.num_heads, cfg.num_key_value_heads, cfg.qk_channels
         self.window = cfg.visual_token_window_size
         width = (cfg.num_heads + 2 * cfg.num_key_value_heads) * cfg.qk_channels
@@ -225,6 +236,11 @@ class MiMoVisionAttention(nn.Module):
         qkv = self.qkv(x).view(s, h + 2 * g, self.dim)
         qk = apply_rotary(qkv[:, : h + g], rotation)  # q and k in one pass
         q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + g :]
+        if self.kernel or (self.kernel is None and x.is_cuda and _kernel_usable()):
+            from ..kernels.band_attention import band_attention_triton
+
+            window, sinks = (0, None) if full else (self.window, self.sinks)
+            return self.proj(band_attention_triton(q, k, v, cu_seqlens, window, sinks).reshape(s, -1))
         if g != h:  # query head i reads K/V head i // (h / g)
             k, v = k.repeat_interleave(h // g, dim=1), v.repeat_interleave(h // g, dim=1)
         if full:
@@ -235,12 +251,12 @@ class MiMoVisionAttention(nn.Module):
 
 
 class MiMoVisionBlock(nn.Module):
-    def __init__(self, cfg: MiMoVisionConfig, index: int):
+    def __init__(self, cfg: MiMoVisionConfig, index: int, kernel: bool | None = None):
         super().__init__()
         self.full = index in cfg.fullatt_block_indexes
         self.norm1 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm2 = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MiMoVisionAttention(cfg, sinks=cfg.has_sinks(index))
+        self.attn = MiMoVisionAttention(cfg, sinks=cfg.has_sinks(index), kernel=kernel)
         self.mlp = VisionMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -277,14 +293,15 @@ def column_order(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 
 
 class MiMoVisionTower(nn.Module):
-    """pixel_values [S, C*T*P*P] (packed, the processor's patch order), grid_thw [n, 3] -> [S / merge^2, out]."""
+    """pixel_values [S, C*T*P*P] (packed, the processor's patch order), grid_thw [n, 3] -> [S / merge^2, out].
+    `kernel`: attention through the Triton band kernel (encoder_server/kernels/band_attention.py); None = on CUDA."""
 
-    def __init__(self, cfg: MiMoVisionConfig):
+    def __init__(self, cfg: MiMoVisionConfig, kernel: bool | None = None):
         super().__init__()
         cfg.check()
         self.config = cfg
         self.patch_embed = PatchEmbed(cfg.in_channels, cfg.hidden_size, cfg.patch_size, cfg.temporal_patch_size)
-        self.blocks = nn.ModuleList([MiMoVisionBlock(cfg, i) for i in range(cfg.depth)])
+        self.blocks = nn.ModuleList([MiMoVisionBlock(cfg, i, kernel) for i in range(cfg.depth)])
         self.merger = MiMoPatchMerger(cfg)
         half = cfg.qk_channels // 2  # each of h and w rotates half of the rotated dimensions
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float) / half))
