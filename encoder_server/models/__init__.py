@@ -40,6 +40,7 @@ __all__ = [
     "TINY_VISION_CONFIG",
     "resolve_dtype",
     "save_checkpoint",
+    "save_mimo_checkpoint",
     "random_model",
 ]
 
@@ -174,7 +175,7 @@ def load_vision_model(
             )
         cfg_dict = json.loads((directory / "config.json").read_text())
         model_type = cfg_dict.get("model_type", "")
-        if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision") and "vision_config" not in cfg_dict:
+        if model_type not in ("qwen2_5_vl", "qwen2_5_vl_vision", MIMO_VISION_TYPE) and "vision_config" not in cfg_dict:
             raise ValueError(
                 f"model {name_or_path!r}: model_type {model_type!r} is not a Qwen2.5-VL checkpoint "
                 "(expected qwen2_5_vl or qwen2_5_vl_vision) and its config has no vision_config"
@@ -254,4 +255,17 @@ def save_checkpoint(model: Qwen2_5VisionTower, directory: str | Path) -> Path:
     )
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(d / "model.safetensors"))
+    return d
+
+
+def save_mimo_checkpoint(model: MiMoVisionTower, directory: str | Path) -> Path:
+    """Writes a vision-only MiMo checkpoint: `config.json` is the released `vision_config` (model_type mimovl) and
+    `model.safetensors` with the tower's weights under `visual.` (the released names and row order)."""
+    from safetensors.torch import save_file
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2))  # model_type mimovl
+    state = {f"visual.{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(d / "model.safetensors"))
     return d

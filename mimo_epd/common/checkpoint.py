@@ -29,7 +29,7 @@ from mimo_epd.common.model_names import TINY, TINY_RANDOM, resolve_model
 
 # The LLM architectures the workers load, and the vision towers the encoders run.
 LLM_TYPES = ("mimo_v2_flash", "mimo_v2")
-VISION_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision")
+VISION_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision", "mimovl")  # the last two: vision-only checkpoints
 BYTES = "bytes"  # --tokenizer bytes: one token per UTF-8 byte
 # `tiny-random`'s widths (llm_backend.models.TINY_LLM_CONFIG, encoder_server.models.TINY_VISION_CONFIG)
 TINY_RANDOM_WIDTH = 256
@@ -145,7 +145,7 @@ def _vision_width(cfg: dict) -> int | None:
         if sub.get("model_type") not in VISION_SUB_TYPES:
             return None  # a tower the encoders do not run: `unsupported_vision` says so
         return _int(sub, "out_hidden_size") or _int(sub, "hidden_size")
-    if model_type == "qwen2_5_vl_vision":
+    if model_type in ("qwen2_5_vl_vision", "mimovl"):
         return _int(cfg, "out_hidden_size") or _int(cfg, "hidden_size")
     return None
 

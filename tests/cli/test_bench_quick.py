@@ -40,6 +40,18 @@ def test_cache_routing_quick():
     assert out["hit_rate"]["rr_shared"] == out["hit_rate"]["hash_shared"]
 
 
+def test_encoder_bench_quick_with_mimos_tower():
+    """`bench encoder --tower mimo`: ours naive and pipelined on MiMo's ViT and preprocessing, the pipelined rows equal
+    to naive's (no JPEG draft for MiMo), the reason vLLM is not a CPU peer stated."""
+    out = run_bench("encoder", "--tower", "mimo")
+    no_grades(out)
+    assert set(out["modes"]) == {"naive", "pipelined"} and out["config"]["tower"] == "mimo"
+    assert all(m["qps"] > 0 and m["failures"] == 0 for m in out["modes"].values())
+    check = out["outputs_check"]["pipelined"]
+    assert check["match"] and check["tolerance"] <= 1e-4, check
+    assert "Triton" in out["config"]["peer"] and "qps_vs_naive" in out["ratios"]
+
+
 def test_encoder_bench_quick():
     out = run_bench("encoder")
     no_grades(out)
