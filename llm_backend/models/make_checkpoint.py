@@ -16,7 +16,12 @@ What each `like` reproduces (docs/model.md has the table and the sources):
 - `v2.6`: as v2.5 with a bf16 router (`moe_router_dtype`), 3 MTP layers, `layernorm_epsilon` 1e-6.
 - `v2.5` also carries MiMo's vision tower: a `vision_config` with `model_type: mimovl` in the released spelling
   (`in_chans`, `num_query_groups`, `spatial_patch_size`, no `qk_channels`: 64), window and full blocks, sinks, and
-  its bf16 weights under `visual.*` in the last shard (`_vision`). The audio tokenizer is not written yet.
+  its bf16 weights under `visual.*` in the last shard (`_vision`); and MiMo's audio path: an `audio_config`, the
+  audio encoder's weights (`speech_embeddings.{c}`, `audio_encoder.input_local_transformer.*`,
+  `audio_encoder.projection.*`) and the MiMo-Audio tokenizer in its own folder `audio_tokenizer/` (config.json +
+  model.safetensors: `encoder.*` in bf16, fp32 codebooks) (`_audio`). Scaled down from the layout public sources
+  describe (not checked against Xiaomi's files); every code path kept: sliding and full layers, the skip, the
+  pooler, codebooks of several sizes, fewer channels than quantisers, a two-layer projection.
 
 Weights: `bf16` (as a bf16 release would be), `fp8` (float8_e4m3fn, fp32 `weight_scale_inv` per 128 x 128 block;
 the router gate, its correction bias, norms, embeddings, LM head and `o_proj` as the release keeps them) or, for
@@ -267,6 +272,116 @@ def _vision(w: _Writer, r: _Rand, file: str, v: dict) -> None:
     w.put(file, "visual.merger.mlp.2.weight", r.weight(v["out_hidden_size"], merged))
 
 
+AUDIO_TOKENIZER = {
+    "d_model": 32,
+    "n_mels": 128,
+    "kernel_size": 3,
+    "stride_size": 2,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "activation_function": "gelu",
+    "encoder_causal": True,
+    "encoder_attn_window_size": [4, 0],
+    "hybrid_attention": True,
+    "swa_per_block": 2,
+    "encoder_skip_layer_id": 1,
+    "avg_pooler": 2,
+    "num_quantizers": 3,
+    "codebook_size": [16, 8, 8],
+    "rope_theta": 10000,
+    "rope_type": "default",
+    "ln_type": "LayerNorm",
+    "scale_embedding": False,
+    "sampling_rate": 24000,
+    "hop_length": 240,
+    "max_audio_seconds": 300,
+}
+
+
+def audio_config(s: Shape) -> dict:
+    return {
+        "speech_vocab_size": "17-9",
+        "speech_zeroemb_idx": "16-8",
+        "group_size": 4,
+        "audio_channels": 2,
+        "input_local_layers": 1,
+        "input_local_dim": 32,
+        "input_full_attention": True,
+        "input_local_attn_heads": 2,
+        "input_local_head_dim": 16,
+        "input_local_intermediate_size": 64,
+        "out_hidden_size": s.hidden,
+        "rope_theta": 640000.0,
+        "partial_rotary_factor": 1.0,
+        "projection_layers": 2,
+        "add_post_norm": True,
+        "audio_segment_size": 6000,
+    }
+
+
+def _audio(w: _Writer, r: _Rand, file: str, a: dict, out: str) -> None:
+    """The encoder's weights into `file` (bf16); the tokenizer into `out/audio_tokenizer/`."""
+    from safetensors.torch import save_file
+
+    d, inter, g = a["input_local_dim"], a["input_local_intermediate_size"], a["group_size"]
+    for c, vocab in enumerate(int(v) for v in a["speech_vocab_size"].split("-")):
+        w.put(file, f"speech_embeddings.{c}.weight", r.weight(vocab, d, 0.5))
+    for i in range(a["input_local_layers"]):
+        p = f"audio_encoder.input_local_transformer.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            w.put(file, f"{p}.{norm}.weight", 1 + r.vec(d, 0.1))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w.put(file, f"{p}.self_attn.{name}.weight", r.weight(d, d, 0.1))
+            w.put(file, f"{p}.self_attn.{name}.bias", r.vec(d, 0.02))
+        w.put(file, f"{p}.self_attn.o_proj.weight", r.weight(d, d, 0.1))
+        w.put(file, f"{p}.mlp.gate_proj.weight", r.weight(inter, d, 0.1))
+        w.put(file, f"{p}.mlp.up_proj.weight", r.weight(inter, d, 0.1))
+        w.put(file, f"{p}.mlp.down_proj.weight", r.weight(d, inter, 0.1))
+    w.put(file, "audio_encoder.input_local_transformer.norm.weight", 1 + r.vec(d, 0.1))
+    w.put(file, "audio_encoder.projection.mlp.0.weight", r.weight(4 * d * g, d * g, 0.05))
+    w.put(file, "audio_encoder.projection.mlp.2.weight", r.weight(a["out_hidden_size"], 4 * d * g, 0.05))
+    t, tok = AUDIO_TOKENIZER, {}
+    td, ffn, k = t["d_model"], t["encoder_ffn_dim"], t["kernel_size"]
+
+    def put(name: str, x: torch.Tensor, dtype=torch.bfloat16) -> None:
+        tok[f"encoder.{name}"] = x.to(dtype).contiguous()
+
+    put("conv1.weight", r.weight(td, t["n_mels"] * k, 0.1).view(td, t["n_mels"], k))
+    put("conv1.bias", r.vec(td, 0.02))
+    put("conv2.weight", r.weight(td, td * k, 0.1).view(td, td, k))
+    put("conv2.bias", r.vec(td, 0.02))
+    for i in range(t["encoder_layers"]):
+        p = f"layers.{i}"
+        for name, bias in (("q_proj", True), ("k_proj", False), ("v_proj", True), ("out_proj", True)):
+            put(f"{p}.self_attn.{name}.weight", r.weight(td, td, 0.2))
+            if bias:
+                put(f"{p}.self_attn.{name}.bias", r.vec(td, 0.02))
+        for norm in ("self_attn_layer_norm", "final_layer_norm"):
+            put(f"{p}.{norm}.weight", 1 + r.vec(td, 0.1))
+            put(f"{p}.{norm}.bias", r.vec(td, 0.02))
+        put(f"{p}.fc1.weight", r.weight(ffn, td, 0.1))
+        put(f"{p}.fc1.bias", r.vec(ffn, 0.02))
+        put(f"{p}.fc2.weight", r.weight(td, ffn, 0.1))
+        put(f"{p}.fc2.bias", r.vec(td, 0.02))
+    for norm in ("layer_norm", "down_sample_norm"):
+        put(f"{norm}.weight", 1 + r.vec(td, 0.1))
+        put(f"{norm}.bias", r.vec(td, 0.02))
+    put("down_sample_layer.0.weight", r.weight(td, td * 2, 0.1).view(td, td, 2))
+    for q, size in enumerate(t["codebook_size"]):
+        p = f"quantizer.vq.layers.{q}._codebook"
+        embed = r.vec(size * td).view(size, td)
+        put(f"{p}.embed", embed, torch.float32)
+        put(f"{p}.embed_avg", embed.clone(), torch.float32)
+        put(f"{p}.cluster_size", torch.ones(size), torch.float32)
+        put(f"{p}.inited", torch.ones(1), torch.float32)
+    folder = os.path.join(out, "audio_tokenizer")
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as fh:
+        json.dump(t, fh, indent=2)
+    save_file(tok, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+
+
 def write_checkpoint(
     out: str, like: str = "v2-flash", weights: str = "fp8", scale: str = "tiny", seed: int = 0, shards: int = 4
 ) -> dict:
@@ -301,6 +416,8 @@ def write_checkpoint(
     if like == "v2.5":
         cfg["vision_config"] = vision_config(s)
         _vision(w, r, names[-1], cfg["vision_config"])
+        cfg["audio_config"] = audio_config(s)
+        _audio(w, r, names[-1], cfg["audio_config"], out)
     w.put(names[-1], "model.norm.weight", 1 + r.vec(s.hidden, 0.1))
     w.put(names[-1], "lm_head.weight", r.weight(4096, s.hidden))
     for k in range(s.mtp):
