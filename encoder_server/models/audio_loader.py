@@ -85,7 +85,9 @@ def load_audio_model(
         cfg_dict = json.loads(cfg_path.read_text())
         if "audio_config" not in cfg_dict and cfg_dict.get("model_type") != "qwen2_audio_encoder":
             return None
-        kind = (cfg_dict.get("audio_config") or {}).get("model_type", "qwen2_audio_encoder")
+        from mimo_epd.common.checkpoint import audio_kind
+
+        kind = audio_kind(cfg_dict.get("audio_config")) if "audio_config" in cfg_dict else None
         if kind not in (None, "qwen2_audio_encoder"):
             log.warning(
                 "model %s: its audio tower (%s) is not one the encoders run yet: audio refused", name_or_path, kind

@@ -155,7 +155,7 @@ def _audio_width(cfg: dict) -> int | None:
     checkpoint's own LLM width (`text_config.hidden_size`, or `hidden_size` beside the `audio_config`), else the
     tower's `out_hidden_size` / `d_model`."""
     sub = cfg.get("audio_config")
-    if not isinstance(sub, dict) or sub.get("model_type") not in AUDIO_SUB_TYPES:
+    if not isinstance(sub, dict) or audio_kind(sub) not in AUDIO_SUB_TYPES:
         return None
     text = cfg.get("text_config")
     return (
@@ -200,10 +200,19 @@ def inspect_checkpoint(name: str, check_weights: bool = True) -> Checkpoint:
     )
 
 
+def audio_kind(sub) -> str | None:
+    """An `audio_config`'s tower: its model_type; MiMo's carries none and is known by MiMo-Audio's keys."""
+    if not isinstance(sub, dict):
+        return None
+    if sub.get("model_type") is None and ("speech_vocab_size" in sub or "audio_channels" in sub):
+        return "mimo_audio"
+    return sub.get("model_type")
+
+
 def _unsupported_audio(cfg: dict) -> str:
     sub = cfg.get("audio_config")
-    if isinstance(sub, dict) and sub.get("model_type") not in AUDIO_SUB_TYPES:
-        return str(sub.get("model_type"))
+    if isinstance(sub, dict) and audio_kind(sub) not in AUDIO_SUB_TYPES:
+        return str(audio_kind(sub))
     return ""
 
 
@@ -338,7 +347,7 @@ def plan_node(
         vision = None
     if vision is not None and vision.unsupported_audio:
         notices.append(
-            f"{vision.config_file}: its audio tower ({vision.unsupported_audio}) is not one the encoders run yet: "
+            f"{vision.config_file}: its audio tower ({vision.unsupported_audio}) is not one the encoders serve yet: "
             "images and video are served, requests with audio are refused"
         )
     if lm is not None and vision is not None and vision.vision_width != lm.llm_hidden_size:

@@ -542,7 +542,7 @@ def test_v25_with_its_own_towers_plans_vision_and_refuses_audio(ckpts, tmp_path)
     plan = plan_node(str(d))
     assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is not None
     assert plan.vision.vision_width == 256 and plan.vision.audio_width is None
-    assert len(plan.notices) == 1 and "audio tower (mimo_audio) is not one the encoders run yet" in plan.notices[0]
+    assert len(plan.notices) == 1 and "audio tower (mimo_audio) is not one the encoders serve yet" in plan.notices[0]
 
 
 def test_converted_rope_and_nulls_are_read_exactly():
