@@ -57,6 +57,13 @@ class AudioFeatureConfig:
         )
 
 
+# MiMo's audio (encoder_server/models/mimo_audio.py): what its items are decoded at and the settings its content keys
+# name. Its log-mel is computed by the model (fixed HTK settings); `chunk_length` is its tokenizer's segment (60 s).
+MIMO_AUDIO_FEATURES = AudioFeatureConfig(
+    n_mels=128, sampling_rate=24000, hop_length=240, n_fft=960, chunk_length=60, max_frequency=12000.0
+)
+
+
 def _hz_to_mel_slaney(freq: np.ndarray) -> np.ndarray:
     min_log_hz, min_log_mel, logstep = 1000.0, 15.0, 27.0 / np.log(6.4)
     mels = 3.0 * freq / 200.0

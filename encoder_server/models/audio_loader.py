@@ -20,6 +20,7 @@ import torch
 
 from mimo_epd.common.model_names import TINY, TINY_RANDOM, resolve_model
 
+from .mimo_audio import MiMoAudioModel, load_mimo_audio
 from .qwen2_audio import QWEN2_AUDIO_7B_CONFIG, AudioTowerConfig, Qwen2AudioTower
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ AUDIO_PRESETS = {"tiny": TINY_AUDIO_CONFIG, "qwen2_audio_7b": QWEN2_AUDIO_7B_CON
 
 @dataclass
 class LoadedAudioModel:
-    module: Qwen2AudioTower
+    module: Qwen2AudioTower  # Qwen2-Audio's tower (30-s windows of Whisper features, batched with images)
     model_id: str  # part of every audio content key
+    mimo: MiMoAudioModel | None = None  # MiMo's tokenizer + encoder instead (`module` is then unused: None)
 
 
 def random_audio_model(cfg: AudioTowerConfig = TINY_AUDIO_CONFIG, seed: int = TINY_AUDIO_SEED) -> Qwen2AudioTower:
@@ -88,6 +90,13 @@ def load_audio_model(
         from mimo_epd.common.checkpoint import audio_kind
 
         kind = audio_kind(cfg_dict.get("audio_config")) if "audio_config" in cfg_dict else None
+        if kind == "mimo_audio":
+            from . import _checkpoint_id
+
+            mimo = load_mimo_audio(str(directory), dtype, device)
+            return LoadedAudioModel(
+                None, f"mimo_audio:{_checkpoint_id(directory)}/{str(dtype).removeprefix('torch.')}", mimo
+            )  # type: ignore[arg-type]
         if kind not in (None, "qwen2_audio_encoder"):
             log.warning(
                 "model %s: its audio tower (%s) is not one the encoders run yet: audio refused", name_or_path, kind

@@ -187,25 +187,34 @@ def mel_filters(device=None) -> torch.Tensor:
     return torch.clamp(torch.minimum(down, up), min=0.0)
 
 
-def log_mel(samples: torch.Tensor) -> torch.Tensor:
-    """24 kHz mono float32 samples [N] (N > 480) -> log-mel [1 + N // 240, 128] (natural log, floor 1e-7)."""
+def log_mel(samples: torch.Tensor, block: int = 6000) -> torch.Tensor:
+    """24 kHz mono float32 samples [N] (N > 480) -> log-mel [1 + N // 240, 128] (natural log, floor 1e-7).
+
+    The signal is reflect-padded by n_fft / 2 once (what a centred STFT does at its two ends) and the frames are
+    computed `block` at a time from the padded samples they cover, so an hour never holds its whole spectrogram
+    (481 x 360,000 complex values, 1.4 GB): the same frames as one centred STFT."""
     if samples.dim() != 1 or samples.shape[0] <= N_FFT // 2:
         raise ValueError(f"audio of {samples.shape[-1]} samples: MiMo's features need more than {N_FFT // 2}")
-    x = samples.float()
-    spec = torch.stft(
-        x,
-        N_FFT,
-        hop_length=HOP,
-        win_length=N_FFT,
-        window=torch.hann_window(N_FFT, periodic=True, device=x.device),
-        center=True,
-        pad_mode="reflect",
-        normalized=False,
-        onesided=True,
-        return_complex=True,
-    ).abs()
-    mel = mel_filters(x.device).T @ spec
-    return torch.log(torch.clamp(mel, min=1e-7)).T.contiguous()
+    x = F.pad(samples.float()[None, None], (N_FFT // 2, N_FFT // 2), mode="reflect")[0, 0]
+    frames = 1 + samples.shape[0] // HOP
+    window = torch.hann_window(N_FFT, periodic=True, device=x.device)
+    fb = mel_filters(x.device).T
+    out = torch.empty(frames, N_MELS, device=x.device)
+    for a in range(0, frames, block):
+        b = min(frames, a + block)
+        spec = torch.stft(
+            x[a * HOP : (b - 1) * HOP + N_FFT],
+            N_FFT,
+            hop_length=HOP,
+            win_length=N_FFT,
+            window=window,
+            center=False,
+            normalized=False,
+            onesided=True,
+            return_complex=True,
+        ).abs()
+        out[a:b] = torch.log(torch.clamp(fb @ spec, min=1e-7)).T
+    return out
 
 
 def num_codes(mel_frames: int, segment: int) -> int:

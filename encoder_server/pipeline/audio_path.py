@@ -3,6 +3,11 @@ its 30-s windows go through the cross-request batcher, sharing its token budget 
 tower runs on the batcher's forward thread like every tower call. A short item is one range; a long one is
 decoded in parallel ranges, streamed window by window (`audio.encode.encode_audio`). Large items are
 handed to the decoders as a file in /dev/shm (each range's decoder opens and seeks it), small ones as bytes.
+
+MiMo's audio (`mimo`: its tokenizer and encoder) takes another road from the decoded samples on: the item is decoded
+whole at 24 kHz in a decode process, then its log-mel, codes and embeddings are computed on the batcher's forward
+thread (as every tower call is), the log-mel a block of frames at a time (models/mimo_audio.py). Its segments are a
+minute long and its tokens are groups of code frames, not 30-s windows: `window_tokens` is one entry, the item's.
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ import grpc
 import torch
 
 from ..audio.decode import AudioError
-from ..audio.encode import AudioPlan, AudioWindowItem, encode_audio
+from ..audio.encode import AudioPlan, AudioResult, AudioWindowItem, chunk_job, encode_audio, probe_job
 from ..audio.features import LogMel
 from ..embedding_cache import CachedEmbedding
 from ..errors import ItemError, invalid
+from ..models.mimo_audio import MiMoAudioModel
 from .jobs import Job
 
 log = logging.getLogger(__name__)
@@ -29,8 +35,18 @@ INLINE_BYTES = 8 << 20  # items up to this size travel to the decoders as bytes,
 
 
 class AudioPath:
-    def __init__(self, plan: AudioPlan, decode_pool, batcher, cache, max_concurrent: int, features_on: LogMel | None):
+    def __init__(
+        self,
+        plan: AudioPlan,
+        decode_pool,
+        batcher,
+        cache,
+        max_concurrent: int,
+        features_on: LogMel | None,
+        mimo: MiMoAudioModel | None = None,
+    ):
         self.plan = plan
+        self.mimo = mimo
         self.decode_pool = decode_pool
         self.batcher = batcher
         self.cache = cache
@@ -55,9 +71,26 @@ class AudioPath:
         return list(await asyncio.gather(*(it.future for it in items)))
 
     async def _encode(self, job: Job, src):
+        if self.mimo is not None:
+            return await self._encode_mimo(src)
         return await encode_audio(
             src, self.plan, self.decode_pool.run, lambda f, n: self._windows(job, f, n), self.features_on
         )
+
+    async def _encode_mimo(self, src) -> AudioResult:
+        import time
+
+        assert self.mimo is not None
+        info = await self.decode_pool.run(probe_job, src, self.plan)
+        t0 = time.perf_counter()
+        chunk = await self.decode_pool.run(chunk_job, src, 0.0, None, self.plan, False)
+        t1 = time.perf_counter()
+        samples = torch.from_numpy(chunk.samples)
+        if samples.numel() <= 480:
+            raise AudioError(f"{samples.numel() / 24000 * 1e3:.1f} ms of audio: MiMo's features need over 20 ms")
+        emb = await asyncio.wrap_future(self.batcher.call_on_forward_thread(self.mimo.embed, samples))
+        seconds = {"wait_decode": t1 - t0, "encode": time.perf_counter() - t1}
+        return AudioResult(emb.cpu(), [int(emb.shape[0])], info, samples.numel() / 24000, seconds)
 
     async def _run(self, job: Job) -> None:
         async with self._sem:

@@ -22,7 +22,7 @@ from mimo_epd.common.proc_stat import usable_cores
 
 from ..audio.decode import AudioLimits
 from ..audio.encode import AudioPlan
-from ..audio.features import AudioFeatureConfig, LogMel
+from ..audio.features import MIMO_AUDIO_FEATURES, AudioFeatureConfig, LogMel
 from ..batch_budget import BatchBudget, QueueFollowingBudget
 from ..batcher import Batcher, BatchItem
 from ..config import EncoderServerConfig
@@ -52,7 +52,8 @@ class EncodePipeline:
         self.preprocess_config = self._preprocess_config()
         self.model_id = self.model.model_id
         self.audio_model = self._load_audio_model()
-        self.audio_features = AudioFeatureConfig()
+        mimo_audio = self.audio_model is not None and self.audio_model.mimo is not None
+        self.audio_features = MIMO_AUDIO_FEATURES if mimo_audio else AudioFeatureConfig()
         self.cache = self._make_cache()
         self.fetcher = self._make_fetcher()
         d = config.queue_depth
@@ -117,6 +118,7 @@ class EncodePipeline:
             self.cache,
             config.max_concurrent_audios,
             self._features_on(),
+            self.audio_model.mimo if self.audio_model else None,
         )
         self.video = VideoPath(
             config,
@@ -179,7 +181,10 @@ class EncodePipeline:
         return plan
 
     def _features_on(self) -> LogMel | None:
-        """Where features are computed: None = in the decode processes (a CPU server's default)."""
+        """Where features are computed: None = in the decode processes (a CPU server's default); MiMo's audio
+        computes its own on the forward thread (audio_path.py)."""
+        if self.audio_model is not None and self.audio_model.mimo is not None:
+            return None
         where = self.config.audio_features_in
         if where == "auto":
             where = "device" if torch.device(self.config.device).type == "cuda" else "decoder"

@@ -134,8 +134,8 @@ def _int(cfg: dict, key: str) -> int | None:
 
 # vision_config model types of towers the encoders run (absent: a Qwen2.5-VL layout without one)
 VISION_SUB_TYPES = ("qwen2_5_vl", "qwen2_5_vl_vision", "mimovl", None)
-# audio_config model types of towers the encoders run (Qwen2-Audio's; MiMo-Audio's tokenizer: not yet)
-AUDIO_SUB_TYPES = ("qwen2_audio_encoder", None)
+# audio_config kinds the encoders run (Qwen2-Audio's; MiMo's tokenizer + encoder, known by its keys)
+AUDIO_SUB_TYPES = ("qwen2_audio_encoder", "mimo_audio", None)
 
 
 def _vision_width(cfg: dict) -> int | None:
@@ -157,6 +157,8 @@ def _audio_width(cfg: dict) -> int | None:
     sub = cfg.get("audio_config")
     if not isinstance(sub, dict) or audio_kind(sub) not in AUDIO_SUB_TYPES:
         return None
+    if audio_kind(sub) == "mimo_audio":  # its projection's width
+        return _int(sub, "out_hidden_size")
     text = cfg.get("text_config")
     return (
         _int(text if isinstance(text, dict) else cfg, "hidden_size")

@@ -152,22 +152,30 @@ def test_the_plan_checks_the_audio_towers_width_and_says_why_audio_alone_is_text
     assert plan.vision is None and any("--audio-model" in n for n in plan.notices), plan.notices
 
 
-def test_serve_a_v25_checkpoint_answers_an_image_through_mimos_own_tower(tmp_path):
-    """`make-checkpoint --like v2.5` then `serve DIR`: the openai client's chat with an image is answered, and the
-    node's Encode rows for that image are MiMo's tower on MiMo's preprocessing of its pixels (a lossless PNG, so
-    any decoder gives the same pixels), computed here directly."""
+def test_serve_a_v25_checkpoint_answers_images_and_audio_through_mimos_own_towers(tmp_path):
+    """`make-checkpoint --like v2.5` then `serve DIR`: the openai client's chats with an image and with an audio clip
+    are answered, and the node's Encode rows are MiMo's tower on MiMo's preprocessing of the image's pixels (a
+    lossless PNG, so any decoder gives the same pixels) and MiMo's tokenizer + encoder on the clip's samples (16-bit
+    PCM at 24 kHz), computed here directly."""
     import grpc
     import numpy as np
     import openai
     import torch
 
     from encoder_server.models import load_vision_model
+    from encoder_server.models.mimo_audio import load_mimo_audio, num_tokens
     from encoder_server.preprocess import PreprocessConfig, preprocess_images
     from llm_backend.models.make_checkpoint import write_checkpoint
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
     d = str(tmp_path / "v25")
     write_checkpoint(d, "v2.5", "fp8")
+    t = np.arange(24000) / 24000
+    pcm = (8000 * np.sin(2 * np.pi * (300 + 400 * t) * t)).astype("<i2").tobytes()  # one second, a chirp
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(pcm)
+    wav = buf.getvalue()
     pixels = textured(90, 130, seed=5)
     png = encode_image(pixels, "PNG")
     s = start_server([d, *NODE], "serve")
@@ -180,25 +188,27 @@ def test_serve_a_v25_checkpoint_answers_an_image_through_mimos_own_tower(tmp_pat
             messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
         )
         assert reply.usage.completion_tokens == 3 and reply.usage.prompt_tokens > 12
-        wav = io.BytesIO()
-        with wave.open(wav, "wb") as w:
-            w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(b"\0\1" * 24000)
-        clip = {
-            "type": "input_audio",
-            "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"},
-        }
-        with pytest.raises(openai.BadRequestError) as refused:  # MiMo-Audio is not served yet: said, not a 500
-            client.chat.completions.create(model="v25", max_tokens=3, messages=[{"role": "user", "content": [clip]}])
-        assert "audio" in str(refused.value).lower()
+        clip = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+        heard = client.chat.completions.create(
+            model="v25", max_tokens=3, messages=[{"role": "user", "content": [clip, {"type": "text", "text": "?"}]}]
+        )
+        assert heard.usage.completion_tokens == 3 and heard.usage.prompt_tokens >= num_tokens(101) + 1
         with grpc.insecure_channel(s.address) as ch:
-            item = (
+            item, sound = (
                 encoder_pb2_grpc.EncoderStub(ch)
-                .Encode(encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=png)]), timeout=120)
-                .items[0]
+                .Encode(
+                    encoder_pb2.EncodeRequest(
+                        items=[
+                            encoder_pb2.MediaItem(data=png),
+                            encoder_pb2.MediaItem(data=wav, modality=encoder_pb2.AUDIO),
+                        ]
+                    ),
+                    timeout=120,
+                )
+                .items
             )
     finally:
         assert s.stop() == 0
-    assert any("audio tower (mimo_audio) is not one the encoders serve yet" in line for line in s.stderr_lines)
     got = torch.frombuffer(bytearray(item.embedding.data), dtype=getattr(torch, item.embedding.dtype))
     info = load_vision_model(d, return_info=True)
     pv, grid = preprocess_images([np.asarray(pixels)], PreprocessConfig.from_hf_dict(info.preprocessor_config))
@@ -206,3 +216,10 @@ def test_serve_a_v25_checkpoint_answers_an_image_through_mimos_own_tower(tmp_pat
     assert list(item.grid_thw) == grid[0].tolist() and item.num_tokens == want.shape[0]
     got = got.view(want.shape).float()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+    # the clip's rows: MiMo's tokenizer and encoder on its samples (16-bit PCM at 24 kHz: decoded exactly)
+    heard_rows = torch.frombuffer(bytearray(sound.embedding.data), dtype=getattr(torch, sound.embedding.dtype))
+    samples = torch.from_numpy(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768)
+    want = load_mimo_audio(d).embed(samples)
+    assert sound.num_tokens == want.shape[0] == num_tokens(samples.numel() // 240 + 1)
+    heard_rows = heard_rows.view(want.shape).float()
+    assert ((heard_rows - want).norm() / want.norm()).item() < 1e-5

@@ -141,3 +141,15 @@ def test_configs_it_cannot_compute_exactly_are_refused():
     ):
         with pytest.raises(MiMoAudioConfigError, match=field):
             MiMoAudioTokenizerConfig.from_dict({**base, **change})
+
+
+def test_log_mel_in_blocks_equals_one_centred_stft():
+    from encoder_server.models.mimo_audio import HOP, N_FFT, mel_filters
+
+    x = waveform(301, 3)
+    spec = torch.stft(
+        x, N_FFT, hop_length=HOP, window=torch.hann_window(N_FFT), center=True, pad_mode="reflect", return_complex=True
+    ).abs()
+    whole = torch.log(torch.clamp(mel_filters().T @ spec, min=1e-7)).T
+    for block in (1, 37, 300, 6000):
+        torch.testing.assert_close(log_mel(x, block=block), whole, rtol=0, atol=1e-5)  # FFT batching order

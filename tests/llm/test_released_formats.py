@@ -527,22 +527,25 @@ def test_release_config_round_trip():
     assert back.kv_heads(1) == cfg.kv_heads(1) and back.window == cfg.window
 
 
-def test_v25_with_its_own_towers_plans_vision_and_refuses_audio(ckpts, tmp_path):
-    """A V2.5 checkpoint declares MiMo's own ViT (`vision_config.model_type: mimovl`) and audio config: `serve`'s
-    plan starts its LLM and its vision tower, and says, in one notice, that audio is refused (MiMo-Audio's tokenizer
-    is not run yet)."""
-    from mimo_epd.common.checkpoint import plan_node
+def test_v25_with_its_own_towers_plans_both(ckpts, tmp_path):
+    """A V2.5 checkpoint declares MiMo's own ViT (`vision_config.model_type: mimovl`) and MiMo's audio config (no
+    model_type, MiMo-Audio's keys): `serve`'s plan starts its LLM and both towers, and refuses, naming both files,
+    an audio projection whose width is not the LLM's."""
+    from mimo_epd.common.checkpoint import CheckpointError, plan_node
 
     d = tmp_path / "v25-omni"
     shutil.copytree(ckpts["v2.5", "fp8"], d)
     cfg = json.load(open(d / "config.json"))
     cfg["vision_config"] = {"model_type": "mimovl", "hidden_size": 1280, "out_hidden_size": 256, "patch_size": 16}
-    cfg["audio_config"] = {"model_type": "mimo_audio", "d_model": 1024}
+    cfg["audio_config"] = {"audio_channels": 20, "speech_vocab_size": "1280", "out_hidden_size": 256}
     json.dump(cfg, open(d / "config.json", "w"))
     plan = plan_node(str(d))
     assert plan.llm is not None and plan.llm.model_type == "mimo_v2" and plan.vision is not None
-    assert plan.vision.vision_width == 256 and plan.vision.audio_width is None
-    assert len(plan.notices) == 1 and "audio tower (mimo_audio) is not one the encoders serve yet" in plan.notices[0]
+    assert plan.vision.vision_width == 256 and plan.vision.audio_width == 256 and not plan.notices
+    cfg["audio_config"]["out_hidden_size"] = 4096
+    json.dump(cfg, open(d / "config.json", "w"))
+    with pytest.raises(CheckpointError, match="audio tower's output width 4096"):
+        plan_node(str(d))
 
 
 def test_converted_rope_and_nulls_are_read_exactly():
