@@ -52,8 +52,7 @@ class EncodePipeline:
         self.preprocess_config = self._preprocess_config()
         self.model_id = self.model.model_id
         self.audio_model = self._load_audio_model()
-        mimo_audio = self.audio_model is not None and self.audio_model.mimo is not None
-        self.audio_features = MIMO_AUDIO_FEATURES if mimo_audio else AudioFeatureConfig()
+        self.audio_features = self._audio_feature_config()
         self.cache = self._make_cache()
         self.fetcher = self._make_fetcher()
         d = config.queue_depth
@@ -167,6 +166,11 @@ class EncodePipeline:
         if name == "none":
             return None
         return load_audio_model(name, c.device, resolve_dtype(c.dtype))
+
+    def _audio_feature_config(self) -> AudioFeatureConfig:
+        """What audio items are decoded at and what their content keys name: MiMo's or Qwen2-Audio's settings."""
+        mimo = self.audio_model is not None and self.audio_model.mimo is not None
+        return MIMO_AUDIO_FEATURES if mimo else AudioFeatureConfig()
 
     def _audio_plan(self) -> AudioPlan:
         c = self.config
