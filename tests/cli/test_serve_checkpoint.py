@@ -207,6 +207,16 @@ def test_serve_a_v25_checkpoint_answers_images_and_audio_through_mimos_own_tower
                 )
                 .items
             )
+            from tests.video.test_video import tiny_video
+
+            clip = open(tiny_video(str(tmp_path / "v.mp4"), 64, 64), "rb").read()
+            with pytest.raises(grpc.RpcError) as no_video:  # not MiMo's frame rules yet: refused, not approximated
+                encoder_pb2_grpc.EncoderStub(ch).Encode(
+                    encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=clip, modality=encoder_pb2.VIDEO)]),
+                    timeout=60,
+                )
+            assert no_video.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "MiMo's own frame sampling" in no_video.value.details()
     finally:
         assert s.stop() == 0
     got = torch.frombuffer(bytearray(item.embedding.data), dtype=getattr(torch, item.embedding.dtype))
