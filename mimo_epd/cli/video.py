@@ -92,6 +92,10 @@ def run_encode_video(args) -> int:
         if info.preprocessor_config
         else preset_for_tower(tower.patch_size)
     )
+    if pre.exact_floats:
+        return error(
+            f"{args.model}: MiMo's vision tower needs MiMo's own video frame rules, not built yet (docs/encoder.md)"
+        )
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     with FrameProgress(["decoded", "encoded"], unit="frames", disable=args.no_progress) as bar:
