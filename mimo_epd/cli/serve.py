@@ -43,6 +43,7 @@ NODE_PREFIXES = (
     ("http", "HTTP (OpenAI API)"),
     ("health_interval", "routing"),
     ("vnodes", "routing"),
+    ("encoder_load", "routing"),
     ("routing", "routing"),
     ("router", "routing"),
 )

@@ -51,6 +51,12 @@ class NodeConfig:
     )
     health_interval_s: float = flag(1.0, "seconds between the router's health checks of each encoder")
     vnodes: int = flag(160, "virtual nodes per encoder on the hash ring")
+    encoder_load_factor: float = flag(
+        1.25,
+        "bounded loads on the hash ring: an encoder holds at most this times the mean of the router's items in flight "
+        "(rounded up, counting the new one); an item whose owner is full goes to the next encoder clockwise (0 = "
+        "always the owner)",
+    )
     restart_encoders: bool = flag(True, "restart an encoder process that exits unexpectedly")
     restart_llm_workers: bool = flag(True, "restart an LLM worker process that exits unexpectedly")
     encoder_start_timeout_s: float = flag(180.0, "seconds to wait for an encoder's (or an LLM worker's) ready line")

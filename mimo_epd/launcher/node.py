@@ -144,6 +144,7 @@ class Node:
             health_interval_s=node.health_interval_s,
             vnodes=node.vnodes,
             max_message_mb=enc.max_message_mb,
+            load_factor=node.encoder_load_factor,
         )
         if node.media_refusal:  # a text-only model: no encoders, Encode refused with the reason
             self.encoder_router = NoVisionRouter(node.media_refusal, router_config)

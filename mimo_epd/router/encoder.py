@@ -11,12 +11,20 @@ A request's items are split by owner, sent concurrently, and merged back in orde
 fails health checks, or whose call fails with UNAVAILABLE, leaves the ring's live set and its items go
 to the next live endpoint clockwise; it rejoins as soon as its health check says SERVING again.
 Item errors keep their status; their `item N:` prefix is rewritten to the index in the client's request.
+
+Bounded loads (consistent hashing with bounded loads, Mirrokni et al.): a hot item must not pin one encoder. With
+`load_factor` c > 0, an encoder may hold at most ceil(c x (items in flight + 1) / live encoders) of this router's
+items in flight; an item whose owner is at that bound goes to the next live encoder clockwise that is under it.
+Under light load every item stays with its owner (the bound is at least c); only a skew diverts, and the
+diversions are counted (`diversions`; `router_encoder_diversions` on the /metrics of a router that routes the
+Encode API over a shared registry). The counts are this router's own, not shared through the router state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 from dataclasses import dataclass
 
@@ -49,6 +57,7 @@ class RouterConfig:
     health_timeout_s: float = 1.0
     vnodes: int = 160
     max_message_mb: int = 256
+    load_factor: float = 1.25  # bounded loads (0 = the owner always)
 
 
 class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
@@ -65,6 +74,8 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         self._task: asyncio.Task | None = None
         self._shutting_down = False
         self.on_change = None  # optional callback(alive: set[str])
+        self.inflight: dict[str, int] = {}  # this router's items in flight per encoder
+        self.diversions = 0  # items sent past their owner by the load bound
         for e in endpoints:
             self.add_endpoint(e)
 
@@ -165,15 +176,20 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         while pending:
             groups: dict[str, list[int]] = {}
             for i in pending:
-                owner = next((o for o in self.ring.owners(keys[i]) if o in self.alive and o not in tried[i]), None)
+                owner = self._place(keys[i], tried[i])
                 if owner is None:
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, f"item {i}: no live encoder (tried {sorted(tried[i]) or 'none'})"
                     )
                 groups.setdefault(owner, []).append(i)
-            outcomes = await asyncio.gather(
-                *(self._forward(e, [items[i] for i in idx], timeout) for e, idx in groups.items())
-            )
+                self.inflight[owner] = self.inflight.get(owner, 0) + 1
+            try:
+                outcomes = await asyncio.gather(
+                    *(self._forward(e, [items[i] for i in idx], timeout) for e, idx in groups.items())
+                )
+            finally:
+                for e, idx in groups.items():
+                    self.inflight[e] -= len(idx)
             pending = []
             first_error: tuple[int, grpc.StatusCode, str] | None = None
             for (endpoint, idx), (resp, err) in zip(groups.items(), outcomes):
@@ -200,6 +216,23 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
             if first_error is not None:
                 await context.abort(first_error[1], first_error[2])
         return encoder_pb2.EncodeResponse(items=results, model=model)
+
+    def _place(self, key: str, tried: set[str]) -> str | None:
+        """The live, untried encoder clockwise from `key` that is under the load bound (the first live one when
+        every one is at it)."""
+        live = [o for o in self.ring.owners(key) if o in self.alive and o not in tried]
+        if not live:
+            return None
+        c = self.config.load_factor
+        if c <= 0:
+            return live[0]
+        bound = math.ceil(c * (sum(self.inflight.get(e, 0) for e in self.alive) + 1) / len(self.alive))
+        for o in live:
+            if self.inflight.get(o, 0) < bound:
+                if o != live[0]:
+                    self.diversions += 1
+                return o
+        return live[0]
 
     async def _forward(self, endpoint: str, items: list, timeout: float | None):
         try:

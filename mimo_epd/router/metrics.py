@@ -75,6 +75,15 @@ class RouterMetrics:
         self.discovery_errors.set_function(lambda: float(router.discovery_errors))
         self.discovery_alive = Gauge("router_discovery_alive", "1 while the discovery loop runs", registry=r)
         self.discovery_alive.set_function(lambda: float(router.discovery_alive()))
+        if router.encoders is not None:  # the Encode API's ring (bounded loads: router/encoder.py)
+            ring = router.encoders.router
+            self.diversions = Gauge(
+                "router_encoder_diversions",
+                "media items sent past their ring owner because it held more than --encoder-load-factor times the "
+                "mean of this router's items in flight",
+                registry=r,
+            )
+            self.diversions.set_function(lambda: float(ring.diversions))
         self.index_blocks: dict[str, int] = {}  # refreshed by the router's discovery loop
         r.register(_IndexCollector(self))
         self._server = MetricsServer(self._body, "the router's metrics")
