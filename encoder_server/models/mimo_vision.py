@@ -40,7 +40,7 @@ from .qwen2_5_vision import (
     PatchEmbed,
     VisionMLP,
     apply_rotary,
-    cpu_groups,
+    forward_in_groups,
     interleave_halves,
     item_seqlens,
     rotary_positions,
@@ -328,16 +328,7 @@ class MiMoVisionTower(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """On a CPU, a packed batch whose widest activation would pass the CPU bound runs as groups of whole
         items (`cpu_groups`); items never attend each other, so the rows are the same."""
-        grid_thw = grid_thw.to("cpu", torch.long)
-        groups = cpu_groups(grid_thw, self.activation_width) if self.device.type == "cpu" else []
-        if len(groups) <= 1:
-            return self._forward_packed(pixel_values, grid_thw)
-        sizes, out, row = grid_thw.prod(-1).tolist(), [], 0
-        for a, b in groups:
-            n = sum(sizes[a:b])
-            out.append(self._forward_packed(pixel_values[row : row + n], grid_thw[a:b]))
-            row += n
-        return torch.cat(out)
+        return forward_in_groups(self._forward_packed, pixel_values, grid_thw, self.activation_width, self.device)
 
     def _forward_packed(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         cfg, dev = self.config, self.device

@@ -330,6 +330,21 @@ def cpu_groups(grid_thw: torch.Tensor, width: int, limit: int = CPU_ACTIVATION_B
     return groups
 
 
+def forward_in_groups(forward_packed, pixel_values: torch.Tensor, grid_thw: torch.Tensor, width: int, device):
+    """`forward_packed(pixel_values, grid_thw)` over the whole packed batch, or on a CPU over consecutive groups of
+    whole items (`cpu_groups` of activation `width`), concatenated: the rows are the same either way."""
+    grid_thw = grid_thw.to("cpu", torch.long)
+    groups = cpu_groups(grid_thw, width, CPU_ACTIVATION_BYTES) if torch.device(device).type == "cpu" else []
+    if len(groups) <= 1:
+        return forward_packed(pixel_values, grid_thw)
+    sizes, out, row = grid_thw.prod(-1).tolist(), [], 0
+    for a, b in groups:
+        n = sum(sizes[a:b])
+        out.append(forward_packed(pixel_values[row : row + n], grid_thw[a:b]))
+        row += n
+    return torch.cat(out)
+
+
 class Qwen2_5VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -359,17 +374,7 @@ class Qwen2_5VisionTower(nn.Module):
 
         On a CPU a packed batch whose widest activation would pass `CPU_ACTIVATION_BYTES` runs as consecutive
         groups of whole items (`cpu_groups`): items never interact, so the rows are the same."""
-        grid_thw = grid_thw.to("cpu", torch.long)
-        groups = cpu_groups(grid_thw, self.activation_width, CPU_ACTIVATION_BYTES) if self.device.type == "cpu" else []
-        if len(groups) <= 1:
-            return self._forward_packed(pixel_values, grid_thw)
-        sizes = (grid_thw.prod(-1)).tolist()
-        out, row = [], 0
-        for a, b in groups:
-            n = sum(sizes[a:b])
-            out.append(self._forward_packed(pixel_values[row : row + n], grid_thw[a:b]))
-            row += n
-        return torch.cat(out)
+        return forward_in_groups(self._forward_packed, pixel_values, grid_thw, self.activation_width, self.device)
 
     @property
     def activation_width(self) -> int:

@@ -27,6 +27,7 @@ from encoder_server.models.mimo_vision import MiMoVisionConfig, MiMoVisionTower
 from encoder_server.preprocess import PreprocessConfig, preprocess_images
 from tests.conftest import ROOT as _ROOT
 from tests.conftest import textured
+from tests.encoder.test_mimo_vision import TINY
 
 ROOT = Path(_ROOT)
 
@@ -38,20 +39,7 @@ pytestmark = pytest.mark.skipif(
 )
 TOL = 1e-5
 
-BASE = dict(
-    depth=4,
-    hidden_size=64,
-    intermediate_size=96,
-    out_hidden_size=128,
-    num_heads=4,
-    num_key_value_heads=2,
-    qk_channels=16,
-    kv_channels=16,
-    fullatt_block_indexes=[0],
-    vit_window_attn_types=[-1, 0, 1, 0],
-    visual_token_window_size=8,
-    use_sink=True,
-)
+BASE = TINY  # tests/encoder/test_mimo_vision.py's config: GQA, row and column windows, sinks, a full block
 CONFIGS = {
     "rows-cols-sinks": BASE,
     "cols-first-and-last": {**BASE, "vit_window_attn_types": [1, 1, 0, 1], "fullatt_block_indexes": [2]},
