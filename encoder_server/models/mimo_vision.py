@@ -43,6 +43,7 @@ from .qwen2_5_vision import (
     forward_in_groups,
     interleave_halves,
     item_seqlens,
+    keep_qkv_rows,
     rotary_positions,
 )
 
@@ -214,22 +215,7 @@ class MiMoVisionAttention(nn.Module):
         rows[: cfg.num_heads + cfg.num_key_value_heads] = rows[: cfg.num_heads + cfg.num_key_value_heads][
             :, interleave_halves(cfg.qk_channels)
         ]
-        self.register_buffer("_rows", rows.reshape(-1), persistent=False)
-        self.register_load_state_dict_pre_hook(self._rows_from_checkpoint)
-        self.register_state_dict_post_hook(self._rows_to_checkpoint)
-
-    @staticmethod
-    def _rows_from_checkpoint(module, state, prefix, *_):
-        for name in ("qkv.weight", "qkv.bias"):
-            if prefix + name in state:
-                state[prefix + name] = state[prefix + name][module._rows.to(state[prefix + name].device)]
-
-    @staticmethod
-    def _rows_to_checkpoint(module, state, prefix, *_):
-        inverse = torch.argsort(module._rows)
-        for name in ("qkv.weight", "qkv.bias"):
-            if prefix + name in state:
-                state[prefix + name] = state[prefix + name][inverse.to(state[prefix + name].device)]
+        keep_qkv_rows(self, rows.reshape(-1))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotation: torch.Tensor, full: bool) -> torch.Tensor:
         s, h, g = x.shape[0], self.heads, self.kv_heads

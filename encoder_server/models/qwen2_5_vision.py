@@ -183,6 +183,27 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
     return out
 
 
+def _rows_from_checkpoint(module, state, prefix, *_):
+    for name in ("qkv.weight", "qkv.bias"):
+        if prefix + name in state:
+            state[prefix + name] = state[prefix + name][module._rows.to(state[prefix + name].device)]
+
+
+def _rows_to_checkpoint(module, state, prefix, *_):
+    inverse = torch.argsort(module._rows)
+    for name in ("qkv.weight", "qkv.bias"):
+        if prefix + name in state:
+            state[prefix + name] = state[prefix + name][inverse.to(state[prefix + name].device)]
+
+
+def keep_qkv_rows(module: nn.Module, rows: torch.Tensor) -> None:
+    """`module.qkv`'s rows kept in the order `rows` (q and k halves interleaved: `apply_rotary`): loading a
+    checkpoint reorders its rows so, `state_dict()` puts them back in the checkpoint's order."""
+    module.register_buffer("_rows", rows, persistent=False)
+    module.register_load_state_dict_pre_hook(_rows_from_checkpoint)
+    module.register_state_dict_post_hook(_rows_to_checkpoint)
+
+
 class VisionAttention(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
@@ -193,22 +214,7 @@ class VisionAttention(nn.Module):
         # keep transformers' layout: loading reorders the rows, state_dict() puts them back.
         rows = torch.arange(3 * cfg.hidden_size).view(3, cfg.num_heads, -1)
         rows[:2] = rows[:2][..., interleave_halves(cfg.head_dim)]
-        self.register_buffer("_rows", rows.reshape(-1), persistent=False)
-        self.register_load_state_dict_pre_hook(self._rows_from_checkpoint)
-        self.register_state_dict_post_hook(self._rows_to_checkpoint)
-
-    @staticmethod
-    def _rows_from_checkpoint(module, state, prefix, *_):
-        for name in ("qkv.weight", "qkv.bias"):
-            if prefix + name in state:
-                state[prefix + name] = state[prefix + name][module._rows.to(state[prefix + name].device)]
-
-    @staticmethod
-    def _rows_to_checkpoint(module, state, prefix, *_):
-        inverse = torch.argsort(module._rows)
-        for name in ("qkv.weight", "qkv.bias"):
-            if prefix + name in state:
-                state[prefix + name] = state[prefix + name][inverse.to(state[prefix + name].device)]
+        keep_qkv_rows(self, rows.reshape(-1))
 
     def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
         s = x.shape[0]
