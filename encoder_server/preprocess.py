@@ -402,7 +402,7 @@ def preprocess_images(
             for j, i in enumerate(idxs):
                 resized[i] = out[j]
 
-    use_kernel = _fused_kernel_available(device) and not config.exact_floats  # the kernel reads uint8
+    use_kernel = _fused_kernel_available(device)  # uint8 pixels, or MiMo's float ones
     patches = []
     for img in resized:
         batch = img.unsqueeze(0).contiguous()

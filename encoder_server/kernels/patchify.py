@@ -61,10 +61,10 @@ def _patchify_kernel(
 def patchify_triton(
     resized: torch.Tensor, config, out_dtype: torch.dtype = torch.float32, fold_time: bool = False
 ) -> torch.Tensor:
-    """[N, C, H, W] uint8 (resized, H and W multiples of patch*merge) -> [N*gh*gw, C*T*P*P] in out_dtype
-    (T = 1 with fold_time, see `normalize_patchify`)."""
-    if resized.dtype != torch.uint8 or resized.ndim != 4:
-        raise ValueError(f"expected [N, C, H, W] uint8, got {tuple(resized.shape)} {resized.dtype}")
+    """[N, C, H, W] uint8, or float32 pixels in 0..255 (MiMo's unrounded resize), H and W multiples of patch*merge
+    -> [N*gh*gw, C*T*P*P] in out_dtype (T = 1 with fold_time, see `normalize_patchify`)."""
+    if resized.dtype not in (torch.uint8, torch.float32) or resized.ndim != 4:
+        raise ValueError(f"expected [N, C, H, W] uint8 or float32, got {tuple(resized.shape)} {resized.dtype}")
     n, c, h, w = resized.shape
     p, m, t = config.patch_size, config.merge_size, 1 if fold_time else config.temporal_patch_size
     if h % (p * m) or w % (p * m):

@@ -33,10 +33,25 @@ def test_matches_torch_reference(preset, n, gh, gw, dtype):
         torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_pixels_of_mimos_resize(dtype):
+    """MiMo's resize leaves float pixels (never rounded): the kernel reads them as they are."""
+    cfg = PreprocessConfig.preset("mimo_v2_5")
+    gen = torch.Generator().manual_seed(5)
+    img = (torch.rand(2, 3, 64, 96, generator=gen) * 255).to(DEVICE)
+    ref = normalize_patchify(img, cfg, dtype, fold_time=True)
+    out = patchify_triton(img, cfg, dtype, fold_time=True)
+    assert not torch.equal(img, img.round())
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-6)
+    else:
+        torch.testing.assert_close(out.float(), ref.float(), atol=0, rtol=2**-7)
+
+
 def test_rejects_bad_shapes():
     cfg = PreprocessConfig()
     with pytest.raises(ValueError, match="uint8"):
-        patchify_triton(torch.zeros(1, 3, 28, 28), cfg)
+        patchify_triton(torch.zeros(1, 3, 28, 28, dtype=torch.float64), cfg)
     with pytest.raises(ValueError, match="multiple"):
         patchify_triton(torch.zeros(1, 3, 30, 28, dtype=torch.uint8), cfg)
 
