@@ -71,6 +71,11 @@ class EncoderServerConfig:
         "auto", "where log-mel features are computed: decoder (the decode processes), device, or auto (device on CUDA)"
     )
     max_concurrent_audios: int = _f(8, "audio items decoding and encoding at once")
+    audio_seconds_in_flight: float = _f(
+        7200.0,
+        "MiMo's audio: seconds of audio decoded whole and held at once (4 bytes a sample at 24 kHz: 2 h = 0.7 GB); "
+        "an item waits until its duration fits (one longer than this runs alone)",
+    )
     # --- fetching ------------------------------------------------------------------------------
     fetch_timeout_s: float = _f(10.0, "deadline for fetching one URL, redirects included")
     fetch_concurrency: int = _f(32, "URLs fetched at once (also the connection pool size)")
@@ -176,6 +181,7 @@ class EncoderServerConfig:
             "audio_max_channels",
             "audio_decode_lookahead",
             "max_concurrent_audios",
+            "audio_seconds_in_flight",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -34,6 +34,25 @@ log = logging.getLogger(__name__)
 INLINE_BYTES = 8 << 20  # items up to this size travel to the decoders as bytes, larger ones as a file
 
 
+class SecondsBudget:
+    """Seconds of audio held at once (MiMo's items are decoded whole): `hold(s)` waits until `s` more fit under
+    `limit`, or until nothing else is held (an item longer than the limit runs alone, never starves)."""
+
+    def __init__(self, limit: float):
+        self.limit, self.held = limit, 0.0
+        self._cond = asyncio.Condition()
+
+    async def acquire(self, seconds: float) -> None:
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.held == 0 or self.held + seconds <= self.limit)
+            self.held += seconds
+
+    async def release(self, seconds: float) -> None:
+        async with self._cond:
+            self.held -= seconds
+            self._cond.notify_all()
+
+
 class AudioPath:
     def __init__(
         self,
@@ -44,9 +63,11 @@ class AudioPath:
         max_concurrent: int,
         features_on: LogMel | None,
         mimo: MiMoAudioModel | None = None,
+        seconds_in_flight: float = 7200.0,
     ):
         self.plan = plan
         self.mimo = mimo
+        self.budget = SecondsBudget(seconds_in_flight)
         self.decode_pool = decode_pool
         self.batcher = batcher
         self.cache = cache
@@ -82,13 +103,18 @@ class AudioPath:
 
         assert self.mimo is not None
         info = await self.decode_pool.run(probe_job, src, self.plan)
-        t0 = time.perf_counter()
-        chunk = await self.decode_pool.run(chunk_job, src, 0.0, None, self.plan, False)
-        t1 = time.perf_counter()
-        samples = torch.from_numpy(chunk.samples)
-        if samples.numel() <= 480:
-            raise AudioError(f"{samples.numel() / 24000 * 1e3:.1f} ms of audio: MiMo's features need over 20 ms")
-        emb = await asyncio.wrap_future(self.batcher.call_on_forward_thread(self.mimo.embed, samples))
+        held = info.duration_s if info.duration_s > 0 else self.budget.limit  # undeclared: held alone
+        await self.budget.acquire(held)
+        try:
+            t0 = time.perf_counter()
+            chunk = await self.decode_pool.run(chunk_job, src, 0.0, None, self.plan, False)
+            t1 = time.perf_counter()
+            samples = torch.from_numpy(chunk.samples)
+            if samples.numel() <= 480:
+                raise AudioError(f"{samples.numel() / 24000 * 1e3:.1f} ms of audio: MiMo's features need over 20 ms")
+            emb = await asyncio.wrap_future(self.batcher.call_on_forward_thread(self.mimo.embed, samples))
+        finally:
+            await self.budget.release(held)
         seconds = {"wait_decode": t1 - t0, "encode": time.perf_counter() - t1}
         return AudioResult(emb.cpu(), [int(emb.shape[0])], info, samples.numel() / 24000, seconds)
 

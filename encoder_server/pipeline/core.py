@@ -118,6 +118,7 @@ class EncodePipeline:
             config.max_concurrent_audios,
             self._features_on(),
             self.audio_model.mimo if self.audio_model else None,
+            config.audio_seconds_in_flight,
         )
         self.video = VideoPath(
             config,

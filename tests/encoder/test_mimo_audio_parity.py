@@ -153,3 +153,26 @@ def test_log_mel_in_blocks_equals_one_centred_stft():
     whole = torch.log(torch.clamp(mel_filters().T @ spec, min=1e-7)).T
     for block in (1, 37, 300, 6000):
         torch.testing.assert_close(log_mel(x, block=block), whole, rtol=0, atol=1e-5)  # FFT batching order
+
+
+def test_seconds_in_flight_bound_mimos_whole_items():
+    """`--audio-seconds-in-flight`: an item waits until its duration fits; one over the limit runs alone."""
+    import asyncio
+
+    from encoder_server.pipeline.audio_path import SecondsBudget
+
+    async def main():
+        b, order = SecondsBudget(10.0), []
+
+        async def item(name, s, hold_s):
+            await b.acquire(s)
+            order.append((name, b.held))
+            await asyncio.sleep(hold_s)
+            await b.release(s)
+
+        await asyncio.gather(item("a", 6, 0.05), item("b", 6, 0.01), item("c", 20, 0.01), item("d", 3, 0.01))
+        return order, b.held
+
+    order, held = asyncio.run(main())
+    assert held == 0 and order[0] == ("a", 6)
+    assert all(h <= 10 or name == "c" for name, h in order) and ("c", 20) in order  # c alone: nothing else held
