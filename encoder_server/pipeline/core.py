@@ -110,16 +110,7 @@ class EncodePipeline:
             audio_model_id=self.audio_model.model_id if self.audio_model else "",
             audio_fingerprint=self.audio_features.fingerprint(),
         )
-        self.audio = AudioPath(
-            self._audio_plan(),
-            self.decode_pool,
-            self.batcher,
-            self.cache,
-            config.max_concurrent_audios,
-            self._features_on(),
-            self.audio_model.mimo if self.audio_model else None,
-            config.audio_seconds_in_flight,
-        )
+        self.audio = self._make_audio_path()
         self.video = VideoPath(
             config,
             self.preprocess_config,
@@ -167,6 +158,20 @@ class EncodePipeline:
         if name == "none":
             return None
         return load_audio_model(name, c.device, resolve_dtype(c.dtype))
+
+    def _make_audio_path(self) -> AudioPath:
+        c = self.config
+        mimo = self.audio_model.mimo if self.audio_model else None
+        return AudioPath(
+            self._audio_plan(),
+            self.decode_pool,
+            self.batcher,
+            self.cache,
+            c.max_concurrent_audios,
+            self._features_on(),
+            mimo,
+            c.audio_seconds_in_flight,
+        )
 
     def _audio_feature_config(self) -> AudioFeatureConfig:
         """What audio items are decoded at and what their content keys name: MiMo's or Qwen2-Audio's settings."""
