@@ -40,9 +40,9 @@ AUDIO_PRESETS = {"tiny": TINY_AUDIO_CONFIG, "qwen2_audio_7b": QWEN2_AUDIO_7B_CON
 
 @dataclass
 class LoadedAudioModel:
-    module: Qwen2AudioTower  # Qwen2-Audio's tower (30-s windows of Whisper features, batched with images)
+    module: Qwen2AudioTower | None  # Qwen2-Audio's tower (30-s windows of Whisper features, batched with images)
     model_id: str  # part of every audio content key
-    mimo: MiMoAudioModel | None = None  # MiMo's tokenizer + encoder instead (`module` is then unused: None)
+    mimo: MiMoAudioModel | None = None  # MiMo's tokenizer + encoder instead (`module` is then None)
 
 
 def random_audio_model(cfg: AudioTowerConfig = TINY_AUDIO_CONFIG, seed: int = TINY_AUDIO_SEED) -> Qwen2AudioTower:

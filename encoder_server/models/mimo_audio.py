@@ -527,9 +527,7 @@ def load_mimo_audio(directory: str, dtype: torch.dtype = torch.float32, device="
                     elif n.startswith("audio_encoder."):
                         state[n.removeprefix("audio_encoder.")] = fh.get_tensor(n)
     _load(encoder, state, f"{directory} (speech_embeddings.*, audio_encoder.*)")
-    tokenizer.to(device=device, dtype=torch.bfloat16).eval()
-    for layer in tokenizer.encoder.quantizer.vq.layers:  # codebooks: bf16-rounded, then fp32 (the reference's)
-        layer._codebook.embed = layer._codebook.embed.float()
+    tokenizer.to(device=device, dtype=torch.bfloat16).eval()  # codebooks too: bf16-rounded, fp32 in `_quantize`
     encoder.to(device=device, dtype=dtype).eval()
     return MiMoAudioModel(tokenizer, encoder)
 

@@ -430,8 +430,8 @@ class EncodePipeline:
         return self.lanes.run(pixel_values, grid_thw, self.tuner.threads)
 
     def _audio_forward(self, features: torch.Tensor, frames: torch.Tensor) -> torch.Tensor:
-        if self.audio_model is None:  # pragma: no cover - audio items are refused on arrival without a tower
-            raise RuntimeError("no audio tower")
+        if self.audio_model is None or self.audio_model.module is None:  # pragma: no cover - never batched then
+            raise RuntimeError("no windowed audio tower")
         return self.audio_model.module(features, frames)
 
     def _on_batch(self, items: int, patches: int, seconds: float) -> None:

@@ -53,6 +53,11 @@ def run_encode_audio(args) -> int:
         return error(str(e))
     if model is None:
         return error(f"model {args.model!r} has no audio tower (no audio_config)")
+    if model.module is None:
+        return error(
+            f"model {args.model!r}: MiMo's audio is served by the encoder (`serve` / `encoder`); this command runs "
+            "Qwen2-Audio's streamed 30-s windows only"
+        )
     with FrameProgress(["encoded"], unit="s", disable=args.no_progress) as bar:
         try:
             result = encode_audio_file(

@@ -217,6 +217,13 @@ def test_serve_a_v25_checkpoint_answers_images_and_audio_through_mimos_own_tower
                 )
             assert no_video.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "MiMo's own frame sampling" in no_video.value.details()
+            strip = encode_image(textured(2, 20000, seed=1), "PNG")  # MiMo's resize rules give it an empty size
+            with pytest.raises(grpc.RpcError) as too_thin:
+                encoder_pb2_grpc.EncoderStub(ch).Encode(
+                    encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=strip)]), timeout=60
+                )
+            assert too_thin.value.code() == grpc.StatusCode.INVALID_ARGUMENT, too_thin.value.details()
+            assert "empty size" in too_thin.value.details()
     finally:
         assert s.stop() == 0
     got = torch.frombuffer(bytearray(item.embedding.data), dtype=getattr(torch, item.embedding.dtype))
@@ -226,6 +233,14 @@ def test_serve_a_v25_checkpoint_answers_images_and_audio_through_mimos_own_tower
     assert list(item.grid_thw) == grid[0].tolist() and item.num_tokens == want.shape[0]
     got = got.view(want.shape).float()
     assert ((got - want).norm() / want.norm()).item() < 1e-5
+    (tmp_path / "clip.wav").write_bytes(wav)  # the Qwen-only CLI says so in one line, no traceback
+    r = subprocess.run(
+        [sys.executable, "-m", "mimo_epd", "encode-audio", str(tmp_path / "clip.wav"), "--model", d],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "served by the encoder" in r.stderr and "Traceback" not in r.stderr, r.stderr
     # the clip's rows: MiMo's tokenizer and encoder on its samples (16-bit PCM at 24 kHz: decoded exactly)
     heard_rows = torch.frombuffer(bytearray(sound.embedding.data), dtype=getattr(torch, sound.embedding.dtype))
     samples = torch.from_numpy(np.frombuffer(pcm, dtype="<i2").astype(np.float32) / 32768)
