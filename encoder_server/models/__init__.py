@@ -221,6 +221,7 @@ def mimo_preprocessor_config(cfg_dict: dict) -> dict:
         "image_mean": list(p.mean),
         "image_std": list(p.std),
         "processor": p.processor,
+        "processor_config": cfg_dict.get("processor_config") or {},  # its video sampling (video/sampling.py)
     }
 
 

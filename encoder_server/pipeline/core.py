@@ -34,6 +34,7 @@ from ..metrics import EncoderMetrics
 from ..models import LoadedVisionModel, load_vision_model, resolve_dtype
 from ..models.audio_loader import LoadedAudioModel, load_audio_model
 from ..preprocess import PreprocessConfig, preprocess_images, preset_for_tower
+from ..video.sampling import VideoSampling
 from .admission import Admission, InflightTable
 from .audio_path import AudioPath
 from .jobs import ItemRequest, ItemResult, Job, Next, ReplyBudget
@@ -109,14 +110,10 @@ class EncodePipeline:
             merge_unit=self.model.module.config.spatial_merge_size**2,
             audio_model_id=self.audio_model.model_id if self.audio_model else "",
             audio_fingerprint=self.audio_features.fingerprint(),
+            video_base=self._video_base(),
         )
         self.audio = self._make_audio_path()
-        self.video = VideoPath(
-            config,
-            self.preprocess_config,
-            TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward, self.preprocess_config),
-            self.cache,
-        )
+        self.video = self._make_video_path()
         self._tasks: list[asyncio.Task] = []
 
     def _make_cache(self):
@@ -222,6 +219,20 @@ class EncodePipeline:
         if torch.device(c.device).type == "cuda":
             return len(set(lane_devices(c.device, max(1, torch.cuda.device_count())))), False
         return (2, True) if self._tunes() and usable_cores() >= 2 else (1, False)
+
+    def _make_video_path(self) -> VideoPath:
+        tower = TowerOnForwardThread(self.batcher.call_on_forward_thread, self._forward, self.preprocess_config)
+        return VideoPath(self.config, self.preprocess_config, tower, self.cache)
+
+    def _video_base(self) -> VideoSampling:
+        """The video sampling an item's options override: MiMo's from its checkpoint's `processor_config` (the
+        processor's own defaults without one), else the server's --video-* flags."""
+        pre = self.preprocess_config
+        if pre.exact_floats:
+            pc = (self.model.preprocessor_config or {}).get("processor_config")
+            return VideoSampling.mimo(pc, pre.factor)
+        c = self.config
+        return VideoSampling(fps=c.video_fps, max_frames=c.video_max_frames, min_frames=c.video_min_frames)
 
     def _preprocess_config(self) -> PreprocessConfig:
         c = self.config

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import grpc
 import torch
@@ -50,6 +50,7 @@ class Stages:
     merge_unit: int  # patches per embedding row (spatial_merge_size ** 2)
     audio_model_id: str = ""  # empty: no audio tower
     audio_fingerprint: str = ""  # the audio feature settings
+    video_base: VideoSampling = field(default_factory=VideoSampling)  # what an item's VideoOptions override
     _fallbacks_seen: int = 0
 
     def __post_init__(self):
@@ -102,10 +103,12 @@ class Stages:
             )
         if req.video_fps < 0 or req.video_min_frames < 0 or req.video_max_frames < 0:
             raise ValueError("video options must not be negative")
-        s = VideoSampling(
-            fps=req.video_fps or c.video_fps,
-            max_frames=req.video_max_frames or c.video_max_frames,
-            min_frames=req.video_min_frames or c.video_min_frames,
+        b = self.video_base
+        s = replace(
+            b,
+            fps=req.video_fps or b.fps,
+            max_frames=req.video_max_frames or min(b.max_frames, c.video_max_frames),
+            min_frames=req.video_min_frames or min(b.min_frames, c.video_max_frames),
         )
         s.validate()
         return s

@@ -61,14 +61,6 @@ class VideoPath:
         self._tasks: set[asyncio.Task] = set()
 
     def start(self, job: Job) -> None:
-        if self.pre.exact_floats:  # refused, never served approximately (docs/encoder.md)
-            job.fail(
-                invalid(
-                    "video: MiMo's vision tower takes videos through MiMo's own frame sampling, timestamps and float "
-                    "resize, which this server does not implement yet; send the frames as images"
-                )
-            )
-            return
         task = asyncio.get_running_loop().create_task(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

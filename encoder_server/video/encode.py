@@ -6,6 +6,10 @@ Frames arrive in order, already scaled to the target size by the decoder; every 
 tower in chunks of at most `max_batch_tokens` patches. The Qwen2.5-VL tower never attends across
 temporal groups (windows and full-attention segments are per group), so chunking gives exactly the
 embedding of a whole-clip forward, with memory bounded by one chunk plus the decoder's queues.
+
+MiMo's tower (`pre.exact_floats`) attends within each frame pair too, so the same chunking is exact for it; its
+frames are decoded at full size and each group is resized as floats (bilinear, no rounding), normalised and cut
+into float patches (`float_group_patches`), as MiMo's processor does to the same decoded frames.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..preprocess import ImageSizeError, PreprocessConfig
+from ..preprocess import ImageSizeError, PreprocessConfig, patchify_frames, resize_bilinear_floats
 from .decode import VideoError, VideoInfo, decode_parallel, probe
 from .sampling import VideoSampling, frame_size, sample_indices
 
@@ -30,6 +34,16 @@ def patchify_frames_uint8(frames: np.ndarray, config: PreprocessConfig) -> np.nd
     gh, gw = h // p, w // p
     x = frames.reshape(t, gh // m, m, p, gw // m, m, p, c).transpose(1, 4, 2, 5, 7, 0, 3, 6)
     return np.ascontiguousarray(x).reshape(gh * gw, c * t * p * p)
+
+
+def float_group_patches(frames: np.ndarray, size: tuple[int, int], config: PreprocessConfig) -> torch.Tensor:
+    """[T, H, W, 3] uint8 full-size frames -> MiMo's [gh*gw, 3*T*P*P] float32 patches at `size` (h, w): bilinear
+    float resize, (x - 255 mean) / (255 std), the processor's patch layout."""
+    batch = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2)
+    x = resize_bilinear_floats(batch, size)
+    mean = torch.tensor(config.mean, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+    std = torch.tensor(config.std, dtype=torch.float32).view(1, 3, 1, 1) * 255.0
+    return patchify_frames(x.sub_(mean).div_(std), config)
 
 
 @dataclass
@@ -89,7 +103,7 @@ class _ChunkEncoder:
         self.gh, self.gw = grid_hw
         self.groups_per_chunk = max(1, max_batch_tokens // (self.gh * self.gw))
         self.outputs: list[torch.Tensor] = []
-        self.chunk: list[np.ndarray] = []
+        self.chunk: list = []  # uint8 patches (numpy), or MiMo's float patches (torch)
         self.group: list[np.ndarray] = []
         self.timing = {"wait_decode": 0.0, "patchify": 0.0, "encode": 0.0}
         self.encoded = 0  # frames encoded (groups x temporal_patch_size)
@@ -116,7 +130,11 @@ class _ChunkEncoder:
 
     def _close_group(self) -> None:
         t = time.perf_counter()
-        self.chunk.append(patchify_frames_uint8(np.stack(self.group), self.pre))
+        if self.pre.exact_floats:
+            size = (self.gh * self.pre.patch_size, self.gw * self.pre.patch_size)
+            self.chunk.append(float_group_patches(np.stack(self.group), size, self.pre))
+        else:
+            self.chunk.append(patchify_frames_uint8(np.stack(self.group), self.pre))
         self.group.clear()
         self.timing["patchify"] += time.perf_counter() - t
 
@@ -124,7 +142,8 @@ class _ChunkEncoder:
         if not self.chunk:
             return
         t = time.perf_counter()
-        pv = torch.from_numpy(np.concatenate(self.chunk)).to(self.device)
+        pv = torch.cat(self.chunk) if self.pre.exact_floats else torch.from_numpy(np.concatenate(self.chunk))
+        pv = pv.to(self.device)
         grid = torch.tensor([[len(self.chunk), self.gh, self.gw]])
         with torch.inference_mode():
             self.outputs.append(self.model(pv, grid).cpu())
@@ -154,7 +173,8 @@ def encode_video(
     model.patch_embed.set_input_normalization(pre.mean, pre.std)
     t_probe = time.perf_counter() - t0
     timestamps: list[float] = []
-    frames = decode_parallel(path, indices, info.keyframes, (th, tw), workers=workers, mode=mode)
+    decode_size = None if pre.exact_floats else (th, tw)  # MiMo resizes the full frames as floats
+    frames = decode_parallel(path, indices, info.keyframes, decode_size, workers=workers, mode=mode)
     decoded = 0
     t_wait = time.perf_counter()
     for idx, arr in frames:

@@ -9,6 +9,12 @@ is followed exactly, including two details a summary of the formula leaves open:
   30 fps video float64 would pick 2 of the 768 frames one frame later.
 Each frame is resized with smart_resize under the video pixel bounds, with its budget shrunk so that
 n * pixels <= total_pixels.
+
+MiMo's processor (`processor="mimo"`, `VideoSampling.mimo`) takes decoded frames and their times; which frames
+is decided before it, so the count and indices above serve it too, with the defaults of the checkpoint's
+`processor_config` (2 fps, 8 to 256 frames). Its frame size is its own: the budget is
+max(min_pixels, min(total_pixels * 2 // n, max_pixels)) for n sampled frames, then MiMo's smart_resize (small frames
+scaled to the factor first), and frames are resized as floats after decoding at full size (video/encode.py).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from ..preprocess import PreprocessConfig, smart_resize
+from ..preprocess import PreprocessConfig, mimo_smart_resize, smart_resize
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,22 @@ class VideoSampling:
     min_pixels: int = 128 * 28 * 28
     max_pixels: int = 768 * 28 * 28
     total_pixels: int = int(128000 * 28 * 28 * 0.9)
+    processor: str = "qwen2_vl"  # whose frame-size rule: qwen2_vl or mimo
+
+    @classmethod
+    def mimo(cls, processor_config: dict | None, unit: int = 32) -> "VideoSampling":
+        """MiMo's defaults from a checkpoint's `processor_config` (`unit`: patch x merge), the processor's own where
+        it names none."""
+        pc = processor_config or {}
+        return cls(
+            fps=float(pc.get("fps") or 2.0),
+            min_frames=int(pc.get("min_frames") or 8),
+            max_frames=int(pc.get("max_frames") or 256),
+            min_pixels=int(pc.get("video_min_pixels") or 4 * unit * unit),
+            max_pixels=int(pc.get("video_max_pixels") or 4096 * unit * unit),
+            total_pixels=int(pc.get("video_total_max_pixels") or 16384 * unit * unit),
+            processor="mimo",
+        )
 
     def validate(self) -> None:
         if not (self.fps > 0 and math.isfinite(self.fps)):  # NaN fails every comparison: test what is allowed
@@ -70,5 +92,8 @@ def sample_indices(total_frames: int, video_fps: float, s: VideoSampling) -> np.
 
 def frame_size(height: int, width: int, n_frames: int, s: VideoSampling, pre: PreprocessConfig) -> tuple[int, int]:
     """Target (h, w) of every sampled frame."""
+    if s.processor == "mimo":
+        budget = max(s.min_pixels, min(s.total_pixels * s.frame_factor // max(n_frames, 1), s.max_pixels))
+        return mimo_smart_resize(height, width, pre.factor, s.min_pixels, budget)
     max_pixels = max(min(s.max_pixels, s.total_pixels / n_frames * s.frame_factor), int(s.min_pixels * 1.05))
     return smart_resize(height, width, pre.factor, s.min_pixels, int(max_pixels))

@@ -32,7 +32,10 @@ weight's rows get a random magnitude, so neighbouring blocks have very different
 applies a scale to the wrong rows is wrong by a lot, not by a little.
 
 The tokenizer, chat template and generation config are the shipped `tiny` model's (vocabulary 4096), so `serve DIR`
-answers at once.
+answers at once. `v2.5` adds MiMo's media tokens to that tokenizer (`OMNI_TOKENS`, ids 4096 on, special), names
+their ids in `config.json`'s `processor_config` as the release does, renders media parts in its chat template as
+MiMo's placeholders, and pads the vocabulary to 4224 (a release pads its 152k too): its prompts take the omni
+layout (mimo_epd/common/omni_prompt.py). The video start / end tokens' spellings are ours; the ids are what count.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo_epd.common.model_names import resolve_model
+from mimo_epd.common.omni_prompt import PLACEHOLDER
 
 from ..kernels.fp8 import mxfp4_quantize, quantize
 
@@ -92,7 +96,7 @@ def make_config(like: str, weights: str, s: Shape) -> dict:
     cfg: dict = {
         "architectures": ["MiMoV2FlashForCausalLM" if flash else "MiMoV2ForCausalLM"],
         "model_type": "mimo_v2_flash" if flash else "mimo_v2",
-        "vocab_size": 4096,
+        "vocab_size": OMNI_VOCAB if like == "v2.5" else 4096,
         "hidden_size": s.hidden,
         "intermediate_size": s.inter,
         "num_hidden_layers": s.layers,
@@ -155,6 +159,20 @@ def make_config(like: str, weights: str, s: Shape) -> dict:
             q["mxfp4_block_size"] = 32
         cfg["quantization_config"] = q
     return cfg
+
+
+OMNI_VOCAB = 4224  # v2.5: the tiny tokenizer's 4096 tokens, MiMo's media tokens, padding to a multiple of 128
+OMNI_TOKENS = (
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|mimo_audio_start|>",
+    "<|mimo_audio_end|>",
+    "<|audio_pad|>",
+    "<|mimo_video_start|>",
+    "<|mimo_video_end|>",
+)
 
 
 class _Rand:
@@ -320,6 +338,61 @@ def audio_config(s: Shape) -> dict:
     }
 
 
+def processor_config() -> dict:
+    """The v2.5 config's `processor_config`: the media token ids (the tiny tokenizer's 4096 tokens, then
+    `OMNI_TOKENS` in order) and the video sampling of MiMo's processor (2 fps, 8 to 256 frames); pixel bounds left
+    to the processor's defaults."""
+    ids = {name: 4096 + i for i, name in enumerate(OMNI_TOKENS)}
+    return {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "audio_token_id": ids["<|audio_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+        "audio_start_token_id": ids["<|mimo_audio_start|>"],
+        "audio_end_token_id": ids["<|mimo_audio_end|>"],
+        "video_start_token_id": ids["<|mimo_video_start|>"],
+        "video_end_token_id": ids["<|mimo_video_end|>"],
+        "fps": 2.0,
+        "max_frames": 256,
+        "min_frames": 8,
+    }
+
+
+def _omni_tokenizer(out: str) -> None:
+    """The tiny tokenizer with MiMo's media tokens added (special, ids 4096 on) and a chat template that renders
+    each media part as MiMo's placeholder string (mimo_epd/common/omni_prompt.py)."""
+    path = os.path.join(out, "tokenizer.json")
+    with open(path, encoding="utf-8") as fh:
+        tok = json.load(fh)
+    for i, content in enumerate(OMNI_TOKENS):
+        tok["added_tokens"].append(
+            {
+                "id": 4096 + i,
+                "content": content,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        )
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(tok, fh, ensure_ascii=False)
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as fh:
+        cfg = json.load(fh)
+    text_only = "{%- if part.type == 'text' -%}{{ part.text }}{%- endif -%}"
+    if text_only not in cfg["chat_template"]:
+        raise ValueError("the tiny chat template changed: update make_checkpoint's media parts")
+    media = "".join(f"{{%- elif part.type == '{kind}' -%}}{PLACEHOLDER[kind]}" for kind in ("image", "video", "audio"))
+    cfg["chat_template"] = cfg["chat_template"].replace(
+        text_only, "{%- if part.type == 'text' -%}{{ part.text }}" + media + "{%- endif -%}"
+    )
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh, indent=2, ensure_ascii=False)
+
+
 def _audio(w: _Writer, r: _Rand, file: str, a: dict, out: str) -> None:
     """The encoder's weights into `file` (bf16); the tokenizer into `out/audio_tokenizer/`."""
     from safetensors.torch import save_file
@@ -398,7 +471,7 @@ def write_checkpoint(
     r, w = _Rand(seed), _Writer(weights in ("fp8", "mxfp4"), weights == "mxfp4")
     shards = max(1, min(shards, s.layers))
     names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
-    w.put(names[0], "model.embed_tokens.weight", r.weight(4096, s.hidden))
+    w.put(names[0], "model.embed_tokens.weight", r.weight(cfg["vocab_size"], s.hidden))
     pattern = cfg["hybrid_layer_pattern"]
     router_dtype = torch.bfloat16 if like == "v2.6" else torch.float32
     for i in range(s.layers):
@@ -418,8 +491,9 @@ def write_checkpoint(
         _vision(w, r, names[-1], cfg["vision_config"])
         cfg["audio_config"] = audio_config(s)
         _audio(w, r, names[-1], cfg["audio_config"], out)
+        cfg["processor_config"] = processor_config()
     w.put(names[-1], "model.norm.weight", 1 + r.vec(s.hidden, 0.1))
-    w.put(names[-1], "lm_head.weight", r.weight(4096, s.hidden))
+    w.put(names[-1], "lm_head.weight", r.weight(cfg["vocab_size"], s.hidden))
     for k in range(s.mtp):
         f, p = "model_mtp.safetensors", f"model.mtp.layers.{k}"
         for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
@@ -443,6 +517,8 @@ def write_checkpoint(
     tiny = resolve_model("tiny")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         shutil.copy(os.path.join(tiny, name), os.path.join(out, name))
+    if like == "v2.5":
+        _omni_tokenizer(out)
     return {
         "out": out,
         "like": like,

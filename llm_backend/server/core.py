@@ -21,7 +21,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Protocol
+from typing import Callable, Container, Protocol
 
 import grpc
 import torch
@@ -29,6 +29,7 @@ import torch
 from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
 from llm_backend.engine.interfaces import Ticket
 from mimo_epd.common.auth import client_interceptors
+from mimo_epd.common.omni_prompt import ItemRows, LayoutError, OmniTokens, layout
 from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
@@ -121,6 +122,18 @@ def placeholder_ids(content_key: str, n: int, vocab: int) -> list[int]:
     return [vocab + (base + j) % (1 << 40) for j in range(n)]
 
 
+MEDIA_KIND = {encoder_pb2.IMAGE: "image", encoder_pb2.VIDEO: "video", encoder_pb2.AUDIO: "audio"}
+
+
+@dataclass
+class EncodedMedia:
+    """A request's media as the encoder returned them: each item's placeholder ids (and video groups), and all
+    their embedding rows in item order (None without media)."""
+
+    items: list[ItemRows]
+    table: torch.Tensor | None
+
+
 @dataclass
 class Prepared:
     prompt: list[int]
@@ -195,11 +208,14 @@ class GenerationCore:
         ticketing: Ticketing | None = None,
         engine_alive: Callable[[], bool] | None = None,
         kv_events_position: Callable[[], str] | None = None,
+        omni: OmniTokens | None = None,
     ):
         """`ticketing`: the worker role's ticket for each request (the decode role's, server/kv_transfer.py).
         `engine_alive`: whether the engine thread still runs. `kv_events_position`: "EPOCH:SEQ" of the worker's
-        KV-event log, reported with each final ("" = no events published)."""
+        KV-event log, reported with each final ("" = no events published). `omni`: the checkpoint's media tokens
+        (MiMo's omni prompt lays media out with them; None = rows right after the first token)."""
         self.engine = engine
+        self.omni = omni
         self.metrics = metrics
         self.default_max_tokens = default_max_tokens
         self.model_name = model_name or getattr(engine, "model_name", "") or "tiny"
@@ -277,9 +293,11 @@ class GenerationCore:
     # ------------------------------------------------------------------------------------ media
     async def encode_media(
         self, items: list[encoder_pb2.MediaItem], timeout: float | None, names: list[str] | None = None
-    ) -> tuple[list[int], dict[int, torch.Tensor]]:
+    ) -> EncodedMedia:
+        """Each item's rows from the encoder, with its placeholder ids (derived from its content key) and, for a
+        video, its temporal groups (what MiMo's omni prompt writes a timestamp for)."""
         if not items:
-            return [], {}
+            return EncodedMedia([], None)
         if self.encoder is None:
             raise ServeError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -291,8 +309,8 @@ class GenerationCore:
         except grpc.aio.AioRpcError as e:
             raise media_error(e.code(), e.details(), names) from None
         hidden = self.engine.model.config.hidden_size
-        ids, rows = [], []
-        for i, it in enumerate(resp.items):
+        out, rows = [], []
+        for i, (it, asked) in enumerate(zip(resp.items, items)):
             emb = torch.frombuffer(bytearray(it.embedding.data), dtype=getattr(torch, it.embedding.dtype)).view(
                 *it.embedding.shape
             )
@@ -303,10 +321,54 @@ class GenerationCore:
                     http_status=400,
                     param="media",
                 )
-            ids += placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
+            kind = MEDIA_KIND.get(asked.modality, "image")
+            groups: tuple[tuple[float, int], ...] = ()
+            if kind == "video" and it.timestamps_s:
+                per = emb.shape[0] // len(it.timestamps_s)
+                groups = tuple((float(t), per) for t in it.timestamps_s)
+            in_video = bool(names) and i < len(names) and names[i].endswith(AUDIO_TRACK)
+            ids = placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
+            out.append(ItemRows(kind, ids, groups, in_video))
             rows.append(emb)
-        table = torch.cat(rows)
-        return ids, {1 + j: table[j] for j in range(table.shape[0])}  # positions after BOS
+        return EncodedMedia(out, torch.cat(rows))
+
+    def place_media(self, prompt: list[int], enc: EncodedMedia, param: str = "prompt") -> dict[int, torch.Tensor]:
+        """The media rows by prompt position: each id >= the vocabulary must be one of the items' placeholder ids,
+        and takes that id's row (whatever layout put it there; an id names its item's content and its row)."""
+        if enc.table is None:
+            return {}
+        row_of = {t: j for j, t in enumerate(t for it in enc.items for t in it.ids)}
+        out = {}
+        for i, t in enumerate(prompt):
+            if t >= self.vocab_size:
+                j = row_of.get(t)
+                if j is None:
+                    raise ServeError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{param}: the media placeholders differ from this worker's encoding of the media",
+                        param=param,
+                    )
+                out[i] = enc.table[j]
+        return out
+
+    def media_prompt(self, ids: list[int], enc: EncodedMedia, text: str | None, add_special_tokens: bool) -> list[int]:
+        """The prompt with the media in it: MiMo's omni layout where the checkpoint names its media tokens
+        (mimo_epd/common/omni_prompt.py), else every item's rows right after the first token."""
+        if not enc.items:
+            return ids
+        if self.omni is None:
+            return ids[:1] + [t for it in enc.items for t in it.ids] + ids[1:]
+
+        def plain(s: str) -> list[int]:
+            return self.encode_text(s, False)
+
+        try:
+            if text is None:
+                return layout(self.omni, "", enc.items, plain, head=ids)
+            head = self.encode_text("", True) if add_special_tokens else []
+            return layout(self.omni, text, enc.items, plain, head=head)
+        except LayoutError as e:
+            raise ServeError.invalid(str(e), param="messages" if text is not None else "prompt") from None
 
     async def prepare(
         self,
@@ -327,11 +389,12 @@ class GenerationCore:
             ids = self.encode_text(text or "", add_special_tokens)
         if not ids:
             raise ServeError.invalid("the prompt is empty", param="prompt")
-        media_ids, media = await self.encode_media(list(media_items), timeout, media_names)
-        prompt = ids[:1] + media_ids + ids[1:] if media_ids else ids
-        return Prepared(prompt, media, len(media_ids), arrival, list(media_items))
+        enc = await self.encode_media(list(media_items), timeout, media_names)
+        prompt = self.media_prompt(ids, enc, text if token_ids is None else None, add_special_tokens)
+        media = self.place_media(prompt, enc)
+        return Prepared(prompt, media, len(media), arrival, list(media_items))
 
-    def check_token_ids(self, ids, param: str, skip: range = range(0)) -> list[int]:
+    def check_token_ids(self, ids, param: str, skip: Container[int] = ()) -> list[int]:
         """Client token ids as ints, each in [0, vocabulary) (positions in `skip`: media placeholders this worker
         computed itself); any other value is a 400 / INVALID_ARGUMENT naming the field and the position. One rule
         for every path that takes ids: gRPC Generate, the HTTP APIs, the P/D prefill control."""

@@ -118,13 +118,10 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
 
     async def _prompt(self, request, context):
         """The prompt ids and media rows; the media placeholders must be the ones this worker computes."""
-        media_ids, media = await self.core.encode_media(list(request.media), context.time_remaining())
-        ids = self.core.check_token_ids(request.prompt_token_ids, "prompt_token_ids", range(1, 1 + len(media_ids)))
-        if media_ids and ids[1 : 1 + len(media_ids)] != media_ids:
-            raise ServeError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"room {request.room}: the media placeholders differ from this worker's encoding of the media",
-            )
+        enc = await self.core.encode_media(list(request.media), context.time_remaining())
+        placeholders = {i for i, t in enumerate(request.prompt_token_ids) if t >= self.core.vocab_size}
+        ids = self.core.check_token_ids(request.prompt_token_ids, "prompt_token_ids", placeholders if enc.items else ())
+        media = self.core.place_media(ids, enc, f"room {request.room}")
         return ids, media
 
     async def _grammar(self, request):

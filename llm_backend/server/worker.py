@@ -12,6 +12,7 @@ import time
 
 from mimo_epd.common.auth import use_internal_key
 from mimo_epd.common.grpc_server import GrpcServer, shown_host, stop_on_signals
+from mimo_epd.common.omni_prompt import OmniTokens
 from mimo_epd.v1 import generator_pb2_grpc, kv_events_pb2_grpc
 
 from ..kv.events import DEFAULT_BLOCK, KVEventPublisher, KVEventsService, engine_load, event_block_size
@@ -61,6 +62,7 @@ async def serve_llm(
         ticketing=DecodeTicketing(engine.config.pd_prefill) if isinstance(role, DecodeRole) else None,
         engine_alive=thread.is_alive,
         kv_events_position=events.position,
+        omni=OmniTokens.from_model(model),
     )
     metrics.watch(core.stats)
     thread.start()

@@ -15,39 +15,61 @@ from .common import FrameProgress, error, setup_logging
 def add_sampling_arguments(p) -> None:
     from encoder_server.video.sampling import VideoSampling
 
-    d = VideoSampling()
-    p.add_argument("--fps", type=float, default=d.fps, help=f"frames sampled per second of video (default: {d.fps})")
+    d, m = VideoSampling(), VideoSampling.mimo(None)
+    model = "default: {} ({} for MiMo's tower: its checkpoint's processor_config)"
     p.add_argument(
-        "--max-frames", type=int, default=d.max_frames, help=f"most frames sampled (default: {d.max_frames})"
+        "--fps",
+        type=float,
+        default=None,
+        help="frames sampled per second of video (" + model.format(d.fps, m.fps) + ")",
     )
     p.add_argument(
-        "--min-frames", type=int, default=d.min_frames, help=f"fewest frames sampled (default: {d.min_frames})"
+        "--max-frames",
+        type=int,
+        default=None,
+        help="most frames sampled (" + model.format(d.max_frames, m.max_frames) + ")",
     )
     p.add_argument(
-        "--video-min-pixels", type=int, default=d.min_pixels, help=f"min pixels per frame (default: {d.min_pixels})"
+        "--min-frames",
+        type=int,
+        default=None,
+        help="fewest frames sampled (" + model.format(d.min_frames, m.min_frames) + ")",
     )
     p.add_argument(
-        "--video-max-pixels", type=int, default=d.max_pixels, help=f"max pixels per frame (default: {d.max_pixels})"
+        "--video-min-pixels",
+        type=int,
+        default=None,
+        help="min pixels per frame (" + model.format(d.min_pixels, m.min_pixels) + ")",
+    )
+    p.add_argument(
+        "--video-max-pixels",
+        type=int,
+        default=None,
+        help="max pixels per frame (" + model.format(d.max_pixels, m.max_pixels) + ")",
     )
     p.add_argument(
         "--video-total-pixels",
         type=int,
-        default=d.total_pixels,
-        help=f"pixel budget of all sampled frames together (default: {d.total_pixels})",
+        default=None,
+        help="pixel budget of all sampled frames together (" + model.format(d.total_pixels, m.total_pixels) + ")",
     )
 
 
-def _sampling_from_args(args):
+def _sampling_from_args(args, base=None):
+    """The sampling the flags ask for over `base` (the model's defaults; Qwen2-VL's without one)."""
+    from dataclasses import replace
+
     from encoder_server.video.sampling import VideoSampling
 
-    return VideoSampling(
-        fps=args.fps,
-        max_frames=args.max_frames,
-        min_frames=args.min_frames,
-        min_pixels=args.video_min_pixels,
-        max_pixels=args.video_max_pixels,
-        total_pixels=args.video_total_pixels,
-    )
+    given = {
+        "fps": args.fps,
+        "max_frames": args.max_frames,
+        "min_frames": args.min_frames,
+        "min_pixels": args.video_min_pixels,
+        "max_pixels": args.video_max_pixels,
+        "total_pixels": args.video_total_pixels,
+    }
+    return replace(base or VideoSampling(), **{k: v for k, v in given.items() if v is not None})
 
 
 def add_encode_video_flags(ev) -> None:
@@ -76,6 +98,7 @@ def run_encode_video(args) -> int:
     from encoder_server.preprocess import PreprocessConfig, preset_for_tower
     from encoder_server.video.decode import VideoError
     from encoder_server.video.encode import encode_video
+    from encoder_server.video.sampling import VideoSampling
 
     setup_logging("warning")
     if not Path(args.video).is_file():
@@ -92,10 +115,13 @@ def run_encode_video(args) -> int:
         if info.preprocessor_config
         else preset_for_tower(tower.patch_size)
     )
-    if pre.exact_floats:
-        return error(
-            f"{args.model}: MiMo's vision tower needs MiMo's own video frame rules, not built yet (docs/encoder.md)"
-        )
+    if pre.exact_floats:  # MiMo's frame rules and its checkpoint's sampling defaults under the flags
+        pc = (info.preprocessor_config or {}).get("processor_config")
+        try:
+            sampling = _sampling_from_args(args, VideoSampling.mimo(pc, pre.factor))
+            sampling.validate()
+        except ValueError as e:
+            return error(str(e))
     if args.torch_threads:
         torch.set_num_threads(args.torch_threads)
     with FrameProgress(["decoded", "encoded"], unit="frames", disable=args.no_progress) as bar:

@@ -5,8 +5,9 @@ Generation requests (`POST /v1/chat/completions`, `/v1/completions`, `/generate`
 gRPC Generate (mimo_epd/router/llm.py): the front tokenizes the prompt like the worker does (the same tokenizer,
 and for chat the same chat template with the same message normalisation, tokenized without special tokens), asks
 `LLMRouter.pick(prompt_token_ids)` for the workers in order, and forwards the request unchanged to the first
-one's HTTP API. A request with media is routed by load only (its placeholder ids come from the encoder's content
-keys), as in gRPC. The body goes through the same edge as the worker's (mimo_epd/common/http_edge.py: size after
+one's HTTP API. A request with media is routed on the part of its prompt before the first media row (its placeholder
+ids come from the encoder's content keys): the text before the first placeholder where the model takes MiMo's omni
+prompt, else the first token alone (by load), as in gRPC. The body goes through the same edge as the worker's (mimo_epd/common/http_edge.py: size after
 decompression, strict JSON, depth, strings), so a body no worker could read is refused here with the worker's
 400 / 413 / 415; a readable body the prompt rules refuse is routed by load, and the worker answers with its 400.
 The body is forwarded decompressed (without its Content-Encoding).
@@ -42,6 +43,7 @@ from mimo_epd.common.anthropic_rules import to_chat
 from mimo_epd.common.auth import AuthConfig, ssl_context, upstream_authorization
 from mimo_epd.common.http_edge import error_body, error_response, parse_json, read_body
 from mimo_epd.common.http_server import EdgeConfig, edge_app, start_site
+from mimo_epd.common.omni_prompt import first_media_at
 from mimo_epd.common.prompt_rules import RuleError, audio_in_video, encode_text, is_token_ids, normalize_messages
 from mimo_epd.common.responses_rules import to_chat as responses_to_chat
 
@@ -112,14 +114,18 @@ def chat_messages(messages, audio_in_video: bool = False) -> tuple[list[dict], b
 class Tokenizer:
     """The prompt token ids a worker would compute for a request body (see the module docstring)."""
 
-    def __init__(self, tokenizer, template):
-        self.tokenizer, self.template = tokenizer, template
+    def __init__(self, tokenizer, template, omni: bool = False):
+        """`omni`: the model lays media out in MiMo's omni prompt (mimo_epd/common/omni_prompt.py), so a chat's text
+        before its first media placeholder is the worker's prompt prefix."""
+        self.tokenizer, self.template, self.omni = tokenizer, template, omni
 
     def _encode(self, text: str, special: bool) -> list[int]:
         return encode_text(self.tokenizer, text, special)
 
     def prompt(self, kind: str, body) -> tuple[list[int], bool]:
-        """(token ids, has media); raises Unroutable."""
+        """(the token ids the worker's prompt starts with, has media); raises Unroutable. With media, only the ids
+        before the first media row are predictable (its placeholder ids come from the encoder's content keys): the
+        text before the first placeholder in MiMo's omni prompt, else the first token."""
         if not isinstance(body, dict):
             raise Unroutable("body")
         if kind in ("messages", "responses"):
@@ -138,7 +144,10 @@ class Tokenizer:
                 text = self.template.render(messages, add_generation_prompt=True)
             except ValueError as e:  # ChatTemplateError: the worker reports it
                 raise Unroutable(str(e)) from None
-            return self._encode(text, False), media
+            if not media:
+                return self._encode(text, False), False
+            at = first_media_at(text) if self.omni else -1
+            return (self._encode(text[:at], False) if at >= 0 else self._encode(text, False)[:1]), True
         if kind == "completion":
             prompt = body.get("prompt")
             if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -249,7 +258,7 @@ class HTTPFront:
         self.router = router
         self.metrics = metrics
         self.upstream = upstream or (router.http_upstream if router is not None else (lambda: None))
-        self.tokens = Tokenizer(router.tokenizer, template) if router is not None else None
+        self.tokens = Tokenizer(router.tokenizer, template, router.omni is not None) if router is not None else None
         self.timeout_s = timeout_s
         self.edge = edge or EdgeConfig()
         self.auth = auth or AuthConfig()
@@ -427,12 +436,10 @@ class HTTPFront:
         body, upstream_raw, strip = None, raw, False
         body = parse_json(raw, self.edge.max_json_depth)  # a body no worker could read: its 400 here
         try:
-            tokens, media = self.tokens.prompt(kind, body)
+            tokens, _ = self.tokens.prompt(kind, body)  # with media: the ids before its first row
         except Exception as e:  # Unroutable (the worker says why), or a template this body breaks: route by load
             log.debug("routing an HTTP request by load: %s", e)
-            tokens, media = [], False
-        if media:  # placeholder ids come from the encoder's content keys: only BOS is predictable
-            tokens = tokens[:1]
+            tokens = []
         streaming = isinstance(body, dict) and body.get("stream") is True
         if streaming and kind in ("chat", "completion"):  # OpenAI's stream_options (not SGLang's, not Anthropic's)
             so = body.get("stream_options")

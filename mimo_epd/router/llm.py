@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from mimo_epd.common.auth import client_interceptors
+from mimo_epd.common.omni_prompt import OmniTokens, first_media_at
 from mimo_epd.common.shutdown import await_chain
 from mimo_epd.v1 import generator_pb2_grpc
 
@@ -132,6 +133,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
 
             tokenizer = load_tokenizer(config.model, config.tokenizer)
         self.tokenizer = tokenizer
+        self.omni = OmniTokens.from_model(config.model)  # MiMo's omni prompt: media placeholders in the text
         self.workers: dict[str, WorkerView] = {}
         self.feeds: dict[str, WorkerFeed] = {}
         self.down: dict[str, float] = {}
@@ -561,8 +563,9 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             tokens = list(request.prompt_token_ids)
         else:
             tokens = self.tokenizer.encode(request.prompt)
-        if request.media:  # the placeholder ids come from the encoder's content keys: only BOS is predictable
-            tokens = tokens[:1]
+        if request.media:  # the placeholder ids come from the encoder's content keys: only the ids before them
+            at = first_media_at(request.prompt) if self.omni is not None and not request.prompt_token_ids else -1
+            tokens = self.tokenizer.encode(request.prompt[:at]) if at >= 0 else tokens[:1]
         tried: list[str] = []
         choices = await self.pick(tokens)
         failed_prefill: set[str] = set()
