@@ -87,6 +87,7 @@ def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
     out.timings.queue_ms, out.timings.encode_ms = t["queue"], t["encode"]
     if r.meta:
         out.timestamps_s.extend(r.meta.get("timestamps_s", []))
+        out.end_s = float(r.meta.get("end_s", 0.0))
         if "video" in r.meta:
             out.video.CopyFrom(encoder_pb2.VideoInfo(**r.meta["video"]))
         if "audio" in r.meta:

@@ -110,6 +110,7 @@ class VideoPath:
             )
             meta = {
                 "timestamps_s": result.timestamps_s,
+                "end_s": result.end_s,
                 "video": {
                     "duration_s": result.info.duration_s,
                     "fps": result.info.fps,

@@ -51,6 +51,7 @@ class VideoEncodeResult:
     embedding: torch.Tensor  # [tokens, hidden]
     grid_thw: tuple[int, int, int]
     timestamps_s: list[float]  # start time of each temporal group
+    end_s: float  # where the sampled span ends (segment_end)
     info: VideoInfo
     frames_sampled: int
     frame_size: tuple[int, int]
@@ -190,4 +191,15 @@ def encode_video(
     if progress:
         progress(decoded, min(enc.encoded, len(indices)), len(indices))
     seconds = {"probe": t_probe, **enc.timing, "total": time.perf_counter() - t0}
-    return VideoEncodeResult(emb, (len(timestamps), gh, gw), timestamps, info, len(indices), (th, tw), seconds)
+    grid = (len(timestamps), gh, gw)
+    end = segment_end([i / info.fps for i in indices])
+    return VideoEncodeResult(emb, grid, timestamps, end, info, len(indices), (th, tw), seconds)
+
+
+def segment_end(times: list[float]) -> float:
+    """Where a span of sampled frames ends: the last frame's time plus the spacing of the first two (one second for
+    a single frame), computed as MiMo's processor computes it from its float32 frame times (fps = 1 / spacing, end =
+    last + 1 / fps), so its soundtrack rows split at the same places."""
+    t = [float(np.float32(x)) for x in times]
+    fps = 1.0 if len(t) < 2 else 1.0 / (t[1] - t[0])
+    return t[-1] + 1.0 / fps

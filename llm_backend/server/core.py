@@ -328,7 +328,7 @@ class GenerationCore:
                 groups = tuple((float(t), per) for t in it.timestamps_s)
             in_video = bool(names) and i < len(names) and names[i].endswith(AUDIO_TRACK)
             ids = placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
-            out.append(ItemRows(kind, ids, groups, in_video))
+            out.append(ItemRows(kind, ids, groups, in_video, it.end_s))
             rows.append(emb)
         return EncodedMedia(out, torch.cat(rows))
 

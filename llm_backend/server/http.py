@@ -251,7 +251,7 @@ class LLMHTTPServer:
     async def tokenize(self, request):
         """vLLM's `POST /tokenize`: `prompt` (text, `add_special_tokens` default true) or chat `messages` rendered
         with the chat template exactly as /v1/chat/completions renders them (`add_generation_prompt` default true,
-        `tools`, `chat_template_kwargs`; media parts are encoded, so their rows count: their ids are the engine's
+        `tools`, `chat_template_kwargs`, `use_audio_in_video`; media parts are encoded, so their rows count: their ids are the engine's
         placeholders, >= the vocabulary size). Returns `count`, `max_model_len`, `tokens` and, with
         `return_token_strs`, each token's string (null for a media row)."""
         body = await read_json(request, self.edge)
@@ -260,7 +260,15 @@ class LLMHTTPServer:
         self._check_model(_str_field(body, "model"))
         strs = _bool_field(body, "return_token_strs", False)
         if "messages" in body:
-            chat = {k: body[k] for k in ("messages", "tools", "tool_choice", "chat_template_kwargs") if k in body}
+            keys = (
+                "messages",
+                "tools",
+                "tool_choice",
+                "chat_template_kwargs",
+                "use_audio_in_video",
+                "mm_processor_kwargs",
+            )
+            chat = {k: body[k] for k in keys if k in body}
             req = proto.parse_chat(chat)
             agp = _bool_field(body, "add_generation_prompt", True)
             text = self.template.render(req.messages, add_generation_prompt=agp, **req.agentic.render_kwargs())

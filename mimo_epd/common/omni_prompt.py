@@ -15,7 +15,10 @@ The layout is MiMo's own processor's (vLLM's `MiMoVLProcessor`, the facts in doc
   - image: `vision_start`, one id per embedding row, `vision_end`;
   - audio: `audio_start`, one id per row, `audio_end`;
   - video: `video_start`, then for each temporal group (two frames) the group's start time as `MM:SS` text
-    (tokenized on its own), `vision_start`, the group's rows, `vision_end`; then `video_end`.
+    (tokenized on its own), `vision_start`, the group's rows, `vision_end`; then `video_end`;
+  - a video with its soundtrack (`use_audio_in_video`: the soundtrack's placeholder, right after the video's, takes
+    nothing of its own): each group's vision part is followed by `audio_start`, the soundtrack's rows for the group's
+    span, `audio_end` (`video_with_track`).
 - A text with no placeholder at all takes the items at its front, after its first token (a template that does not
   render media parts, or a raw prompt); a text whose placeholders do not match the items one for one, kind for
   kind, is refused (`LayoutError`), never guessed at: a user's message that types a placeholder cannot take
@@ -32,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -45,6 +49,7 @@ _PATTERNS = {
     "video": r"<\|vision_start\|>(?:<\|video_pad\|>)+<\|vision_end\|>",
     "audio": r"<\|mimo_audio_start\|>(?:<\|audio_pad\|>)+<\|mimo_audio_end\|>",
 }
+AUDIO_ROWS_PER_SECOND = 25.0 / 4  # MiMo's audio: 25 code frames a second, 4 to an embedding row
 MEDIA_RE = re.compile("|".join(f"(?P<{k}>{p})" for k, p in _PATTERNS.items()))
 TOKEN_KEYS = (
     "image_token_id",
@@ -114,11 +119,19 @@ class ItemRows:
     ids: Sequence[int]
     groups: Sequence[tuple[float, int]] = field(default_factory=tuple)
     in_video: bool = False  # an audio item that is the previous video's soundtrack (use_audio_in_video)
+    end_s: float = 0.0  # a video: where its sampled span ends (its soundtrack's rows run to it)
 
 
 def timestamp(seconds: float) -> str:
-    """A video group's time as the prompt writes it: minutes and seconds, `MM:SS` (minutes past 99 keep counting)."""
+    """A video group's time as the prompt writes it: minutes and seconds, `MM:SS` (minutes past 99 keep counting),
+    of the time as a float32 (MiMo's processor holds frame times in float32 tensors)."""
+    seconds = f32(seconds)
     return f"{int(seconds // 60):02d}:{int(seconds % 60):02d}"
+
+
+def f32(x: float) -> float:
+    """`x` rounded to float32 and back."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def split_text(text: str) -> list[tuple[str, str]]:
@@ -161,6 +174,45 @@ def item_ids(tokens: OmniTokens, item: ItemRows, encode: Callable[[str], list[in
     return out
 
 
+def video_with_track(
+    tokens: OmniTokens, video: ItemRows, track: ItemRows, encode: Callable[[str], list[int]]
+) -> list[int]:
+    """A video and its soundtrack interleaved (`use_audio_in_video`, MiMo's `video_audio` content with its interleave
+    length 0): per frame pair, its time, `vision_start`, its rows, `vision_end`, then `audio_start`, the soundtrack's
+    rows from int(start x 6.25) to the next pair's (the last pair's to int(end_s x 6.25), at most all), `audio_end`.
+    A pair the soundtrack has no rows left for is refused (MiMo's processor asserts it)."""
+    starts = [f32(s) for s, _ in video.groups]
+    out, at = [tokens.video_start], 0
+    for i, (start, (_, n)) in enumerate(zip(starts, video.groups)):
+        a0 = int(start * AUDIO_ROWS_PER_SECOND)
+        a1 = int((starts[i + 1] if i + 1 < len(starts) else video.end_s) * AUDIO_ROWS_PER_SECOND)
+        seg = min(a1, len(track.ids)) - a0
+        if seg <= 0:
+            raise LayoutError(
+                f"use_audio_in_video: the soundtrack has {len(track.ids)} rows ({len(track.ids) / AUDIO_ROWS_PER_SECOND:.2f} "
+                f"s), none for the frames at {timestamp(start)}"
+            )
+        out += encode(timestamp(start))
+        out += [tokens.vision_start, *video.ids[at : at + n], tokens.vision_end]
+        out += [tokens.audio_start, *track.ids[a0 : a0 + seg], tokens.audio_end]
+        at += n
+    out.append(tokens.video_end)
+    return out
+
+
+def _item(tokens: OmniTokens, items: Sequence[ItemRows], i: int, encode: Callable[[str], list[int]]) -> list[int]:
+    """Item i's ids: a soundtrack's are its video's (none of its own); a video followed by its soundtrack
+    interleaves them."""
+    it = items[i]
+    if it.in_video:
+        if i == 0 or items[i - 1].kind != "video":
+            raise LayoutError(f"media item {i} is a video's soundtrack with no video before it")
+        return []
+    if it.kind == "video" and i + 1 < len(items) and items[i + 1].in_video:
+        return video_with_track(tokens, it, items[i + 1], encode)
+    return item_ids(tokens, it, encode)
+
+
 def layout(
     tokens: OmniTokens,
     text: str,
@@ -171,16 +223,11 @@ def layout(
     """The prompt ids of `head` + `text` with `items` in place of the text's placeholders (`encode`: text to ids,
     no special tokens added; `head`: ids before the text, e.g. a raw prompt's BOS, or a prompt given as ids with
     an empty text). Raises LayoutError naming the mismatch."""
-    if any(it.in_video for it in items):
-        raise LayoutError(
-            "use_audio_in_video: MiMo's omni prompt interleaves a video's soundtrack with its frames, which this "
-            "server does not lay out yet; send the soundtrack as its own audio part"
-        )
     pieces = split_text(text)
     kinds = [k for k, _ in pieces if k]
     if not kinds:
         ids = [*head, *encode(text)] if text else list(head)
-        media = [t for it in items for t in item_ids(tokens, it, encode)]
+        media = [t for i in range(len(items)) for t in _item(tokens, items, i, encode)]
         return ids[:1] + media + ids[1:]
     if len(kinds) != len(items):
         raise LayoutError(f"the prompt has {len(kinds)} media placeholders for {len(items)} media items")
@@ -193,5 +240,5 @@ def layout(
         i, it = next(media_iter)
         if it.kind != kind:
             raise LayoutError(f"media item {i} is {it.kind!r} but its place in the prompt is an {kind} placeholder")
-        out += item_ids(tokens, it, encode)
+        out += _item(tokens, items, i, encode)
     return out

@@ -107,7 +107,7 @@ class StageTimings(_message.Message):
     def __init__(self, fetch_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
-    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video", "audio", "window_tokens")
+    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video", "audio", "window_tokens", "end_s")
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class ItemEmbedding(_message.Message):
     VIDEO_FIELD_NUMBER: _ClassVar[int]
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    END_S_FIELD_NUMBER: _ClassVar[int]
     content_key: str
     embedding: Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -128,7 +129,8 @@ class ItemEmbedding(_message.Message):
     video: VideoInfo
     audio: AudioInfo
     window_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ..., audio: _Optional[_Union[AudioInfo, _Mapping]] = ..., window_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    end_s: float
+    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ..., audio: _Optional[_Union[AudioInfo, _Mapping]] = ..., window_tokens: _Optional[_Iterable[int]] = ..., end_s: _Optional[float] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("items", "model")

@@ -68,13 +68,27 @@ def test_mismatched_placeholders_are_refused_by_count_and_by_kind():
         layout(T, PLACEHOLDER["image"], [aud], enc)
     with pytest.raises(LayoutError, match="groups hold 3 rows, its embedding 2"):
         layout(T, PLACEHOLDER["video"], [ItemRows("video", [1, 2], groups=((0.0, 3),))], enc)
-    with pytest.raises(LayoutError, match="use_audio_in_video"):
-        layout(
-            T,
-            PLACEHOLDER["video"] + PLACEHOLDER["audio"],
-            [ItemRows("video", [1], ((0.0, 1),)), ItemRows("audio", [2], in_video=True)],
-            enc,
-        )
+
+
+def test_a_soundtrack_is_interleaved_with_its_videos_frame_pairs():
+    vid = ItemRows("video", [1, 2, 3, 4, 5, 6], groups=((0.0, 2), (0.5, 2), (1.0, 2)), end_s=1.5)
+    track = ItemRows("audio", list(range(100, 110)), in_video=True)  # 10 rows: 1.6 s at 6.25 rows a second
+    text = PLACEHOLDER["video"] + PLACEHOLDER["audio"]
+    ids = layout(T, text, [vid, track], enc)
+    # rows int(start x 6.25) .. int(next start x 6.25): 0..3, 3..6, 6..9 (the last to the span's end, 1.5 s)
+    assert ids == [
+        40,
+        *enc("00:00"), 20, 1, 2, 21, 30, 100, 101, 102, 31,
+        *enc("00:00"), 20, 3, 4, 21, 30, 103, 104, 105, 31,
+        *enc("00:01"), 20, 5, 6, 21, 30, 106, 107, 108, 31,
+        41,
+    ]  # fmt: skip
+    assert layout(T, "", [vid, track], enc, head=[7]) == [7, *ids]  # no placeholders: the same, after the first id
+    short = ItemRows("audio", [100, 101, 102], in_video=True)
+    with pytest.raises(LayoutError, match="the soundtrack has 3 rows .* none for the frames at 00:00"):
+        layout(T, text, [vid, short], enc)
+    with pytest.raises(LayoutError, match="soundtrack with no video before it"):
+        layout(T, PLACEHOLDER["audio"], [track], enc)
 
 
 def test_the_config_names_all_nine_tokens_or_none():

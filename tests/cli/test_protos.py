@@ -51,5 +51,6 @@ def test_stubs_import_and_describe_the_contract():
         "video",
         "audio",
         "window_tokens",
+        "end_s",
     }
     assert hasattr(encoder_pb2_grpc, "EncoderStub")

@@ -190,3 +190,57 @@ def test_prompt_and_video_embeddings_equal_vllms(tmp_path):
 
 def _b64(b: bytes) -> str:
     return base64.b64encode(b).decode()
+
+
+def test_a_video_with_its_soundtrack_is_interleaved_like_vllms(tmp_path):
+    """`use_audio_in_video`: each frame pair's rows, then the soundtrack's rows for its span (MiMo's `video_audio`
+    with interleave length 0), id for id with the reference; the soundtrack's own placeholder takes nothing."""
+    from encoder_server.audio.decode import decode
+    from llm_backend.models.make_checkpoint import write_checkpoint
+    from mimo_epd.testing.servers import start_server
+    from mimo_epd.testing.video_gen import make_test_video
+
+    d = tmp_path / "v25"
+    write_checkpoint(str(d), "v2.5", "bf16")
+    cfg = json.loads((d / "config.json").read_text())
+    video = str(tmp_path / "talk.mp4")
+    make_test_video(video, 2.3, 64, 48, fps=10, audio_rate=24000)
+    frames, times = _sampled_frames(video)
+    sound = decode(video, 24000)
+    url = "data:video/mp4;base64," + _b64(open(video, "rb").read())
+    part = {"type": "video_url", "video_url": {"url": url}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "watch"}, part, {"type": "text", "text": "ok?"}]}]
+    s = start_server([str(d), "--encoders", "1"], "serve")
+    try:
+        body = {"messages": messages, "use_audio_in_video": True}
+        req = urllib.request.Request(
+            f"http://{s.http_address}/tokenize", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        ours = json.load(urllib.request.urlopen(req, timeout=300))["tokens"]
+    finally:
+        s.stop()
+    typed = [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "watch"}, {"type": "video"}, {"type": "text", "text": "ok?"}],
+        }
+    ]
+    (tmp_path / "spec.json").write_text(json.dumps({"messages": typed}))
+    media = {
+        "va_0": torch.from_numpy(frames),
+        "va_ts_0": torch.tensor(times, dtype=torch.float32),
+        "va_audio_0": torch.from_numpy(np.ascontiguousarray(sound)),
+    }
+    save_file(media, str(tmp_path / "media.safetensors"))
+    r = subprocess.run(
+        [str(REF_PY), str(PROMPT_SCRIPT), "--checkpoint", str(d), "--spec", str(tmp_path / "spec.json")]
+        + ["--media", str(tmp_path / "media.safetensors"), "--out", str(tmp_path / "ref.json")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    ref = json.loads((tmp_path / "ref.json").read_text())["input_ids"]
+    pc = cfg["processor_config"]
+    assert ref.count(pc["audio_start_token_id"]) == len(frames) // 2  # one soundtrack span per frame pair
+    assert _as_pads(ours, cfg["vocab_size"], cfg) == ref

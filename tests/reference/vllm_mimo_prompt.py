@@ -10,7 +10,9 @@ DIR is a MiMo-V2.5 checkpoint (its config.json's `vision_config`, `processor_con
 tokenizer with the chat template). spec.json holds `messages` (content parts `{"type": "text", "text": ...}`,
 `{"type": "image" | "video" | "audio"}`, as a chat template sees them). media.safetensors holds, for the n-th media part
 of its kind, `image_{n}` uint8 [H, W, 3], `video_{n}` uint8 [T, H, W, 3] with `video_ts_{n}` float32 [T] (the frames'
-times in seconds), `audio_{n}` float32 samples at 24 kHz.
+times in seconds), `audio_{n}` float32 samples at 24 kHz; a video with its soundtrack (`use_audio_in_video`, the
+processor's `video_audio`) is `va_{n}` / `va_ts_{n}` / `va_audio_{n}` (its placeholder is a video part's; the
+processor gives video placeholders to plain videos first).
 
 What runs is vLLM's code as installed: the chat template through transformers' `apply_chat_template` on the
 checkpoint's tokenizer, then `MiMoOmniProcessor.from_hf_config(tokenizer, config)(text, images, videos, audio)`.
@@ -85,7 +87,14 @@ def main() -> None:
         (media[k].permute(0, 3, 1, 2).float(), media[f"video_ts_{k.split('_')[-1]}"].float()) for k in items("video")
     ]
     audio = [(media[k].float(), 24000) for k in items("audio")]
-    out = proc(text=text, images=images or None, videos=videos or None, audio=audio or None)
+    va = [
+        mp.VideoAudioInput(
+            video=(media[k].permute(0, 3, 1, 2).float(), media[f"va_ts_{k.split('_')[-1]}"].float()),
+            audio=(media[f"va_audio_{k.split('_')[-1]}"].float(), 24000),
+        )
+        for k in items("va")
+    ]
+    out = proc(text=text, images=images or None, videos=videos or None, audio=audio or None, video_audio=va or None)
     ids = out["input_ids"][0].tolist()
     args.out.write_text(json.dumps({"text": text, "input_ids": ids}))
     if args.pixels is not None and videos:
@@ -96,7 +105,9 @@ def main() -> None:
             },
             str(args.pixels),
         )
-    print(f"vllm_mimo_prompt: {len(ids)} ids, {len(images)} images, {len(videos)} videos, {len(audio)} audio")
+    print(
+        f"vllm_mimo_prompt: {len(ids)} ids, {len(images)} images, {len(videos)} videos, {len(audio)} audio, {len(va)} va"
+    )
 
 
 if __name__ == "__main__":
