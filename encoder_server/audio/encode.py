@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable, ClassVar
+from typing import AsyncIterator, Awaitable, Callable, ClassVar
 
 import numpy as np
 import torch
@@ -102,6 +102,32 @@ def usable_windows(frames: list[int]) -> int:
     return n
 
 
+async def decoded_ranges(
+    src: str | bytes, plan: AudioPlan, run: Callable[..., Awaitable], ranges, features: bool
+) -> AsyncIterator[ChunkFeatures]:
+    """Each range's `chunk_job` result, in order, with at most `plan.lookahead` ranges decoding at once (the rest
+    are cancelled when the consumer stops early)."""
+    pending: list[asyncio.Future] = []
+
+    def start(i: int) -> None:
+        a, b = ranges[i]
+        pending.append(asyncio.ensure_future(run(chunk_job, src, a, b, plan, features)))
+
+    try:
+        for i in range(min(plan.lookahead, len(ranges))):
+            start(i)
+        for i in range(len(ranges)):
+            chunk: ChunkFeatures = await pending[i]
+            pending[i] = None  # type: ignore[call-overload]  # its samples are the consumer's now
+            if i + plan.lookahead < len(ranges):
+                start(i + plan.lookahead)
+            yield chunk
+    finally:
+        for f in pending:
+            if f is not None:
+                f.cancel()
+
+
 async def encode_audio(
     src: str | bytes,
     plan: AudioPlan,
@@ -115,43 +141,30 @@ async def encode_audio(
     t0 = time.perf_counter()
     info: AudioInfo = await run(probe_job, src, plan)
     ranges = plan.ranges(info.duration_s)
-    pending: list[asyncio.Future] = []
     out: list[torch.Tensor] = []
     window_tokens: list[int] = []
     waited = encode_s = 0.0
     decoded = 0
     rate = plan.features.sampling_rate
-
-    def start(i: int) -> None:
-        a, b = ranges[i]
-        pending.append(asyncio.ensure_future(run(chunk_job, src, a, b, plan, features_on is None)))
-
-    try:
-        for i in range(min(plan.lookahead, len(ranges))):
-            start(i)
-        for i in range(len(ranges)):
-            tw = time.perf_counter()
-            chunk: ChunkFeatures = await pending[i]
-            waited += time.perf_counter() - tw
-            if i + plan.lookahead < len(ranges):
-                start(i + plan.lookahead)
-            decoded += chunk.n_samples
-            if chunk.samples is not None:
-                feats, frames = await asyncio.to_thread(features_on.features, chunk.samples)  # type: ignore[union-attr]
-            else:
-                feats, frames = torch.from_numpy(chunk.features), chunk.frames
-            chunk = None  # type: ignore[assignment]
-            n = usable_windows(frames) if i == len(ranges) - 1 else len(frames)
-            if n == 0:
-                continue
+    tw = time.perf_counter()
+    i = 0
+    async for chunk in decoded_ranges(src, plan, run, ranges, features_on is None):
+        waited += time.perf_counter() - tw
+        decoded += chunk.n_samples
+        if chunk.samples is not None:
+            feats, frames = await asyncio.to_thread(features_on.features, chunk.samples)  # type: ignore[union-attr]
+        else:
+            feats, frames = torch.from_numpy(chunk.features), chunk.frames
+        chunk = None  # type: ignore[assignment]
+        n = usable_windows(frames) if i == len(ranges) - 1 else len(frames)
+        i += 1
+        if n:
             te = time.perf_counter()
             embs = await encode_windows(feats[:n], frames[:n])
             encode_s += time.perf_counter() - te
             out += embs
             window_tokens += [int(e.shape[0]) for e in embs]
-    finally:
-        for f in pending:
-            f.cancel()
+        tw = time.perf_counter()
     if not out:
         raise AudioError("the audio is too short for one token (it needs at least 20 ms)")
     emb = torch.cat(out) if len(out) > 1 else out[0]

@@ -217,6 +217,46 @@ def log_mel(samples: torch.Tensor, block: int = 6000) -> torch.Tensor:
     return out
 
 
+def log_mel_span(samples: torch.Tensor, offset: int, total: int, a: int, b: int) -> torch.Tensor:
+    """Frames [a, b) of `log_mel` of a `total`-sample signal, from `samples` = its samples [offset, offset + len).
+
+    Frame f reads the reflect-padded signal's [f * 240, f * 240 + 960), i.e. the samples [f * 240 - 480,
+    f * 240 + 480) where they exist and their reflection about sample 0 or sample total - 1 where the frame
+    reaches past an end; `samples` must hold every sample those frames read. The same values as `log_mel` of the
+    whole signal, so an item can be featurised a segment at a time (`MiMoAudioStream`)."""
+    half = N_FFT // 2
+    lo, hi = a * HOP - half, (b - 1) * HOP + half  # [lo, hi) of the padded signal, in signal coordinates
+    need_lo, need_hi = max(lo, 0), min(hi, total)
+    if lo < 0:
+        need_hi = max(need_hi, min(total, 1 - lo))
+    if hi > total:
+        need_lo = min(need_lo, max(0, total - 1 - (hi - total)))
+    if need_lo < offset or need_hi > offset + samples.shape[0]:
+        raise ValueError(
+            f"frames [{a}, {b}) need samples [{need_lo}, {need_hi}), given [{offset}, {offset + samples.shape[0]})"
+        )
+    x = samples.float()
+    parts = []
+    if lo < 0:  # reflect about sample 0: x[-i] = x[i]
+        parts.append(x[1 - offset : 1 - lo - offset].flip(0))
+    parts.append(x[max(lo, 0) - offset : min(hi, total) - offset])
+    if hi > total:  # reflect about the last sample: x[total - 1 + i] = x[total - 1 - i]
+        parts.append(x[total - 1 - (hi - total) - offset : total - 1 - offset].flip(0))
+    padded = torch.cat(parts) if len(parts) > 1 else parts[0]
+    spec = torch.stft(
+        padded,
+        N_FFT,
+        hop_length=HOP,
+        win_length=N_FFT,
+        window=torch.hann_window(N_FFT, periodic=True, device=x.device),
+        center=False,
+        normalized=False,
+        onesided=True,
+        return_complex=True,
+    ).abs()
+    return torch.log(torch.clamp(mel_filters(x.device).T @ spec, min=1e-7)).T
+
+
 def num_codes(mel_frames: int, segment: int) -> int:
     """Code frames of an item of `mel_frames` (kernel 3, stride 2, pooler 2: ceil(L / 4) per segment)."""
     full, rest = divmod(mel_frames, segment)
@@ -321,10 +361,11 @@ class MiMoAudioTokenizer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.encoder.conv1.weight.dtype
 
-    def _stem(self, mels: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-        """The segments of one call, zero-padded together through the two convolutions: packed [sum T_b, d]."""
+    def _stem(self, mels: list[torch.Tensor], pad_to: int = 0) -> tuple[torch.Tensor, list[int]]:
+        """The segments of one call, zero-padded together (to the longest, or `pad_to` frames) through the two
+        convolutions: packed [sum T_b, d]."""
         enc, lengths = self.encoder, [m.shape[0] for m in mels]
-        x = torch.zeros(len(mels), max(lengths), mels[0].shape[1], dtype=self.dtype, device=mels[0].device)
+        x = torch.zeros(len(mels), max(*lengths, pad_to), mels[0].shape[1], dtype=self.dtype, device=mels[0].device)
         for b, m in enumerate(mels):
             x[b, : m.shape[0]] = m.to(self.dtype)
         h = F.gelu(enc.conv1(x.transpose(1, 2)))
@@ -332,9 +373,10 @@ class MiMoAudioTokenizer(nn.Module):
         valid = [(n + 1) // 2 for n in lengths]  # ((L + 3 - 3) + 2 - 3) // 2 + 1
         return torch.cat([h[b, :t] for b, t in enumerate(valid)]), valid
 
-    def _pool(self, h: torch.Tensor, valid: list[int]) -> torch.Tensor:
-        """Unpacked with each short segment's last frame repeated, the longest padded with zeros to the pooler."""
-        p, tmax = self.config.avg_pooler, max(valid)
+    def _pool(self, h: torch.Tensor, valid: list[int], pad_to: int = 0) -> torch.Tensor:
+        """Unpacked with each short segment's last frame repeated, the longest padded with zeros to the pooler
+        (the longest: of the call's segments, or of `pad_to` mel frames)."""
+        p, tmax = self.config.avg_pooler, max(*valid, (pad_to + 1) // 2)
         rows, start = [], 0
         for t in valid:
             seg = h[start : start + t]
@@ -357,9 +399,9 @@ class MiMoAudioTokenizer(nn.Module):
             r = r - e[idx]
         return torch.stack(codes, dim=-1)
 
-    def _call(self, mels: list[torch.Tensor]) -> torch.Tensor:
+    def _call(self, mels: list[torch.Tensor], pad_to: int = 0) -> torch.Tensor:
         cfg, enc = self.config, self.encoder
-        h, valid = self._stem(mels)
+        h, valid = self._stem(mels, pad_to)
         bounds = torch.tensor([0, *valid]).cumsum(0).tolist()
         segments = list(zip(bounds[:-1], bounds[1:]))
         positions = torch.cat([torch.arange(t, device=h.device) for t in valid])
@@ -372,7 +414,7 @@ class MiMoAudioTokenizer(nn.Module):
                 skip = h
         if skip is not None:
             h = h + skip
-        return self._quantize(self._pool(enc.layer_norm(h), valid))
+        return self._quantize(self._pool(enc.layer_norm(h), valid, pad_to))
 
     @torch.inference_mode()
     def forward(self, mel: torch.Tensor, segment: int) -> torch.Tensor:
@@ -380,15 +422,33 @@ class MiMoAudioTokenizer(nn.Module):
         frames, grouped into calls of at most MAX_CALL_FRAMES frames as the reference groups them."""
         n = mel.shape[0]
         cuts = [(a, min(n, a + segment)) for a in range(0, n, segment)]
-        calls: list[list[tuple[int, int]]] = [[]]
-        size = 0
-        for a, b in cuts:
-            if calls[-1] and size + (b - a) > MAX_CALL_FRAMES:
-                calls.append([])
-                size = 0
-            calls[-1].append((a, b))
-            size += b - a
-        return torch.cat([self._call([mel[a:b] for a, b in call]) for call in calls])
+        calls = call_groups([b - a for a, b in cuts])
+        return torch.cat([self._call([mel[cuts[i][0] : cuts[i][1]] for i in call]) for call in calls])
+
+    @torch.inference_mode()
+    def segment_codes(self, mel: torch.Tensor, pad_to: int = 0) -> torch.Tensor:
+        """One segment's codes as its call computes them: padded with its call's longest segment (`pad_to` mel
+        frames; `call_longest` says how long) and otherwise on its own (a call's segments never mix)."""
+        return self._call([mel], pad_to)
+
+
+def call_groups(lengths: list[int]) -> list[list[int]]:
+    """The reference's grouping of an item's segments (their mel lengths, in order) into tokenizer calls: greedily,
+    at most MAX_CALL_FRAMES frames a call (a segment longer than that alone)."""
+    calls: list[list[int]] = [[]]
+    size = 0
+    for i, n in enumerate(lengths):
+        if calls[-1] and size + n > MAX_CALL_FRAMES:
+            calls.append([])
+            size = 0
+        calls[-1].append(i)
+        size += n
+    return calls
+
+
+def call_longest(lengths: list[int], i: int) -> int:
+    """The longest segment of the call segment i is in (what its zero padding reaches)."""
+    return next(max(lengths[j] for j in call) for call in call_groups(lengths) if i in call)
 
 
 # ---------------------------------------------------------------------------------------------------- encoder
@@ -485,6 +545,62 @@ class MiMoAudioModel:
 
     def embed(self, samples: torch.Tensor) -> torch.Tensor:
         return self.encoder(self.codes(samples))
+
+
+class MiMoAudioStream:
+    """One item's embedding rows a segment at a time, equal to `MiMoAudioModel.embed` of the whole item.
+
+    Samples are pushed in order (`push`) and each segment of `audio_segment_size` mel frames is computed as soon as
+    the samples its frames read are in (its 480-sample right context, and enough to know it is not the last): its
+    log-mel from those samples (`log_mel_span`), its codes as its tokenizer call would (a full segment is its call's
+    longest), its rows (a segment's codes are whole groups). `finish` computes what is left at the end: the last
+    segments, the short one padded to its call's longest (`call_longest`), the encoder's group padding. Memory: one
+    segment's samples and features, whatever the item's length (an hour at 24 kHz is 345 MB whole)."""
+
+    def __init__(self, model: MiMoAudioModel):
+        self.model = model
+        self.segment = model.encoder.config.audio_segment_size
+        self.buf = torch.empty(0)
+        self.offset = 0  # buf holds the signal's samples [offset, offset + len(buf))
+        self.done = 0  # segments computed
+
+    @property
+    def seen(self) -> int:
+        return self.offset + self.buf.shape[0]
+
+    @torch.inference_mode()
+    def push(self, samples: torch.Tensor) -> list[torch.Tensor]:
+        """The next samples in; the rows of each segment they complete out (in order)."""
+        self.buf = torch.cat([self.buf, samples.float()]) if self.buf.numel() else samples.float()
+        out = []
+        while self.seen >= (self.done + 1) * self.segment * HOP + HOP:  # its frames' samples, and a frame after it
+            a = self.done * self.segment
+            out.append(self._rows(a, a + self.segment, self.seen, 0))
+        return out
+
+    @torch.inference_mode()
+    def finish(self) -> list[torch.Tensor]:
+        """The rows of the segments left once every sample is in."""
+        total = self.seen
+        if total <= N_FFT // 2:
+            raise ValueError(f"audio of {total} samples: MiMo's features need more than {N_FFT // 2}")
+        frames = 1 + total // HOP
+        cuts = [(a, min(frames, a + self.segment)) for a in range(self.done * self.segment, frames, self.segment)]
+        first, lengths = self.done, [self.segment] * self.done + [b - a for a, b in cuts]
+        codes = [self._codes(a, b, total, call_longest(lengths, first + i)) for i, (a, b) in enumerate(cuts)]
+        return [self.model.encoder(torch.cat(codes))] if codes else []
+
+    def _codes(self, a: int, b: int, total: int, pad_to: int) -> torch.Tensor:
+        mel = log_mel_span(self.buf, self.offset, total, a, b)
+        codes = self.model.tokenizer.segment_codes(mel, pad_to if pad_to > b - a else 0)
+        # the next segment reads from its first frame's context, and one sample more where it reflects at the end
+        keep = max(0, b * HOP - N_FFT // 2 - 1 - self.offset)
+        self.buf, self.offset = self.buf[keep:], self.offset + keep
+        self.done += 1
+        return codes
+
+    def _rows(self, a: int, b: int, total: int, pad_to: int) -> torch.Tensor:
+        return self.model.encoder(self._codes(a, b, total, pad_to))
 
 
 def is_mimo_audio_config(audio_config: dict) -> bool:

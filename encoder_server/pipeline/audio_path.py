@@ -4,10 +4,13 @@ tower runs on the batcher's forward thread like every tower call. A short item i
 decoded in parallel ranges, streamed window by window (`audio.encode.encode_audio`). Large items are
 handed to the decoders as a file in /dev/shm (each range's decoder opens and seeks it), small ones as bytes.
 
-MiMo's audio (`mimo`: its tokenizer and encoder) takes another road from the decoded samples on: the item is decoded
-whole at 24 kHz in a decode process, then its log-mel, codes and embeddings are computed on the batcher's forward
-thread (as every tower call is), the log-mel a block of frames at a time (models/mimo_audio.py). Its segments are a
-minute long and its tokens are groups of code frames, not 30-s windows: `window_tokens` is one entry, the item's.
+MiMo's audio (`mimo`: its tokenizer and encoder) takes another road from the decoded samples on: the item's ranges
+(one for a short item, `--audio-chunk-seconds` each for a long one, decoded ahead in the decode processes as above)
+are pushed in order into a `MiMoAudioStream` on the batcher's forward thread (as every tower call is), which computes
+each minute-long segment's log-mel, codes and rows as soon as its samples are in (models/mimo_audio.py): memory holds
+the ranges decoding and one segment, whatever the item's length. `--audio-seconds-in-flight` bounds the seconds held
+(a short item's duration, a long one's ranges in flight). Its tokens are groups of code frames, not 30-s windows:
+`window_tokens` is one entry, the item's.
 """
 
 from __future__ import annotations
@@ -22,11 +25,11 @@ import grpc
 import torch
 
 from ..audio.decode import AudioError
-from ..audio.encode import AudioPlan, AudioResult, AudioWindowItem, chunk_job, encode_audio, probe_job
+from ..audio.encode import AudioPlan, AudioResult, AudioWindowItem, decoded_ranges, encode_audio, probe_job
 from ..audio.features import LogMel
 from ..embedding_cache import CachedEmbedding
 from ..errors import ItemError, invalid
-from ..models.mimo_audio import MiMoAudioModel
+from ..models.mimo_audio import MiMoAudioModel, MiMoAudioStream
 from .jobs import Job
 
 log = logging.getLogger(__name__)
@@ -102,21 +105,34 @@ class AudioPath:
         import time
 
         assert self.mimo is not None
+        t0 = time.perf_counter()
         info = await self.decode_pool.run(probe_job, src, self.plan)
-        held = info.duration_s if info.duration_s > 0 else self.budget.limit  # undeclared: held alone
+        ranges = self.plan.ranges(info.duration_s)
+        if len(ranges) > 1:  # streamed: the ranges decoding ahead
+            held = min(info.duration_s, self.plan.lookahead * self.plan.chunk_s)
+        else:  # decoded whole; an undeclared duration is held alone
+            held = info.duration_s if info.duration_s > 0 else self.budget.limit
         await self.budget.acquire(held)
+        stream, rows, decoded, waited, tw = MiMoAudioStream(self.mimo), [], 0, 0.0, time.perf_counter()
         try:
-            t0 = time.perf_counter()
-            chunk = await self.decode_pool.run(chunk_job, src, 0.0, None, self.plan, False)
-            t1 = time.perf_counter()
-            samples = torch.from_numpy(chunk.samples)
-            if samples.numel() <= 480:
-                raise AudioError(f"{samples.numel() / 24000 * 1e3:.1f} ms of audio: MiMo's features need over 20 ms")
-            emb = await asyncio.wrap_future(self.batcher.call_on_forward_thread(self.mimo.embed, samples))
+            async for chunk in decoded_ranges(src, self.plan, self.decode_pool.run, ranges, False):
+                waited += time.perf_counter() - tw
+                decoded += chunk.n_samples
+                samples, chunk = torch.from_numpy(chunk.samples), None
+                rows += await self._on_forward_thread(stream.push, samples)
+                tw = time.perf_counter()
+            if decoded <= 480:
+                raise AudioError(f"{decoded / 24000 * 1e3:.1f} ms of audio: MiMo's features need over 20 ms")
+            rows += await self._on_forward_thread(stream.finish)
         finally:
             await self.budget.release(held)
-        seconds = {"wait_decode": t1 - t0, "encode": time.perf_counter() - t1}
-        return AudioResult(emb.cpu(), [int(emb.shape[0])], info, samples.numel() / 24000, seconds)
+        emb = torch.cat(rows).cpu()
+        total = time.perf_counter() - t0
+        seconds = {"total": total, "wait_decode": waited, "encode": total - waited}
+        return AudioResult(emb, [int(emb.shape[0])], info, decoded / 24000, seconds)
+
+    async def _on_forward_thread(self, fn, *args):
+        return await asyncio.wrap_future(self.batcher.call_on_forward_thread(fn, *args))
 
     async def _run(self, job: Job) -> None:
         async with self._sem:
