@@ -232,28 +232,11 @@ def encode_audio_file(
     """One file in-process (`mimo-epd encode-audio`, the benchmark): ranges decoded and featurised by
     `workers` processes (0 = in threads), windows through `tower` in batches of `max_batch_windows`.
     `progress(seconds_encoded, seconds_total)` is called as windows finish."""
-    import concurrent.futures
-    import multiprocessing
-
-    from ..decode_pool import ignore_sigint
-
     window_s = plan.features.chunk_length
     state = {"done": 0.0, "total": 0.0}
 
     async def main() -> AudioResult:
-        loop = asyncio.get_running_loop()
-        pool = (
-            concurrent.futures.ProcessPoolExecutor(
-                workers, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_sigint
-            )
-            if workers > 0
-            else None
-        )
-
-        async def run(fn, *args):
-            if pool is None:
-                return await asyncio.to_thread(fn, *args)
-            return await loop.run_in_executor(pool, fn, *args)
+        run, pool = _decode_runner(workers)
 
         def forward(feats: torch.Tensor, frames: list[int]) -> list[torch.Tensor]:
             out = []
@@ -282,5 +265,57 @@ def encode_audio_file(
         finally:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+
+    return asyncio.run(main())
+
+
+def _decode_runner(workers: int):
+    """(`run(fn, *args)` on `workers` spawned decode processes, or in threads for 0; the pool to shut down)."""
+    import concurrent.futures
+    import multiprocessing
+
+    from ..decode_pool import ignore_sigint
+
+    pool = (
+        concurrent.futures.ProcessPoolExecutor(
+            workers, mp_context=multiprocessing.get_context("spawn"), initializer=ignore_sigint
+        )
+        if workers > 0
+        else None
+    )
+
+    async def run(fn, *args):
+        if pool is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
+
+    return run, pool
+
+
+def encode_mimo_audio_file(src: str | bytes, model, plan: AudioPlan, workers: int = 2) -> AudioResult:
+    """One file in-process through MiMo's streamed path (the encoder server's, pipeline/audio_path.py): ranges
+    decoded at 24 kHz `plan.lookahead` ahead by `workers` processes (0 = threads), pushed in order into a
+    `MiMoAudioStream` (`model`: a MiMoAudioModel) in this thread."""
+    from ..models.mimo_audio import MiMoAudioStream
+
+    async def main() -> AudioResult:
+        run, pool = _decode_runner(workers)
+        t0 = time.perf_counter()
+        try:
+            info = await run(probe_job, src, plan)
+            stream, rows, decoded, waited, tw = MiMoAudioStream(model), [], 0, 0.0, time.perf_counter()
+            async for chunk in decoded_ranges(src, plan, run, plan.ranges(info.duration_s), False):
+                waited += time.perf_counter() - tw
+                decoded += chunk.n_samples
+                rows += await asyncio.to_thread(stream.push, torch.from_numpy(chunk.samples))
+                tw = time.perf_counter()
+            rows += stream.finish()
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        total = time.perf_counter() - t0
+        emb = torch.cat(rows)
+        seconds = {"total": total, "wait_decode": waited, "encode": total - waited}
+        return AudioResult(emb, [int(emb.shape[0])], info, decoded / plan.features.sampling_rate, seconds)
 
     return asyncio.run(main())

