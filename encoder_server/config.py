@@ -144,6 +144,20 @@ class EncoderServerConfig:
         "node-local shared-memory embedding cache to use, created or attached by name (empty = the in-process cache)",
     )
     shm_cache_bytes: int = _f(1 << 30, "size of the shared-memory cache when this process creates it")
+    embedding_store: str = _f(
+        "",
+        "the fleet's embedding cache (L3) on Mooncake Store: mooncake://MASTER_HOST[:PORT][?metadata=URL&protocol=..."
+        "] (empty = none; a miss here is looked up there before encoding, and what this encoder encodes is written "
+        "there)",
+    )
+    embedding_store_segment_bytes: int = _f(1 << 30, "memory this encoder contributes to the embedding store's pool")
+    embedding_store_max_item_bytes: int = _f(64 << 20, "larger embeddings are not written to the embedding store")
+    embedding_lease: str = _f(
+        "",
+        "redis:// URL of the fleet-wide encode lease (concurrent misses of one item anywhere encode it once; empty = "
+        "none; serve passes its --router-state)",
+    )
+    embedding_lease_ms: int = _f(30000, "how long an encode lease lasts at most (a dead holder costs this long)")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
@@ -182,6 +196,9 @@ class EncoderServerConfig:
             "audio_decode_lookahead",
             "max_concurrent_audios",
             "audio_seconds_in_flight",
+            "embedding_store_segment_bytes",
+            "embedding_store_max_item_bytes",
+            "embedding_lease_ms",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

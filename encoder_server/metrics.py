@@ -49,6 +49,27 @@ class EncoderMetrics:
         self.batch_budget = Gauge("encoder_batch_budget_tokens", "the batcher's current token budget", registry=r)
         self.decode_fallbacks = Counter("encoder_decode_pickled", "decoded images too large for a shm slot", registry=r)
 
+    def watch_cluster(self, cache) -> None:
+        """Exports the fleet cache's counters (`cache`: a cluster_cache.ClusterEmbeddingCache) as
+        `encoder_cluster_cache_total{event}` (hits, misses, corrupt, errors, writes, write_drops, bytes_read,
+        bytes_written, lease_waits_served: encodes saved by the lease, lease_waits_encoded) and
+        `encoder_cluster_cache_connected` (1 while its store client is connected)."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        class _Cluster:
+            def collect(self):
+                m = CounterMetricFamily("encoder_cluster_cache", "the fleet embedding cache's events", labels=["event"])
+                for event, n in cache.counts.items():
+                    m.add_metric([event], n)
+                yield m
+                yield GaugeMetricFamily(
+                    "encoder_cluster_cache_connected",
+                    "1 while the embedding store is connected",
+                    value=float(cache.connected),
+                )
+
+        self.registry.register(_Cluster())
+
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         try:
             start_http_server(port, addr=host, registry=self.registry)

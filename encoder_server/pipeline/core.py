@@ -54,6 +54,7 @@ class EncodePipeline:
         self.model_id = self.model.model_id
         self.audio_model = self._load_audio_model()
         self.audio_features = self._audio_feature_config()
+        self.metrics = EncoderMetrics()
         self.cache = self._make_cache()
         self.fetcher = self._make_fetcher()
         d = config.queue_depth
@@ -83,7 +84,6 @@ class EncodePipeline:
         self.decode_pool = self._make_decode_pool()
         # Set once here; the video path only checks it (the tower is never reconfigured per call).
         self.model.module.patch_embed.set_input_normalization(self.preprocess_config.mean, self.preprocess_config.std)
-        self.metrics = EncoderMetrics()
         self.admission = Admission(config.max_pending, serial=not config.pipeline)
         self.inflight = InflightTable()
         stats = self.batcher.stats
@@ -117,11 +117,26 @@ class EncodePipeline:
         self._tasks: list[asyncio.Task] = []
 
     def _make_cache(self):
-        """The node's shm embedding store when it has one, else a process-local LRU (none with --cache-bytes 0)."""
+        """The node's shm embedding store when it has one, else a process-local LRU (none with --cache-bytes 0); in
+        front of the fleet's store with --embedding-store (cluster_cache.py)."""
         c = self.config
         if c.shm_cache_name:
-            return ShmEmbeddingStore(c.shm_cache_name, c.shm_cache_bytes)
-        return EmbeddingLRU(c.cache_bytes) if c.cache_bytes > 0 else None
+            local = ShmEmbeddingStore(c.shm_cache_name, c.shm_cache_bytes)
+        else:
+            local = EmbeddingLRU(c.cache_bytes) if c.cache_bytes > 0 else None
+        if not c.embedding_store:
+            return local
+        import os
+        import socket
+
+        from ..cluster_cache import ClusterEmbeddingCache, EmbeddingLease, MooncakeEmbeddingStore
+
+        store = MooncakeEmbeddingStore(c.embedding_store, c.embedding_store_segment_bytes)
+        owner = f"{socket.gethostname()}:{os.getpid()}"
+        lease = EmbeddingLease(c.embedding_lease, owner, c.embedding_lease_ms) if c.embedding_lease else None
+        cache = ClusterEmbeddingCache(local, store, lease, c.embedding_store_max_item_bytes)
+        self.metrics.watch_cluster(cache)
+        return cache
 
     def _make_fetcher(self) -> Fetcher:
         c = self.config

@@ -21,6 +21,7 @@ import torch
 from mimo_epd.common.content_key import bytes_digest, content_key, normalize_digest
 
 from ..batcher import BatchItem
+from ..cluster_cache import ClusterEmbeddingCache
 from ..config import EncoderServerConfig
 from ..decode_pool import DecodePool
 from ..errors import DecodeError, ItemError, invalid
@@ -131,7 +132,20 @@ class Stages:
             return Next.ANSWERED
         if not self.inflight.lead_or_follow(job):
             return Next.ATTACHED
+        if isinstance(self.cache, ClusterEmbeddingCache) and await self.fleet_lookup(job):
+            return Next.ANSWERED
         return kind.route
+
+    async def fleet_lookup(self, job: Job) -> bool:
+        """A node miss: the fleet's store, then the encode lease (another encoder's entry may arrive while it is
+        held); answers `job` (and the identical items attached to it) on a hit."""
+        assert isinstance(self.cache, ClusterEmbeddingCache)
+        entry = await self.cache.fetch(job.key) or await self.cache.lead(job.key)
+        if entry is None:
+            return False
+        self.metrics.cache.labels("fleet_hit").inc()
+        job.succeed(entry, cache_hit=True)
+        return True
 
     async def read(self, job: Job, max_bytes: int | None) -> bytes:
         """The item's bytes. Items of one request with the same URL (a video and its soundtrack, under

@@ -61,11 +61,15 @@ def open_node_cache(enc: EncoderServerConfig):
 
 
 def make_encoders(enc: EncoderServerConfig, node: NodeConfig, shm_name: str) -> list[ChildProcess]:
-    """The encoder processes (not started): every encoder flag passed through, the node's cache by name. With
-    --metrics-port P, encoder i serves its own metrics on P+1+i (P is the node's one endpoint)."""
+    """The encoder processes (not started): every encoder flag passed through, the node's cache by name, the
+    router state as the encode lease of an --embedding-store fleet cache. With --metrics-port P, encoder i serves
+    its own metrics on P+1+i (P is the node's one endpoint)."""
     from mimo_epd.common.flags import to_argv
 
     args = to_argv(enc, skip={"host", "port", "shm_cache_name", "metrics_port"}) + ["--shm-cache-name", shm_name]
+    state = node.routing.router_state
+    if enc.embedding_store and not enc.embedding_lease and state.startswith(("redis://", "rediss://")):
+        args += ["--embedding-lease", state]  # the fleet's encode lease lives in the router state
     encoders = []
     for i in range(node.encoders):
         port = enc.metrics_port + 1 + i if enc.metrics_port else free_port(node.node_host)

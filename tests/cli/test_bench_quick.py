@@ -99,6 +99,18 @@ def test_video_bench_quick(tmp_path):
     assert out["naive_embedding_rel_l2"] <= out["tolerance"]["embedding_rel_l2"]
 
 
+def test_video_bench_quick_with_mimos_tower(tmp_path):
+    """`bench video --tower mimo`: MiMo's sampling (8 frames at least), ours in processes and threads and the
+    reference's way give the same rows (bit for bit here); the decode floor is measured beside them."""
+    out = run_bench("video", "--tower", "mimo", "--cache-dir", str(tmp_path))
+    no_grades(out)
+    assert out["tower"] == "mimo" and out["sampling"] == {"fps": 2.0, "min_frames": 8, "max_frames": 256}
+    assert out["video"]["frames_sampled"] == 20 and out["video"]["tokens"] > 0
+    assert set(out["seconds"]) == {"floor", "parallel", "parallel_threads", "naive"}
+    assert all(v > 0 for v in out["seconds"].values()) and out["outputs_match"] is True
+    assert out["naive_embedding_rel_l2"] <= 1e-5
+
+
 def test_kv_bench_quick():
     out = run_bench("kv")
     no_grades(out)

@@ -157,6 +157,21 @@ def test_master_killed_and_restarted_mid_run_costs_hits_only(model, cold, moonca
     assert s["kv_store_up"] == 1 and s["kv_store_corrupt"] == 0
 
 
+def test_a_master_that_is_down_at_start_never_stops_the_worker(model, cold):  # noqa: F811
+    """Mooncake's setup against a dead master retries for 90 s holding the GIL (every thread stops); the store only
+    calls it once the master's port answers, so a worker started before its master serves at once, from recompute."""
+    from mimo_epd.testing.redis_server import free_port
+
+    if master_binary() is None:
+        pytest.skip("the mooncake-transfer-engine-non-cuda wheel is not installed")
+    t0 = time.monotonic()
+    llm = LLM(model, kv_store=f"mooncake://127.0.0.1:{free_port()}", **OPTS, **STORE)
+    time.sleep(1.0)  # the writer thread tries to connect meanwhile
+    assert generate(llm, workload()) == cold
+    assert time.monotonic() - t0 < 30 and llm.stats()["kv_store_up"] == 0
+    llm.tiers.store.close()
+
+
 @pytest.mark.parametrize(
     "url, says",
     [

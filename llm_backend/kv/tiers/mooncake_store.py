@@ -16,8 +16,9 @@ other workers reach this one's segment at (default: this host's address on the r
 - The store evicts by itself (the master's high watermark); there is no TTL. A worker's pages live in its own
   segment: when it exits they are gone, and a master restart forgets every key (hits only, the clients
   re-register by themselves).
-- `setup` retries for up to 90 s when the master is down, so it runs on the writer thread (store.SharedKVStore):
-  until it succeeds lookups are misses and writes are dropped.
+- `setup` retries for up to 90 s when the master is down, and holds the GIL meanwhile (every thread of the worker
+  stops): it is called only once the master's RPC port accepts a connection (`master_answers`), on the writer
+  thread (store.SharedKVStore); until it succeeds lookups are misses and writes are dropped.
 """
 
 from __future__ import annotations
@@ -56,6 +57,18 @@ def parse_url(url: str) -> dict:
         "local": q.get("local") or route_address(host, port),
         "replicas": int(replicas),
     }
+
+
+def master_answers(address: str, timeout: float = 0.5) -> bool:
+    """Whether the master's RPC port (host:port) accepts a TCP connection. Mooncake's `setup` against a master that
+    is down retries for up to 90 s without releasing the GIL, which stops every thread of the process (the engine
+    loop, the servers): it is only called once this answers."""
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def route_address(host: str, port: int) -> str:
@@ -111,8 +124,10 @@ class MooncakeKVStore(SharedKVStore):
     def _connect(self) -> None:
         from mooncake.store import MooncakeDistributedStore, ReplicateConfig
 
-        client = MooncakeDistributedStore()
         c = self.cfg
+        if not master_answers(c["master"]):
+            raise StoreError(f"the master {c['master']} does not answer")
+        client = MooncakeDistributedStore()
         rc = client.setup(
             c["local"], c["metadata"], self.segment_bytes, self.buffer_bytes, c["protocol"], c["device"], c["master"]
         )

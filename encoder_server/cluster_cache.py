@@ -1,0 +1,326 @@
+"""The fleet's embedding cache (L3): embeddings on Mooncake Store, shared by every encoder of every node, and a
+fleet-wide lease so that concurrent requests for the same new media anywhere encode it once.
+
+Tiers: the process's or node's cache (`EmbeddingLRU` / `ShmEmbeddingStore`, L1/L2) first, then the store. An
+encoder writes what it encodes to both; a node's miss looks in the store before encoding, and a store hit fills
+the node's cache. Keys are content keys (mimo_epd.common.content_key: the bytes, the model id, the preprocessing,
+the options), so an entry is never served for another model or other settings.
+
+- **Entries** (`encode_entry` / `decode_entry`): a magic, a JSON header (the content key itself, dtype, shape,
+  grid, the video / audio metadata), an xxh3-64 of the payload, the rows. A value whose magic, key, size or
+  checksum does not match is dropped as a miss and counted (`corrupt`), never served.
+- **Bounds**: the store's pool is the sum of the segments its clients mount (`--embedding-store-segment-bytes` each);
+  Mooncake evicts by itself past its high watermark (LRU-like, by the master). Items over
+  `--embedding-store-max-item-bytes` are not stored (a one-hour video's rows stay on their node).
+- **Writes** go through one writer thread (a bounded queue; a full queue drops the write, counted), so encoding never
+  waits on the network; an encoder whose store is down keeps serving from its own cache.
+- **The lease** (`EmbeddingLease`, in the router state's Redis): before encoding a miss, an encoder takes
+  `mimo-epd:lease:{key}` with SET NX PX (`--embedding-lease-ms`). The holder encodes and its write releases the
+  lease; any other encoder that misses meanwhile waits for the entry to appear in the store (polling every 20 ms)
+  and answers from it (`lease_waits_served`: an encode saved), or encodes itself once the lease is gone without an
+  entry (the holder failed or its write was dropped). A lease never outlives its TTL, so a dead holder costs at
+  most that long.
+
+Metrics (`EncoderMetrics.cluster`): hits, misses, corrupt, writes, write drops, bytes read and written, lease waits
+served and lease waits that ended in an encode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import queue
+import struct
+import threading
+import time
+
+import numpy as np
+import torch
+import xxhash
+
+from .embedding_cache import CachedEmbedding
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MEPDEMB1"
+NOT_FOUND_CODES = (-704,)  # Mooncake: object not found
+POLL_S = 0.02
+
+
+def encode_entry(key: str, entry: CachedEmbedding) -> bytes:
+    t = entry.embedding.contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    raw = (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+    header = json.dumps(
+        {"key": key, "dtype": dtype, "shape": list(t.shape), "grid": list(entry.grid_thw), "meta": entry.meta}
+    ).encode()
+    return MAGIC + struct.pack("<I", len(header)) + header + struct.pack("<Q", xxhash.xxh3_64_intdigest(raw)) + raw
+
+
+def decode_entry(key: str, value: bytes) -> CachedEmbedding | None:
+    """The entry stored under `key`, or None when the value is not a whole, intact entry for that very key."""
+    try:
+        if not value.startswith(MAGIC):
+            return None
+        (n,) = struct.unpack_from("<I", value, len(MAGIC))
+        at = len(MAGIC) + 4
+        header = json.loads(value[at : at + n])
+        (digest,) = struct.unpack_from("<Q", value, at + n)
+        raw = memoryview(value)[at + n + 8 :]
+        if header["key"] != key or xxhash.xxh3_64_intdigest(raw) != digest:
+            return None
+        dtype = header["dtype"]
+        np_dtype = np.uint16 if dtype == "bfloat16" else np.dtype(dtype)
+        arr = np.frombuffer(raw, dtype=np_dtype).reshape(header["shape"]).copy()
+        t = torch.from_numpy(arr)
+        if dtype == "bfloat16":
+            t = t.view(torch.bfloat16)
+        return CachedEmbedding(t, tuple(header["grid"]), header["meta"])
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+class MooncakeEmbeddingStore:
+    """Values by key on Mooncake Store (`mooncake://` URLs, llm_backend/kv/tiers/mooncake_store.py's `parse_url`).
+    A background thread connects, and connects again `retry_s` after a failure; it calls Mooncake's setup only once
+    the master's port answers (setup blocks for up to 90 s against a dead master, holding the GIL: the whole server
+    would stop). Until it is connected every call raises OSError at once, so the cache above counts a miss or a
+    dropped write and the item is encoded, never kept waiting."""
+
+    def __init__(self, url: str, segment_bytes: int, retry_s: float = 5.0):
+        from llm_backend.kv.tiers.mooncake_store import parse_url
+
+        self.cfg = parse_url(url)
+        self.segment_bytes, self.retry_s = segment_bytes, retry_s
+        self.client = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._down = threading.Event()
+        self._down.set()
+        threading.Thread(target=self._connect_loop, name="embedding-store-connect", daemon=True).start()
+
+    def _connect_loop(self) -> None:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        from llm_backend.kv.tiers.mooncake_store import master_answers
+
+        c = self.cfg
+        while not self._closed.is_set():
+            self._down.wait()
+            if self._closed.is_set():
+                return
+            if not master_answers(c["master"]):  # setup would block (GIL held) up to 90 s against a dead master
+                self._closed.wait(self.retry_s)
+                continue
+            client = MooncakeDistributedStore()
+            rc = client.setup(
+                c["local"], c["metadata"], self.segment_bytes, 16 << 20, c["protocol"], c["device"], c["master"]
+            )
+            if rc == 0:
+                self.replicate = ReplicateConfig()
+                self.replicate.replica_num = c["replicas"]
+                with self._lock:
+                    self.client = client
+                self._down.clear()
+                log.info("embedding store: connected to %s", c["master"])
+                continue
+            log.warning(
+                "embedding store: setup against %s returned %d; retrying in %.0f s", c["master"], rc, self.retry_s
+            )
+            self._closed.wait(self.retry_s)
+
+    def wait_connected(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self.client is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.client is not None
+
+    def _client(self):
+        if self.client is None:
+            raise OSError("the embedding store is not connected")
+        return self.client
+
+    def get(self, key: str) -> bytes | None:
+        with self._lock:
+            value = self._client().get(key)
+        return bytes(value) if value else None
+
+    def put(self, key: str, value: bytes) -> bool:
+        with self._lock:
+            rc = self._client().put(key, value, self.replicate)
+            if rc <= -900:  # an RPC failure: connect again
+                self.client.close()
+                self.client = None
+                self._down.set()
+                raise OSError(f"put returned {rc}")
+        return rc == 0
+
+    def close(self) -> None:
+        self._closed.set()
+        self._down.set()
+        with self._lock:
+            if self.client is not None:
+                self.client.close()
+                self.client = None
+
+
+class EmbeddingLease:
+    """A short fleet-wide lease per content key in Redis (SET NX PX; released only by its owner)."""
+
+    RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) else return 0 end"
+
+    def __init__(self, url: str, owner: str, ttl_ms: int):
+        import redis
+
+        self.r = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+        self.owner, self.ttl_ms = owner, ttl_ms
+
+    @staticmethod
+    def name(key: str) -> str:
+        return f"mimo-epd:lease:{key}"
+
+    def acquire(self, key: str) -> bool:
+        return bool(self.r.set(self.name(key), self.owner, nx=True, px=self.ttl_ms))
+
+    def held(self, key: str) -> bool:
+        return bool(self.r.exists(self.name(key)))
+
+    def release(self, key: str) -> None:
+        self.r.eval(self.RELEASE, 1, self.name(key), self.owner)
+
+
+class ClusterEmbeddingCache:
+    """The node's cache (`local`, may be None) in front of the fleet's store, with the same interface (`get`, `put`,
+    `stats`) plus `fetch` and `lead` for the pipeline's miss path (see the module docstring)."""
+
+    def __init__(self, local, store, lease: EmbeddingLease | None, max_item_bytes: int, max_queue: int = 64):
+        self.local, self.store, self.lease = local, store, lease
+        self.max_item_bytes = max_item_bytes
+        self.counts = dict.fromkeys(
+            (
+                "hits",
+                "misses",
+                "corrupt",
+                "errors",
+                "writes",
+                "write_drops",
+                "bytes_read",
+                "bytes_written",
+                "lease_waits_served",
+                "lease_waits_encoded",
+            ),
+            0,
+        )
+        self._leased: set[str] = set()
+        self._q: queue.Queue = queue.Queue(max_queue)
+        self._writer = threading.Thread(target=self._write_loop, name="embedding-store-writer", daemon=True)
+        self._writer.start()
+
+    # the local cache's interface
+    def get(self, key: str) -> CachedEmbedding | None:
+        return self.local.get(key) if self.local is not None else None
+
+    def put(self, key: str, entry: CachedEmbedding) -> bool:
+        ok = self.local.put(key, entry) if self.local is not None else True
+        if entry.nbytes > self.max_item_bytes:
+            self._release(key)
+            return ok
+        try:
+            self._q.put_nowait((key, entry))
+        except queue.Full:
+            self.counts["write_drops"] += 1
+            self._release(key)
+        return ok
+
+    @property
+    def connected(self) -> bool:
+        return self.store.client is not None
+
+    def stats(self) -> dict:
+        local = self.local.stats() if self.local is not None else {}
+        return {**local, "cluster": dict(self.counts)}
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._writer.join(5)
+        self.store.close()
+        if self.local is not None and hasattr(self.local, "close"):
+            self.local.close()
+
+    # the miss path
+    async def fetch(self, key: str) -> CachedEmbedding | None:
+        """The store's entry for `key` (then kept in the node's cache), or None."""
+        try:
+            value = await asyncio.to_thread(self.store.get, key)
+        except OSError as e:
+            self.counts["errors"] += 1
+            log.debug("embedding store lookup failed: %s", e)
+            return None
+        if value is None:
+            self.counts["misses"] += 1
+            return None
+        entry = decode_entry(key, value)
+        if entry is None:
+            self.counts["corrupt"] += 1
+            log.warning("embedding store: the value under %s is not an intact entry for it; treated as a miss", key)
+            return None
+        self.counts["hits"] += 1
+        self.counts["bytes_read"] += len(value)
+        if self.local is not None:
+            self.local.put(key, entry)
+        return entry
+
+    async def lead(self, key: str) -> CachedEmbedding | None:
+        """After a store miss: None when this encoder should encode `key` (it holds the lease, or there is no lease
+        service, or the lease ended without an entry); the entry when another encoder's arrived meanwhile."""
+        if self.lease is None:
+            return None
+        try:
+            if await asyncio.to_thread(self.lease.acquire, key):
+                self._leased.add(key)
+                return None
+            deadline = time.monotonic() + self.lease.ttl_ms / 1e3
+            while time.monotonic() < deadline:
+                await asyncio.sleep(POLL_S)
+                entry = await self.fetch(key)
+                if entry is not None:
+                    self.counts["lease_waits_served"] += 1
+                    return entry
+                if not await asyncio.to_thread(self.lease.held, key):
+                    entry = await self.fetch(key)  # the holder's write may have landed just before it released
+                    if entry is not None:
+                        self.counts["lease_waits_served"] += 1
+                        return entry
+                    break
+        except Exception as e:  # noqa: BLE001 - redis.RedisError, OSError: the lease is advisory; encode
+            self.counts["errors"] += 1
+            log.debug("embedding lease failed: %s", e)
+        self.counts["lease_waits_encoded"] += 1
+        return None
+
+    # the writer thread
+    def _write_loop(self) -> None:
+        while (item := self._q.get()) is not None:
+            key, entry = item
+            try:
+                value = encode_entry(key, entry)
+                if self.store.put(key, value):
+                    self.counts["writes"] += 1
+                    self.counts["bytes_written"] += len(value)
+                else:
+                    self.counts["write_drops"] += 1
+            except OSError as e:
+                self.counts["write_drops"] += 1
+                log.debug("embedding store write failed: %s", e)
+            finally:
+                self._release(key)
+
+    def _release(self, key: str) -> None:
+        if self.lease is None or key not in self._leased:
+            return
+        self._leased.discard(key)
+        try:
+            self.lease.release(key)
+        except Exception as e:  # noqa: BLE001 - it expires by itself
+            log.debug("embedding lease release failed: %s", e)
