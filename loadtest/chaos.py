@@ -46,7 +46,7 @@ from loadtest.locust_cmd import locust_command
 from mimo_epd.testing.redis_server import RedisServer, free_port
 
 USERS_FILE = Path(__file__).with_name("chaos_users.py")
-FAULTS = ("encoder", "decode_worker", "llm", "router", "redis")
+FAULTS = ("encoder", "decode_worker", "llm", "prefill_llm", "decode_llm", "router", "redis")
 
 
 def log(msg: str) -> None:
@@ -137,6 +137,7 @@ class Node:
     encoders: dict[str, int] = field(default_factory=dict)  # "127.0.0.1:PORT" -> pid
     decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
     llms: dict[str, int] = field(default_factory=dict)  # LLM worker endpoint -> pid (--llm-workers N)
+    llm_roles: dict[str, str] = field(default_factory=dict)  # LLM worker endpoint -> both | prefill | decode
     redis: int | None = None
     routers: dict[str, int] = field(default_factory=dict)  # fleet: router address -> pid
     serve_role: str = "router"
@@ -205,6 +206,9 @@ def discover(router_pid: int) -> Node:
                 node.decoders[ep] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
         elif " mimo_epd llm" in cl and port:
             node.llms[f"127.0.0.1:{port}"] = c
+            args = cl.split()
+            role = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--role"), "both")
+            node.llm_roles[f"127.0.0.1:{port}"] = role
         elif "redis-server" in cl:
             node.redis = c
     return node
@@ -441,7 +445,7 @@ class Campaign:
 
     # -------------------------------------------------------------- load
     def start_load(self, images_dir: Path, with_llm: bool) -> None:
-        classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else [])
+        classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else []) + (["AudioUser"] if self.args.audio else [])
         env = {
             **os.environ,
             "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path),
@@ -487,6 +491,12 @@ class Campaign:
         if fault == "llm" and node.llms:
             ep = sorted(node.llms)[n % len(node.llms)]
             return node.llms[ep], {"endpoint": ep}
+        if fault in ("prefill_llm", "decode_llm"):  # P/D: a worker of that role (serve --pd-*-workers)
+            role = fault.removesuffix("_llm")
+            eps = sorted(ep for ep in node.llms if node.llm_roles.get(ep) == role)
+            if eps:
+                ep = eps[n % len(eps)]
+                return node.llms[ep], {"endpoint": ep, "role": role}
         if fault == "router" and self.fleet and self.routers:
             i = n % len(self.routers)
             return self.routers[i].proc.pid, {"endpoint": self.routers[i].address, "router_index": i}
@@ -503,6 +513,9 @@ class Campaign:
             return "no Redis in this topology (--topology node: a single router with its state in memory)"
         if fault == "llm":
             return "this node runs no LLM worker"
+        if fault in ("prefill_llm", "decode_llm"):
+            role = fault.removesuffix("_llm")
+            return f"this node runs no {role}-role LLM worker (serve --pd-{role}-workers N)"
         return f"no {fault} process found"
 
     def affected(self, fault: str, info: dict, ring_eps: list[str]):
@@ -514,7 +527,7 @@ class Campaign:
             ring = HashRing(ring_eps, vnodes=self.args.vnodes)
             ep = info["endpoint"]
             return lambda r: r["kind"] == "encode" and next(ring.owners(r["key"]), None) == ep
-        if fault == "llm":
+        if fault in ("llm", "prefill_llm", "decode_llm"):
             return lambda r: r["kind"] == "generate"
         if fault == "router" and self.fleet:  # the requests the killed router held (their first router)
             return lambda r: r.get("router") == info["endpoint"]
@@ -693,7 +706,7 @@ class Campaign:
                     now_pids = node.decoders.get(info["endpoint"], [])
                     if pid not in now_pids and len(now_pids) >= len(info["decode_pids_before"]):
                         res["replaced_s"], res["new_pids"] = round(time.monotonic() - t_kill, 3), now_pids
-                elif fault == "llm":
+                elif fault in ("llm", "prefill_llm", "decode_llm"):
                     new = node.llms.get(info["endpoint"])
                     if new and new != pid and health_serving(info["endpoint"], 0.5):
                         res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), new
@@ -1010,7 +1023,17 @@ def add_arguments(p) -> None:
         default=20.0,
         help="seconds between kills (shortened so every fault fits in --duration-s) (default: 20)",
     )
-    p.add_argument("--users", type=int, default=8, help="concurrent Locust users, 3 Encode : 1 Generate (default: 8)")
+    p.add_argument(
+        "--users",
+        type=int,
+        default=8,
+        help="concurrent Locust users, 3 Encode : 1 Generate (a third of them grammar-constrained) (default: 8)",
+    )
+    p.add_argument(
+        "--audio",
+        action="store_true",
+        help="add audio clips to the load (1 Audio user in 5 with 3 Encode : 1 Generate)",
+    )
     p.add_argument(
         "--server", default="", help="attach to this running `serve` (host:port) instead of starting one (default: '')"
     )

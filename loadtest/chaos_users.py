@@ -134,8 +134,40 @@ class EncodeUser(_ChaosUser):
         self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
 
 
+def _wav(seconds: float) -> bytes:
+    """A unique mono 16-bit WAV clip of noise at 16 kHz."""
+    import io
+    import wave
+
+    import numpy as np
+
+    pcm = (np.random.default_rng().standard_normal(int(16000 * seconds)) * 3000).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(16000), w.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+class AudioUser(_ChaosUser):
+    """Encode one unique audio clip (0.5-3 s of noise, WAV: never a cache hit), as audio items in flight."""
+
+    weight = 1
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
+
+    @task
+    def encode_audio(self) -> None:
+        data = _wav(random.uniform(0.5, 3.0))
+        key = "h:" + xxhash.xxh3_128_hexdigest(data)
+        req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data, modality=encoder_pb2.AUDIO)])
+        self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
+
+
 class GenerateUser(_ChaosUser):
-    """A short greedy generation (text only) streamed from the LLM worker through the router."""
+    """A short greedy generation (text only) streamed from the LLM worker through the router; one in three is
+    grammar-constrained (a regex), so constrained decoding is in flight when a worker dies."""
 
     weight = 1
 
@@ -149,6 +181,8 @@ class GenerateUser(_ChaosUser):
             prompt=f"chaos {uuid.uuid4().hex[:8]}: tell me a story",
             sampling=generator_pb2.SamplingOptions(max_tokens=8),
         )
+        if random.random() < 1 / 3:
+            req.constraint.regex = "[a-z ]{1,24}"
         deadline = time.monotonic() + TIMEOUT
 
         def call(i: int) -> None:

@@ -1,5 +1,6 @@
 """`mimo-epd bench cache-routing`: multimodal cache hit rates under round-robin vs consistent-hash
-routing, with private per-encoder caches vs the shared node cache.
+routing, with private per-encoder caches vs the shared node cache (`--nodes N`: live, the node-local cache vs the
+fleet's across N encoder servers, bench/fleet_cache.py).
 
 A catalog of distinct images (realistic sizes -> realistic embedding sizes) is requested with Zipf
 popularity; each request carries 1-4 items. The same request stream is replayed through:
@@ -101,6 +102,10 @@ def run_shared(reqs, nbytes, keys, mode, encoders, cap_total, ring) -> dict:
 
 
 def main(args) -> dict:
+    if args.nodes:
+        from mimo_epd.bench.fleet_cache import main as live
+
+        return live(args)
     quick = args.quick
     catalog = 300 if quick else args.catalog
     requests = 2000 if quick else args.requests
@@ -175,3 +180,24 @@ def add_arguments(p) -> None:
     p.add_argument("--vnodes", type=int, default=160, help="virtual nodes per encoder (default: 160)")
     p.add_argument("--seed", type=int, default=0, help="workload seed (default: 0)")
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=0,
+        help="live: this many encoder servers as nodes, the node-local cache vs the fleet's (Mooncake Store and the "
+        "encode lease) on a trace of sessions whose media repeat across nodes (bench/fleet_cache.py; 0 = the cache "
+        "replay above) (default: 0)",
+    )
+    p.add_argument("--live-catalog", type=int, default=120, help="live: distinct images (default: 120)")
+    p.add_argument("--sessions", type=int, default=32, help="live: sessions, pinned to nodes round-robin (default: 32)")
+    p.add_argument("--turns", type=int, default=8, help="live: requests per session (default: 8)")
+    p.add_argument("--concurrency", type=int, default=8, help="live: clients at once (default: 8)")
+    p.add_argument(
+        "--node-cache-bytes", type=int, default=16 << 20, help="live: each node's own cache (default: 16 MiB)"
+    )
+    p.add_argument(
+        "--store-segment-bytes",
+        type=int,
+        default=256 << 20,
+        help="live: each node's share of the store (default: 256 MiB)",
+    )

@@ -40,6 +40,27 @@ def test_cache_routing_quick():
     assert out["hit_rate"]["rr_shared"] == out["hit_rate"]["hash_shared"]
 
 
+def test_cache_routing_live_fleet_quick():
+    """`bench cache-routing --nodes 2`: two live encoders, node-local caches vs the fleet's; the same rows for every
+    item in both runs, and the fleet never encodes more than the node-local run (it can only add hits)."""
+    import shutil
+
+    import pytest
+
+    from mimo_epd.testing.mooncake_master import master_binary
+
+    if master_binary() is None or shutil.which("redis-server") is None:
+        pytest.skip("needs the mooncake-transfer-engine wheel and redis-server")
+    out = run_bench("cache-routing", "--nodes", "2")
+    no_grades(out)
+    assert out["live"] and out["outputs_match"] and out["workload"]["nodes"] == 2
+    local, fleet = out["node_local"], out["fleet"]
+    assert local["failures"] == fleet["failures"] == 0 and local["items"] == fleet["items"] > 0
+    assert local["fleet_hits"] == 0 and fleet["encodes"] <= local["encodes"]
+    assert fleet["fleet_hits"] + fleet["lease_waits_served"] > 0  # media repeat across the nodes
+    assert {"l3_hit_vs_node_local", "encodes_fleet_vs_node_local"} <= set(out["ratios"])
+
+
 def test_encoder_bench_quick_with_mimos_tower():
     """`bench encoder --tower mimo`: ours naive and pipelined on MiMo's ViT and preprocessing, the pipelined rows equal
     to naive's (no JPEG draft for MiMo), the reason vLLM is not a CPU peer stated."""
