@@ -158,6 +158,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             "pd_local": 0,
             "pd_retries": 0,
             "pd_prefill_failures_reported": 0,
+            "prefill_fallbacks": 0,
         }
         self._tasks: list[asyncio.Task] = []
         self.discovery_errors = 0  # registry reads that failed other than by an unreachable state
@@ -330,8 +331,14 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self, prompt_token_ids, exclude: set[str] = frozenset(), roles: tuple[str, ...] = ("both", "decode")
     ) -> list[Choice]:
         """Every live worker of `roles`, best first, with the tokens each is predicted to reuse (prefill workers
-        are picked separately, for a decode worker's request: `pick_prefill`)."""
+        are picked separately, for a decode worker's request: `pick_prefill`). When no worker that decodes is live
+        (a P/D node whose decode workers are all down or restarting), the prefill workers take the request
+        themselves, colocated: slower, not an error (`prefill_fallbacks`)."""
         workers = [w for w in self.live() if w.id not in exclude and w.role in roles]
+        if not workers and "decode" in roles:
+            workers = [w for w in self.live() if w.id not in exclude and w.role == "prefill"]
+            if workers:
+                self.stats["prefill_fallbacks"] += 1
         if not workers:
             return []
         tokens = list(prompt_token_ids)

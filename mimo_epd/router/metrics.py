@@ -123,6 +123,11 @@ class _IndexCollector:
             "router_index_sync_timeouts", "index waits that ran out (--index-sync-ms)", value=st["timeouts"]
         )
         yield CounterMetricFamily(
+            "router_prefill_fallbacks",
+            "requests a prefill worker generated itself because no worker that decodes was live",
+            value=router.stats["prefill_fallbacks"],
+        )
+        yield CounterMetricFamily(
             "router_feed_resyncs",
             "full snapshots feeds asked for because the state had dropped their worker's entries",
             value=sum(f.resyncs for f in router.feeds.values()),

@@ -79,3 +79,38 @@ def test_without_prefill_workers_the_decode_worker_prefills_itself():
     finally:
         r.stop()
         dec.stop()
+
+
+def test_with_no_decode_worker_live_a_prefill_worker_generates_the_request_itself():
+    """A P/D node's only decode worker is down (restarting, killed): the router sends the request to a prefill worker,
+    which prefills and decodes it colocated, with the colocated path's tokens (a chaos finding: every request
+    failed with "tried none" for the decode worker's restart, six seconds)."""
+    import time
+
+    from mimo_epd.testing.redis_server import free_port
+    from mimo_epd.testing.servers import scrape
+
+    pre = start_server(COMMON + ["--role", "prefill"], "llm")
+    dec = start_server(COMMON + ["--role", "decode", "--pd-local-prefill-tokens", "0"], "llm")
+    both = start_server(COMMON, "llm")
+    port = free_port()
+    r = router("--workers", f"{pre.address},{dec.address}", "--metrics-port", str(port))
+    try:
+        ids = [1] + [(7 * i) % 200 + 3 for i in range(60)]
+        want, _ = ask(both.address, ids)
+        got, final = ask(r.address, ids)
+        assert got == want and final.prefill_address == pre.address  # disaggregated while the decode worker lives
+        dec.proc.kill()
+        dec.proc.wait()
+        deadline = time.monotonic() + 30
+        while True:  # until the router has dropped the dead decode worker (its health / membership)
+            got2, final2 = ask(r.address, ids + [5])
+            if final2 is not None:
+                break
+            assert time.monotonic() < deadline
+        want2, _ = ask(both.address, ids + [5])
+        assert got2 == want2 and final2.prefill_address == ""  # generated on the prefill worker itself
+        assert scrape(port).get("router_prefill_fallbacks_total", 0) >= 1
+    finally:
+        for s in (r, both, dec, pre):
+            s.stop()
