@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MEPDEMB1"
 NOT_FOUND_CODES = (-704,)  # Mooncake: object not found
 POLL_S = 0.02
+CONNECT_S = 30.0  # how long a call may take while the helper connects (Mooncake's setup against a live master)
 
 
 def encode_entry(key: str, entry: CachedEmbedding) -> bytes:
@@ -82,87 +83,150 @@ def decode_entry(key: str, value: bytes) -> CachedEmbedding | None:
 
 
 class MooncakeEmbeddingStore:
-    """Values by key on Mooncake Store (`mooncake://` URLs, llm_backend/kv/tiers/mooncake_store.py's `parse_url`).
-    A background thread connects, and connects again `retry_s` after a failure; it calls Mooncake's setup only once
-    the master's port answers (setup blocks for up to 90 s against a dead master, holding the GIL: the whole server
-    would stop). Until it is connected every call raises OSError at once, so the cache above counts a miss or a
-    dropped write and the item is encoded, never kept waiting."""
+    """Values by key on Mooncake Store (`mooncake://` URLs, llm_backend/kv/tiers/mooncake_store.py's `parse_url`),
+    through a helper process of its own (`_store_process`).
 
-    def __init__(self, url: str, segment_bytes: int, retry_s: float = 5.0):
+    Why a process: Mooncake's Python calls hold the GIL while they block, and they block against a master that is
+    down or dies mid-call (setup up to 90 s, a put ~10 s, a close 1.5 s: measured), which would stop every thread
+    of the encoder, health answers included, and its router would drop it. In the helper only the helper stops: a
+    call that gets no answer within `timeout_s` fails (OSError, a miss or a dropped write above), and the helper is
+    replaced. The helper connects once the master's port answers and again after a failure (`retry_s`)."""
+
+    def __init__(self, url: str, segment_bytes: int, retry_s: float = 5.0, timeout_s: float = 2.0):
         from llm_backend.kv.tiers.mooncake_store import parse_url
 
         self.cfg = parse_url(url)
-        self.segment_bytes, self.retry_s = segment_bytes, retry_s
-        self.client = None
+        self.segment_bytes, self.retry_s, self.timeout_s = segment_bytes, retry_s, timeout_s
         self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._down = threading.Event()
-        self._down.set()
-        threading.Thread(target=self._connect_loop, name="embedding-store-connect", daemon=True).start()
+        self._conn = self._proc = None
+        self._connected = False
+        self.restarts = 0
+        self._start()
 
-    def _connect_loop(self) -> None:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    def _start(self) -> None:
+        import multiprocessing
 
-        from llm_backend.kv.tiers.mooncake_store import master_answers
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        args = (child, self.cfg, self.segment_bytes, self.retry_s)
+        self._proc = ctx.Process(target=_store_process, args=args, name="embedding-store", daemon=True)
+        self._proc.start()
+        child.close()
 
-        c = self.cfg
-        while not self._closed.is_set():
-            self._down.wait()
-            if self._closed.is_set():
-                return
-            if not master_answers(c["master"]):  # setup would block (GIL held) up to 90 s against a dead master
-                self._closed.wait(self.retry_s)
-                continue
-            client = MooncakeDistributedStore()
-            rc = client.setup(
-                c["local"], c["metadata"], self.segment_bytes, 16 << 20, c["protocol"], c["device"], c["master"]
-            )
-            if rc == 0:
-                self.replicate = ReplicateConfig()
-                self.replicate.replica_num = c["replicas"]
-                with self._lock:
-                    self.client = client
-                self._down.clear()
-                log.info("embedding store: connected to %s", c["master"])
-                continue
-            log.warning(
-                "embedding store: setup against %s returned %d; retrying in %.0f s", c["master"], rc, self.retry_s
-            )
-            self._closed.wait(self.retry_s)
+    def _call(self, *msg):
+        with self._lock:
+            if not self._proc.is_alive():
+                self._replace("exited")
+            try:
+                self._conn.send(msg)
+                wait = self.timeout_s if self._connected else max(self.timeout_s, CONNECT_S)  # a setup may run
+                if not self._conn.poll(wait):
+                    self._replace(f"gave no answer within {wait:g} s")
+                    raise OSError("the embedding store did not answer in time")
+                ok, value, self._connected = self._conn.recv()
+            except (EOFError, BrokenPipeError, ConnectionError) as e:
+                self._replace(f"broke ({e})")
+                raise OSError("the embedding store's helper process failed") from None
+        if not ok:
+            raise OSError(value)
+        return value
+
+    def _replace(self, why: str) -> None:
+        log.warning("embedding store helper %s: replaced", why)
+        self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+        self._connected = False
+        self.restarts += 1
+        self._start()
+
+    @property
+    def connected(self) -> bool:
+        try:
+            self._call("status")
+        except OSError:
+            return False
+        return self._connected
 
     def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self.client is None and time.monotonic() < deadline:
+        while not self.connected and time.monotonic() < deadline:
             time.sleep(0.05)
-        return self.client is not None
-
-    def _client(self):
-        if self.client is None:
-            raise OSError("the embedding store is not connected")
-        return self.client
+        return self._connected
 
     def get(self, key: str) -> bytes | None:
-        with self._lock:
-            value = self._client().get(key)
-        return bytes(value) if value else None
+        return self._call("get", key)
 
     def put(self, key: str, value: bytes) -> bool:
-        with self._lock:
-            rc = self._client().put(key, value, self.replicate)
-            if rc <= -900:  # an RPC failure: connect again
-                self.client.close()
-                self.client = None
-                self._down.set()
-                raise OSError(f"put returned {rc}")
-        return rc == 0
+        return self._call("put", key, value)
 
     def close(self) -> None:
-        self._closed.set()
-        self._down.set()
         with self._lock:
-            if self.client is not None:
-                self.client.close()
-                self.client = None
+            if self._proc is not None and self._proc.is_alive():
+                try:
+                    self._conn.send(("close",))
+                except (BrokenPipeError, OSError):
+                    pass
+                self._proc.join(3)
+                if self._proc.is_alive():
+                    self._proc.kill()
+
+
+def _store_process(conn, cfg: dict, segment_bytes: int, retry_s: float) -> None:
+    """The helper: answers (ok, value, connected) to ("status",), ("get", key), ("put", key, value) and stops on
+    ("close",). Connects lazily, only once the master's port answers; a dead master or an RPC failure drops the
+    client (not closed: closing it then blocks too) until the next connect."""
+    import signal as _signal
+
+    from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+    from llm_backend.kv.tiers.mooncake_store import master_answers
+
+    _signal.signal(_signal.SIGINT, _signal.SIG_IGN)  # the server's Ctrl-C is for the server; it closes this
+    client, replicate, last_try, stale = None, None, -1e9, []
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg[0] == "close":
+            if client is not None:
+                client.close()
+            return
+        if client is not None and not master_answers(cfg["master"], 0.2):
+            stale.append(client)
+            client = None
+        if client is None and time.monotonic() - last_try >= retry_s and master_answers(cfg["master"], 0.2):
+            last_try = time.monotonic()
+            c = MooncakeDistributedStore()
+            if (
+                c.setup(
+                    cfg["local"],
+                    cfg["metadata"],
+                    segment_bytes,
+                    16 << 20,
+                    cfg["protocol"],
+                    cfg["device"],
+                    cfg["master"],
+                )
+                == 0
+            ):
+                client, replicate = c, ReplicateConfig()
+                replicate.replica_num = cfg["replicas"]
+        if msg[0] == "status" or client is None:
+            conn.send((msg[0] == "status", "the embedding store is not connected", client is not None))
+            continue
+        if msg[0] == "get":
+            value = client.get(msg[1])
+            conn.send((True, bytes(value) if value else None, True))
+        else:
+            rc = client.put(msg[1], msg[2], replicate)
+            if rc <= -900:  # an RPC failure: connect again next time
+                stale.append(client)
+                client = None
+                conn.send((False, f"put returned {rc}", False))
+            else:
+                conn.send((True, rc == 0, True))
 
 
 class EmbeddingLease:
@@ -235,7 +299,7 @@ class ClusterEmbeddingCache:
 
     @property
     def connected(self) -> bool:
-        return self.store.client is not None
+        return self.store.connected
 
     def stats(self) -> dict:
         local = self.local.stats() if self.local is not None else {}

@@ -46,7 +46,7 @@ from loadtest.locust_cmd import locust_command
 from mimo_epd.testing.redis_server import RedisServer, free_port
 
 USERS_FILE = Path(__file__).with_name("chaos_users.py")
-FAULTS = ("encoder", "decode_worker", "llm", "prefill_llm", "decode_llm", "router", "redis")
+FAULTS = ("encoder", "decode_worker", "llm", "prefill_llm", "decode_llm", "router", "redis", "mooncake_master")
 
 
 def log(msg: str) -> None:
@@ -368,6 +368,7 @@ class Campaign:
         self.routers: list = []  # fleet: ServerProcess of each `mimo-epd router`
         self.router_ports: list[int] = []
         self.redis: Redis | None = None
+        self.master = None  # --mooncake: the MooncakeMaster of the KV tier and the fleet embedding cache
         self.node: Node | None = None
         self.workdir = Path(tempfile.mkdtemp(prefix="mimo-chaos-"))
         self.reqlog = RequestLog(self.workdir / "requests.jsonl")
@@ -404,6 +405,10 @@ class Campaign:
             "--shm-cache-bytes",
             str(256 << 20),
         ]
+        if self.master is not None:  # the KV tier and the fleet's embedding cache on one Mooncake Store
+            seg = str(64 << 20)
+            common += ["--llm-kv-store", self.master.url, "--llm-kv-store-segment-bytes", seg]
+            common += ["--embedding-store", self.master.url, "--embedding-store-segment-bytes", seg]
         if self.fleet:  # a node that registers in Redis and runs no router; its gRPC port is unused
             return [*common, "--join", self.redis.url, *shlex.split(self.args.serve_args)]
         return [*common, "--http-port", "-1", "--port", str(self.port), *shlex.split(self.args.serve_args)]
@@ -418,6 +423,12 @@ class Campaign:
             self.redis = Redis(self.workdir)
             self.redis.start()
             log(f"redis-server on 127.0.0.1:{self.redis.port}")
+        if self.args.mooncake:
+            from mimo_epd.testing.mooncake_master import MooncakeMaster
+
+            self.master = MooncakeMaster(self.workdir)
+            self.master.start()
+            log(f"mooncake_master on 127.0.0.1:{self.master.port}")
         self.server = start_server(self.serve_args(), subcommand="serve", timeout=self.args.start_timeout_s)
         if self.fleet:
             self.router_ports = [free_port() for _ in range(self.args.routers)]
@@ -504,6 +515,8 @@ class Campaign:
             return node.router, {"endpoint": self.address, "children_before": children(node.router)}
         if fault == "redis" and self.fleet and node.redis:
             return node.redis, {"endpoint": f"127.0.0.1:{self.redis.port}"}
+        if fault == "mooncake_master" and self.master is not None and self.master.proc.poll() is None:
+            return self.master.proc.pid, {"endpoint": f"127.0.0.1:{self.master.port}"}
         return None
 
     def skip_reason(self, fault: str) -> str:
@@ -511,6 +524,8 @@ class Campaign:
             return "attached to --server: the campaign cannot start the node again"
         if fault == "redis":
             return "no Redis in this topology (--topology node: a single router with its state in memory)"
+        if fault == "mooncake_master":
+            return "no Mooncake Store in this campaign (--mooncake starts one for the KV tier and the embedding cache)"
         if fault == "llm":
             return "this node runs no LLM worker"
         if fault in ("prefill_llm", "decode_llm"):
@@ -531,13 +546,13 @@ class Campaign:
             return lambda r: r["kind"] == "generate"
         if fault == "router" and self.fleet:  # the requests the killed router held (their first router)
             return lambda r: r.get("router") == info["endpoint"]
-        if fault == "redis":  # not on any request's path: routing degrades, nothing may fail
+        if fault in ("redis", "mooncake_master"):  # on no request's path: hits are lost, nothing may fail
             return lambda r: False
         return lambda r: True
 
     def recovery_path(self, fault: str, info: dict, ring_eps: list[str]):
         """The requests whose first success after the kill tells that clients are served again."""
-        if fault in ("router", "redis") and self.fleet:
+        if fault in ("router", "redis") and self.fleet or fault == "mooncake_master":
             return lambda r: True  # every client, whichever router it reaches
         return self.affected(fault, info, ring_eps)
 
@@ -572,6 +587,8 @@ class Campaign:
             mark = self.log_mark()  # a new node, a new log
         elif fault == "redis":
             self.recover_redis(t_kill, out)
+        elif fault == "mooncake_master":
+            self.recover_master(t_kill, out)
         out["_log_mark"] = mark
         waits = self.wait_recovered(fault, pid, info, t_kill, is_affected, deadline, out)
         out.update(waits)
@@ -640,6 +657,20 @@ class Campaign:
         out["down_s"] = round(t - t_kill, 3)
         out["restart_s"] = round(time.monotonic() - t, 3)
         self.refresh_node()
+
+    def recover_master(self, t_kill: float, out: dict) -> None:
+        """The Mooncake master is down for `--mooncake-down-s`, then comes back empty on the same ports; the node
+        keeps serving meanwhile (its KV tier and embedding cache miss and drop writes)."""
+        self.master.proc.wait()
+        checks, end = [], t_kill + self.args.mooncake_down_s
+        while time.monotonic() < end:
+            checks.append(all(health_serving(a, 0.5) for a in self.addresses))
+            time.sleep(max(0.0, min(0.5, end - time.monotonic())))
+        out["serving_while_down"] = f"{sum(checks)}/{len(checks)} health checks"
+        t = time.monotonic()
+        self.master.start()
+        out["down_s"] = round(t - t_kill, 3)
+        out["restart_s"] = round(time.monotonic() - t, 3)
 
     # -------------------------------------------------------------- logs
     def router_logs(self) -> list[list[str]]:
@@ -927,6 +958,8 @@ class Campaign:
         rc = self.server.stop(timeout=60)
         if self.redis:
             self.redis.stop()
+        if self.master is not None:
+            self.master.stop(graceful=True)
         time.sleep(0.2)  # the log reader threads drain the last lines
         logs = self.old_logs + ["".join(r.stderr_lines) for r in self.routers] + ["".join(self.server.stderr_lines)]
         (self.workdir / "serve.log").write_text("\n".join(logs))
@@ -1028,6 +1061,15 @@ def add_arguments(p) -> None:
         type=int,
         default=8,
         help="concurrent Locust users, 3 Encode : 1 Generate (a third of them grammar-constrained) (default: 8)",
+    )
+    p.add_argument(
+        "--mooncake",
+        action="store_true",
+        help="start a mooncake_master and give the node --llm-kv-store and --embedding-store on it (the "
+        "mooncake_master fault kills it)",
+    )
+    p.add_argument(
+        "--mooncake-down-s", type=float, default=5.0, help="how long the Mooncake master stays down (default: 5)"
     )
     p.add_argument(
         "--audio",

@@ -18,7 +18,9 @@ other workers reach this one's segment at (default: this host's address on the r
   re-register by themselves).
 - `setup` retries for up to 90 s when the master is down, and holds the GIL meanwhile (every thread of the worker
   stops): it is called only once the master's RPC port accepts a connection (`master_answers`), on the writer
-  thread (store.SharedKVStore); until it succeeds lookups are misses and writes are dropped.
+  thread (store.SharedKVStore); until it succeeds lookups are misses and writes are dropped. A `put` against a
+  master that died blocks ~10 s the same way, so every read and write checks the master's port first (a loopback
+  connect, tens of microseconds) and a dead master marks the tier down instead.
 """
 
 from __future__ import annotations
@@ -141,7 +143,15 @@ class MooncakeKVStore(SharedKVStore):
         self.replicate.replica_num = c["replicas"]
         self.client = client
 
+    def _alive(self) -> None:
+        """Raises StoreError when the master does not accept a connection: Mooncake's calls against a dead master
+        block for ~10 s each holding the GIL (measured: a `put` froze every thread of the process 10.7 s), so none
+        is made then; the store is marked down and tried again after --kv-store-retry-s."""
+        if not master_answers(self.cfg["master"], 0.2):
+            raise StoreError(f"the master {self.cfg['master']} does not answer")
+
     def _read(self, keys: list[str]) -> list[bytes | None]:
+        self._alive()
         slot = self.slot or self.buffer_bytes // max(len(keys), 1)
         per_call = max(1, self.buffer_bytes // slot)
         out: list[bytes | None] = []
@@ -161,6 +171,7 @@ class MooncakeKVStore(SharedKVStore):
         return out
 
     def _write(self, key: str, raw: bytes, replace: bool) -> bool:
+        self._alive()
         rc = (self.client.upsert if replace else self.client.put)(key, raw, self.replicate)
         if rc <= RPC_ERRORS:
             raise StoreError(f"{'upsert' if replace else 'put'} returned {rc}")
