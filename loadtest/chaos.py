@@ -1062,20 +1062,7 @@ def add_arguments(p) -> None:
         default=8,
         help="concurrent Locust users, 3 Encode : 1 Generate (a third of them grammar-constrained) (default: 8)",
     )
-    p.add_argument(
-        "--mooncake",
-        action="store_true",
-        help="start a mooncake_master and give the node --llm-kv-store and --embedding-store on it (the "
-        "mooncake_master fault kills it)",
-    )
-    p.add_argument(
-        "--mooncake-down-s", type=float, default=5.0, help="how long the Mooncake master stays down (default: 5)"
-    )
-    p.add_argument(
-        "--audio",
-        action="store_true",
-        help="add audio clips to the load (1 Audio user in 5 with 3 Encode : 1 Generate)",
-    )
+    _add_media_and_store_arguments(p)
     p.add_argument(
         "--server", default="", help="attach to this running `serve` (host:port) instead of starting one (default: '')"
     )
@@ -1091,6 +1078,29 @@ def add_arguments(p) -> None:
         default=160,
         help="the router's --vnodes, to tell which encoder owned an item (default: 160)",
     )
+    _add_timing_arguments(p)
+
+
+def _add_media_and_store_arguments(p) -> None:
+    """The Mooncake Store campaign and the audio load."""
+    p.add_argument(
+        "--mooncake",
+        action="store_true",
+        help="start a mooncake_master and give the node --llm-kv-store and --embedding-store on it (the "
+        "mooncake_master fault kills it)",
+    )
+    p.add_argument(
+        "--mooncake-down-s", type=float, default=5.0, help="how long the Mooncake master stays down (default: 5)"
+    )
+    p.add_argument(
+        "--audio",
+        action="store_true",
+        help="add audio clips to the load (1 Audio user in 5 with 3 Encode : 1 Generate)",
+    )
+
+
+def _add_timing_arguments(p) -> None:
+    """How long the campaign waits for things."""
     p.add_argument(
         "--recover-timeout-s", type=float, default=90.0, help="longest wait for a fault to recover (default: 90)"
     )

@@ -589,6 +589,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                         self.progressed(flight, max(1, len(msg.delta.token_ids)))
                     elif msg.HasField("final"):
                         self.report(choice, msg.final.cached_tokens, msg.final.kv_events_position)
+                        await self.sync.shared()  # another router may get the client's next turn at once
                         if msg.final.prefill_failed_address:  # the decode worker prefilled it after a failed transfer
                             self._prefill_failed(msg.final.prefill_failed_address)
                     yield msg

@@ -59,6 +59,14 @@ class IndexSync:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
+    async def shared(self, timeout_s: float = 0.05) -> None:
+        """Until the answered positions being written have landed in the shared state (at most `timeout_s`): called
+        before a final answer goes to the client, so another router that gets the client's next turn the moment
+        the answer arrives already sees what to wait for (without it a session alternating between routers could be
+        routed on an index without its previous turn: a CI flake)."""
+        if self._writes:
+            await asyncio.wait(list(self._writes), timeout=timeout_s)
+
     def _want(self, worker: str, want: tuple[str, int]) -> None:
         done = self.met.get(worker)
         if done is not None and done[0] == want[0] and done[1] >= want[1]:
