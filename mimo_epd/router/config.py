@@ -44,6 +44,11 @@ class LLMRouterConfig:
     down_s: float = flag(
         5.0, "a worker that failed a call is skipped this long, or until its feed answers again", name="worker_down_s"
     )
+    worker_wait_s: float = flag(
+        3.0,
+        "a request that finds no live LLM worker waits up to this long for one to (re)register before it fails with "
+        "UNAVAILABLE / 503 (a restart, a heartbeat late under load); 0 = fail at once",
+    )
 
     pd_max_prefill_queue: int = flag(
         8192,
@@ -58,8 +63,8 @@ class LLMRouterConfig:
             raise ValueError("--member-ttl-s, --poll-wait-ms and --discovery-interval-s must be positive")
         if self.index_sync_ms < 0:
             raise ValueError(f"--index-sync-ms must be >= 0, got {self.index_sync_ms}")
-        if self.down_s < 0 or self.weights.tree_blocks < 1:
-            raise ValueError("--worker-down-s must be >= 0 and --cache-aware-tree-blocks positive")
+        if self.down_s < 0 or self.worker_wait_s < 0 or self.weights.tree_blocks < 1:
+            raise ValueError("--worker-down-s and --worker-wait-s must be >= 0, --cache-aware-tree-blocks positive")
 
 
 def add_routing_arguments(parser, skip: frozenset[str] = ROUTER_ONLY) -> None:

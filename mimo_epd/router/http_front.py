@@ -449,7 +449,7 @@ class HTTPFront:
         headers = self._headers(request)
         tried: list[str] = []
         refusal: web.Response | None = None  # the last worker's own 429 / 503, answered when no other can
-        choices = await router.pick(tokens)
+        choices = await router.first_pick(tokens)
         while choices:
             choice = choices[0]
             tried.append(choice.worker)

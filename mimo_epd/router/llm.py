@@ -159,6 +159,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             "pd_retries": 0,
             "pd_prefill_failures_reported": 0,
             "prefill_fallbacks": 0,
+            "worker_waits": 0,
         }
         self._tasks: list[asyncio.Task] = []
         self.discovery_errors = 0  # registry reads that failed other than by an unreachable state
@@ -327,6 +328,25 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         return out
 
     # ------------------------------------------------------------------------------------------ picking
+    async def first_pick(self, prompt_token_ids) -> list[Choice]:
+        """`pick`, and when no worker is live, picks again until one is or `--worker-wait-s` passes: a worker that
+        restarts, or whose heartbeat came late under load (its registration expired for a moment), costs the
+        request a short wait, not an error (`worker_waits`)."""
+        choices = await self.pick(prompt_token_ids)
+        if choices or self.config.worker_wait_s <= 0:
+            return choices
+        self.stats["worker_waits"] += 1
+        deadline = time.monotonic() + self.config.worker_wait_s
+        while not choices and time.monotonic() < deadline:
+            await asyncio.sleep(min(0.1, self.config.discovery_interval_s))
+            if not self.degraded and not self._closing:
+                try:
+                    await self.refresh()
+                except StateUnavailable as e:
+                    self._degrade(e)
+            choices = await self.pick(prompt_token_ids)
+        return choices
+
     async def pick(
         self, prompt_token_ids, exclude: set[str] = frozenset(), roles: tuple[str, ...] = ("both", "decode")
     ) -> list[Choice]:
@@ -574,7 +594,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             at = first_media_at(request.prompt) if self.omni is not None and not request.prompt_token_ids else -1
             tokens = self.tokenizer.encode(request.prompt[:at]) if at >= 0 else tokens[:1]
         tried: list[str] = []
-        choices = await self.pick(tokens)
+        choices = await self.first_pick(tokens)
         failed_prefill: set[str] = set()
         while choices:
             choice = choices[0]

@@ -128,6 +128,11 @@ class _IndexCollector:
             value=router.stats["prefill_fallbacks"],
         )
         yield CounterMetricFamily(
+            "router_worker_waits",
+            "requests that found no live LLM worker and waited for one (--worker-wait-s)",
+            value=router.stats["worker_waits"],
+        )
+        yield CounterMetricFamily(
             "router_feed_resyncs",
             "full snapshots feeds asked for because the state had dropped their worker's entries",
             value=sum(f.resyncs for f in router.feeds.values()),
