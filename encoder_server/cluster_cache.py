@@ -100,8 +100,11 @@ class MooncakeEmbeddingStore:
         self._lock = threading.Lock()
         self._conn = self._proc = None
         self._connected = False
+        self._closed = threading.Event()
         self.restarts = 0
         self._start()
+        self._watcher = threading.Thread(target=self._watch, name="embedding-store-watch", daemon=True)
+        self._watcher.start()
 
     def _start(self) -> None:
         import multiprocessing
@@ -113,13 +116,28 @@ class MooncakeEmbeddingStore:
         self._proc.start()
         child.close()
 
-    def _call(self, *msg):
-        with self._lock:
+    def _watch(self) -> None:
+        """Asks the helper for its status every second: the only caller that waits through a connect (up to
+        CONNECT_S); gets and puts fail at once while the helper is not connected, so the first requests after a
+        start or a master's restart never wait on Mooncake's setup."""
+        while not self._closed.is_set():
+            try:
+                self._call("status", wait=self.timeout_s if self._connected else max(self.timeout_s, CONNECT_S))
+            except OSError:
+                pass
+            self._closed.wait(1.0)
+
+    def _call(self, *msg, wait: float | None = None):
+        if not self._lock.acquire(timeout=self.timeout_s):  # the watcher is waiting through a connect
+            raise OSError("the embedding store is busy connecting")
+        try:
+            if self._closed.is_set():
+                raise OSError("the embedding store is closed")
             if not self._proc.is_alive():
                 self._replace("exited")
             try:
                 self._conn.send(msg)
-                wait = self.timeout_s if self._connected else max(self.timeout_s, CONNECT_S)  # a setup may run
+                wait = self.timeout_s if wait is None else wait
                 if not self._conn.poll(wait):
                     self._replace(f"gave no answer within {wait:g} s")
                     raise OSError("the embedding store did not answer in time")
@@ -127,49 +145,65 @@ class MooncakeEmbeddingStore:
             except (EOFError, BrokenPipeError, ConnectionError) as e:
                 self._replace(f"broke ({e})")
                 raise OSError("the embedding store's helper process failed") from None
+        finally:
+            self._lock.release()
         if not ok:
             raise OSError(value)
         return value
 
     def _replace(self, why: str) -> None:
-        log.warning("embedding store helper %s: replaced", why)
         self._proc.kill()
         self._proc.join(5)
         self._conn.close()
         self._connected = False
+        if self._closed.is_set():
+            return
+        log.warning("embedding store helper %s: replaced", why)
         self.restarts += 1
         self._start()
 
     @property
     def connected(self) -> bool:
-        try:
-            self._call("status")
-        except OSError:
-            return False
+        """Whether the helper was connected at its last answer (the watcher asks every second)."""
         return self._connected
 
     def wait_connected(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not self.connected and time.monotonic() < deadline:
+        while not self._connected and time.monotonic() < deadline:
             time.sleep(0.05)
         return self._connected
 
+    def _ready(self) -> None:
+        if not self._connected:
+            raise OSError("the embedding store is not connected")
+
     def get(self, key: str) -> bytes | None:
+        self._ready()
         return self._call("get", key)
 
     def put(self, key: str, value: bytes) -> bool:
+        self._ready()
         return self._call("put", key, value)
 
     def close(self) -> None:
-        with self._lock:
-            if self._proc is not None and self._proc.is_alive():
+        """Stops the helper: asked to close its client, killed if it does not within 3 s, or at once while the
+        watcher waits through a connect."""
+        self._closed.set()
+        got = self._lock.acquire(timeout=self.timeout_s)
+        try:
+            if got and self._proc.is_alive():
                 try:
                     self._conn.send(("close",))
                 except (BrokenPipeError, OSError):
                     pass
                 self._proc.join(3)
-                if self._proc.is_alive():
-                    self._proc.kill()
+            if self._proc.is_alive():
+                self._proc.kill()
+                self._proc.join(5)
+        finally:
+            if got:
+                self._lock.release()
+        self._watcher.join(5)
 
 
 def _store_process(conn, cfg: dict, segment_bytes: int, retry_s: float) -> None:

@@ -74,6 +74,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+def runs_mooncake(pid: int) -> bool:
+    """Whether the process has Mooncake's library mapped (an encoder's embedding-store helper, not a decoder)."""
+    try:
+        return "mooncake" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -203,7 +211,9 @@ def discover(router_pid: int) -> Node:
             if port:
                 ep = f"127.0.0.1:{port}"
                 node.encoders[ep] = c
-                node.decoders[ep] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
+                node.decoders[ep] = [
+                    g for g in children(c) if alive(g) and "spawn_main" in cmdline(g) and not runs_mooncake(g)
+                ]
         elif " mimo_epd llm" in cl and port:
             node.llms[f"127.0.0.1:{port}"] = c
             args = cl.split()

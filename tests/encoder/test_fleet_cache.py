@@ -147,3 +147,30 @@ def test_an_encoder_keeps_serving_when_the_store_is_down(tmp_path):
         assert _count(port, 'encoder_cluster_cache_total{event="errors"}') >= 1
     finally:
         assert s.stop() == 0
+
+
+def test_the_store_connects_in_the_background_and_calls_never_wait_for_it(tmp_path):
+    """Before its master is up, a get or put fails at once (a miss, a dropped write) instead of waiting on
+    Mooncake's setup; the helper connects once the master answers, and the same store then serves."""
+    if master_binary() is None:
+        pytest.skip("needs the mooncake-transfer-engine wheel's mooncake_master")
+    from encoder_server.cluster_cache import MooncakeEmbeddingStore
+
+    master = MooncakeMaster(tmp_path)
+    store = MooncakeEmbeddingStore(master.url, 16 << 20, retry_s=0.5)
+    try:
+        t0 = time.monotonic()
+        for call in (lambda: store.get("k"), lambda: store.put("k", b"v")):
+            with pytest.raises(OSError, match="not connected"):
+                call()
+        assert time.monotonic() - t0 < 0.5 and not store.connected
+        master.start()
+        assert store.wait_connected(60), "the helper never connected to a live master"
+        t0 = time.monotonic()
+        assert store.put("k", b"value") is True and store.get("k") == b"value"
+        assert time.monotonic() - t0 < 2.0
+    finally:
+        t0 = time.monotonic()
+        store.close()
+        assert time.monotonic() - t0 < 10
+        master.stop()
