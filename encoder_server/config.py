@@ -158,6 +158,17 @@ class EncoderServerConfig:
         "none; serve passes its --router-state)",
     )
     embedding_lease_ms: int = _f(30000, "how long an encode lease lasts at most (a dead holder costs this long)")
+    embedding_transfer: str = _f(
+        "",
+        "send embeddings to LLM workers that ask for it (their --encoder-transfer) over Mooncake's transfer engine: "
+        "tcp or rdma (empty = always as bytes in the gRPC reply)",
+    )
+    embedding_transfer_device: str = _f("", "RDMA device names for --embedding-transfer rdma (empty = auto)")
+    embedding_transfer_staging_bytes: int = _f(
+        1 << 30,
+        "registered memory holding rows until their worker's Transfer (an item that finds no room goes as bytes)",
+    )
+    embedding_transfer_hold_s: float = _f(30.0, "held rows that no Transfer took within this long are freed")
 
     @classmethod
     def add_arguments(cls, parser: argparse.ArgumentParser, only: set[str] | None = None) -> None:
@@ -199,6 +210,8 @@ class EncoderServerConfig:
             "embedding_store_segment_bytes",
             "embedding_store_max_item_bytes",
             "embedding_lease_ms",
+            "embedding_transfer_staging_bytes",
+            "embedding_transfer_hold_s",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -219,6 +232,8 @@ class EncoderServerConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.embedding_transfer not in ("", "tcp", "rdma"):
+            raise ValueError(f"--embedding-transfer must be tcp, rdma or empty, got {self.embedding_transfer!r}")
         if self.video_decode_mode not in ("process", "thread"):
             raise ValueError(f"--video-decode-mode must be process or thread, got {self.video_decode_mode!r}")
         if self.video_fps <= 0 or self.video_min_frames < 1 or self.video_max_frames < self.video_min_frames:

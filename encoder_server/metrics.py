@@ -47,6 +47,9 @@ class EncoderMetrics:
             "encoder_forward_threads", "torch intra-op threads of each forward worker (0 = torch's default)", registry=r
         )
         self.batch_budget = Gauge("encoder_batch_budget_tokens", "the batcher's current token budget", registry=r)
+        self.reply_bytes = Counter(
+            "encoder_reply_bytes", "embedding bytes sent inside gRPC replies (transport grpc)", registry=r
+        )
         self.decode_fallbacks = Counter("encoder_decode_pickled", "decoded images too large for a shm slot", registry=r)
 
     def watch_cluster(self, cache) -> None:
@@ -69,6 +72,31 @@ class EncoderMetrics:
                 )
 
         self.registry.register(_Cluster())
+
+    def watch_transfer(self, sender) -> None:
+        """Exports the embedding sender's counters (`sender`: transfer.EmbeddingSender) as
+        `encoder_transfer_total{event}` (held, sent, released, expired, no_room, failed: items),
+        `encoder_transfer_bytes_total{transport="mooncake"}`, `encoder_transfer_seconds_total{transport="mooncake"}`
+        and `encoder_transfer_held_bytes`; the bytes sent in gRPC replies count under transport="grpc"."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        class _Transfer:
+            def collect(self):
+                m = CounterMetricFamily("encoder_transfer", "held embedding rows by event", labels=["event"])
+                for event in ("held", "sent", "released", "expired", "no_room", "failed"):
+                    m.add_metric([event], sender.counts[event])
+                yield m
+                b = CounterMetricFamily("encoder_transfer_bytes", "embedding bytes sent", labels=["transport"])
+                b.add_metric(["mooncake"], sender.counts["bytes"])
+                yield b
+                t = CounterMetricFamily("encoder_transfer_seconds", "seconds spent sending", labels=["transport"])
+                t.add_metric(["mooncake"], sender.counts["seconds"])
+                yield t
+                yield GaugeMetricFamily(
+                    "encoder_transfer_held_bytes", "staging bytes held for a Transfer", value=sender.held_bytes
+                )
+
+        self.registry.register(_Transfer())
 
     def serve(self, port: int, host: str = "127.0.0.1") -> None:
         try:

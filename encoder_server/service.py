@@ -17,12 +17,14 @@ import grpc
 import torch
 
 from mimo_epd.common.grpc_server import GrpcServer, stop_on_signals, wait_for_signal
+from mimo_epd.common.transfer_buffer import TransferError, reachable_host
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .config import EncoderServerConfig
 from .errors import ItemError
 from .fetch import MediaSource
 from .pipeline import EncodePipeline, ItemRequest, ItemResult
+from .transfer import EmbeddingSender, NotHeld
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +79,17 @@ def item_from_proto(item: encoder_pb2.MediaItem, index: int) -> ItemRequest:
     )
 
 
-def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
+def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult, held: tuple[str, int, int] | None = None) -> None:
+    """The reply item; with `held` = (encoder address, id, bytes) the rows stay here for a Transfer and the
+    embedding carries only their shape and dtype."""
     t = r.timings_ms
     out.content_key = r.content_key
-    fill_tensor(out.embedding, r.embedding)
+    if held is None:
+        fill_tensor(out.embedding, r.embedding)
+    else:
+        out.embedding.shape.extend(r.embedding.shape)
+        out.embedding.dtype = str(r.embedding.dtype).removeprefix("torch.")
+        out.held.encoder, out.held.id, out.held.bytes = held
     out.grid_thw.extend(r.grid_thw)
     out.num_tokens, out.cache_hit = r.num_tokens, r.cache_hit
     out.timings.fetch_ms, out.timings.decode_ms, out.timings.preprocess_ms = t["fetch"], t["decode"], t["preprocess"]
@@ -96,8 +105,48 @@ def fill_item(out: encoder_pb2.ItemEmbedding, r: ItemResult) -> None:
 
 
 class EncoderService(encoder_pb2_grpc.EncoderServicer):
-    def __init__(self, pipeline: EncodePipeline):
-        self.pipeline = pipeline
+    def __init__(
+        self, pipeline: EncodePipeline, sender: EmbeddingSender | None = None, server: GrpcServer | None = None
+    ):
+        """`sender`: the transfer engine's side of held rows (--embedding-transfer); `server`: the gRPC server this
+        service runs in (its bound port names this encoder in `held`, what a worker calls Transfer on)."""
+        self.pipeline, self.sender, self.server = pipeline, sender, server
+
+    @property
+    def address(self) -> str:
+        return f"{reachable_host(self.server.host)}:{self.server.port}" if self.server is not None else ""
+
+    def _held(self, r: ItemResult, hold: bool) -> tuple[str, int, int] | None:
+        if not hold or self.sender is None:
+            return None
+        h = self.sender.hold(r.embedding)
+        return None if h is None else (self.address, h[0], h[1])
+
+    async def Transfer(self, request: encoder_pb2.TransferRequest, context: grpc.aio.ServicerContext):
+        ids, addrs = list(request.ids), list(request.addresses)
+        if self.sender is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "this encoder holds no rows (started without --embedding-transfer)"
+            )
+        if not request.session:
+            self.sender.release(ids)
+            return encoder_pb2.TransferReply()
+        if len(ids) != len(addrs) or not ids:
+            self.sender.release(ids)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} ids and {len(addrs)} addresses: one address per id"
+            )
+        t0 = time.perf_counter()
+        try:
+            n = await asyncio.to_thread(self.sender.send, request.session, ids, addrs)
+        except NotHeld as e:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"held rows {e.args[0]} are not here (expired after --embedding-transfer-hold-s, moved, or never held)",
+            )
+        except TransferError as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
+        return encoder_pb2.TransferReply(bytes=n, seconds=time.perf_counter() - t0)
 
     async def Encode(self, request: encoder_pb2.EncodeRequest, context: grpc.aio.ServicerContext):
         t0 = time.perf_counter()
@@ -112,7 +161,9 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
         )
         response = encoder_pb2.EncodeResponse(model=self.pipeline.model_id)
         for r in results:
-            fill_item(response.items.add(), r)
+            fill_item(response.items.add(), r, self._held(r, request.hold))
+            if not response.items[-1].HasField("held"):
+                self.pipeline.metrics.reply_bytes.inc(len(response.items[-1].embedding.data))
         # The pipeline refuses a reply it can size in advance; this catches any remainder (field overhead),
         # so an unsendable reply is a clear INVALID_ARGUMENT, never a transport error after the work.
         size, limit = response.ByteSize(), self.pipeline.config.max_message_mb << 20
@@ -126,6 +177,13 @@ class EncoderService(encoder_pb2_grpc.EncoderServicer):
         return response
 
 
+async def _expire_holds(sender: EmbeddingSender) -> None:
+    """Frees rows held past --embedding-transfer-hold-s even while no request comes."""
+    while True:
+        await asyncio.sleep(1.0)
+        sender.expire()
+
+
 async def serve_encoder(
     config: EncoderServerConfig,
     ready: asyncio.Event | None = None,
@@ -134,13 +192,24 @@ async def serve_encoder(
 ) -> int:
     pipeline = EncodePipeline(config)
     await pipeline.start()
+    sender = None
+    if config.embedding_transfer:
+        sender = EmbeddingSender(
+            config.embedding_transfer_staging_bytes,
+            config.embedding_transfer_hold_s,
+            config.host,
+            config.embedding_transfer,
+            config.embedding_transfer_device,
+        )
+        pipeline.metrics.watch_transfer(sender)
     srv = GrpcServer(config.host, config.port, config.max_message_mb)
-    srv.add(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderService(pipeline), SERVICE_NAME)
+    srv.add(encoder_pb2_grpc.add_EncoderServicer_to_server, EncoderService(pipeline, sender, srv), SERVICE_NAME)
     try:
         await srv.start()
     except BaseException:
         await pipeline.stop()
         raise
+    expiry = asyncio.create_task(_expire_holds(sender)) if sender is not None else None
     log.info(
         "encoder serving model %s on %s (device %s, preprocessing %s)",
         pipeline.model_id,
@@ -158,6 +227,9 @@ async def serve_encoder(
     await wait_for_signal(stop)
     log.info("shutting down: refusing new requests, %gs grace for in-flight ones", config.grace_period_s)
     await srv.stop(config.grace_period_s)
+    if expiry is not None:
+        expiry.cancel()
+        sender.close()
     await pipeline.stop()
     log.info("stopped")
     return 0

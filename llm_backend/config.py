@@ -56,6 +56,19 @@ class LLMConfig:
     encoder: str = flag(
         "", "encoder (or router) address for media items (empty = requests with media are refused)", _SERVE
     )
+    encoder_transfer: str = flag(
+        "",
+        "media rows from encoders over Mooncake's transfer engine into a buffer registered once: tcp or rdma (the "
+        "encoders need --embedding-transfer; an item they send as bytes is taken as bytes); empty = in the gRPC reply",
+        _SERVE,
+        choices=("", "tcp", "rdma"),
+    )
+    encoder_transfer_device: str = flag("", "RDMA device names for --encoder-transfer rdma (empty = auto)", _SERVE)
+    encoder_transfer_buffer_bytes: int = flag(
+        1 << 30,
+        "the registered receive buffer for --encoder-transfer (a reply whose rows find no room comes again as bytes)",
+        _SERVE,
+    )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
     auth: AuthConfig = embedded(AuthConfig)  # API keys (HTTP and gRPC) and TLS
@@ -295,6 +308,7 @@ class LLMConfig:
             "release_interval",
             "max_running",
             "max_waiting",
+            "encoder_transfer_buffer_bytes",
             "max_tokens_limit",
             "grace_period_s",
             "max_temperature",

@@ -16,9 +16,10 @@ here retries: the roles decide (docs/pd.md, failure rules).
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from dataclasses import dataclass
+
+from mimo_epd.common.transfer_buffer import reachable_host
 
 from .rule import runs
 
@@ -94,8 +95,7 @@ class KVTransferEngine:
     """One worker's Mooncake engine with its pools registered."""
 
     def __init__(self, pools, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
-        if host in ("", "0.0.0.0", "::", "[::]"):  # a wildcard listen address: peers need a reachable name
-            host = socket.gethostbyname(socket.gethostname())
+        host = reachable_host(host)
         self.engine = _engine_class()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:

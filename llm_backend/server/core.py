@@ -34,6 +34,7 @@ from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .media_transfer import EmbeddingReceiver, MediaTransferFailed
 
 log = logging.getLogger(__name__)
 
@@ -209,11 +210,13 @@ class GenerationCore:
         engine_alive: Callable[[], bool] | None = None,
         kv_events_position: Callable[[], str] | None = None,
         omni: OmniTokens | None = None,
+        receiver: EmbeddingReceiver | None = None,
     ):
         """`ticketing`: the worker role's ticket for each request (the decode role's, server/kv_transfer.py).
         `engine_alive`: whether the engine thread still runs. `kv_events_position`: "EPOCH:SEQ" of the worker's
         KV-event log, reported with each final ("" = no events published). `omni`: the checkpoint's media tokens
-        (MiMo's omni prompt lays media out with them; None = rows right after the first token)."""
+        (MiMo's omni prompt lays media out with them; None = rows right after the first token). `receiver`: media
+        rows over the transfer engine (--encoder-transfer; None = in the encoder's reply)."""
         self.engine = engine
         self.omni = omni
         self.metrics = metrics
@@ -230,6 +233,7 @@ class GenerationCore:
                 ],
             )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
+        self.receiver = receiver
         self.ticketing = ticketing
         self._engine_alive = engine_alive
         self._kv_events_position = kv_events_position
@@ -304,16 +308,16 @@ class GenerationCore:
                 "media items need an encoder: start the worker with --encoder ADDR",
                 param="media",
             )
-        try:
-            resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items)), timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise media_error(e.code(), e.details(), names) from None
+        resp, moved = await self._encode(items, timeout, names)
         hidden = self.engine.model.config.hidden_size
         out, rows = [], []
         for i, (it, asked) in enumerate(zip(resp.items, items)):
-            emb = torch.frombuffer(bytearray(it.embedding.data), dtype=getattr(torch, it.embedding.dtype)).view(
-                *it.embedding.shape
-            )
+            emb = moved.get(i)
+            if emb is None:
+                emb = torch.frombuffer(bytearray(it.embedding.data), dtype=getattr(torch, it.embedding.dtype)).view(
+                    *it.embedding.shape
+                )
+                self.metrics.media_bytes.labels("grpc").inc(len(it.embedding.data))
             if emb.shape[-1] != hidden:
                 raise ServeError(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -331,6 +335,28 @@ class GenerationCore:
             out.append(ItemRows(kind, ids, groups, in_video, it.end_s))
             rows.append(emb)
         return EncodedMedia(out, torch.cat(rows))
+
+    async def _encode(self, items, timeout: float | None, names) -> tuple[encoder_pb2.EncodeResponse, dict]:
+        """The encoder's reply and the rows that came over the transfer engine, by item index. A transfer that
+        fails (no room, the encoder died mid-transfer) costs one more Encode, for bytes in the reply."""
+        hold = self.receiver is not None
+        try:
+            resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items), hold=hold), timeout=timeout)
+            if not hold:
+                return resp, {}
+            try:
+                moved, n, seconds = await self.receiver.take(resp.items, timeout)
+            except MediaTransferFailed as e:
+                log.warning("media rows over the transfer engine: %s; asking for them as bytes", e)
+                self.metrics.media_fallbacks.labels(e.reason).inc()
+                resp = await self.encoder.Encode(encoder_pb2.EncodeRequest(items=list(items)), timeout=timeout)
+                return resp, {}
+        except grpc.aio.AioRpcError as e:
+            raise media_error(e.code(), e.details(), names) from None
+        if n:
+            self.metrics.media_bytes.labels("mooncake").inc(n)
+            self.metrics.media_seconds.labels("mooncake").inc(seconds)
+        return resp, moved
 
     def place_media(self, prompt: list[int], enc: EncodedMedia, param: str = "prompt") -> dict[int, torch.Tensor]:
         """The media rows by prompt position: each id >= the vocabulary must be one of the items' placeholder ids,

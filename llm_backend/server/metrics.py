@@ -142,6 +142,21 @@ class LLMMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.media_bytes = Counter(
+            "llm_media_bytes", "media embedding bytes received from encoders, by transport", ["transport"], registry=r
+        )
+        self.media_seconds = Counter(
+            "llm_media_transfer_seconds",
+            "seconds spent moving media rows over the transfer engine (the Transfer calls)",
+            ["transport"],
+            registry=r,
+        )
+        self.media_fallbacks = Counter(
+            "llm_media_transfer_fallbacks",
+            "replies whose rows came again as bytes after the transfer engine could not take them, by reason",
+            ["reason"],
+            registry=r,
+        )
         if stats is not None:
             self.watch(stats)
 

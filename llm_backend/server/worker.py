@@ -24,6 +24,7 @@ from .config import ServerConfig
 from .core import GenerationCore
 from .grpc_service import SERVICE_NAME, GeneratorService
 from .kv_transfer import DecodeTicketing, PrefillClient, attach_decode, attach_prefill
+from .media_transfer import EmbeddingReceiver
 from .metrics import LLMMetrics
 from .responses_protocol import ResponseStore
 
@@ -53,6 +54,7 @@ async def serve_llm(
     metrics = LLMMetrics()
     srv = GrpcServer(host, port, 256, auth=config.auth)
     events = attach_kv_events(engine, srv.server, model=name)  # KVEvents/Poll: the routers' index feed
+    receiver = _media_receiver(engine.config, host) if encoder_address else None
     core = GenerationCore(
         engine,
         encoder_address,
@@ -63,6 +65,7 @@ async def serve_llm(
         engine_alive=thread.is_alive,
         kv_events_position=events.position,
         omni=OmniTokens.from_model(model),
+        receiver=receiver,
     )
     metrics.watch(core.stats)
     thread.start()
@@ -93,8 +96,17 @@ async def serve_llm(
     engine.close()  # the other ranks of a model-parallel replica
     if xfer is not None:
         xfer.close()
+    if receiver is not None:
+        await receiver.close()
     log.info("stopped (servers %.1fs, engine %.1fs)", t1 - t0, time.monotonic() - t1)
     return 1 if isinstance(engine.loop_error, ReplicaDown) else 0
+
+
+def _media_receiver(cfg, host: str) -> EmbeddingReceiver | None:
+    """The transfer engine's receive buffer for media rows (--encoder-transfer), or None (rows in the reply)."""
+    if not getattr(cfg, "encoder_transfer", ""):
+        return None
+    return EmbeddingReceiver(cfg.encoder_transfer_buffer_bytes, host, cfg.encoder_transfer, cfg.encoder_transfer_device)
 
 
 async def _start_http_api(core, template, metrics, config: ServerConfig, model: str, name: str, host: str):

@@ -185,7 +185,7 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
                 self.inflight[owner] = self.inflight.get(owner, 0) + 1
             try:
                 outcomes = await asyncio.gather(
-                    *(self._forward(e, [items[i] for i in idx], timeout) for e, idx in groups.items())
+                    *(self._forward(e, [items[i] for i in idx], timeout, request.hold) for e, idx in groups.items())
                 )
             finally:
                 for e, idx in groups.items():
@@ -196,6 +196,8 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
                 if resp is not None:
                     model = resp.model
                     for j, r in zip(idx, resp.items):
+                        if r.HasField("held"):  # the worker's Transfer goes to the encoder, by this address
+                            r.held.encoder = endpoint
                         results[j] = r
                     continue
                 code, details = err
@@ -234,9 +236,10 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
                 return o
         return live[0]
 
-    async def _forward(self, endpoint: str, items: list, timeout: float | None):
+    async def _forward(self, endpoint: str, items: list, timeout: float | None, hold: bool = False):
         try:
-            resp = await self._stubs[endpoint].Encode(encoder_pb2.EncodeRequest(items=items), timeout=timeout)
+            req = encoder_pb2.EncodeRequest(items=items, hold=hold)
+            resp = await self._stubs[endpoint].Encode(req, timeout=timeout)
             return resp, None
         except grpc.aio.AioRpcError as e:
             return None, (e.code(), e.details())

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mimo_epd/v1/encoder.proto\x12\x0bmimo_epd.v1\"\xad\x01\n\tMediaItem\x12\r\n\x03url\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x03 \x01(\tH\x00\x12\'\n\x08modality\x18\x04 \x01(\x0e\x32\x15.mimo_epd.v1.Modality\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12(\n\x05video\x18\x06 \x01(\x0b\x32\x19.mimo_epd.v1.VideoOptionsB\x08\n\x06source\"C\n\x0cVideoOptions\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x01\x12\x12\n\nmax_frames\x18\x02 \x01(\x05\x12\x12\n\nmin_frames\x18\x03 \x01(\x05\"y\n\tVideoInfo\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\x12\x14\n\x0c\x66rames_total\x18\x03 \x01(\x03\x12\x16\n\x0e\x66rames_sampled\x18\x04 \x01(\x03\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\"h\n\tAudioInfo\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x11\n\tdecoded_s\x18\x05 \x01(\x01\"J\n\rEncodeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12\x12\n\nrequest_id\x18\x02 \x01(\t\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"o\n\x0cStageTimings\x12\x10\n\x08\x66\x65tch_ms\x18\x01 \x01(\x01\x12\x11\n\tdecode_ms\x18\x02 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x11\n\tencode_ms\x18\x05 \x01(\x01\"\xbb\x02\n\rItemEmbedding\x12\x13\n\x0b\x63ontent_key\x18\x01 \x01(\t\x12&\n\tembedding\x18\x02 \x01(\x0b\x32\x13.mimo_epd.v1.Tensor\x12\x10\n\x08grid_thw\x18\x03 \x03(\x03\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\x12*\n\x07timings\x18\x06 \x01(\x0b\x32\x19.mimo_epd.v1.StageTimings\x12\x14\n\x0ctimestamps_s\x18\x07 \x03(\x01\x12%\n\x05video\x18\x08 \x01(\x0b\x32\x16.mimo_epd.v1.VideoInfo\x12%\n\x05\x61udio\x18\t \x01(\x0b\x32\x16.mimo_epd.v1.AudioInfo\x12\x15\n\rwindow_tokens\x18\n \x03(\x03\x12\r\n\x05\x65nd_s\x18\x0b \x01(\x01\"J\n\x0e\x45ncodeResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.mimo_epd.v1.ItemEmbedding\x12\r\n\x05model\x18\x02 \x01(\t*E\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\x12\t\n\x05\x41UDIO\x10\x03\x32L\n\x07\x45ncoder\x12\x41\n\x06\x45ncode\x12\x1a.mimo_epd.v1.EncodeRequest\x1a\x1b.mimo_epd.v1.EncodeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19mimo_epd/v1/encoder.proto\x12\x0bmimo_epd.v1\"\xad\x01\n\tMediaItem\x12\r\n\x03url\x18\x01 \x01(\tH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x12\x0e\n\x04path\x18\x03 \x01(\tH\x00\x12\'\n\x08modality\x18\x04 \x01(\x0e\x32\x15.mimo_epd.v1.Modality\x12\x14\n\x0c\x63ontent_hash\x18\x05 \x01(\t\x12(\n\x05video\x18\x06 \x01(\x0b\x32\x19.mimo_epd.v1.VideoOptionsB\x08\n\x06source\"C\n\x0cVideoOptions\x12\x0b\n\x03\x66ps\x18\x01 \x01(\x01\x12\x12\n\nmax_frames\x18\x02 \x01(\x05\x12\x12\n\nmin_frames\x18\x03 \x01(\x05\"y\n\tVideoInfo\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x0b\n\x03\x66ps\x18\x02 \x01(\x01\x12\x14\n\x0c\x66rames_total\x18\x03 \x01(\x03\x12\x16\n\x0e\x66rames_sampled\x18\x04 \x01(\x03\x12\r\n\x05width\x18\x05 \x01(\x05\x12\x0e\n\x06height\x18\x06 \x01(\x05\"h\n\tAudioInfo\x12\x12\n\nduration_s\x18\x01 \x01(\x01\x12\x13\n\x0bsample_rate\x18\x02 \x01(\x05\x12\x10\n\x08\x63hannels\x18\x03 \x01(\x05\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x11\n\tdecoded_s\x18\x05 \x01(\x01\"X\n\rEncodeRequest\x12%\n\x05items\x18\x01 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x0c\n\x04hold\x18\x03 \x01(\x08\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x03\x12\r\n\x05\x64type\x18\x03 \x01(\t\"o\n\x0cStageTimings\x12\x10\n\x08\x66\x65tch_ms\x18\x01 \x01(\x01\x12\x11\n\tdecode_ms\x18\x02 \x01(\x01\x12\x15\n\rpreprocess_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x11\n\tencode_ms\x18\x05 \x01(\x01\"\xe0\x02\n\rItemEmbedding\x12\x13\n\x0b\x63ontent_key\x18\x01 \x01(\t\x12&\n\tembedding\x18\x02 \x01(\x0b\x32\x13.mimo_epd.v1.Tensor\x12\x10\n\x08grid_thw\x18\x03 \x03(\x03\x12\x12\n\nnum_tokens\x18\x04 \x01(\x03\x12\x11\n\tcache_hit\x18\x05 \x01(\x08\x12*\n\x07timings\x18\x06 \x01(\x0b\x32\x19.mimo_epd.v1.StageTimings\x12\x14\n\x0ctimestamps_s\x18\x07 \x03(\x01\x12%\n\x05video\x18\x08 \x01(\x0b\x32\x16.mimo_epd.v1.VideoInfo\x12%\n\x05\x61udio\x18\t \x01(\x0b\x32\x16.mimo_epd.v1.AudioInfo\x12\x15\n\rwindow_tokens\x18\n \x03(\x03\x12\r\n\x05\x65nd_s\x18\x0b \x01(\x01\x12#\n\x04held\x18\x0c \x01(\x0b\x32\x15.mimo_epd.v1.HeldRows\"6\n\x08HeldRows\x12\x0f\n\x07\x65ncoder\x18\x01 \x01(\t\x12\n\n\x02id\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\"B\n\x0fTransferRequest\x12\x0f\n\x07session\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\x04\x12\x11\n\taddresses\x18\x03 \x03(\x04\"/\n\rTransferReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"J\n\x0e\x45ncodeResponse\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.mimo_epd.v1.ItemEmbedding\x12\r\n\x05model\x18\x02 \x01(\t*E\n\x08Modality\x12\x18\n\x14MODALITY_UNSPECIFIED\x10\x00\x12\t\n\x05IMAGE\x10\x01\x12\t\n\x05VIDEO\x10\x02\x12\t\n\x05\x41UDIO\x10\x03\x32\x92\x01\n\x07\x45ncoder\x12\x41\n\x06\x45ncode\x12\x1a.mimo_epd.v1.EncodeRequest\x1a\x1b.mimo_epd.v1.EncodeResponse\x12\x44\n\x08Transfer\x12\x1c.mimo_epd.v1.TransferRequest\x1a\x1a.mimo_epd.v1.TransferReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'mimo_epd.v1.encoder_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MODALITY']._serialized_start=1153
-  _globals['_MODALITY']._serialized_end=1222
+  _globals['_MODALITY']._serialized_start=1377
+  _globals['_MODALITY']._serialized_end=1446
   _globals['_MEDIAITEM']._serialized_start=43
   _globals['_MEDIAITEM']._serialized_end=216
   _globals['_VIDEOOPTIONS']._serialized_start=218
@@ -42,15 +42,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_AUDIOINFO']._serialized_start=410
   _globals['_AUDIOINFO']._serialized_end=514
   _globals['_ENCODEREQUEST']._serialized_start=516
-  _globals['_ENCODEREQUEST']._serialized_end=590
-  _globals['_TENSOR']._serialized_start=592
-  _globals['_TENSOR']._serialized_end=644
-  _globals['_STAGETIMINGS']._serialized_start=646
-  _globals['_STAGETIMINGS']._serialized_end=757
-  _globals['_ITEMEMBEDDING']._serialized_start=760
-  _globals['_ITEMEMBEDDING']._serialized_end=1075
-  _globals['_ENCODERESPONSE']._serialized_start=1077
-  _globals['_ENCODERESPONSE']._serialized_end=1151
-  _globals['_ENCODER']._serialized_start=1224
-  _globals['_ENCODER']._serialized_end=1300
+  _globals['_ENCODEREQUEST']._serialized_end=604
+  _globals['_TENSOR']._serialized_start=606
+  _globals['_TENSOR']._serialized_end=658
+  _globals['_STAGETIMINGS']._serialized_start=660
+  _globals['_STAGETIMINGS']._serialized_end=771
+  _globals['_ITEMEMBEDDING']._serialized_start=774
+  _globals['_ITEMEMBEDDING']._serialized_end=1126
+  _globals['_HELDROWS']._serialized_start=1128
+  _globals['_HELDROWS']._serialized_end=1182
+  _globals['_TRANSFERREQUEST']._serialized_start=1184
+  _globals['_TRANSFERREQUEST']._serialized_end=1250
+  _globals['_TRANSFERREPLY']._serialized_start=1252
+  _globals['_TRANSFERREPLY']._serialized_end=1299
+  _globals['_ENCODERESPONSE']._serialized_start=1301
+  _globals['_ENCODERESPONSE']._serialized_end=1375
+  _globals['_ENCODER']._serialized_start=1449
+  _globals['_ENCODER']._serialized_end=1595
 # @@protoc_insertion_point(module_scope)

@@ -75,12 +75,14 @@ class AudioInfo(_message.Message):
     def __init__(self, duration_s: _Optional[float] = ..., sample_rate: _Optional[int] = ..., channels: _Optional[int] = ..., codec: _Optional[str] = ..., decoded_s: _Optional[float] = ...) -> None: ...
 
 class EncodeRequest(_message.Message):
-    __slots__ = ("items", "request_id")
+    __slots__ = ("items", "request_id", "hold")
     ITEMS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOLD_FIELD_NUMBER: _ClassVar[int]
     items: _containers.RepeatedCompositeFieldContainer[MediaItem]
     request_id: str
-    def __init__(self, items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    hold: bool
+    def __init__(self, items: _Optional[_Iterable[_Union[MediaItem, _Mapping]]] = ..., request_id: _Optional[str] = ..., hold: _Optional[bool] = ...) -> None: ...
 
 class Tensor(_message.Message):
     __slots__ = ("data", "shape", "dtype")
@@ -107,7 +109,7 @@ class StageTimings(_message.Message):
     def __init__(self, fetch_ms: _Optional[float] = ..., decode_ms: _Optional[float] = ..., preprocess_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., encode_ms: _Optional[float] = ...) -> None: ...
 
 class ItemEmbedding(_message.Message):
-    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video", "audio", "window_tokens", "end_s")
+    __slots__ = ("content_key", "embedding", "grid_thw", "num_tokens", "cache_hit", "timings", "timestamps_s", "video", "audio", "window_tokens", "end_s", "held")
     CONTENT_KEY_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     GRID_THW_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +121,7 @@ class ItemEmbedding(_message.Message):
     AUDIO_FIELD_NUMBER: _ClassVar[int]
     WINDOW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     END_S_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
     content_key: str
     embedding: Tensor
     grid_thw: _containers.RepeatedScalarFieldContainer[int]
@@ -130,7 +133,36 @@ class ItemEmbedding(_message.Message):
     audio: AudioInfo
     window_tokens: _containers.RepeatedScalarFieldContainer[int]
     end_s: float
-    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ..., audio: _Optional[_Union[AudioInfo, _Mapping]] = ..., window_tokens: _Optional[_Iterable[int]] = ..., end_s: _Optional[float] = ...) -> None: ...
+    held: HeldRows
+    def __init__(self, content_key: _Optional[str] = ..., embedding: _Optional[_Union[Tensor, _Mapping]] = ..., grid_thw: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., cache_hit: _Optional[bool] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., timestamps_s: _Optional[_Iterable[float]] = ..., video: _Optional[_Union[VideoInfo, _Mapping]] = ..., audio: _Optional[_Union[AudioInfo, _Mapping]] = ..., window_tokens: _Optional[_Iterable[int]] = ..., end_s: _Optional[float] = ..., held: _Optional[_Union[HeldRows, _Mapping]] = ...) -> None: ...
+
+class HeldRows(_message.Message):
+    __slots__ = ("encoder", "id", "bytes")
+    ENCODER_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    encoder: str
+    id: int
+    bytes: int
+    def __init__(self, encoder: _Optional[str] = ..., id: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class TransferRequest(_message.Message):
+    __slots__ = ("session", "ids", "addresses")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    addresses: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session: _Optional[str] = ..., ids: _Optional[_Iterable[int]] = ..., addresses: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TransferReply(_message.Message):
+    __slots__ = ("bytes", "seconds")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    seconds: float
+    def __init__(self, bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class EncodeResponse(_message.Message):
     __slots__ = ("items", "model")

@@ -39,6 +39,11 @@ class EncoderStub:
                 request_serializer=mimo__epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
                 response_deserializer=mimo__epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
                 _registered_method=True)
+        self.Transfer = channel.unary_unary(
+                '/mimo_epd.v1.Encoder/Transfer',
+                request_serializer=mimo__epd_dot_v1_dot_encoder__pb2.TransferRequest.SerializeToString,
+                response_deserializer=mimo__epd_dot_v1_dot_encoder__pb2.TransferReply.FromString,
+                _registered_method=True)
 
 
 class EncoderServicer:
@@ -52,6 +57,14 @@ class EncoderServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Transfer(self, request, context):
+        """Moves (or releases) rows an Encode held. Every id is freed whatever the outcome; an id that is not held
+        (expired, moved, never held) is NOT_FOUND, a write that fails is ABORTED, naming the session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EncoderServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +72,11 @@ def add_EncoderServicer_to_server(servicer, server):
                     servicer.Encode,
                     request_deserializer=mimo__epd_dot_v1_dot_encoder__pb2.EncodeRequest.FromString,
                     response_serializer=mimo__epd_dot_v1_dot_encoder__pb2.EncodeResponse.SerializeToString,
+            ),
+            'Transfer': grpc.unary_unary_rpc_method_handler(
+                    servicer.Transfer,
+                    request_deserializer=mimo__epd_dot_v1_dot_encoder__pb2.TransferRequest.FromString,
+                    response_serializer=mimo__epd_dot_v1_dot_encoder__pb2.TransferReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +106,33 @@ class Encoder:
             '/mimo_epd.v1.Encoder/Encode',
             mimo__epd_dot_v1_dot_encoder__pb2.EncodeRequest.SerializeToString,
             mimo__epd_dot_v1_dot_encoder__pb2.EncodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Transfer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/mimo_epd.v1.Encoder/Transfer',
+            mimo__epd_dot_v1_dot_encoder__pb2.TransferRequest.SerializeToString,
+            mimo__epd_dot_v1_dot_encoder__pb2.TransferReply.FromString,
             options,
             channel_credentials,
             insecure,
