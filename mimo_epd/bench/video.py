@@ -280,6 +280,10 @@ def main_mimo(args) -> dict:
 
 
 def main(args) -> dict:
+    if args.transport:
+        from .embedding_transfer import main as main_transport
+
+        return main_transport(args)
     if args.tower == "mimo":
         return main_mimo(args)
     cores = os.cpu_count() or 2
@@ -403,6 +407,13 @@ def add_arguments(p) -> None:
         "--peers", action=argparse.BooleanOptionalAction, default=True, help="run the qwen-vl-utils peers (default: on)"
     )
     p.add_argument("--quick", action="store_true", help="a seconds-long version (CI): a 10-second video")
+    p.add_argument(
+        "--transport",
+        action="store_true",
+        help="instead: the video's embeddings from a live encoder as gRPC bytes vs over Mooncake's transfer engine "
+        "(mimo_epd/bench/embedding_transfer.py)",
+    )
+    p.add_argument("--rounds", type=int, default=5, help="--transport: timed rounds of each transport (default: 5)")
     p.add_argument(
         "--tower",
         choices=["qwen", "mimo"],

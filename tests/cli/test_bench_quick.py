@@ -132,6 +132,15 @@ def test_video_bench_quick_with_mimos_tower(tmp_path):
     assert out["naive_embedding_rel_l2"] <= 1e-5
 
 
+def test_video_transport_bench_quick(tmp_path):
+    """`bench video --transport`: a live encoder's rows as gRPC bytes and over the transfer engine, equal."""
+    out = run_bench("video", "--transport", "--cache-dir", str(tmp_path))
+    no_grades(out)
+    assert out["bench"] == "video-transport" and out["outputs_match"] is True and out["bytes"] > 0
+    assert set(out["seconds"]) == {"grpc", "transfer"} and all(len(v["all"]) == 2 for v in out["seconds"].values())
+    assert out["ratios"]["transfer_vs_grpc_seconds"] > 0
+
+
 def test_kv_bench_quick():
     out = run_bench("kv")
     no_grades(out)
