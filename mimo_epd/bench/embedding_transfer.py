@@ -69,7 +69,12 @@ async def _timed(address: str, item: encoder_pb2.MediaItem, rounds: int, receive
             moved, _, _ = await receiver.take(resp.items, timeout=600)
             seconds["transfer"].append(time.perf_counter() - t0)
             equal &= torch.equal(moved[0], want)
-    return {"encode_s": encode_s, "rows": list(want.shape), "bytes": want.numel() * want.element_size(), **seconds}, equal
+    return {
+        "encode_s": encode_s,
+        "rows": list(want.shape),
+        "bytes": want.numel() * want.element_size(),
+        **seconds,
+    }, equal
 
 
 def main(args) -> dict:

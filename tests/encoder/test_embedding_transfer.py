@@ -104,7 +104,9 @@ def test_rows_over_the_transfer_engine_equal_the_reply_and_survive_a_killed_enco
 def _generate(address: str, img: bytes) -> list[int]:
     stub = generator_pb2_grpc.GeneratorStub(grpc.insecure_channel(address))
     req = generator_pb2.GenerateRequest(
-        prompt="Describe:", media=[encoder_pb2.MediaItem(data=img)], sampling=generator_pb2.SamplingOptions(max_tokens=8)
+        prompt="Describe:",
+        media=[encoder_pb2.MediaItem(data=img)],
+        sampling=generator_pb2.SamplingOptions(max_tokens=8),
     )
     return [t for m in stub.Generate(req, timeout=120) if m.HasField("delta") for t in m.delta.token_ids]
 
