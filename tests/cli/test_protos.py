@@ -36,7 +36,7 @@ def test_stubs_import_and_describe_the_contract():
     from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
     svc = encoder_pb2.DESCRIPTOR.services_by_name["Encoder"]
-    assert [m.name for m in svc.methods] == ["Encode"]
+    assert [m.name for m in svc.methods] == ["Encode", "Transfer"]
     item = encoder_pb2.MediaItem(url="http://x/y.jpg", modality=encoder_pb2.VIDEO, content_hash="ab")
     assert item.WhichOneof("source") == "url"
     fields = {f.name for f in encoder_pb2.ItemEmbedding.DESCRIPTOR.fields}
@@ -52,5 +52,7 @@ def test_stubs_import_and_describe_the_contract():
         "audio",
         "window_tokens",
         "end_s",
+        "held",
     }
+    assert {f.name for f in encoder_pb2.HeldRows.DESCRIPTOR.fields} == {"encoder", "id", "bytes"}
     assert hasattr(encoder_pb2_grpc, "EncoderStub")
