@@ -134,3 +134,56 @@ def test_a_worker_generates_the_same_with_rows_over_the_transfer_engine():
     finally:
         for s in (moved, plain, enc):
             s.stop()
+
+
+def _total(metrics: dict[str, float], name: str, *labels: str) -> float:
+    return sum(v for k, v in metrics.items() if k.startswith(name) and all(x in k for x in labels))
+
+
+def test_serve_moves_media_rows_over_the_transfer_engine_and_survives_a_killed_encoder():
+    """`serve --embedding-transfer tcp --llm-encoder-transfer tcp`: the flags reach every process, the node's
+    encoder router forwards `hold` and names the encoder, and after one encoder is killed every generation with
+    media still succeeds (moved from the other encoder, or as bytes once)."""
+    import os
+
+    from tests.integration.test_node import encoders_of
+
+    port = free_port()
+    node = start_server(
+        [
+            *TRANSFER,
+            "--encoders",
+            "2",
+            "--llm-model",
+            "tiny-random",
+            "--llm-workers",
+            "1",
+            "--llm-encoder-transfer",
+            "tcp",
+            "--llm-encoder-transfer-buffer-bytes",
+            str(8 << 20),
+            "--llm-kv-cache-tokens",
+            "4096",
+            "--llm-swa-cache-tokens",
+            "1024",
+            "--http-port",
+            "-1",
+            "--metrics-port",
+            str(port),
+        ],
+        "serve",
+        timeout=240,
+    )
+    try:
+        for i in range(3):
+            assert len(_generate(node.address, encode_image(textured(120, 96 + 16 * i, seed=80 + i), "JPEG"))) == 8
+        m = scrape(port)
+        assert _total(m, "llm_media_bytes_total", 'transport="mooncake"') > 0
+        assert _total(m, "llm_media_bytes_total", 'transport="grpc"') == 0
+        assert _total(m, "encoder_transfer_total", 'event="sent"') == 3
+        victim = next(iter(encoders_of(node).values()))
+        os.kill(victim, signal.SIGKILL)
+        for i in range(6):
+            assert len(_generate(node.address, encode_image(textured(120, 96, seed=90 + i), "JPEG"))) == 8
+    finally:
+        node.stop()
