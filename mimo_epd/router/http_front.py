@@ -203,6 +203,7 @@ class SSEFilter:
         self.cached: int | None = None
         self.position = ""
         self.events = 0
+        self.reported = False
 
     def feed(self, chunk: bytes) -> bytes:
         self.buf += chunk
@@ -364,9 +365,15 @@ class HTTPFront:
         first: bytes | None,
         sse: SSEFilter | None = None,
         body_parts: list | None = None,
+        choice=None,
     ) -> web.StreamResponse:
         """Streams `up` to the client (`first` = its first body chunk, already read). A stream the worker breaks
-        off, or the node's drain cuts, ends with the error event and `[DONE]`, as the worker ends one."""
+        off, or the node's drain cuts, ends with the error event and `[DONE]`, as the worker ends one.
+
+        With `choice` (a 200 from that worker), what the answer says it cached is reported, and its index write
+        awaited (`IndexSync.shared`), before the client gets the end of it: the usage event of a stream, or a
+        plain body, which is then held until complete (one JSON object; nothing of it is useful earlier). Another
+        router that gets the client's next turn the moment this one ends then sees the turn's blocks."""
         done = False
         stream = _OpenStream(up) if sse is not None else None
         if stream is not None:
@@ -380,10 +387,10 @@ class HTTPFront:
             await resp.prepare(request)
             chunks = up.content.iter_any()
             if first is not None:
-                await self._write(resp, first, sse, body_parts)
+                await self._write(resp, first, sse, body_parts, choice)
             try:
                 async for chunk in chunks:
-                    await self._write(resp, chunk, sse, body_parts)
+                    await self._write(resp, chunk, sse, body_parts, choice)
             except aiohttp.ClientError as e:  # the worker went away mid-response, or the client did
                 if _client_gone(request):  # our writes failed: nothing to tell; closing `up` aborts the request
                     log.info("the client closed a response from LLM worker %s before its end", target)
@@ -401,6 +408,14 @@ class HTTPFront:
                 return resp
             if sse is not None and (rest := sse.flush()):
                 await resp.write(rest)
+            if sse is None and body_parts is not None and choice is not None:
+                body = b"".join(body_parts)
+                try:
+                    obj = json.loads(body)
+                    await self._report(choice, cached_tokens(obj), kv_events_position(obj))
+                except ValueError:
+                    pass
+                await resp.write(body)
             await resp.write_eof()
             done = True
             return resp
@@ -420,14 +435,23 @@ class HTTPFront:
         await resp.write(f"data: {event}\n\ndata: [DONE]\n\n".encode())
         await resp.write_eof()
 
-    @staticmethod
-    async def _write(resp, chunk: bytes, sse: SSEFilter | None, body_parts: list | None) -> None:
+    async def _write(self, resp, chunk: bytes, sse: SSEFilter | None, body_parts: list | None, choice=None) -> None:
         if sse is not None:
             chunk = sse.feed(chunk)
+            if choice is not None and sse.cached is not None and not sse.reported:  # the usage event: report first
+                sse.reported = True
+                await self._report(choice, sse.cached, sse.position)
         elif body_parts is not None:
             body_parts.append(chunk)
+            if choice is not None:
+                return  # held until complete (`_relay`)
         if chunk:
             await resp.write(chunk)
+
+    async def _report(self, choice, cached: int | None, position: str) -> None:
+        if cached is not None:
+            self.router.report(choice, cached, position)
+            await self.router.sync.shared()
 
     async def _routed(self, request: web.Request, kind: str) -> web.StreamResponse:
         router = self.router
@@ -503,22 +527,11 @@ class HTTPFront:
             router.mark_down(choice, f"HTTP {type(e).__name__}")
             return None, type(e).__name__
         router.progressed(flight)
+        ok = choice if up.status == 200 else None  # reported (and its index write awaited) before the answer ends
         if streaming and up.status == 200:
-            sse = SSEFilter(strip)
-            resp = await self._relay(request, up, choice.http_address, first, sse=sse)
-            cached, position = sse.cached, sse.position
+            resp = await self._relay(request, up, choice.http_address, first, sse=SSEFilter(strip), choice=ok)
         else:
-            parts: list[bytes] = []
-            resp = await self._relay(request, up, choice.http_address, first, body_parts=parts)
-            cached, position = None, ""
-            if up.status == 200:
-                try:
-                    body = json.loads(b"".join(parts))
-                    cached, position = cached_tokens(body), kv_events_position(body)
-                except ValueError:
-                    pass
-        if cached is not None:
-            router.report(choice, cached, position)
+            resp = await self._relay(request, up, choice.http_address, first, body_parts=[], choice=ok)
         return resp, None
 
 
