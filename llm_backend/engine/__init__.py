@@ -11,12 +11,13 @@
 
 from ..tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .llm import LLM, OverloadedError
-from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
+from .request import MEDIA_NEEDED, PromptTooLong, Request, RequestOutput, SamplingParams, Usage
 from .runner import ModelRunner, Runner
 from .scheduler import Scheduler, Segment, SegmentResult
 
 __all__ = [
     "LLM",
+    "MEDIA_NEEDED",
     "OverloadedError",
     "PromptTooLong",
     "Request",

@@ -288,10 +288,14 @@ class LLM:
         on_token=None,
         on_finish=None,
         ticket: Ticket | None = None,
+        media_span: int = 0,
     ) -> Request:
         """Queues a request. `media` maps prompt positions to embedding rows (their token ids are placeholders
         >= vocab_size derived from the media's content key, so equal media share prefixes). Raises ValueError
-        (PromptTooLong when the prompt can never fit). `ticket`: what the worker's role needs of it (pd/)."""
+        (PromptTooLong when the prompt can never fit). `ticket`: what the worker's role needs of it (pd/).
+        `media_span`: placeholders before this position come without rows, from the prefix cache (the caller saw
+        them cached: `cached_prefix_length`); if the cache no longer holds them when the request is admitted, it
+        ends at once with error_code MEDIA_NEEDED and no token, and the caller submits it again with the rows."""
         params.validate(self.config.max_tokens_limit, self.config.max_temperature, self.config.max_logit_bias)
         vocab = self.model.config.vocab_size
         for t, _ in params.logit_bias:
@@ -300,8 +304,16 @@ class LLM:
         media = media or {}
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if media_span and not (0 < media_span < len(prompt_ids) and self.config.prefix_cache):
+            raise ValueError(f"media_span {media_span} needs the prefix cache and a position inside the prompt")
+        if media_span and params.prompt_logprobs:
+            raise ValueError("prompt_logprobs computes every prompt position: it needs every media row")
         for p, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not (0 <= t < vocab or (p in media and t >= vocab)):
+            if (
+                isinstance(t, bool)
+                or not isinstance(t, int)
+                or not (0 <= t < vocab or ((p in media or p < media_span) and t >= vocab))
+            ):
                 raise ValueError(f"prompt token {p} = {t!r} is outside the vocabulary [0, {vocab})")
         self.scheduler.check_fits(len(prompt_ids))
         r = Request(
@@ -310,6 +322,7 @@ class LLM:
             params,
             time.monotonic(),
             media=media,
+            media_span=media_span,
             on_token=on_token,
             on_finish=on_finish,
             stop_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos),
@@ -337,6 +350,14 @@ class LLM:
         r.aborted = r.aborted or reason
         with self._lock:
             self._wake.notify()
+
+    def cached_prefix_length(self, tokens: list[int]) -> int:
+        """How many leading tokens of a prompt the prefix cache holds now (window-safe, read-only: no LRU refresh,
+        no statistics), as its admission would match them. The tree changes only under the engine's lock."""
+        if not self.config.prefix_cache:
+            return 0
+        with self._lock:
+            return self.cache.peek_prefix_length(list(tokens[:-1]))
 
     def wake(self, fn=None) -> None:
         """Runs `fn()` (if given) under the engine's lock and wakes the loop: news from outside the engine thread

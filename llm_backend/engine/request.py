@@ -28,6 +28,9 @@ def _finite(name: str, value: float) -> float:
     return float(value)
 
 
+
+MEDIA_NEEDED = "media_needed"  # error_code of a request whose media rows the prefix cache no longer held (media_span)
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -136,6 +139,9 @@ class Request:
     error_code: str = ""
     generator: torch.Generator | None = None
     media: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt position -> embedding row
+    # Placeholder positions before this have no row in `media`: the prefix cache must hold them (the worker saw
+    # the media's KV cached and skipped the encoder). Admission checks it; 0 = every row is in `media`.
+    media_span: int = 0
     on_token: Callable | None = None  # (request, token_id, logprob | None), called from the engine thread
     on_finish: Callable | None = None  # (request)
     aborted: str = ""  # set by abort(): the reason it will finish with ("abort", or "stop" for stop strings)

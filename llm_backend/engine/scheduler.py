@@ -35,9 +35,10 @@ import time
 from typing import Callable, NamedTuple
 
 from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
+from ..kv.swa_radix_cache import Node
 from ..kv.build import KVParts
 from .interfaces import Drafter, NoDrafter, SchedulerRole, Ticket
-from .request import PromptTooLong, Request
+from .request import MEDIA_NEEDED, PromptTooLong, Request
 from .sampler import Sampled
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,9 @@ class Scheduler:
         self._uncached: dict[int, tuple[int, int]] = {}  # request id -> (uncached tokens, step it was computed)
         self._headroom: int | None = None
         self._in_hand: Request | None = None  # the waiting request being admitted (failed if admission raises)
+        # Preempted requests without media rows (`media_span`): the cache node their prefix matched stays locked
+        # while they wait, so their re-admission finds the media's KV again (they could not compute it).
+        self._pins: dict[int, Node] = {}
         self._steps = 0
         # The longest sequence the full pool can hold alone (the SWA pool needs only a window per sequence).
         self.max_seq_len = full_pool.size
@@ -179,6 +183,12 @@ class Scheduler:
             self._in_hand = r
             admitted = self._admit(r)
             self._in_hand = None
+            if admitted is None:  # its media rows are needed: the worker encodes them and submits it again
+                self.waiting.remove(r)
+                self.finish(
+                    r, "error", f"the prefix cache no longer holds its first {r.media_span} positions", MEDIA_NEEDED
+                )
+                continue
             if not admitted:
                 blocked = r
                 break
@@ -397,6 +407,7 @@ class Scheduler:
             r.kv.finish(cache_result=cache_result and bool(may_cache))
             r.kv = None
         self.drafter.release(r)  # speculation's per-request state (its kept hidden rows) goes with the KV
+        self._unpin(r)
         self._uncached.pop(r.id, None)
         if r.on_finish:
             r.on_finish(r)
@@ -437,12 +448,17 @@ class Scheduler:
         self._next_bucket = chosen + 1 if chosen + 1 <= max(order) else 0
         return min(buckets[chosen], key=lambda r: self._priority(r, now))
 
-    def _admit(self, r: Request) -> bool:
+    def _admit(self, r: Request) -> bool | None:
+        """Takes r's KV (True), or leaves it waiting (False: no room), or None: r lacks media rows (`media_span`)
+        that the cache no longer holds, and cannot run here as it is."""
         tokens = r.tokens
         # Match at most len-1 tokens: the last one is always computed, its logits give the next token.
         # Prompt logprobs need every prompt position computed, so such requests match nothing.
         use_cache = self.enable_prefix_cache and not r.params.prompt_logprobs
         kv = RequestKV(self.cache, tokens[:-1] if use_cache else [], self.release_interval)
+        if kv.cached_tokens < r.media_span:
+            kv.finish(cache_result=False)
+            return None
         uncached = len(tokens) - kv.cached_tokens
         first = min(self.chunk_size, uncached)
         # The whole uncached prompt must fit in what running prompts leave over (free + evictable full slots),
@@ -455,6 +471,7 @@ class Scheduler:
             return False
         self._headroom = self._prefill_headroom() - need
         r.kv = kv
+        self._unpin(r)  # its own match holds the prefix now
         if not r.output:  # a preempted request keeps its first admission's figure
             r.cached_tokens = kv.cached_tokens
             self.prompt_tokens += len(r.prompt)
@@ -472,8 +489,16 @@ class Scheduler:
             self._headroom = self.full_pool.available() + self.cache.accounting().full.evictable - pending
         return self._headroom
 
+    def _unpin(self, r: Request) -> None:
+        node = self._pins.pop(r.id, None)
+        if node is not None:
+            self.cache.unlock(node)
+
     def _release(self, r: Request) -> None:
         assert r.kv is not None
+        if r.media_span and r.id not in self._pins:  # keep what it cannot compute until it is admitted again
+            self.cache.lock(r.kv.match.node)
+            self._pins[r.id] = r.kv.match.node
         r.kv.finish(cache_result=False)
         r.kv = None
         self._memo(r)
