@@ -35,8 +35,8 @@ import time
 from typing import Callable, NamedTuple
 
 from ..kv import PoolExhausted, RequestKV, SlotPool, SWARadixCache
-from ..kv.swa_radix_cache import Node
 from ..kv.build import KVParts
+from ..kv.swa_radix_cache import Node
 from .interfaces import Drafter, NoDrafter, SchedulerRole, Ticket
 from .request import MEDIA_NEEDED, PromptTooLong, Request
 from .sampler import Sampled
