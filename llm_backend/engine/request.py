@@ -28,8 +28,9 @@ def _finite(name: str, value: float) -> float:
     return float(value)
 
 
+# error_code of a request whose media rows the prefix cache no longer held (media_span)
+MEDIA_NEEDED = "media_needed"
 
-MEDIA_NEEDED = "media_needed"  # error_code of a request whose media rows the prefix cache no longer held (media_span)
 
 @dataclass
 class SamplingParams:
