@@ -69,6 +69,12 @@ class LLMConfig:
         "the registered receive buffer for --encoder-transfer (a reply whose rows find no room comes again as bytes)",
         _SERVE,
     )
+    media_memo_items: int = flag(
+        4096,
+        "media items whose encoder answer (content key, rows) this worker remembers, by their bytes: a request whose "
+        "media KV the prefix cache holds then skips the encoder (0 = always encode)",
+        _SERVE,
+    )
     grace_period_s: float = flag(10.0, "on SIGTERM/SIGINT, seconds to let in-flight requests finish", _SERVE)
     edge: EdgeConfig = embedded(EdgeConfig)  # the HTTP API's limits (body size, timeouts, connections, CORS)
     auth: AuthConfig = embedded(AuthConfig)  # API keys (HTTP and gRPC) and TLS
@@ -334,8 +340,8 @@ class LLMConfig:
             raise ValueError(f"--speculative-steps must be >= 0, got {self.speculative_steps}")
         if self.torch_threads < 0 or self.wait_penalty < 0 or self.max_prefill_tokens < 0:
             raise ValueError("--torch-threads, --wait-penalty and --max-prefill-tokens must be >= 0")
-        if self.pd_retries < 0:
-            raise ValueError(f"--pd-retries must be >= 0, got {self.pd_retries}")
+        if self.pd_retries < 0 or self.media_memo_items < 0:
+            raise ValueError("--pd-retries and --media-memo-items must be >= 0")
         if self.pd_transfer_timeout_s <= 0 or self.pd_fence_timeout_s <= 0 or self.pd_protocol not in ("tcp", "rdma"):
             raise ValueError(
                 "--pd-transfer-timeout-s and --pd-fence-timeout-s must be positive and --pd-protocol tcp or rdma"

@@ -295,7 +295,8 @@ class LLM:
         (PromptTooLong when the prompt can never fit). `ticket`: what the worker's role needs of it (pd/).
         `media_span`: placeholders before this position come without rows, from the prefix cache (the caller saw
         them cached: `cached_prefix_length`); if the cache no longer holds them when the request is admitted, it
-        ends at once with error_code MEDIA_NEEDED and no token, and the caller submits it again with the rows."""
+        ends at once with error_code MEDIA_NEEDED and no token, and the caller submits it again with the rows (so
+        does a request that matches nothing: prompt_logprobs, or no prefix cache)."""
         params.validate(self.config.max_tokens_limit, self.config.max_temperature, self.config.max_logit_bias)
         vocab = self.model.config.vocab_size
         for t, _ in params.logit_bias:
@@ -304,10 +305,8 @@ class LLM:
         media = media or {}
         if not prompt_ids:
             raise ValueError("the prompt is empty")
-        if media_span and not (0 < media_span < len(prompt_ids) and self.config.prefix_cache):
-            raise ValueError(f"media_span {media_span} needs the prefix cache and a position inside the prompt")
-        if media_span and params.prompt_logprobs:
-            raise ValueError("prompt_logprobs computes every prompt position: it needs every media row")
+        if media_span and not 0 < media_span < len(prompt_ids):
+            raise ValueError(f"media_span {media_span} is not a position inside the prompt")
         for p, t in enumerate(prompt_ids):
             if (
                 isinstance(t, bool)

@@ -101,13 +101,16 @@ class ModelRunner:
 
     def _result(self, seg: Segment, logits: torch.Tensor) -> SegmentResult:
         r = seg.request
-        prompt_lp: list[float] = []
+        prompt_lp: list[float | None] = []
         tops: tuple[list[tuple[int, float]], ...] = ()
         if seg.all_logits:
             lp = torch.log_softmax(logits.float(), dim=-1)
             rows = [j for j in range(seg.n) if seg.start + j + 1 < len(r.prompt)]
-            nxt = torch.tensor([r.tokens[seg.start + j + 1] for j in rows], dtype=torch.long, device=lp.device)
-            prompt_lp = lp[rows, nxt].tolist() if rows else []
+            nexts = [r.tokens[seg.start + j + 1] for j in rows]
+            vocab = lp.shape[-1]  # a media placeholder (id >= vocab) has no logprob: None, like the first token
+            nxt = torch.tensor([t if t < vocab else 0 for t in nexts], dtype=torch.long, device=lp.device)
+            got = lp[rows, nxt].tolist() if rows else []
+            prompt_lp = [v if t < vocab else None for v, t in zip(got, nexts)]
             k = r.params.top_logprobs
             if k and rows:  # each prompt position's top k (a scoring client checks whether the prompt was greedy)
                 values, ids = torch.topk(lp[rows], min(k, lp.shape[-1]))

@@ -73,7 +73,7 @@ class Segment(NamedTuple):
 
 class SegmentResult(NamedTuple):
     sampled: Sampled | None  # None when the segment ends inside the prompt
-    prompt_logprobs: list[float]  # logprob of each next prompt token in the segment (prompt_logprobs only)
+    prompt_logprobs: list[float | None]  # of each next prompt token in the segment (None: a media row)
     error: str = ""  # this request failed (e.g. non-finite logits); the others go on
     accepted: tuple[Sampled, ...] = ()  # draft tokens the target accepted, before `sampled` (speculative decoding)
     prompt_top: tuple[list[tuple[int, float]], ...] = ()  # prompt_logprobs with top_logprobs: each position's top k

@@ -26,7 +26,7 @@ from typing import Callable, Container, Protocol
 import grpc
 import torch
 
-from llm_backend.engine import OverloadedError, PromptTooLong, SamplingParams
+from llm_backend.engine import MEDIA_NEEDED, OverloadedError, PromptTooLong, SamplingParams
 from llm_backend.engine.interfaces import Ticket
 from mimo_epd.common.auth import client_interceptors
 from mimo_epd.common.omni_prompt import ItemRows, LayoutError, OmniTokens, layout
@@ -34,6 +34,7 @@ from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
+from .media_memo import MediaMemo
 from .media_transfer import EmbeddingReceiver, MediaTransferFailed
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,11 @@ def with_audio_tracks(items) -> tuple[list[encoder_pb2.MediaItem], list[str]]:
     return out, names
 
 
+def soundtrack_flags(names: list[str] | None, n: int) -> list[bool]:
+    """Which of a request's n media items are a video's soundtrack (use_audio_in_video), by their names."""
+    return [bool(names) and i < len(names) and names[i].endswith(AUDIO_TRACK) for i in range(n)]
+
+
 def placeholder_ids(content_key: str, n: int, vocab: int) -> list[int]:
     base = int(content_key[:15], 16)
     return [vocab + (base + j) % (1 << 40) for j in range(n)]
@@ -143,6 +149,11 @@ class Prepared:
     arrival: float
     media_items: list = field(default_factory=list)  # the request's media items (a decode worker forwards them)
     prefill_address: str = ""  # the prefill worker the router chose (decode role; empty = the worker picks)
+    # Media positions before this come from the prefix cache, without rows (the encoder was skipped: MediaMemo);
+    # `media_names` and `timeout` are what encoding them after all needs (Generation, on MEDIA_NEEDED).
+    media_span: int = 0
+    media_names: list[str] | None = None
+    timeout: float | None = None
 
 
 @dataclass
@@ -211,12 +222,14 @@ class GenerationCore:
         kv_events_position: Callable[[], str] | None = None,
         omni: OmniTokens | None = None,
         receiver: EmbeddingReceiver | None = None,
+        memo: MediaMemo | None = None,
     ):
         """`ticketing`: the worker role's ticket for each request (the decode role's, server/kv_transfer.py).
         `engine_alive`: whether the engine thread still runs. `kv_events_position`: "EPOCH:SEQ" of the worker's
         KV-event log, reported with each final ("" = no events published). `omni`: the checkpoint's media tokens
         (MiMo's omni prompt lays media out with them; None = rows right after the first token). `receiver`: media
-        rows over the transfer engine (--encoder-transfer; None = in the encoder's reply)."""
+        rows over the transfer engine (--encoder-transfer; None = in the encoder's reply). `memo`: media the encoder
+        answered before, so a request whose media KV is cached skips it (media_memo.py; None = always encode)."""
         self.engine = engine
         self.omni = omni
         self.metrics = metrics
@@ -234,6 +247,7 @@ class GenerationCore:
             )
             self.encoder = encoder_pb2_grpc.EncoderStub(ch)
         self.receiver = receiver
+        self.memo = memo
         self.ticketing = ticketing
         self._engine_alive = engine_alive
         self._kv_events_position = kv_events_position
@@ -309,6 +323,7 @@ class GenerationCore:
                 param="media",
             )
         resp, moved = await self._encode(items, timeout, names)
+        soundtrack = soundtrack_flags(names, len(items))
         hidden = self.engine.model.config.hidden_size
         out, rows = [], []
         for i, (it, asked) in enumerate(zip(resp.items, items)):
@@ -330,10 +345,11 @@ class GenerationCore:
             if kind == "video" and it.timestamps_s:
                 per = emb.shape[0] // len(it.timestamps_s)
                 groups = tuple((float(t), per) for t in it.timestamps_s)
-            in_video = bool(names) and i < len(names) and names[i].endswith(AUDIO_TRACK)
             ids = placeholder_ids(it.content_key, emb.shape[0], self.vocab_size)
-            out.append(ItemRows(kind, ids, groups, in_video, it.end_s))
+            out.append(ItemRows(kind, ids, groups, soundtrack[i], it.end_s))
             rows.append(emb)
+        if self.memo is not None:
+            self.memo.learn(items, out, resp.model)
         return EncodedMedia(out, torch.cat(rows))
 
     async def _encode(self, items, timeout: float | None, names) -> tuple[encoder_pb2.EncodeResponse, dict]:
@@ -415,10 +431,38 @@ class GenerationCore:
             ids = self.encode_text(text or "", add_special_tokens)
         if not ids:
             raise ServeError.invalid("the prompt is empty", param="prompt")
-        enc = await self.encode_media(list(media_items), timeout, media_names)
-        prompt = self.media_prompt(ids, enc, text if token_ids is None else None, add_special_tokens)
+        items = list(media_items)
+        text = text if token_ids is None else None
+        cached = self._from_cache(ids, items, media_names, text, add_special_tokens)
+        if cached is not None:
+            prompt, span = cached
+            n = sum(t >= self.vocab_size for t in prompt)
+            return Prepared(prompt, {}, n, arrival, items, media_span=span, media_names=media_names, timeout=timeout)
+        enc = await self.encode_media(items, timeout, media_names)
+        prompt = self.media_prompt(ids, enc, text, add_special_tokens)
         media = self.place_media(prompt, enc)
-        return Prepared(prompt, media, len(media), arrival, list(media_items))
+        return Prepared(prompt, media, len(media), arrival, items)
+
+    def _from_cache(self, ids, items, names, text, add_special_tokens) -> tuple[list[int], int] | None:
+        """(the prompt, its media span) when every item was answered before and the prefix cache holds the prompt
+        past its last media row: the rows are not needed (the engine checks again at admission)."""
+        if self.memo is None or not items:
+            return None
+        known = self.memo.lookup(items, soundtrack_flags(names, len(items)))
+        if known is None:
+            return None
+        prompt = self.media_prompt(ids, EncodedMedia(known, None), text, add_special_tokens)
+        span = max(i for i, t in enumerate(prompt) if t >= self.vocab_size) + 1
+        if span >= len(prompt) or self.engine.cached_prefix_length(prompt) < span:
+            return None
+        if self.metrics is not None:
+            self.metrics.media_skipped.inc(len(items))
+        return prompt, span
+
+    async def media_rows(self, prep: Prepared) -> dict[int, torch.Tensor]:
+        """The rows of a prepared prompt that went without them (media_span), encoded after all."""
+        enc = await self.encode_media(list(prep.media_items), prep.timeout, prep.media_names)
+        return self.place_media(prep.prompt, enc)
 
     def check_token_ids(self, ids, param: str, skip: Container[int] = ()) -> list[int]:
         """Client token ids as ints, each in [0, vocabulary) (positions in `skip`: media placeholders this worker
@@ -582,20 +626,29 @@ class Generation:
         self.matched: str | int | None = None
         self.started = asyncio.Event()  # set when its first token arrived (generate_samples waits for it)
 
-        def push(item):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self._submit(prep.media, prep.media_span)
+        self.stop_ids = self.r.stop_ids  # stop_token_ids, and the model's EOS unless ignore_eos
 
-        def on_token(r, t, lp):  # the engine thread: read this position's alternatives now
-            push(("token", t, lp, list(r.top_logprobs[-1]) if self.want_top and r.top_logprobs else None))
+    def _push(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
+    def _on_token(self, r, t, lp) -> None:  # the engine thread: read this position's alternatives now
+        self._push(("token", t, lp, list(r.top_logprobs[-1]) if self.want_top and r.top_logprobs else None))
+
+    def _on_finish(self, r) -> None:
+        self._push(("end", None, None, None))
+
+    def _submit(self, media: dict, media_span: int) -> None:
+        core, prep = self.core, self.prep
         try:
             self.r = core.engine.add_request(
                 prep.prompt,
-                params,
-                prep.media,
-                on_token=on_token,
-                on_finish=lambda r: push(("end", None, None, None)),
+                self.params,
+                media,
+                on_token=self._on_token,
+                on_finish=self._on_finish,
                 ticket=core.ticketing.ticket(prep) if core.ticketing is not None else None,
+                media_span=media_span,
             )
         except PromptTooLong as e:
             raise ServeError.invalid(str(e), param="messages", err_code="context_length_exceeded") from None
@@ -610,7 +663,17 @@ class Generation:
                 retry_after=1.0,
                 err_code="overloaded",
             ) from None
-        self.stop_ids = self.r.stop_ids  # stop_token_ids, and the model's EOS unless ignore_eos
+
+    async def _with_rows(self) -> bool:
+        """After MEDIA_NEEDED (the prefix cache lost the media's KV before admission; no token was produced): the
+        rows encoded after all and the request submitted again with them. False when that does not apply."""
+        r = self.r
+        if r.error_code != MEDIA_NEEDED or self.n_tokens or not self.prep.media_span:
+            return False
+        if self.core.metrics is not None:
+            self.core.metrics.media_skip_misses.inc()
+        self._submit(await self.core.media_rows(self.prep), 0)
+        return True
 
     async def events(self):
         core, m = self.core, self.core.metrics
@@ -619,6 +682,8 @@ class Generation:
         while True:
             kind, t, lp, top = await self.queue.get()
             if kind == "end":
+                if await self._with_rows():
+                    continue
                 break
             self.started.set()
             if stopped:

@@ -157,6 +157,16 @@ class LLMMetrics:
             ["reason"],
             registry=r,
         )
+        self.media_skipped = Counter(
+            "llm_media_encodes_skipped",
+            "media items not sent to the encoder: their KV was in the prefix cache (--media-memo-items)",
+            registry=r,
+        )
+        self.media_skip_misses = Counter(
+            "llm_media_skip_misses",
+            "requests sent without media rows whose cache entry was gone at admission, encoded after all",
+            registry=r,
+        )
         if stats is not None:
             self.watch(stats)
 

@@ -24,6 +24,7 @@ from .config import ServerConfig
 from .core import GenerationCore
 from .grpc_service import SERVICE_NAME, GeneratorService
 from .kv_transfer import DecodeTicketing, PrefillClient, attach_decode, attach_prefill
+from .media_memo import MediaMemo
 from .media_transfer import EmbeddingReceiver
 from .metrics import LLMMetrics
 from .responses_protocol import ResponseStore
@@ -66,6 +67,8 @@ async def serve_llm(
         kv_events_position=events.position,
         omni=OmniTokens.from_model(model),
         receiver=receiver,
+        # a colocated worker only: a P/D role's prompt KV comes from elsewhere
+        memo=MediaMemo(engine.config.media_memo_items) if role is None and engine.config.media_memo_items else None,
     )
     metrics.watch(core.stats)
     thread.start()
