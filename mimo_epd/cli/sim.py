@@ -131,6 +131,40 @@ def _validate(args) -> int:
     return 0
 
 
+def _encoders_flags(p) -> None:
+    p.add_argument("--nodes", default="8,32", help="fleet sizes, comma-separated (default: 8,32)")
+    p.add_argument("--sessions", type=int, default=32, help="sessions per node (default: 32)")
+    p.add_argument("--turns", type=int, default=8, help="requests per session (default: 8)")
+    p.add_argument("--catalog", type=int, default=2000, help="distinct media items in the fleet (default: 2000)")
+    p.add_argument("--zipf", type=float, default=0.9, help="Zipf exponent of item popularity (default: 0.9)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second per node (default: 4.0)")
+    p.add_argument(
+        "--encode-ms-per-1k-tokens",
+        type=float,
+        default=40.0,
+        help="an encode's cost per 1000 merged tokens (an assumption: MiMo's 729M ViT on one GPU) (default: 40.0)",
+    )
+    p.add_argument("--hidden", type=int, default=4096, help="embedding width, bf16 rows (default: 4096)")
+    p.add_argument("--node-cache-mib", type=int, default=512, help="each node's cache (default: 512)")
+    p.add_argument("--segment-mib", type=int, default=1024, help="each node's share of the fleet cache (default: 1024)")
+    p.add_argument("--store-ms", type=float, default=2.0, help="a fleet-cache read (default: 2.0)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed (default: 0)")
+    p.add_argument("--quick", action="store_true", help="a seconds-long smoke run: 2 and 4 nodes, 4 sessions each")
+
+
+def _encoders(args) -> int:
+    from mimo_epd.sim.encoder_fleet import run
+
+    args.nodes = [int(n) for n in str(args.nodes).split(",") if n]
+    if args.quick:
+        args.nodes, args.sessions = [2, 4], min(args.sessions, 4)
+    if not args.nodes or min(args.nodes) < 1:
+        raise SystemExit("--nodes needs fleet sizes >= 1")
+    config = {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, list)) and k != "quick"}
+    print(json.dumps({"command": "sim encoders", "config": config, "nodes": run(args)}))
+    return 0
+
+
 def register(commands) -> None:
     sim = commands.group(
         "sim",
@@ -139,6 +173,12 @@ def register(commands) -> None:
         dest="sim",
     )
     sim.command("run", "simulate a trace through N workers under each routing policy", setup=_run_flags, run=_run)
+    sim.command(
+        "encoders",
+        "the encoder half at N nodes: node-local caches vs the fleet's cache with the encode-once lease",
+        setup=_encoders_flags,
+        run=_encoders,
+    )
     sim.command(
         "calibrate",
         "fit the cpu-measured step-time profile on timed steps of the real tiny model",
