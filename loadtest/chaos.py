@@ -467,6 +467,7 @@ class Campaign:
     # -------------------------------------------------------------- load
     def start_load(self, images_dir: Path, with_llm: bool) -> None:
         classes = ["EncodeUser"] + (["GenerateUser"] if with_llm else []) + (["AudioUser"] if self.args.audio else [])
+        classes += ["VideoUser"] if self.args.video else []
         env = {
             **os.environ,
             "MIMO_EPD_CHAOS_LOG": str(self.reqlog.path),
@@ -907,6 +908,11 @@ class Campaign:
         images_dir.mkdir()
         for name, data in generate_pool([(480, 640), (720, 1280)], per_size=2).items():
             (images_dir / name).write_bytes(data)
+        if self.args.video:  # VideoUser's clips: 3-6 s of noise at 320x240, 30 fps
+            from mimo_epd.testing.video_gen import make_test_video
+
+            for i in range(4):
+                make_test_video(str(images_dir / f"clip{i}.mp4"), 3 + i, 320, 240, preset="ultrafast", seed=i)
         return images_dir
 
     def _warm_up(self, kinds: set[str]) -> None:
@@ -1092,7 +1098,7 @@ def add_arguments(p) -> None:
 
 
 def _add_media_and_store_arguments(p) -> None:
-    """The Mooncake Store campaign and the audio load."""
+    """The Mooncake Store campaign and the audio and video load."""
     p.add_argument(
         "--mooncake",
         action="store_true",
@@ -1106,6 +1112,11 @@ def _add_media_and_store_arguments(p) -> None:
         "--audio",
         action="store_true",
         help="add audio clips to the load (1 Audio user in 5 with 3 Encode : 1 Generate)",
+    )
+    p.add_argument(
+        "--video",
+        action="store_true",
+        help="add short videos to the load (3-6 s clips at a random sampling rate: decoding in flight)",
     )
 
 

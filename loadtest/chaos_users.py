@@ -37,6 +37,7 @@ grpc_gevent.init_gevent()
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc, generator_pb2, generator_pb2_grpc  # noqa: E402
 
 IMAGES = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_IMAGES_DIR", "/nonexistent")).glob("*.jpg"))]
+VIDEOS = [p.read_bytes() for p in sorted(Path(os.environ.get("MIMO_EPD_IMAGES_DIR", "/nonexistent")).glob("*.mp4"))]
 TIMEOUT = float(os.environ.get("MIMO_EPD_CALL_TIMEOUT", "60"))
 _LOG = open(os.environ.get("MIMO_EPD_CHAOS_LOG", os.devnull), "a", buffering=1)  # one line per write
 # A killed router comes back on the same port within seconds: reconnect quickly instead of gRPC's
@@ -162,6 +163,27 @@ class AudioUser(_ChaosUser):
         data = _wav(random.uniform(0.5, 3.0))
         key = "h:" + xxhash.xxh3_128_hexdigest(data)
         req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data, modality=encoder_pb2.AUDIO)])
+        self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
+
+
+class VideoUser(_ChaosUser):
+    """Encode one of the campaign's short videos (MIMO_EPD_IMAGES_DIR/*.mp4) at a random sampling rate (a new content
+    key each time: never a cache hit), so videos are decoding and encoding when a process dies."""
+
+    weight = 1
+
+    def on_start(self) -> None:
+        super().on_start()
+        self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
+
+    @task
+    def encode_video(self) -> None:
+        data = random.choice(VIDEOS)
+        key = "h:" + xxhash.xxh3_128_hexdigest(data)
+        item = encoder_pb2.MediaItem(
+            data=data, modality=encoder_pb2.VIDEO, video=encoder_pb2.VideoOptions(fps=random.uniform(1.0, 3.0))
+        )
+        req = encoder_pb2.EncodeRequest(items=[item])
         self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
 
 
