@@ -17,7 +17,9 @@ Bounded loads (consistent hashing with bounded loads, Mirrokni et al.): a hot it
 items in flight; an item whose owner is at that bound goes to the next live encoder clockwise that is under it.
 Under light load every item stays with its owner (the bound is at least c); only a skew diverts, and the
 diversions are counted (`diversions`; `router_encoder_diversions` on the /metrics of a router that routes the
-Encode API over a shared registry). The counts are this router's own, not shared through the router state.
+Encode API over a shared registry). Routers on one shared state count each other's items too: each publishes its
+in-flight counts per encoder in its registry record every discovery round (LLMRouter.refresh) and hands the others'
+sum to `set_remote_load`; the bound is then over every router's items, at most one discovery interval stale.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         self._shutting_down = False
         self.on_change = None  # optional callback(alive: set[str])
         self.inflight: dict[str, int] = {}  # this router's items in flight per encoder
+        self.remote: dict[str, int] = {}  # other routers' items in flight per encoder (shared state)
         self.diversions = 0  # items sent past their owner by the load bound
         for e in endpoints:
             self.add_endpoint(e)
@@ -219,6 +222,10 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
                 await context.abort(first_error[1], first_error[2])
         return encoder_pb2.EncodeResponse(items=results, model=model)
 
+    def set_remote_load(self, loads: dict[str, int]) -> None:
+        """The other routers' items in flight per encoder, as last read from the shared state."""
+        self.remote = dict(loads)
+
     def _place(self, key: str, tried: set[str]) -> str | None:
         """The live, untried encoder clockwise from `key` that is under the load bound (the first live one when
         every one is at it)."""
@@ -228,9 +235,10 @@ class EncoderRouter(encoder_pb2_grpc.EncoderServicer):
         c = self.config.load_factor
         if c <= 0:
             return live[0]
-        bound = math.ceil(c * (sum(self.inflight.get(e, 0) for e in self.alive) + 1) / len(self.alive))
+        load = {e: self.inflight.get(e, 0) + self.remote.get(e, 0) for e in self.alive}
+        bound = math.ceil(c * (sum(load.values()) + 1) / len(self.alive))
         for o in live:
-            if self.inflight.get(o, 0) < bound:
+            if load.get(o, 0) < bound:
                 if o != live[0]:
                     self.diversions += 1
                 return o

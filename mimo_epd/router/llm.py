@@ -35,9 +35,11 @@ SERVING, or as soon as its KV-event feed answers.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
-from collections import OrderedDict, deque
+import uuid
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
 import grpc
@@ -53,6 +55,7 @@ from .discovery import EncoderSet, WorkerFeed, member_id
 from .index import block_hashes, predict_tokens
 from .metrics import RouterMetrics
 from .policies import Candidate, RequestView, make_policy
+from .records import encoder_load
 from .state import LOAD_FIELDS, MemoryState, StateUnavailable, open_state
 from .sync import IndexSync
 
@@ -143,6 +146,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         # next heartbeats, and dropping every worker meanwhile would fail requests with "tried none".
         self._keep_members_until = 0.0
         self.encoders = EncoderSet(encoders) if encoders is not None else None
+        self.router_id = member_id("router", uuid.uuid4().hex[:16])  # its record: the encoder loads it shares
         self.stats = {
             "requests": 0,
             "retries": 0,
@@ -222,6 +226,11 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
                 )
         await asyncio.gather(*(f.stop() for f in self.feeds.values()), return_exceptions=True)
         await asyncio.gather(*(c.close() for c in self._channels.values()), return_exceptions=True)
+        if self.encoders is not None:  # its shared encoder loads go with it (else they expire in one TTL)
+            try:
+                await asyncio.wait_for(self.state.unregister(self.router_id), 1.0)
+            except (StateUnavailable, TimeoutError):
+                pass
         await self.state.close()
 
     async def refresh(self) -> None:
@@ -254,6 +263,20 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
             enc = {f["address"] for f in members.values() if f.get("kind") == "encoder" and f.get("address")}
             if enc:
                 self.encoders.sync(enc | self.encoders.router.endpoints if keep else enc)
+            await self._share_encoder_load(members)
+
+    async def _share_encoder_load(self, members: dict[str, dict]) -> None:
+        """Publishes this router's items in flight per encoder (its registry record, one TTL) and gives the
+        encoder router the other routers' sum, so every router's bounded loads count every router's items."""
+        router = self.encoders.router
+        mine = {e: n for e, n in router.inflight.items() if n > 0}
+        fields = {"kind": "router", "encoder_load": json.dumps(mine)}
+        await self.state.register(self.router_id, fields, self.config.member_ttl_s)
+        others: Counter[str] = Counter()
+        for mid, f in members.items():
+            if f.get("kind") == "router" and mid != self.router_id:
+                others.update(encoder_load(f.get("encoder_load", "{}")))
+        router.set_remote_load(others)
 
     async def _discovery_loop(self) -> None:
         while True:

@@ -5,7 +5,8 @@ redis-cli). A router that trusts it fails: a KV value that is not an integer mad
 an unparsable worker address made requests routed to it a 500, and a non-integer `block_size` ended the
 discovery task for good. So:
 
-- `member(mid, fields)`: a member record, checked: `kind` llm | encoder, `address` (and an llm worker's
+- `member(mid, fields)`: a member record, checked: `kind` llm | encoder | router (a router sharing its encoder
+  loads: `encoder_load` a JSON object of at most 4096 `host:port` -> integer >= 0, and no address), `address` (and an llm worker's
   optional `http_address`) a `host:port` with a port in 1..65535 and a host without spaces, `%` or `/`;
   `block_size` an integer in 1..65536; the load fields and `kv_seq` integers >= 0. A record that breaks a rule is `None`
   (the reason in `BadRecord`), skipped by the caller and counted.
@@ -19,6 +20,7 @@ Invariant: nothing in this module raises on any bytes or strings; it returns a c
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 
@@ -57,11 +59,25 @@ def _int(value, field: str, lo: int, hi: int) -> int:
     return n
 
 
+def encoder_load(value) -> dict[str, int]:
+    """A router's `encoder_load` field: {encoder address: items in flight}; raises BadRecord."""
+    try:
+        loads = json.loads(value)
+    except (TypeError, ValueError):
+        raise BadRecord("encoder_load: not JSON") from None
+    if not isinstance(loads, dict) or len(loads) > 4096:
+        raise BadRecord("encoder_load: not an object of at most 4096 encoders")
+    return {check_address(k, "encoder_load"): _int(v, "encoder_load", 0, 1 << 31) for k, v in loads.items()}
+
+
 def member(mid: str, fields: dict) -> dict:
     """The member record, checked (returned as it was: strings, as the state stores them); raises BadRecord."""
     kind = fields.get("kind")
+    if kind == "router":
+        encoder_load(fields.get("encoder_load", "{}"))
+        return fields
     if kind not in ("llm", "encoder"):
-        raise BadRecord(f"kind: {str(kind)[:32]!r} is not llm or encoder")
+        raise BadRecord(f"kind: {str(kind)[:32]!r} is not llm, encoder or router")
     check_address(fields.get("address", mid.split("/", 1)[-1]), "address")
     if kind == "llm":
         if fields.get("http_address"):
