@@ -102,6 +102,10 @@ def run_shared(reqs, nbytes, keys, mode, encoders, cap_total, ring) -> dict:
 
 
 def main(args) -> dict:
+    if args.hot:
+        from mimo_epd.bench.hot_item import main as hot
+
+        return hot(args)
     if args.nodes:
         from mimo_epd.bench.fleet_cache import main as live
 
@@ -187,6 +191,19 @@ def add_arguments(p) -> None:
         help="live: this many encoder servers as nodes, the node-local cache vs the fleet's (Mooncake Store and the "
         "encode lease) on a trace of sessions whose media repeat across nodes (bench/fleet_cache.py; 0 = the cache "
         "replay above) (default: 0)",
+    )
+    p.add_argument(
+        "--hot",
+        action="store_true",
+        help="live: one hot item, plain consistent hashing vs bounded loads, on one node (bench/hot_item.py)",
+    )
+    p.add_argument("--hot-requests", type=int, default=400, help="--hot: requests (default: 400)")
+    p.add_argument(
+        "--hot-fraction", type=float, default=0.5, help="--hot: share asking for the hot item (default: 0.5)"
+    )
+    p.add_argument("--hot-encoders", type=int, default=2, help="--hot: encoders of the node (default: 2)")
+    p.add_argument(
+        "--hot-load-factor", type=float, default=1.25, help="--hot: the bounded run's factor (default: 1.25)"
     )
     p.add_argument("--live-catalog", type=int, default=120, help="live: distinct images (default: 120)")
     p.add_argument("--sessions", type=int, default=32, help="live: sessions, pinned to nodes round-robin (default: 32)")
