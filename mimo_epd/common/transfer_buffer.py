@@ -94,9 +94,15 @@ class TransferBuffer:
 
     def __init__(self, size: int, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
         host = reachable_host(host)
-        self.engine = _engine_class()()
-        rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
-        if rc != 0:
+        for attempt in range(3):  # its RPC port is picked free, then bound: another process may take it between
+            self.engine = _engine_class()()
+            rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
+            if rc == 0:
+                break
+            log.warning(
+                "the Mooncake transfer engine did not start on %s (code %d, try %d of 3)", host, rc, attempt + 1
+            )
+        else:
             raise RuntimeError(f"the Mooncake transfer engine did not start on {host} ({protocol}): code {rc}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.buf = np.empty(size, dtype=np.uint8)

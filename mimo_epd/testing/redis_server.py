@@ -15,6 +15,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports_from(n: int) -> int:
+    """A port P with P .. P+n-1 all free now (`serve --metrics-port P` puts its encoders' metrics on P+1, P+2, ...)."""
+    while True:
+        p = free_port()
+        if p + n > 65535:
+            continue
+        socks = []
+        try:
+            for q in range(p, p + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+
+
 class RedisServer:
     def __init__(self, workdir, port: int = 0):
         self.dir, self.port, self.proc = workdir, port or free_port(), None

@@ -56,7 +56,7 @@ def start_server(
         if not line and proc.poll() is not None:
             break
     proc.kill()
-    raise RuntimeError(f"server {' '.join(args)} did not start: {''.join(log)[-2000:]}")
+    raise RuntimeError(f"server {' '.join(args)} did not start: {''.join(x for x in log if 'mimo' in x)[-6000:]}")
 
 
 def scrape(port: int) -> dict[str, float]:

@@ -146,9 +146,10 @@ def test_serve_moves_media_rows_over_the_transfer_engine_and_survives_a_killed_e
     media still succeeds (moved from the other encoder, or as bytes once)."""
     import os
 
+    from mimo_epd.testing.redis_server import free_ports_from
     from tests.integration.test_node import encoders_of
 
-    port = free_port()
+    port = free_ports_from(3)  # the node's metrics, then its two encoders'
     node = start_server(
         [
             *TRANSFER,
