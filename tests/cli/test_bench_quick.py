@@ -141,6 +141,17 @@ def test_video_transport_bench_quick(tmp_path):
     assert out["ratios"]["transfer_vs_grpc_seconds"] > 0
 
 
+def test_cache_routing_hot_item_quick():
+    """`bench cache-routing --hot`: a live node under plain hashing and bounded loads, hot replies equal."""
+    out = run_bench("cache-routing", "--hot")
+    no_grades(out)
+    assert out["bench"] == "cache-routing-hot" and out["outputs_match"] is True
+    for run in ("plain", "bounded"):
+        assert out[run]["failures"] == 0 and out[run]["requests"] == 48 and out[run]["hot"]["requests"] > 0
+        assert sum(out[run]["items_per_encoder"]) >= 48
+    assert set(out["ratios"]) == {"p90_bounded_vs_plain", "hot_p90_bounded_vs_plain", "qps_bounded_vs_plain"}
+
+
 def test_kv_bench_quick():
     out = run_bench("kv")
     no_grades(out)
