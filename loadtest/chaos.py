@@ -46,7 +46,17 @@ from loadtest.locust_cmd import locust_command
 from mimo_epd.testing.redis_server import RedisServer, free_port
 
 USERS_FILE = Path(__file__).with_name("chaos_users.py")
-FAULTS = ("encoder", "decode_worker", "llm", "prefill_llm", "decode_llm", "router", "redis", "mooncake_master")
+FAULTS = (
+    "encoder",
+    "decode_worker",
+    "llm",
+    "prefill_llm",
+    "decode_llm",
+    "tp_rank",
+    "router",
+    "redis",
+    "mooncake_master",
+)
 
 
 def log(msg: str) -> None:
@@ -146,6 +156,7 @@ class Node:
     decoders: dict[str, list[int]] = field(default_factory=dict)  # encoder endpoint -> decode pids
     llms: dict[str, int] = field(default_factory=dict)  # LLM worker endpoint -> pid (--llm-workers N)
     llm_roles: dict[str, str] = field(default_factory=dict)  # LLM worker endpoint -> both | prefill | decode
+    ranks: dict[str, list[int]] = field(default_factory=dict)  # LLM worker endpoint -> its other TP ranks' pids
     redis: int | None = None
     routers: dict[str, int] = field(default_factory=dict)  # fleet: router address -> pid
     serve_role: str = "router"
@@ -160,6 +171,8 @@ class Node:
                 out[f"encoder{i}.decode{j}"] = d
         for i, ep in enumerate(sorted(self.llms)):
             out[f"llm{i}"] = self.llms[ep]
+            for j, r in enumerate(self.ranks.get(ep, [])):
+                out[f"llm{i}.rank{j + 1}"] = r
         if self.redis:
             out["redis"] = self.redis
         return out
@@ -219,6 +232,7 @@ def discover(router_pid: int) -> Node:
             args = cl.split()
             role = next((args[i + 1] for i, a in enumerate(args[:-1]) if a == "--role"), "both")
             node.llm_roles[f"127.0.0.1:{port}"] = role
+            node.ranks[f"127.0.0.1:{port}"] = [g for g in children(c) if alive(g) and "spawn_main" in cmdline(g)]
         elif "redis-server" in cl:
             node.redis = c
     return node
@@ -519,6 +533,11 @@ class Campaign:
             if eps:
                 ep = eps[n % len(eps)]
                 return node.llms[ep], {"endpoint": ep, "role": role}
+        if fault == "tp_rank":  # a model-parallel worker's other rank (serve --llm-tensor-parallel-size N)
+            eps = sorted(ep for ep in node.llms if node.ranks.get(ep))
+            if eps:
+                ep = eps[n % len(eps)]
+                return node.ranks[ep][0], {"endpoint": ep, "worker_pid": node.llms[ep]}
         if fault == "router" and self.fleet and self.routers:
             i = n % len(self.routers)
             return self.routers[i].proc.pid, {"endpoint": self.routers[i].address, "router_index": i}
@@ -539,6 +558,8 @@ class Campaign:
             return "no Mooncake Store in this campaign (--mooncake starts one for the KV tier and the embedding cache)"
         if fault == "llm":
             return "this node runs no LLM worker"
+        if fault == "tp_rank":
+            return "no LLM worker of this node runs several ranks (serve --llm-tensor-parallel-size N)"
         if fault in ("prefill_llm", "decode_llm"):
             role = fault.removesuffix("_llm")
             return f"this node runs no {role}-role LLM worker (serve --pd-{role}-workers N)"
@@ -553,7 +574,7 @@ class Campaign:
             ring = HashRing(ring_eps, vnodes=self.args.vnodes)
             ep = info["endpoint"]
             return lambda r: r["kind"] == "encode" and next(ring.owners(r["key"]), None) == ep
-        if fault in ("llm", "prefill_llm", "decode_llm"):
+        if fault in ("llm", "prefill_llm", "decode_llm", "tp_rank"):
             return lambda r: r["kind"] == "generate"
         if fault == "router" and self.fleet:  # the requests the killed router held (their first router)
             return lambda r: r.get("router") == info["endpoint"]
@@ -748,9 +769,9 @@ class Campaign:
                     now_pids = node.decoders.get(info["endpoint"], [])
                     if pid not in now_pids and len(now_pids) >= len(info["decode_pids_before"]):
                         res["replaced_s"], res["new_pids"] = round(time.monotonic() - t_kill, 3), now_pids
-                elif fault in ("llm", "prefill_llm", "decode_llm"):
+                elif fault in ("llm", "prefill_llm", "decode_llm", "tp_rank"):  # a rank's death ends its worker
                     new = node.llms.get(info["endpoint"])
-                    if new and new != pid and health_serving(info["endpoint"], 0.5):
+                    if new and new != info.get("worker_pid", pid) and health_serving(info["endpoint"], 0.5):
                         res["replaced_s"], res["new_pid"] = round(time.monotonic() - t_kill, 3), new
                 else:  # router, redis: started again by this campaign
                     res["replaced_s"] = round(out.get("down_s", 0.0) + out.get("restart_s", 0.0), 3)
