@@ -117,22 +117,30 @@ class _ChaosUser(User):
             time.sleep(0.05)  # a refused call returns at once: do not spin while the node is down
 
 
-class EncodeUser(_ChaosUser):
-    """Encode one unique JPEG (its bytes end with a random token: never a cache hit)."""
+class _EncoderClient(_ChaosUser):
+    """A user of the Encode API: one stub per router; `_encode` sends one item, logged under its routing key."""
 
-    weight = 3
+    abstract = True
 
     def on_start(self) -> None:
         super().on_start()
         self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
 
-    @task
-    def encode(self) -> None:
-        data = random.choice(IMAGES) + b"mimo-epd:" + uuid.uuid4().hex.encode()
-        key = "h:" + xxhash.xxh3_128_hexdigest(data)  # the router's routing key for inline bytes
-        req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data)])
+    def _encode(self, item: encoder_pb2.MediaItem) -> None:
+        key = "h:" + xxhash.xxh3_128_hexdigest(item.data)  # the router's routing key for inline bytes
+        req = encoder_pb2.EncodeRequest(items=[item])
         # unary: an UNAVAILABLE means no response arrived, so another router may take it
         self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
+
+
+class EncodeUser(_EncoderClient):
+    """Encode one unique JPEG (its bytes end with a random token: never a cache hit)."""
+
+    weight = 3
+
+    @task
+    def encode(self) -> None:
+        self._encode(encoder_pb2.MediaItem(data=random.choice(IMAGES) + b"mimo-epd:" + uuid.uuid4().hex.encode()))
 
 
 def _wav(seconds: float) -> bytes:
@@ -149,42 +157,26 @@ def _wav(seconds: float) -> bytes:
     return buf.getvalue()
 
 
-class AudioUser(_ChaosUser):
+class AudioUser(_EncoderClient):
     """Encode one unique audio clip (0.5-3 s of noise, WAV: never a cache hit), as audio items in flight."""
 
     weight = 1
 
-    def on_start(self) -> None:
-        super().on_start()
-        self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
-
     @task
     def encode_audio(self) -> None:
-        data = _wav(random.uniform(0.5, 3.0))
-        key = "h:" + xxhash.xxh3_128_hexdigest(data)
-        req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data, modality=encoder_pb2.AUDIO)])
-        self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
+        self._encode(encoder_pb2.MediaItem(data=_wav(random.uniform(0.5, 3.0)), modality=encoder_pb2.AUDIO))
 
 
-class VideoUser(_ChaosUser):
+class VideoUser(_EncoderClient):
     """Encode one of the campaign's short videos (MIMO_EPD_IMAGES_DIR/*.mp4) at a random sampling rate (a new content
     key each time: never a cache hit), so videos are decoding and encoding when a process dies."""
 
     weight = 1
 
-    def on_start(self) -> None:
-        super().on_start()
-        self.stubs = [encoder_pb2_grpc.EncoderStub(ch) for ch in self.channels]
-
     @task
     def encode_video(self) -> None:
-        data = random.choice(VIDEOS)
-        key = "h:" + xxhash.xxh3_128_hexdigest(data)
-        item = encoder_pb2.MediaItem(
-            data=data, modality=encoder_pb2.VIDEO, video=encoder_pb2.VideoOptions(fps=random.uniform(1.0, 3.0))
-        )
-        req = encoder_pb2.EncodeRequest(items=[item])
-        self._record("encode", time.monotonic(), key, lambda i: self.stubs[i].Encode(req, timeout=TIMEOUT))
+        video = encoder_pb2.VideoOptions(fps=random.uniform(1.0, 3.0))
+        self._encode(encoder_pb2.MediaItem(data=random.choice(VIDEOS), modality=encoder_pb2.VIDEO, video=video))
 
 
 class GenerateUser(_ChaosUser):

@@ -19,7 +19,7 @@ import logging
 import threading
 from dataclasses import dataclass
 
-from mimo_epd.common.transfer_buffer import reachable_host
+from mimo_epd.common.transfer_buffer import engine_class, reachable_host
 
 from .rule import runs
 
@@ -80,23 +80,12 @@ class PoolLayout:
                 )
 
 
-def _engine_class():
-    try:
-        from mooncake.engine import TransferEngine
-    except ImportError as e:  # pragma: no cover - a dependency of the package
-        raise RuntimeError(
-            "the Mooncake transfer engine is not installed (pip install mooncake-transfer-engine-non-cuda; "
-            f"it needs the system library libibverbs1): {e}"
-        ) from None
-    return TransferEngine
-
-
 class KVTransferEngine:
     """One worker's Mooncake engine with its pools registered."""
 
     def __init__(self, pools, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
         host = reachable_host(host)
-        self.engine = _engine_class()()
+        self.engine = engine_class()()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
         if rc != 0:
             raise RuntimeError(f"the Mooncake transfer engine did not start on {host} ({protocol}): code {rc}")

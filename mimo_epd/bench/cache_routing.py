@@ -29,14 +29,20 @@ from mimo_epd.router.hash_ring import HashRing
 SIZES = [(480, 640), (720, 1280), (1080, 1920), (2160, 3840), (800, 800), (1024, 768)]
 
 
-def build_workload(catalog: int, requests: int, zipf: float, seed: int, hidden: int = 256):
-    rng = np.random.default_rng(seed)
+def catalog_tokens(rng, catalog: int) -> list[int]:
+    """Merged tokens of `catalog` images of real sizes (SIZES, drawn from `rng`) under Qwen2.5-VL's preprocessing."""
     cfg = PreprocessConfig()
     tokens = []
     for _ in range(catalog):
         h, w = SIZES[rng.integers(len(SIZES))]
         t, gh, gw = grid_for(h, w, cfg)
         tokens.append(t * gh * gw // 4)
+    return tokens
+
+
+def build_workload(catalog: int, requests: int, zipf: float, seed: int, hidden: int = 256):
+    rng = np.random.default_rng(seed)
+    tokens = catalog_tokens(rng, catalog)
     nbytes = np.array(tokens, np.int64) * hidden * 4
     ranks = rng.permutation(catalog) + 1  # popularity independent of size
     p = 1.0 / ranks**zipf

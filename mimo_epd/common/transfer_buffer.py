@@ -78,7 +78,8 @@ class RangeAllocator:
             return sum(self._used.values())
 
 
-def _engine_class():
+def engine_class():
+    """Mooncake's `TransferEngine` class (RuntimeError naming the wheel when it is missing)."""
     try:
         from mooncake.engine import TransferEngine
     except ImportError as e:  # pragma: no cover - a dependency of the package
@@ -95,7 +96,7 @@ class TransferBuffer:
     def __init__(self, size: int, host: str = "127.0.0.1", protocol: str = "tcp", device: str = ""):
         host = reachable_host(host)
         for attempt in range(3):  # its RPC port is picked free, then bound: another process may take it between
-            self.engine = _engine_class()()
+            self.engine = engine_class()()
             rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device)
             if rc == 0:
                 break

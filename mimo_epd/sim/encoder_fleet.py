@@ -55,16 +55,10 @@ class _LRU:
 
 def trace(nodes: int, sessions: int, turns: int, catalog: int, zipf: float, rate: float, seed: int):
     """(arrival s, node, item ids) in time order, and each catalog item's tokens."""
-    from encoder_server.preprocess import PreprocessConfig, grid_for
-    from mimo_epd.bench.cache_routing import SIZES
+    from mimo_epd.bench.cache_routing import catalog_tokens
 
     rng = np.random.default_rng(seed)
-    cfg = PreprocessConfig()
-    tokens = []
-    for _ in range(catalog):
-        h, w = SIZES[rng.integers(len(SIZES))]
-        t, gh, gw = grid_for(h, w, cfg)
-        tokens.append(t * gh * gw // 4)
+    tokens = catalog_tokens(rng, catalog)
     p = 1.0 / (rng.permutation(catalog) + 1) ** zipf
     p /= p.sum()
     n = nodes * sessions * turns

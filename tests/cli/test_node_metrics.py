@@ -41,25 +41,9 @@ def test_merge_labels_every_sample_with_its_process():
 
 def _free_port_run(n: int) -> int:
     """A port P with P..P+n-1 all free (the node's endpoint and one per encoder)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                t = socket.socket()
-                socks.append(t)
-                t.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for t in socks:
-                t.close()
-    raise RuntimeError("no run of free ports")
+    from mimo_epd.testing.redis_server import free_ports_from
+
+    return free_ports_from(n)
 
 
 @pytest.mark.integration
