@@ -11,14 +11,15 @@ The protocol (push, as P/D moves KV; two small gRPC messages):
 
 Invariants: a held range is freed exactly once, by its Transfer (whatever the outcome), by a release (a Transfer
 with no session), or when it has been held `--embedding-transfer-hold-s` (a worker that died between the two
-messages). An id is used once and never reused, so a late Transfer for an expired id is NOT_FOUND, never another
-item's rows. Counters (`counts`): held, sent, bytes, seconds, released, expired, no_room, failed.
+messages). Ids are random 63-bit numbers, never one held now: a late Transfer for an expired id is NOT_FOUND (not
+another item's rows, but for a 2^-63 chance), and another caller of `Transfer` cannot guess a hold to take or
+release someone else's rows. Counters (`counts`): held, sent, bytes, seconds, released, expired, no_room, failed.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -46,7 +47,6 @@ class EmbeddingSender:
         self.buf = TransferBuffer(staging_bytes, host, protocol, device)
         self.hold_s = hold_s
         self._held: dict[int, _Held] = {}
-        self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self.counts = {k: 0 for k in ("held", "sent", "bytes", "released", "expired", "no_room", "failed")}
         self.counts["seconds"] = 0.0
@@ -61,7 +61,9 @@ class EmbeddingSender:
             return None
         self.buf.view(off, raw.size)[:] = raw
         with self._lock:
-            i = next(self._ids)
+            i = secrets.randbits(63) or 1
+            while i in self._held:  # never a live id (a 2^-63 chance)
+                i = secrets.randbits(63) or 1
             self._held[i] = _Held(off, int(raw.size), time.monotonic() + self.hold_s)
             self.counts["held"] += 1
         return i, int(raw.size)
