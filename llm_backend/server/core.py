@@ -34,7 +34,7 @@ from mimo_epd.common.prompt_rules import encode_text
 from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 from .detokenizer import IncrementalDetokenizer, StopMatcher
-from .media_memo import MediaMemo
+from .media_memo import MediaMemo, memo_key
 from .media_transfer import EmbeddingReceiver, MediaTransferFailed
 
 log = logging.getLogger(__name__)
@@ -310,10 +310,15 @@ class GenerationCore:
 
     # ------------------------------------------------------------------------------------ media
     async def encode_media(
-        self, items: list[encoder_pb2.MediaItem], timeout: float | None, names: list[str] | None = None
+        self,
+        items: list[encoder_pb2.MediaItem],
+        timeout: float | None,
+        names: list[str] | None = None,
+        keys: list | None = None,
     ) -> EncodedMedia:
         """Each item's rows from the encoder, with its placeholder ids (derived from its content key) and, for a
-        video, its temporal groups (what MiMo's omni prompt writes a timestamp for)."""
+        video, its temporal groups (what MiMo's omni prompt writes a timestamp for). `keys`: the items' memo keys
+        when the caller has them (MediaMemo: learned from this answer)."""
         if not items:
             return EncodedMedia([], None)
         if self.encoder is None:
@@ -349,7 +354,7 @@ class GenerationCore:
             out.append(ItemRows(kind, ids, groups, soundtrack[i], it.end_s))
             rows.append(emb)
         if self.memo is not None:
-            self.memo.learn(items, out, resp.model)
+            self.memo.learn(keys or [memo_key(it) for it in items], out, resp.model)
         return EncodedMedia(out, torch.cat(rows))
 
     async def _encode(self, items, timeout: float | None, names) -> tuple[encoder_pb2.EncodeResponse, dict]:
@@ -433,22 +438,23 @@ class GenerationCore:
             raise ServeError.invalid("the prompt is empty", param="prompt")
         items = list(media_items)
         text = text if token_ids is None else None
-        cached = self._from_cache(ids, items, media_names, text, add_special_tokens)
+        keys = [memo_key(it) for it in items] if self.memo is not None else None  # each item's bytes hashed once
+        cached = self._from_cache(ids, keys, media_names, text, add_special_tokens)
         if cached is not None:
             prompt, span = cached
             n = sum(t >= self.vocab_size for t in prompt)
             return Prepared(prompt, {}, n, arrival, items, media_span=span, media_names=media_names, timeout=timeout)
-        enc = await self.encode_media(items, timeout, media_names)
+        enc = await self.encode_media(items, timeout, media_names, keys)
         prompt = self.media_prompt(ids, enc, text, add_special_tokens)
         media = self.place_media(prompt, enc)
         return Prepared(prompt, media, len(media), arrival, items)
 
-    def _from_cache(self, ids, items, names, text, add_special_tokens) -> tuple[list[int], int] | None:
+    def _from_cache(self, ids, keys, names, text, add_special_tokens) -> tuple[list[int], int] | None:
         """(the prompt, its media span) when every item was answered before and the prefix cache holds the prompt
         past its last media row: the rows are not needed (the engine checks again at admission)."""
-        if self.memo is None or not items:
+        if self.memo is None or not keys:
             return None
-        known = self.memo.lookup(items, soundtrack_flags(names, len(items)))
+        known = self.memo.lookup(keys, soundtrack_flags(names, len(keys)))
         if known is None:
             return None
         prompt = self.media_prompt(ids, EncodedMedia(known, None), text, add_special_tokens)
@@ -456,7 +462,7 @@ class GenerationCore:
         if span >= len(prompt) or self.engine.cached_prefix_length(prompt) < span:
             return None
         if self.metrics is not None:
-            self.metrics.media_skipped.inc(len(items))
+            self.metrics.media_skipped.inc(len(keys))
         return prompt, span
 
     async def media_rows(self, prep: Prepared) -> dict[int, torch.Tensor]:

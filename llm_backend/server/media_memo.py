@@ -44,27 +44,25 @@ class MediaMemo:
         self._items: OrderedDict[tuple, ItemRows] = OrderedDict()
         self._lock = threading.Lock()
 
-    def learn(self, items, rows: list[ItemRows], model: str) -> None:
-        """Remembers the encoder's answer for each item it can key."""
+    def learn(self, keys: list[tuple | None], rows: list[ItemRows], model: str) -> None:
+        """Remembers the encoder's answer for each item that has a key (`memo_key`, computed once per request)."""
         with self._lock:
             if model != self.model:
                 self._items.clear()
                 self.model = model
-            for item, r in zip(items, rows):
-                key = memo_key(item)
+            for key, r in zip(keys, rows):
                 if key is not None:
                     self._items[key] = replace(r, in_video=False)
                     self._items.move_to_end(key)
             while len(self._items) > self.max_items:
                 self._items.popitem(last=False)
 
-    def lookup(self, items, in_video: list[bool]) -> list[ItemRows] | None:
+    def lookup(self, keys: list[tuple | None], in_video: list[bool]) -> list[ItemRows] | None:
         """Every item's rows as last answered (`in_video`: which items are a video's soundtrack in this request),
         or None unless all of them are known."""
         out = []
         with self._lock:
-            for i, item in enumerate(items):
-                key = memo_key(item)
+            for i, key in enumerate(keys):
                 r = self._items.get(key) if key is not None else None
                 if r is None:
                     return None
