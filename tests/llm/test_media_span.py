@@ -68,3 +68,52 @@ def test_a_preempted_request_keeps_its_media_prefix_pinned(turn):
     llm.cache.evict_full(10**9)  # everything evictable goes; the pinned prefix cannot
     _run(llm)
     assert r.finish_reason == "length" and r.output == want.output and not s._pins
+
+
+def _idle(llm: LLM) -> None:
+    """No lock left (no pin, no request): every slot is free or evictable, and evicting frees them all."""
+    acc = llm.cache.accounting()
+    assert acc.full.protected == 0 and acc.swa.protected == 0, acc
+    llm.cache.evict_full(10**9)
+    llm.cache.evict_swa(10**9)
+    assert llm.full_pool.available() == llm.full_pool.size and llm.swa_pool.available() == llm.swa_pool.size
+
+
+def test_the_pools_come_back_idle_after_a_bounce_a_pin_and_an_abort():
+    llm = LLM("tiny-random")
+    cfg = llm.model.config
+    media = {3 + j: torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(1)) for j in range(6)}
+    p = [5, 6, 7] + [cfg.vocab_size + 200 + j for j in range(6)] + list(range(20, 44))
+    llm.add_request(p, GREEDY, media=dict(media))
+    _run(llm)
+    r = llm.add_request(p + [50], GREEDY, media_span=9)  # admitted from the cache, then preempted: pinned
+    llm.step()
+    llm.scheduler._preempt(r)
+    llm.abort(r)  # aborted while waiting with its pin
+    _run(llm)
+    assert r.done and not llm.scheduler._pins
+    cold = llm.add_request([1] + p[1:], GREEDY, media_span=9)  # another first token: nothing cached, bounced
+    _run(llm)
+    assert cold.error_code == MEDIA_NEEDED
+    _idle(llm)
+
+
+def test_media_span_with_mtp_speculation_equals_the_rows():
+    from tests.llm.test_speculative import CFG, MiMoV2FlashForCausalLM, engine, init_random_weights
+
+    model = MiMoV2FlashForCausalLM(CFG)  # a model with MTP layers, random weights (test_speculative's)
+    init_random_weights(model, 0)
+    llm = engine(model.eval(), speculative_steps=2)
+    cfg = llm.model.config
+    media = {3 + j: torch.randn(cfg.hidden_size, generator=torch.Generator().manual_seed(2)) * 0.05 for j in range(6)}
+    p1 = [5, 6, 7] + [cfg.vocab_size + 300 + j for j in range(6)] + list(range(20, 44))
+    r1 = llm.add_request(p1, SamplingParams(max_tokens=12, ignore_eos=True), media=dict(media))
+    _run(llm)
+    p2 = p1 + r1.output + [12, 13]
+    want = llm.add_request(p2, SamplingParams(max_tokens=12, ignore_eos=True), media=dict(media))
+    _run(llm)
+    got = llm.add_request(p2, SamplingParams(max_tokens=12, ignore_eos=True), media_span=9)
+    _run(llm)
+    assert got.finish_reason == "length" and got.output == want.output and got.cached_tokens >= 9
+    assert got.stats.drafted_tokens > 0  # MTP drafted for the request that had no rows
+    _idle(llm)
