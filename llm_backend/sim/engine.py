@@ -71,30 +71,46 @@ def _no_wake() -> None:
     return None
 
 
+def worker_layout(cost: CostModel, config: WorkerConfig, store=None) -> KVLayout:
+    """The KV bookkeeping a worker of `config` builds (sizes in units): its pools, the model's window, the SWA
+    checkpoint interval as the engine fits it, and the tiers below the pools when configured."""
+    c, U = config, config.unit
+    window, page = -(-cost.shape.window // U), max(1, c.page_size // U)
+    return KVLayout(
+        c.full_tokens // U,
+        c.swa_tokens // U,
+        page,
+        window,
+        # as the engine fits its default: a page multiple above the window (in units)
+        checkpoint_interval=fit_checkpoint_interval(-(-c.swa_checkpoint_interval // U), window, page),
+        # the tiers below it (bookkeeping mode: they count a unit as a token)
+        host_full_tokens=c.host_full_tokens // U,
+        host_swa_tokens=c.host_swa_tokens // U,
+        store=store,
+        store_write="insert",
+        swa_backfill=c.swa_backfill,
+        token_bytes=(cost.shape.kv_bytes_full * U, cost.shape.kv_bytes_swa * U),
+    )
+
+
 class SimWorker:
-    def __init__(self, cost: CostModel, config: WorkerConfig, name: str = "w0", store=None, runner=None, role=None):
+    def __init__(
+        self,
+        cost: CostModel,
+        config: WorkerConfig,
+        name: str = "w0",
+        store=None,
+        runner=None,
+        role=None,
+        layout: KVLayout | None = None,
+    ):
         """`runner`: a SimRunner subclass to use instead (speculative decoding: sim/speculation.py). `role`: the
-        engine's scheduler role (`SchedulerRole`; the decode role in the P/D simulator, mimo_epd/sim/pd.py)."""
+        engine's scheduler role (`SchedulerRole`; the decode role in the P/D simulator, mimo_epd/sim/pd.py).
+        `layout`: the KV bookkeeping to build instead of `worker_layout(cost, config, store)` (a benchmark's own
+        pools, window or tiers; sizes in units); `config` still gives the scheduler's settings."""
         c, U = config, config.unit
         self.name, self.config, self.unit = name, config, U
-        window, page = -(-cost.shape.window // U), max(1, c.page_size // U)
-        kv = build_kv(
-            KVLayout(
-                c.full_tokens // U,
-                c.swa_tokens // U,
-                page,
-                window,
-                # as the engine fits its default: a page multiple above the window (in units)
-                checkpoint_interval=fit_checkpoint_interval(-(-c.swa_checkpoint_interval // U), window, page),
-                # the tiers below it (bookkeeping mode: they count a unit as a token)
-                host_full_tokens=c.host_full_tokens // U,
-                host_swa_tokens=c.host_swa_tokens // U,
-                store=store,
-                store_write="insert",
-                swa_backfill=c.swa_backfill,
-                token_bytes=(cost.shape.kv_bytes_full * U, cost.shape.kv_bytes_swa * U),
-            )
-        )
+        kv = build_kv(layout or worker_layout(cost, config, store))
         self.full_pool, self.swa_pool, self.cache, self.tiers = kv.full_pool, kv.swa_pool, kv.cache, kv.tiers
         self.now = 0.0
         self.runner = runner or SimRunner(cost, U)
@@ -181,7 +197,9 @@ class SimWorker:
     def _price_loads(self, compute_s: float) -> float:
         """This step's admissions queued host / store copies (the tiered match): their bytes, priced by the links."""
         t = self.tiers
-        t.start_load()  # bookkeeping mode: takes the queued copies (nothing to copy)
+        load = t.start_load()  # bookkeeping mode takes the queued copies (nothing to copy); data mode copies them
+        if load is not None:
+            load.finish()
         host, store = t.tier_stats.bytes_h2d, t.tier_stats.bytes_s2d
         dh, ds = host - self._bytes_seen[0], store - self._bytes_seen[1]
         self._bytes_seen = (host, store)
@@ -202,6 +220,14 @@ class SimWorker:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def drain(self) -> None:
+        """Steps until nothing is left to run (what has been submitted finished, or waits for room that never
+        comes)."""
+        while self.has_work():
+            if self.start_step(self.now) is None:
+                return
+            self.end_step()
 
     @property
     def stepping(self) -> bool:

@@ -3,10 +3,11 @@ the SWA-aware dual-pool cache vs a cache that keeps full KV for the sliding laye
 replaying a real request trace at a fixed KV byte budget under the MiMo-V2.5-Pro shape.
 
 The trace (mimo_epd/data/traces/README.md) gives each request's prompt as hash ids of 512-token blocks (equal ids = equal
-content). Requests are replayed in trace order, one at a time, through the engine's own cache code path:
-`RequestKV` matches the prompt in the real `SWARadixCache`, computes the rest in prefill chunks (each chunk's
-whole pages go into the tree at once, as `engine.LLM` does), and finishes (its whole pages stay cached; the
-cache evicts LRU when a pool runs out). Output tokens are not in the trace's ids and are not replayed.
+content). Requests are replayed in trace order, one at a time, through the simulator's worker (`SimWorker`,
+llm_backend/sim/engine.py): the engine's own `Scheduler` admits each prompt, matches it in the real `SWARadixCache`
+(all but its last token, as the engine), computes the rest in prefill chunks (each chunk's whole pages go into the
+tree at once, and the pools evict LRU what the next chunk needs), samples one output token and finishes (its whole
+pages stay cached). The trace's outputs are not in its ids, so one output token is run, not `output_length`.
 
 - `swa_aware`: full pool = full-attention layers' KV (10 layers per token), SWA pool = sliding layers' KV
   (60 layers per token) kept only where a window needs it (node ends and, `--swa-checkpoint-interval`, each
@@ -58,9 +59,13 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
-from llm_backend.kv import PoolExhausted, RequestKV, fit_checkpoint_interval
-from llm_backend.kv.build import KVLayout, build_kv
+from llm_backend.kv import fit_checkpoint_interval
+from llm_backend.kv.build import KVLayout
 from llm_backend.models import PRO_SHAPE_CONFIG
+from llm_backend.sim.cost import CostModel, load_profile
+from llm_backend.sim.engine import SimWorker, WorkerConfig
+from llm_backend.sim.shapes import get_shape
+from llm_backend.sim.trace import SimRequest
 from mimo_epd.bench.kv_capacity import NEVER_RELEASE, token_bytes
 from mimo_epd.common.stats import percentile
 from mimo_epd.data import MOONCAKE_TRACE, open_text
@@ -96,7 +101,9 @@ def prompt_units(r: dict, unit: int) -> list[int]:
 
 
 class Replay:
-    """One cache configuration replaying the trace."""
+    """One cache configuration replaying the trace through the simulator's worker (llm_backend/sim/engine.py):
+    the engine's own Scheduler, RequestKV and SWARadixCache over the given pools, each request run to its first
+    output token before the next one is submitted."""
 
     def __init__(
         self,
@@ -106,50 +113,41 @@ class Replay:
         window_units: int,
         page_units: int,
         chunk_units: int,
-        evict_fraction: float,
+        unit: int,
         tiers: dict | None = None,
         checkpoint_units: int = 0,
     ):
-        self.name = name
+        self.name, self.unit = name, unit
         layout = KVLayout(full_units, swa_units, page_units, window_units, checkpoint_interval=checkpoint_units)
-        kv = build_kv(layout if tiers is None else tiered_layout(layout, **tiers))
-        self.full_pool, self.swa_pool, self.cache = kv.full_pool, kv.swa_pool, kv.cache
+        config = WorkerConfig(chunk_size=chunk_units * unit, max_running=1, fcfs=True, length_buckets=(), unit=unit)
+        self.worker = SimWorker(
+            replay_cost(), config, name, layout=layout if tiers is None else tiered_layout(layout, **tiers)
+        )
+        self.full_pool, self.swa_pool, self.cache = self.worker.full_pool, self.worker.swa_pool, self.worker.cache
         if tiers is not None and tiers.get("data"):
-            attach_tiny_tensors(kv.cache)
-        self.chunk = chunk_units
-        # Evicting a little more than needed at a time (a low watermark) amortises the LRU scan over many
-        # requests; real servers do the same.
-        self.evict_full_min = max(1, int(full_units * evict_fraction))
-        self.evict_swa_min = max(1, int(swa_units * evict_fraction))
+            attach_tiny_tensors(self.cache)
         self.hit_tokens = 0
         self.prompt_tokens = 0
         self.skipped = 0
-        self.tiers = self.cache if tiers is not None else None  # the tiered cache, or None
+        self.tiers = self.worker.tiers  # the tiered cache, or None
 
     def peek(self, units: list[int]) -> int:
         return self.cache.peek_prefix_length(units)
 
-    def request(self, units: list[int], input_length: int, unit: int) -> None:
-        kv = RequestKV(self.cache, units, NEVER_RELEASE)
-        if self.tiers is not None:
-            load = self.tiers.start_load()  # as the runner's next forward: the hit's queued host/store copies
-            if load is not None:
-                load.finish()
+    def request(self, units: list[int], input_length: int) -> None:
+        """Runs one prompt (and its first output token) through the worker; a prompt larger than the whole pool
+        is refused by the scheduler and counted as served uncached."""
         self.prompt_tokens += input_length
-        self.hit_tokens += min(kv.cached_tokens * unit, input_length)
-        done = kv.cached_tokens
-        try:
-            while done < len(units):
-                n = min(self.chunk, len(units) - done)
-                if not self.cache.make_room(n + self.full_pool.page_size, n, self.evict_full_min, self.evict_swa_min):
-                    raise PoolExhausted("pools full")
-                kv.extend(units[done : done + n])
-                kv.checkpoint()  # as the engine: each prompt chunk goes into the tree at once (shareable at once)
-                done += n
-            kv.finish(cache_result=True)
-        except PoolExhausted:  # a prompt larger than the whole pool: served uncached
-            kv.finish(cache_result=False)
+        w = self.worker
+        index = self.prompt_tokens  # any id unique to this replay
+        if w.submit(SimRequest(index, w.now, units, input_length, 1), w.now) is None:
             self.skipped += 1
+            return
+        w.drain()
+        done = w.finished[-1]
+        if done.index != index:  # the scheduler left it waiting: nothing else runs, so it never fits
+            raise AssertionError(f"{self.name}: request {index} did not run on an idle worker")
+        self.hit_tokens += done.cached_tokens
 
     def result(self) -> dict:
         st = self.cache.stats
@@ -162,6 +160,12 @@ class Replay:
             "repairs": st.repairs,
             "uncacheable_requests": self.skipped,
         }
+
+
+def replay_cost() -> CostModel:
+    """The worker's cost model: the MiMo-V2.5-Pro shape on 16 GPUs. The replay counts hits, never time; the
+    worker needs a clock all the same."""
+    return CostModel(get_shape("pro"), load_profile("h200", 16))
 
 
 def tiered_layout(
@@ -330,9 +334,7 @@ def replay_modes(args, reqs, budget: int, full_b: int, swa_b: int, w: int, c: in
     swa_units = int(budget * args.swa_share) // (swa_b * unit)
     full_units = (budget - swa_units * swa_b * unit) // (full_b * unit)
     return {
-        "swa_aware": Replay(
-            "swa_aware", full_units, max(swa_units, w + c), w, p, c, args.evict_fraction, checkpoint_units=K // unit
-        ),
+        "swa_aware": Replay("swa_aware", full_units, max(swa_units, w + c), w, p, c, unit, checkpoint_units=K // unit),
         "full_kv": Replay(
             "full_kv",
             budget // (all_full_b * unit),
@@ -340,7 +342,7 @@ def replay_modes(args, reqs, budget: int, full_b: int, swa_b: int, w: int, c: in
             NEVER_RELEASE,
             p,
             c,
-            args.evict_fraction,
+            unit,
         ),
         "unbounded": Replay(
             "unbounded",
@@ -349,7 +351,7 @@ def replay_modes(args, reqs, budget: int, full_b: int, swa_b: int, w: int, c: in
             NEVER_RELEASE,
             p,
             c,
-            args.evict_fraction,
+            unit,
         ),
     }
 
@@ -373,7 +375,7 @@ def replay_all(args) -> dict:
     for name, replay in modes.items():
         t0 = time.perf_counter()
         for units, length in reqs:
-            replay.request(units, length, unit)
+            replay.request(units, length)
         results[name] = replay.result()
         seconds[name] = round(time.perf_counter() - t0, 2)
     tier_config = None
@@ -410,7 +412,8 @@ def replay_all(args) -> dict:
             "page_size": page,
             "chunk_size": args.chunk_size,
             "swa_checkpoint_interval": K,
-            "replay": "trace order, one request at a time, prompts only",
+            "replay": "trace order, one request at a time, through the simulator's worker (the engine's scheduler), "
+            "each prompt and one output token",
         },
         "hit_token_rate": rate,
         "ratios": ratios,
@@ -527,7 +530,7 @@ def replay_fleet(workers: list[Replay], policy, store, reqs, stamps, unit: int, 
         policy.observe(view, pick)
         wk = workers[int(pick)]
         before = wk.hit_tokens
-        wk.request(units, length, unit)
+        wk.request(units, length)
         load.add(int(pick), length - (wk.hit_tokens - before))
         store.flush()  # the replay is one request at a time: its pages are stored before the next one
 
@@ -584,9 +587,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
     def replay(name, store=None, k=K, **over) -> Replay:
         """One tiered worker: the L1 pools of the swa_aware replay, `base` with `over` changed."""
         tiers = {**base, **over, "store": store}
-        return Replay(
-            name, l1.full_pool.size, l1.swa_pool.size, w, p, c, args.evict_fraction, tiers=tiers, checkpoint_units=k
-        )
+        return Replay(name, l1.full_pool.size, l1.swa_pool.size, w, p, c, unit, tiers=tiers, checkpoint_units=k)
 
     def timed(name, fn):
         t0 = time.perf_counter()
@@ -595,7 +596,7 @@ def run_tiers(args, reqs, stamps, results, seconds, l1: Replay, unit, w, c, p, f
 
     def single(r: Replay):
         for units, length in reqs:
-            r.request(units, length, unit)
+            r.request(units, length)
         return combine(r.name, [r], unit)
 
     results["l1"] = combine("l1", [l1], unit)  # the swa_aware replay: device pools only
@@ -714,7 +715,8 @@ def add_arguments(p) -> None:
         "--evict-fraction",
         type=float,
         default=0.01,
-        help="evict at least this fraction of a pool at a time (default: 0.01)",
+        help="--tiers: the host tier evicts at least this fraction of its pool at a time (the device pools evict as the "
+        "engine's scheduler does: what the next chunk needs) (default: 0.01)",
     )
     p.add_argument(
         "--quick", action="store_true", help="a seconds-long version (CI): the first 1000 requests (300 with --tiers)"
