@@ -137,8 +137,11 @@ class Scheduler:
         return {}
 
     def load_views(self) -> tuple[list[Request], list[Request]]:
-        """(requests not started, requests holding KV) as the routers' load counts them."""
-        return list(self.waiting), list(self.running)
+        """(requests not started, requests holding KV) as the routers' load counts them. A request that has
+        finished is not counted even while it is still in `running`: its KV events are published from inside the
+        step that finishes it, and a router reading the load with them must not see it as still running (it would
+        steer the session's next turn away from the worker that holds its prefix)."""
+        return [r for r in self.waiting if not r.done], [r for r in self.running if not r.done]
 
     # ----------------------------------------------------------------------------------- queue
     def check_fits(self, prompt_len: int) -> None:

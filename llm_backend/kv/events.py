@@ -141,12 +141,28 @@ class KVEventPublisher:
                 self._log.append((self.seq, h, state))
             while len(self._log) > self._max_log:
                 self._log.popleft()
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._lock:
             waiters = list(self._waiters)
         for loop, ev in waiters:
             try:
                 loop.call_soon_threadsafe(ev.set)
             except RuntimeError:  # that loop is closed
                 pass
+
+    def answered(self) -> str:
+        """The position a final answer reports: the log moves one step with no block in it (a load marker), and
+        long polls wake, so the reply that brings a reader to this position carries the load without the request
+        just answered. A router that waits for this position (read-your-writes) thus sees the worker's blocks and
+        its load as they stand after the answer: without the marker a turn's blocks could arrive with the load
+        read while it still ran, and the session's next turn be steered away from its cache by a stale load."""
+        with self._lock:
+            self.seq += 1
+            position = f"{self.epoch}:{self.seq}"
+        self._wake()
+        return position
 
     # ----------------------------------------------------------------------------------- readers
     def position(self) -> str:

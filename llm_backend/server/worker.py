@@ -64,7 +64,7 @@ async def serve_llm(
         model_name=name,
         ticketing=DecodeTicketing(engine.config.pd_prefill) if isinstance(role, DecodeRole) else None,
         engine_alive=thread.is_alive,
-        kv_events_position=events.position,
+        kv_events_position=events.answered,  # each final moves the log a step: its reply carries the load after it
         omni=OmniTokens.from_model(model),
         receiver=receiver,
         # a colocated worker only: a P/D role's prompt KV comes from elsewhere

@@ -391,6 +391,7 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         if not self.degraded:
             try:
                 await self.sync.wait([w.id for w in workers])  # the index has what they answered, or the wait ended
+                self._take_synced_loads(workers)
                 states = await self.state.lookup(hashes, [w.id for w in workers])
             except StateUnavailable as e:
                 self._degrade(e)
@@ -428,6 +429,14 @@ class LLMRouter(generator_pb2_grpc.GeneratorServicer):
         self.stats["pd_remote"] += 1
         self.metrics.pd_paths.labels("remote").inc()
         return choices[0].address
+
+    def _take_synced_loads(self, workers) -> None:
+        """The loads read with the positions the index sync waited on (another router's feeds wrote them), where
+        newer than this router's view: the load after the answers it waited for, not a registry read's."""
+        for w in workers:
+            load = self.sync.loads.pop(w.id, None)
+            if load is not None and load["updated"] > w.load_at:
+                w.set_load({k: load[k] for k in LOAD_FIELDS}, load["updated"])
 
     def _queued(self, wid: str) -> int:
         w = self.workers[wid]

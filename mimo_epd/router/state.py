@@ -39,6 +39,22 @@ from .records import LOAD_FIELDS, BadRecord, BadRecords, kv_state, member
 __all__ = ["LOAD_FIELDS", "MemoryState", "RedisState", "StateUnavailable", "open_state"]
 
 log = logging.getLogger(__name__)
+
+PROGRESS_LOAD = (*LOAD_FIELDS, "updated")  # what a feed writes with each position: the load and its wall time
+
+
+def _progress(epoch, seq, load: list) -> tuple[str, dict]:
+    """("EPOCH:SEQ" or "", the load fields as integers and `updated` as seconds; {} when there is no load)."""
+    if not epoch or not seq:
+        return "", {}
+    try:
+        fields = {k: int(v) for k, v in zip(LOAD_FIELDS, load)}
+        fields["updated"] = float(load[-1])
+    except (TypeError, ValueError):  # a record without (or with a bad) load: the position alone
+        fields = {}
+    return f"{epoch}:{seq}", fields
+
+
 # Seconds a Redis client's close may take before it is abandoned.
 CLOSE_S = 5.0
 
@@ -74,8 +90,12 @@ class MemoryState:
         return {}
 
     async def position(self, member_id: str) -> str:
+        return (await self.progress(member_id))[0]
+
+    async def progress(self, member_id: str) -> tuple[str, dict]:
+        """Where the worker's index stands ("EPOCH:SEQ", "" = nowhere) and the load its feed wrote with it."""
         f = self._members.get(member_id, (0, {}))[1]
-        return f"{f.get('epoch', '')}:{f.get('kv_seq', '')}" if f.get("kv_seq") else ""
+        return _progress(f.get("epoch"), f.get("kv_seq"), [f.get(k) for k in PROGRESS_LOAD])
 
     async def lookup(self, hashes, workers) -> dict[str, list[int]]:
         return self.index.states(hashes, workers)
@@ -181,8 +201,13 @@ class RedisState:
         return {m: v.decode(errors="replace") for m, v in zip(ids, vals) if v}
 
     async def position(self, member_id: str) -> str:
-        epoch, seq = await self._run(self.r.hmget(self._member(member_id), ["epoch", "kv_seq"]))
-        return f"{epoch.decode(errors='replace')}:{seq.decode(errors='replace')}" if epoch and seq else ""
+        return (await self.progress(member_id))[0]
+
+    async def progress(self, member_id: str) -> tuple[str, dict]:
+        """Where the worker's index stands and the load its feed wrote with it, in one read (one HMGET)."""
+        epoch, seq, *load = await self._run(self.r.hmget(self._member(member_id), ["epoch", "kv_seq", *PROGRESS_LOAD]))
+        dec = [v.decode(errors="replace") if isinstance(v, bytes) else v for v in (epoch, seq, *load)]
+        return _progress(dec[0], dec[1], dec[2:])
 
     def _register(self, pipe, member_id: str, fields: dict, ms: int) -> None:
         key = self._member(member_id)

@@ -17,7 +17,10 @@ expectations too (`state.answered` writes a worker's latest answered position, `
 them in one MGET per pick), so a session whose turns alternate between routers is routed on its previous turn
 by either. Where the index stands: the router's
 own feed (`WorkerFeed.epoch/seq`) when it runs one, else the member record the relay writes (`epoch`, `kv_seq`;
-`state.position`). A worker that made a pick time out is not waited for again until its feed has caught up once
+`state.progress`, which also returns the load written with that position: `loads`, for the router to use instead
+of its older view of that worker's load). A worker's position moves one step at each final answer (the
+worker's load marker, llm_backend/kv/events.py), so the load read with a position that met an answer's
+expectation no longer counts the request answered. A worker that made a pick time out is not waited for again until its feed has caught up once
 (a stalled feed costs one wait, not one per request). Invariants: an expectation is only ever dropped when met or
 timed out; a newer one replaces an older one of the same worker; no wait exceeds `--index-sync-ms`.
 """
@@ -45,6 +48,9 @@ class IndexSync:
         self.wants: dict[str, tuple[str, int]] = {}  # worker -> (epoch, seq) its last answer reported
         self.lagging: set[str] = set()  # timed out: not waited for until met once
         self.met: dict[str, tuple[str, int]] = {}  # worker -> the last expectation met (a shared one is not re-read)
+        # worker -> the load another router's feed wrote with the position read here ({load fields, "updated"}):
+        # newer than this router's own view, which a registry read refreshes only every so often
+        self.loads: dict[str, dict] = {}
         self.stats = {"waits": 0, "wait_seconds": 0.0, "timeouts": 0}
 
     def expect(self, worker: str, position: str) -> None:
@@ -59,13 +65,14 @@ class IndexSync:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def shared(self, timeout_s: float = 0.05) -> None:
-        """Until the answered positions being written have landed in the shared state (at most `timeout_s`): called
+    async def shared(self, timeout_s: float | None = None) -> None:
+        """Until the answered positions being written have landed in the shared state (at most `timeout_s`, by
+        default --index-sync-ms: a write that slow on a loaded machine must still land first): called
         before a final answer goes to the client, so another router that gets the client's next turn the moment
         the answer arrives already sees what to wait for (without it a session alternating between routers could be
         routed on an index without its previous turn: a CI flake)."""
         if self._writes:
-            await asyncio.wait(list(self._writes), timeout=timeout_s)
+            await asyncio.wait(list(self._writes), timeout=self.wait_s if timeout_s is None else timeout_s)
 
     def _want(self, worker: str, want: tuple[str, int]) -> None:
         done = self.met.get(worker)
@@ -85,7 +92,10 @@ class IndexSync:
         feed = self.feeds.get(worker)
         if feed is not None and feed.ok:
             return feed.epoch, feed.seq
-        return parse_position(await self.state.position(worker))
+        position, load = await self.state.progress(worker)
+        if load:
+            self.loads[worker] = load
+        return parse_position(position)
 
     async def _met(self, worker: str) -> bool:
         want = self.wants.get(worker)

@@ -169,3 +169,26 @@ async def test_a_feed_that_stalls_past_its_ttl_rewrites_the_whole_index():
     finally:
         await feed.stop()
         await server.stop(0)
+
+
+async def test_an_answer_moves_the_log_a_step_and_wakes_a_long_poll_with_the_load_after_it():
+    """`answered()`: the position a final answer reports is one past the blocks it cached, and a long poll waiting
+    there returns at once (no block changed) with the load read then: the reply that brings a router to the
+    answer's position never carries a load counting the answered request."""
+    import asyncio
+
+    cache = SWARadixCache(SlotPool("full", 200), SlotPool("swa", 200), 4)
+    pub = KVEventPublisher(cache, 4)
+    running = [{"running_tokens": 40, "running": 1}]
+    pub.load_fn = lambda: {"queued_tokens": 0, "waiting": 0, **running[-1]}
+    run_request(cache, list(range(1, 41)), random.Random(0))
+    _, seq, _, _ = pub.changes_since("", 0)
+    poll = asyncio.ensure_future(pub.wait_for_change(seq, 30.0))
+    await asyncio.sleep(0.05)
+    assert not poll.done()  # nothing changed: the poll waits
+    running.append({"running_tokens": 0, "running": 0})  # the engine finished the request
+    position = pub.answered()
+    await asyncio.wait_for(poll, 2.0)  # woken by the answer, not by its 30-s limit
+    reset, seq2, hashes, _ = pub.changes_since(pub.epoch, seq)
+    assert position == f"{pub.epoch}:{seq + 1}" and seq2 == seq + 1 and not reset and hashes == []
+    assert pub.load()["running_tokens"] == 0

@@ -39,10 +39,16 @@ async def exercise(state) -> None:
     assert await state.position("w3") == "e9:2" and await state.position("nobody") == ""
     assert await state.apply("w3", False, [8], [STORED], {"kv_seq": 3}, 0.3)  # live: continued
     assert await state.position("w3") == "e9:3"
+    assert await state.progress("w3") == ("e9:3", {})  # no load written with it: the position alone
+    load = {"queued_tokens": 5, "running_tokens": 9, "waiting": 1, "running": 2, "updated": "12.5"}
+    assert await state.apply("w3", False, [], [], {"kv_seq": 4, **load}, 0.3)
+    want = {"queued_tokens": 5, "running_tokens": 9, "waiting": 1, "running": 2, "updated": 12.5}
+    assert await state.progress("w3") == ("e9:4", want)  # the load the feed wrote with that position, one read
+    assert await state.progress("nobody") == ("", {})
     await asyncio.sleep(0.5)
     assert "w3" not in await state.members("llm")  # expired (and its index with it)
-    assert not await state.apply("w3", False, [9], [USABLE], {**w3, "kv_seq": 4}, 5)  # a delta on nothing
-    assert await state.apply("w3", True, [7, 9], [USABLE, USABLE], {**w3, "kv_seq": 4}, 5)  # the snapshot is taken
+    assert not await state.apply("w3", False, [9], [USABLE], {**w3, "kv_seq": 5}, 5)  # a delta on nothing
+    assert await state.apply("w3", True, [7, 9], [USABLE, USABLE], {**w3, "kv_seq": 5}, 5)  # the snapshot is taken
     assert (await state.lookup([7], ["w3"]))["w3"] == [USABLE]
     await state.unregister("w3")
 
