@@ -156,7 +156,10 @@ class LLMConfig:
     release_interval: int = flag(16, "decode steps between releases of SWA slots that left the window", _KV)
     # --- KV tiers (docs/kv-tiers.md) ------------------------------------------------------------
     host_kv_bytes: int = flag(
-        0, "host KV tier, bytes (0 = off): device-evicted pages are kept there and stay matchable", _KV
+        0,
+        "host KV tier, bytes (0 = off): device-evicted pages are kept there and stay matchable; at TP > 1 the "
+        "replica's total, each rank holding its heads' share",
+        _KV,
     )
     host_kv_policy: str = flag("lru", "host tier eviction: lru or fifo", _KV, choices=("lru", "fifo"))
     host_kv_write: str = flag(
@@ -373,7 +376,7 @@ class LLMConfig:
             return
         # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
         for on, what in (
-            (self.host_kv_bytes > 0 or bool(self.kv_store), "the KV tiers (--host-kv-bytes, --kv-store)"),
+            (bool(self.kv_store), "the shared KV store (--kv-store; the host tier, --host-kv-bytes, is split)"),
             (self.role != "both", f"--role {self.role}"),
         ):
             if on:

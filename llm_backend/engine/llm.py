@@ -23,6 +23,7 @@ from ..kv.tiers import TieredRadixCache
 from ..models import load_llm, model_config
 from ..paged_attention import KVPools
 from ..parallel.comm import SINGLE_RANK
+from ..parallel.mirror import MirroredTier
 from ..parallel.replica import Replica, ReplicaDown, spec_from_config
 from ..parallel.shard import Shard
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -85,8 +86,8 @@ class LLM:
         self.full_pool, self.swa_pool, self.cache = kv.full_pool, kv.swa_pool, kv.cache
         # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
         self.tiers: TieredRadixCache | None = kv.cache if isinstance(kv.cache, TieredRadixCache) else None
-        if self.tiers is not None:
-            self.tiers.attach(self.pools)
+        if self.tiers is not None:  # at TP > 1 every rank keeps its own heads' host rows (parallel/mirror.py)
+            self.tiers.attach(self.pools, MirroredTier(self.replica) if self.replica is not None else None)
         try:
             self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:
@@ -172,7 +173,8 @@ class LLM:
         from ..kv.tiers import open_store
         from ..kv.tiers.host import token_bytes
 
-        full_b, swa_b = token_bytes(self.pools)
+        full_b, swa_b = token_bytes(self.pools)  # this rank's heads: at TP > 1 each rank holds 1/N of the bytes
+        host_bytes = cfg.host_kv_bytes / cfg.tensor_parallel_size  # --host-kv-bytes is the replica's, all ranks
         dev_full, dev_swa = full_size * full_b, cfg.swa_cache_tokens * swa_b
         full_share = dev_full / max(dev_full + dev_swa, 1)
         store = None
@@ -190,8 +192,8 @@ class LLM:
             )
         return replace(
             layout,
-            host_full_tokens=int(cfg.host_kv_bytes * full_share) // max(full_b, 1),
-            host_swa_tokens=int(cfg.host_kv_bytes * (1 - full_share)) // max(swa_b, 1),
+            host_full_tokens=int(host_bytes * full_share) // max(full_b, 1),
+            host_swa_tokens=int(host_bytes * (1 - full_share)) // max(swa_b, 1),
             policy=cfg.host_kv_policy,
             write_through=cfg.host_kv_write == "through",
             swa_backfill=cfg.swa_backfill,

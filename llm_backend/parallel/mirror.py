@@ -19,6 +19,8 @@ from ..paged_attention import LayerOffset, PagedBatch
 
 # The methods sent to the other ranks, and whether their last argument is a batch over the KV pools.
 CALLS = {"forward_batch": True, "hidden_states": True, "mtp_step": True, "logits": False, "embed": False}
+# The host KV tier's copies, made by every rank on its own heads (`MirroredTier`; rank.py `RankTier`).
+TIER_CALLS = ("tier_attach", "tier_d2h", "tier_load")
 
 
 class ModelCall(NamedTuple):
@@ -109,3 +111,23 @@ class MirroredModel:
 
     def embed(self, ids):
         return self._call("embed", ids)
+
+
+class MirroredTier:
+    """The host KV tier's `TierPeers` (kv/tiers/cache.py) on rank 0: each copy the tier makes on rank 0's pools is
+    sent to the other ranks first, which make it on theirs (rank.py `RankTier`). Slots are rank 0's, as for the
+    forwards; the calls share the forwards' ordered channel, so a rank's host rows are written before a forward
+    that reads them and a write-back happens before the slots are reused. A failed send takes the replica down."""
+
+    def __init__(self, replica):
+        self.replica = replica
+
+    def attach(self, host_full_slots: int, host_swa_slots: int) -> None:
+        self.replica.send(ModelCall("tier_attach", (host_full_slots, host_swa_slots)))
+
+    def copy_d2h(self, sliding: bool, dev_idx: list[int], host_idx: list[int]) -> None:
+        self.replica.send(ModelCall("tier_d2h", (sliding, dev_idx, host_idx)))
+
+    def load(self, host: dict) -> None:
+        if any(src for src, _ in host.values()):
+            self.replica.send(ModelCall("tier_load", ({k: (list(s), list(d)) for k, (s, d) in host.items()},)))

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .comm import Parallel
-from .mirror import CALLS, rebuild
+from .mirror import CALLS, TIER_CALLS, rebuild
 from .replica import RankSpec, join_groups, set_threads
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def rank_main(spec: RankSpec, rank: int) -> None:
         log.exception("rank %d could not start", rank)
         sys.exit(1)
     device = torch.device(spec.device_of(rank))
+    tier: RankTier | None = None
     while True:
         try:
             box: list = [None]
@@ -56,6 +57,10 @@ def rank_main(spec: RankSpec, rank: int) -> None:
             call = box[0]
             if call is None:
                 break
+            if call.method in TIER_CALLS:
+                tier = tier or RankTier(pools)
+                getattr(tier, call.method)(*call.args)
+                continue
             if call.method not in CALLS:
                 raise RuntimeError(f"rank 0 sent an unknown call {call.method!r}")
             getattr(model, call.method)(*rebuild(call, pools, device))
@@ -63,3 +68,32 @@ def rank_main(spec: RankSpec, rank: int) -> None:
             log.exception("rank %d: the replica failed (rank 0 gone, a peer gone or a forward failed)", rank)
             sys.exit(1)
     dist.destroy_process_group()
+
+
+class RankTier:
+    """A rank's host KV tier: host rows for its own heads, written and read as rank 0's tier says (mirror.py
+    `MirroredTier`). It keeps no bookkeeping: the slots are rank 0's."""
+
+    def __init__(self, pools):
+        self.pools = pools
+        self.host = None
+
+    def tier_attach(self, host_full_slots: int, host_swa_slots: int) -> None:
+        from ..kv.tiers.host import HostKV
+
+        self.host = HostKV(self.pools, host_full_slots, host_swa_slots)
+
+    def tier_d2h(self, sliding: bool, dev_idx: list[int], host_idx: list[int]) -> None:
+        from ..kv.tiers.host import copy_to_host
+
+        copy_to_host(self.pools, self._host(), dev_idx, host_idx, sliding)
+
+    def tier_load(self, host: dict) -> None:
+        from ..kv.tiers.loader import LoadPlan, PendingLoads
+
+        LoadPlan(PendingLoads(host=host), self.pools, self._host()).apply_all()
+
+    def _host(self):
+        if self.host is None:
+            raise RuntimeError("rank 0 sent a host KV copy before the host tier was attached")
+        return self.host

@@ -79,7 +79,7 @@ def test_kv_heads_neither_multiple_nor_divisor_are_refused():
 @pytest.mark.parametrize(
     "option, says",
     [
-        (dict(host_kv_bytes=1 << 20), "KV tiers"),
+        (dict(kv_store="redis://127.0.0.1:1/0"), "shared KV store"),
         (dict(role="prefill"), "--role prefill"),
     ],
 )
@@ -213,6 +213,39 @@ def test_tp2_with_mtp_speculation_grammar_and_seeded_sampling_equals_one_rank(on
         got, ref = llm.stats(), ref_spec.stats()
         assert got["spec_accepted_tokens"] > 0
         assert got["spec_acceptance_by_position"] == ref["spec_acceptance_by_position"]
+    finally:
+        llm.close()
+
+
+def test_tp2_with_the_host_kv_tier_under_heavy_eviction_equals_one_rank():
+    """The host tier at TP 2: each rank writes its own heads' KV back to its host rows and loads it again, on rank
+    0's slots (parallel/mirror.py MirroredTier). Under heavy eviction of tiny pools, hits that end in the host tier
+    give the tokens of one rank with the same tier and of one rank with no cache at all."""
+    import random
+
+    rng = random.Random(0)
+    systems = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    prompts = [systems[i % 4] + [rng.randrange(3, 250) for _ in range(rng.randrange(3, 20))] for i in range(12)]
+    sp = SamplingParams(max_tokens=5, temperature=0)
+    opts = dict(
+        kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4, max_running=2
+    )
+    opts["torch_threads"] = 1
+
+    def pairs(llm):
+        return [out for i in range(0, len(prompts), 2) for out in run(llm, prompts[i : i + 2], sp)]
+
+    cold = pairs(LLM("tiny", prefix_cache=False, **opts))
+    one = LLM("tiny", host_kv_bytes=4 << 20, **opts)
+    assert pairs(one) == cold
+    llm = LLM("tiny", tensor_parallel_size=2, host_kv_bytes=4 << 20, **opts)
+    try:
+        t = llm.tiers  # the flag is the replica's: each of the 2 ranks holds half of it for its heads
+        per_rank = t.host_full.size * t.full_b + t.host_swa.size * t.swa_b
+        assert 0.95 * (2 << 20) <= per_rank <= 2 << 20
+        assert pairs(llm) == cold
+        s = llm.stats()
+        assert s["kv_tier_hit_host"] > 0 and s["kv_tier_pages_d2h"] > 0 and s["kv_load_loads"] > 0
     finally:
         llm.close()
 

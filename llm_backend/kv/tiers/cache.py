@@ -37,18 +37,33 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from typing import Protocol
 
 import torch
 
 from ..events import block_hashes
 from ..pools import SlotPool
 from ..swa_radix_cache import Match, Node, SWARadixCache
-from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, token_bytes
+from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, copy_to_host, token_bytes
 from .loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
 from .store import PageData
 
 # The host tier's eviction watermark: a fraction of its pool freed at a time (LRU scans amortised).
 DEFAULT_EVICT_FRACTION = 1 / 64
+
+
+class TierPeers(Protocol):
+    """The other ranks of a model-parallel replica (llm_backend/parallel/mirror.py `MirroredTier`). Each holds its
+    own heads' KV in pools with the same slots as this rank's, so every copy the host tier makes here is made
+    there too, in the same order, on the same slots: `attach` (allocate host rows), `copy_d2h` (a write-back),
+    `load` (host -> device copies, before the forward that reads them). The shared store is not split by rank and
+    is refused with peers."""
+
+    def attach(self, host_full_slots: int, host_swa_slots: int) -> None: ...
+
+    def copy_d2h(self, sliding: bool, dev_idx: list[int], host_idx: list[int]) -> None: ...
+
+    def load(self, host: dict) -> None: ...
 
 
 class TieredRadixCache(SWARadixCache):
@@ -88,12 +103,16 @@ class TieredRadixCache(SWARadixCache):
         self.pending = PendingLoads()
         self.device = None  # KVPools (data mode)
         self.data: HostKV | None = None
+        self.peers: TierPeers | None = None  # the other ranks of a model-parallel replica
         self._host_clock = itertools.count(1)
 
     # ----------------------------------------------------------------------------------- data mode
-    def attach(self, pools) -> None:
-        """Data mode: `pools` are the device KV tensors; host tensors are allocated to match."""
-        self.device = pools
+    def attach(self, pools, peers: TierPeers | None = None) -> None:
+        """Data mode: `pools` are the device KV tensors; host tensors are allocated to match. `peers`: the other
+        ranks of a model-parallel replica, which make every host-tier copy on their own heads (`TierPeers`)."""
+        if peers is not None and self.store is not None:
+            raise ValueError("the shared KV store (--kv-store) is not split by rank: not supported at TP > 1 yet")
+        self.device, self.peers = pools, peers
         self.full_b, self.swa_b = token_bytes(pools)
         self.data = HostKV(
             pools, self.host_full.size if self.host_full else 0, self.host_swa.size if self.host_swa else 0
@@ -105,13 +124,19 @@ class TieredRadixCache(SWARadixCache):
                 n = self.W if part == "swa" else self.P
                 expect[(part, layer)] = ([n, *k.shape[1:]], [n, *pools.v[layer].shape[1:]])
             self.store.bind(expect, next(iter(pools.k.values())).dtype)
+        if peers is not None:
+            peers.attach(self.host_full.size if self.host_full else 0, self.host_swa.size if self.host_swa else 0)
 
     def start_load(self) -> LayerwiseLoad | None:
-        """The runner's hook: the queued copies of this forward, started layer by layer."""
+        """The runner's hook: the queued copies of this forward, started layer by layer (the peers make theirs
+        before the forward reaches them)."""
         if not self.pending or self.device is None:
             self.pending.take()
             return None
-        return LayerwiseLoad(LoadPlan(self.pending.take(), self.device, self.data), self.load_stats)
+        plan = self.pending.take()
+        if self.peers is not None:
+            self.peers.load(plan.host)
+        return LayerwiseLoad(LoadPlan(plan, self.device, self.data), self.load_stats)
 
     def flush(self) -> None:
         """Runs queued copies now: before a tier reads device slots or frees host slots a copy may still use."""
@@ -119,29 +144,17 @@ class TieredRadixCache(SWARadixCache):
             return
         plan = self.pending.take()
         if self.device is not None:
+            if self.peers is not None:
+                self.peers.load(plan.host)
             LoadPlan(plan, self.device, self.data).apply_all()
             self.load_stats.flushes += 1
 
-    def _copy(self, src: dict, src_idx: list[int], dst: dict, dst_idx: list[int], sliding: bool) -> int:
-        """Copies the given layers' KV rows (device <-> host); returns bytes moved."""
-        if self.device is None or not src_idx:
-            return 0
-        moved = 0
-        for layer in self.device.k:
-            if self.device.sliding[layer] != sliding:
-                continue
-            for s, d in ((src[0], dst[0]), (src[1], dst[1])):
-                rows = s[layer][torch.tensor(src_idx, device=s[layer].device)]
-                d[layer][torch.tensor(dst_idx, device=d[layer].device)] = rows.to(d[layer].device)
-                moved += rows.numel() * rows.element_size()
-        return moved
-
     def _d2h(self, dev_idx, host_idx, sliding) -> int:
-        return (
-            self._copy((self.device.k, self.device.v), dev_idx, (self.data.k, self.data.v), host_idx, sliding)
-            if self.device is not None
-            else len(dev_idx) * (self.swa_b if sliding else self.full_b)
-        )
+        if self.device is None:
+            return len(dev_idx) * (self.swa_b if sliding else self.full_b)
+        if self.peers is not None and dev_idx:
+            self.peers.copy_d2h(sliding, list(dev_idx), list(host_idx))
+        return copy_to_host(self.device, self.data, dev_idx, host_idx, sliding)
 
     def _slots(self, pages: list[int]) -> list[int]:
         return [p * self.P + o for p in pages for o in range(self.P)]

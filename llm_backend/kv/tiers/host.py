@@ -37,6 +37,23 @@ class HostKV:
         self.sliding = like.sliding
 
 
+def copy_to_host(pools, host: HostKV, dev_idx: list[int], host_idx: list[int], sliding: bool) -> int:
+    """Copies the device rows `dev_idx` of every full (or every sliding) layer of `pools` into the host rows
+    `host_idx`; returns the bytes moved. The one device -> host copy: the tiered cache's, and each model-parallel
+    rank's on its own heads (llm_backend/parallel/rank.py)."""
+    if not dev_idx:
+        return 0
+    moved = 0
+    for layer in pools.k:
+        if pools.sliding[layer] != sliding:
+            continue
+        for src, dst in ((pools.k, host.k), (pools.v, host.v)):
+            rows = src[layer][torch.tensor(dev_idx, device=src[layer].device)]
+            dst[layer][torch.tensor(host_idx, device=dst[layer].device)] = rows.to(dst[layer].device)
+            moved += rows.numel() * rows.element_size()
+    return moved
+
+
 def token_bytes(pools) -> tuple[int, int]:
     """KV bytes per token of the full layers and of the sliding layers of `pools` (a KVPools)."""
     full = swa = 0
