@@ -35,8 +35,8 @@ from llm_backend.engine.interfaces import Ticket
 from llm_backend.engine.request import Request
 from llm_backend.engine.scheduler import Scheduler, Segment, SegmentResult
 
+from ..kv.transfer import KVTransferEngine, PoolLayout, TransferError
 from .rule import TransferRule
-from .transfer import KVTransferEngine, PoolLayout, TransferError
 
 log = logging.getLogger(__name__)
 

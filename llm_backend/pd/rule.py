@@ -17,8 +17,9 @@ first turn (`decode_prefix` 0) with page 1 moves `L * full_bytes + min(L, W + 1)
 
 Invariants: `0 <= decode_prefix < L` (the last prompt token is always computed by prefill, it gives the first
 token); the two ranges end at L; the SWA range lies inside the full range. Slot lists are index-aligned with
-their ranges. `runs` turns (source slot, destination slot) pairs into maximal runs that are contiguous on both
-sides, so one transfer request moves a whole run of rows (a page, or a whole prompt in a fresh pool).
+their ranges. The transfer (kv/transfer.py `runs`) merges (source slot, destination slot) pairs into maximal runs
+contiguous on both sides, so one transfer request moves a whole run of rows (a page, or a whole prompt in a fresh
+pool).
 """
 
 from __future__ import annotations
@@ -74,16 +75,3 @@ class TransferRule:
         """The part of positions [start, end) that the `which` ("full" or "swa") range wants."""
         a, b = self.full_range if which == "full" else self.swa_range
         return max(a, start), min(b, end)
-
-
-def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal (src_start, dst_start, count) runs of pairs contiguous on both sides, in order."""
-    if len(src) != len(dst):
-        raise ValueError(f"{len(src)} source slots for {len(dst)} destination slots")
-    out: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((s, d, 1))
-    return out

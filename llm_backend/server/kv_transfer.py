@@ -24,10 +24,10 @@ import grpc
 from llm_backend.agentic.grammar import ConstraintSpec, Grammar
 from llm_backend.engine import OverloadedError, SamplingParams
 from llm_backend.engine.request import Request
+from llm_backend.kv.transfer import KVTransferEngine, LayerAddr, PoolLayout
 from llm_backend.pd.decode import DecodeRoom, PDTicket
 from llm_backend.pd.prefill import PrefillCounters, Room
 from llm_backend.pd.rule import TransferRule
-from llm_backend.pd.transfer import KVTransferEngine, LayerAddr, PoolLayout
 from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
 

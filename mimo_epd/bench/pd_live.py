@@ -99,9 +99,9 @@ def _summary(runs) -> dict:
 def _bytes_rule(model, runs, speculative: bool) -> tuple[list[int], list[int], list[float]]:
     """(measured bytes, the rule's bytes, transfer share of TTFT) per request of a disaggregated run; the rule over
     the pools of the run (with the MTP layers' when it speculated)."""
+    from llm_backend.kv.transfer import PoolLayout
     from llm_backend.paged_attention import KVPools
     from llm_backend.pd.rule import TransferRule
-    from llm_backend.pd.transfer import PoolLayout
 
     cfg = model.config
     pools = KVPools(cfg, 1, 1)

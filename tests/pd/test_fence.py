@@ -10,9 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from llm_backend.kv.transfer import TransferError
 from llm_backend.pd.prefill import Room
 from llm_backend.pd.rule import TransferRule
-from llm_backend.pd.transfer import TransferError
 
 
 class BlockingEngine:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from llm_backend.kv.transfer import PoolLayout
 from llm_backend.models import TINY_LLM_CONFIG
 from llm_backend.paged_attention import KVPools
-from llm_backend.pd.transfer import PoolLayout
 from mimo_epd.testing.servers import scrape
 from mimo_epd.v1 import encoder_pb2, generator_pb2, generator_pb2_grpc
 from tests.conftest import encode_image, start_server, textured

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from llm_backend.kv.transfer import PoolLayout
 from llm_backend.models import load_llm
 from llm_backend.paged_attention import KVPools
-from llm_backend.pd.transfer import PoolLayout
 from llm_backend.tokenizer import load_tokenizer
 from mimo_epd.testing.servers import scrape
 from tests.conftest import start_server

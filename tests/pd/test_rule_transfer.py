@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from llm_backend.kv.transfer import KVTransferEngine, PoolLayout, TransferError, runs
 from llm_backend.models import TINY_LLM_CONFIG
 from llm_backend.paged_attention import KVPools
-from llm_backend.pd.rule import TransferRule, runs
-from llm_backend.pd.transfer import KVTransferEngine, PoolLayout, TransferError
+from llm_backend.pd.rule import TransferRule
 
 
 def test_rule_ranges_and_bytes():

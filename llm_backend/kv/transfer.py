@@ -7,7 +7,7 @@ described to a peer by its `PoolLayout`: per layer the base addresses of the key
 one slot's row (a pool tensor is [slots, heads, dim], contiguous, so slot s of layer i lives at base + s * row).
 
 `write` moves the rows of (source slot -> destination slot) pairs of the full layers and of the sliding layers
-from this worker's pools into a peer's: pairs are merged into runs contiguous on both sides (`rule.runs`) and
+from this worker's pools into a peer's: pairs are merged into runs contiguous on both sides (`runs`) and
 every (layer, key/value, run) becomes one entry of one `batch_transfer_sync_write`, so a prefill chunk is one
 call. A failed write (the peer is gone, an address outside what it registered) raises `TransferError`; nothing
 here retries: the roles decide (docs/pd.md, failure rules).
@@ -21,9 +21,20 @@ from dataclasses import dataclass
 
 from mimo_epd.common.transfer_buffer import engine_class, reachable_host
 
-from .rule import runs
-
 log = logging.getLogger(__name__)
+
+
+def runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal (src_start, dst_start, count) runs of pairs contiguous on both sides, in order."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source slots for {len(dst)} destination slots")
+    out: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((s, d, 1))
+    return out
 
 
 class TransferError(RuntimeError):
