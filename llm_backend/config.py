@@ -375,12 +375,11 @@ class LLMConfig:
         if n == 1:
             return
         # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
-        for on, what in (
-            (bool(self.kv_store), "the shared KV store (--kv-store; the host tier, --host-kv-bytes, is split)"),
-            (self.role != "both", f"--role {self.role}"),
-        ):
-            if on:
-                raise ValueError(f"--tensor-parallel-size {n} with {what}: not supported yet (docs/parallel.md)")
+        if self.kv_store:
+            raise ValueError(
+                f"--tensor-parallel-size {n} with the shared KV store (--kv-store; the host tier, --host-kv-bytes, "
+                "is split): not supported yet (docs/parallel.md)"
+            )
 
     def torch_dtype(self):
         import torch

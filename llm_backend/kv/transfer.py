@@ -154,6 +154,23 @@ class KVTransferEngine:
             self.writes += 1
         return n
 
+    @property
+    def ranks(self) -> tuple[tuple[str, PoolLayout], ...]:
+        """(session, layout) of each rank's pools: one rank here (parallel/mirror.py `MirroredTransfer` has N)."""
+        return ((self.session, self.layout),)
+
+    def write_ranks(
+        self,
+        targets: tuple[tuple[str, PoolLayout], ...],
+        full: tuple[list[int], list[int]],
+        swa: tuple[list[int], list[int]],
+    ) -> int:
+        """`write` into a peer given rank by rank (one rank here: the peer must have one too)."""
+        if len(targets) != 1:
+            raise TransferError(f"the peer has {len(targets)} ranks, this worker 1")
+        session, peer = targets[0]
+        return self.write(session, peer, full, swa)
+
     def close(self) -> None:
         for ptr in self._registered:
             self.engine.unregister_memory(ptr)

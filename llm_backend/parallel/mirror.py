@@ -21,6 +21,8 @@ from ..paged_attention import LayerOffset, PagedBatch
 CALLS = {"forward_batch": True, "hidden_states": True, "mtp_step": True, "logits": False, "embed": False}
 # The host KV tier's copies, made by every rank on its own heads (`MirroredTier`; rank.py `RankTier`).
 TIER_CALLS = ("tier_attach", "tier_d2h", "tier_load")
+# P/D's KV transfer, each rank writing its own heads (`MirroredTransfer`; rank.py `RankTransfer`); both answer.
+PD_CALLS = ("pd_attach", "pd_write")
 
 
 class ModelCall(NamedTuple):
@@ -131,3 +133,48 @@ class MirroredTier:
     def load(self, host: dict) -> None:
         if any(src for src, _ in host.values()):
             self.replica.send(ModelCall("tier_load", ({k: (list(s), list(d)) for k, (s, d) in host.items()},)))
+
+
+class MirroredTransfer:
+    """P/D's KV transfer on rank 0 of a model-parallel worker (what `KVTransferEngine` is on one rank): every rank
+    runs its own Mooncake transfer engine on its own pools (rank.py `RankTransfer`), so each rank's heads go
+    straight from a prefill rank to the decode rank of the same number, never through rank 0.
+
+    `ranks` are the (session, layout) of every rank, rank 0's first (a decode worker sends them to its prefill
+    worker: pd.proto `RankPools`). `write_ranks(targets, full, swa)` sends the slot pairs to the other ranks, writes
+    rank 0's part, then gathers every rank's bytes or error: the call returns only when no write of any rank is in
+    flight (the room's fencing holds for the whole replica), and one rank's failure fails the whole write
+    (`TransferError` naming the rank). Calls come from the engine thread (writes) or before serving (start-up),
+    like the forwards."""
+
+    def __init__(self, xfer, replica, host: str, protocol: str, device: str):
+        self.xfer, self.replica = xfer, replica
+        self.session, self.layout = xfer.session, xfer.layout
+        replica.send(ModelCall("pd_attach", (host, protocol, device)))
+        got = replica.gather((xfer.session, xfer.layout, ""))
+        errors = [f"rank {r}: {err}" for r, (_, _, err) in enumerate(got) if err]
+        if errors:
+            raise RuntimeError(f"the ranks' KV transfer engines did not start ({'; '.join(errors)})")
+        self.ranks = tuple((session, layout) for session, layout, _ in got)
+
+    def write_ranks(self, targets, full, swa) -> int:
+        from ..kv.transfer import TransferError
+
+        if len(targets) != len(self.ranks):
+            raise TransferError(
+                f"the peer runs at tensor-parallel size {len(targets)}, this worker at {len(self.ranks)}: each rank "
+                "writes its own heads into the peer's rank of the same number, so the sizes must be equal"
+            )
+        self.replica.send(ModelCall("pd_write", (tuple(targets), full, swa)))
+        try:
+            mine: tuple[int, str] = (self.xfer.write(targets[0][0], targets[0][1], full, swa), "")
+        except TransferError as e:
+            mine = (0, str(e))
+        got = self.replica.gather(mine)
+        errors = [f"rank {r}: {err}" for r, (_, err) in enumerate(got) if err]
+        if errors:
+            raise TransferError("; ".join(errors))
+        return sum(n for n, _ in got)
+
+    def close(self) -> None:
+        self.xfer.close()  # the other ranks' engines end with their processes

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .comm import Parallel
-from .mirror import CALLS, TIER_CALLS, rebuild
+from .mirror import CALLS, PD_CALLS, TIER_CALLS, rebuild
 from .replica import RankSpec, join_groups, set_threads
 
 log = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ def rank_main(spec: RankSpec, rank: int) -> None:
         sys.exit(1)
     device = torch.device(spec.device_of(rank))
     tier: RankTier | None = None
+    pd: RankTransfer | None = None
     while True:
         try:
             box: list = [None]
@@ -60,6 +61,10 @@ def rank_main(spec: RankSpec, rank: int) -> None:
             if call.method in TIER_CALLS:
                 tier = tier or RankTier(pools)
                 getattr(tier, call.method)(*call.args)
+                continue
+            if call.method in PD_CALLS:
+                pd = pd or RankTransfer(pools, rank)
+                dist.all_gather_object([None] * spec.size, getattr(pd, call.method)(*call.args), group=control)
                 continue
             if call.method not in CALLS:
                 raise RuntimeError(f"rank 0 sent an unknown call {call.method!r}")
@@ -97,3 +102,33 @@ class RankTier:
         if self.host is None:
             raise RuntimeError("rank 0 sent a host KV copy before the host tier was attached")
         return self.host
+
+
+class RankTransfer:
+    """A rank's side of P/D's KV transfer (mirror.py `MirroredTransfer`): its own Mooncake engine on its own pools.
+    Each call returns its answer for rank 0's gather; a failure is answered, never raised (the gather must
+    happen on every rank, and one failed write is the room's failure, not the replica's)."""
+
+    def __init__(self, pools, rank: int):
+        self.pools, self.rank = pools, rank
+        self.xfer: Any = None  # its KVTransferEngine once attached
+
+    def pd_attach(self, host: str, protocol: str, device: str) -> tuple:
+        from ..kv.transfer import KVTransferEngine
+
+        try:
+            xfer = self.xfer = KVTransferEngine(self.pools, host, protocol, device)
+            return xfer.session, xfer.layout, ""
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, which refuses to start the role
+            return "", None, str(e)
+
+    def pd_write(self, targets, full, swa) -> tuple[int, str]:
+        from ..kv.transfer import TransferError
+
+        if self.xfer is None:
+            return 0, "no transfer engine on this rank"
+        session, peer = targets[self.rank]
+        try:
+            return self.xfer.write(session, peer, full, swa), ""
+        except (TransferError, ValueError) as e:
+            return 0, str(e)

@@ -155,6 +155,20 @@ class Replica:
         except Exception as e:
             self.fail(e)
 
+    def gather(self, mine) -> list:
+        """Every rank's answer to the last call sent (rank 0's is `mine`), in rank order: the other ranks answer
+        calls that report back (mirror.py `MirroredTransfer`) with the same collective on the control group."""
+        import torch.distributed as dist
+
+        if self.down:
+            raise ReplicaDown(self.down)
+        out: list = [None] * self.spec.size
+        try:
+            dist.all_gather_object(out, mine, group=self.control)
+        except Exception as e:
+            self.fail(e)
+        return out
+
     def fail(self, e: BaseException) -> None:
         """Marks the replica down after a failed broadcast or collective and raises `ReplicaDown`."""
         if not self.down:

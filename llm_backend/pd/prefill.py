@@ -29,16 +29,25 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from llm_backend.engine.interfaces import Ticket
 from llm_backend.engine.request import Request
 from llm_backend.engine.scheduler import Scheduler, Segment, SegmentResult
 
-from ..kv.transfer import KVTransferEngine, PoolLayout, TransferError
+from ..kv.transfer import PoolLayout, TransferError
 from .rule import TransferRule
 
 log = logging.getLogger(__name__)
+
+
+class KVWriter(Protocol):
+    """What writes a room's KV: this worker's `KVTransferEngine` (kv/transfer.py), or on a tensor-parallel worker
+    `MirroredTransfer` (parallel/mirror.py: each rank writes its own heads into the decode rank of its number)."""
+
+    ranks: tuple[tuple[str, PoolLayout], ...]
+
+    def write_ranks(self, targets, full, swa) -> int: ...
 
 
 @dataclass(eq=False)
@@ -46,12 +55,11 @@ class Room(Ticket):
     """One decode worker's request here: where its KV goes, and how much of it was sent."""
 
     name: str
-    session: str
-    peer: PoolLayout
+    targets: tuple[tuple[str, PoolLayout], ...]  # the decode worker's (session, layout) per rank, rank 0 first
     rule: TransferRule
     dst_full: list[int]
     dst_swa: list[int]
-    engine: KVTransferEngine
+    engine: KVWriter
     sent: int = 0  # positions [0, sent) are written (starts at the decode prefix)
     bytes: int = 0
     transfer_s: float = 0.0
@@ -84,9 +92,8 @@ class Room(Ticket):
         if any(s is None for s in src_swa):
             raise TransferError(f"room {self.name}: an SWA slot of the window was released before its write")
         t0 = time.perf_counter()
-        self.bytes += self.engine.write(
-            self.session,
-            self.peer,
+        self.bytes += self.engine.write_ranks(
+            self.targets,
             (kv.full[fa:fb] if fb > fa else [], self.dst_full[fa - d0 : fb - d0] if fb > fa else []),
             (src_swa, self.dst_swa[sa - s0 : sb - s0] if sb > sa else []),
         )

@@ -25,8 +25,9 @@ from llm_backend.agentic.grammar import ConstraintSpec, Grammar
 from llm_backend.engine import OverloadedError, SamplingParams
 from llm_backend.engine.request import Request
 from llm_backend.kv.transfer import KVTransferEngine, LayerAddr, PoolLayout
+from llm_backend.parallel.mirror import MirroredTransfer
 from llm_backend.pd.decode import DecodeRoom, PDTicket
-from llm_backend.pd.prefill import PrefillCounters, Room
+from llm_backend.pd.prefill import KVWriter, PrefillCounters, Room
 from llm_backend.pd.rule import TransferRule
 from mimo_epd.common.auth import client_interceptors
 from mimo_epd.v1 import pd_pb2, pd_pb2_grpc
@@ -47,13 +48,26 @@ RELEASE_RPC_S = 2.0
 RELEASE_RETRY_S = 0.5
 
 
+def transfer_engine(engine, host: str, protocol: str, device: str):
+    """This worker's KV transfer engine on its pools; on a tensor-parallel worker every rank starts its own and
+    rank 0's handle writes through all of them (`MirroredTransfer`). Called before the worker serves."""
+    xfer = KVTransferEngine(engine.pools, host, protocol, device)
+    if engine.replica is None:
+        return xfer
+    try:
+        return MirroredTransfer(xfer, engine.replica, host, protocol, device)
+    except BaseException:
+        xfer.close()
+        raise
+
+
 # ---------------------------------------------------------------------------------------- the prefill side
 def _layout(msg) -> PoolLayout:
     return PoolLayout(tuple(LayerAddr(x.k_ptr, x.v_ptr, x.k_row_bytes, x.v_row_bytes, x.sliding) for x in msg.layers))
 
 
 class PrefillService(pd_pb2_grpc.KVTransferServicer):
-    def __init__(self, core, xfer: KVTransferEngine, counters: PrefillCounters):
+    def __init__(self, core, xfer: KVWriter, counters: PrefillCounters):
         self.core, self.xfer, self.counters = core, xfer, counters
         self.rooms: dict[str, Room] = {}  # open or closing; a room leaves only once closed
         self.tombstones: OrderedDict[str, float] = OrderedDict()  # released before they arrived -> when
@@ -95,8 +109,20 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             raise ServeError(grpc.StatusCode.FAILED_PRECONDITION, f"room {request.room} was released or is open")
         try:
             rule = TransferRule(n, request.decode_prefix, engine.model.config.window, request.page_size or 1)
-            peer = _layout(request)
-            self.xfer.layout.check_peer(peer)
+            targets = ((request.session, _layout(request)),) + tuple(
+                (p.session, _layout(p)) for p in request.rank_pools
+            )
+            if len(targets) != len(self.xfer.ranks):
+                raise ValueError(
+                    f"the decode worker runs at tensor-parallel size {len(targets)}, this prefill worker at "
+                    f"{len(self.xfer.ranks)}: each rank writes its own heads into the decode rank of its number, so "
+                    "the sizes must be equal"
+                )
+            for r, ((_, mine), (_, peer)) in enumerate(zip(self.xfer.ranks, targets)):
+                try:
+                    mine.check_peer(peer)
+                except ValueError as e:
+                    raise ValueError(f"rank {r}: {e}" if len(targets) > 1 else str(e)) from None
         except ValueError as e:
             raise ServeError.invalid(f"room {request.room}: {e}", param="layers") from None
         if len(request.full_slots) != rule.full_tokens or len(request.swa_slots) != rule.swa_tokens:
@@ -107,8 +133,7 @@ class PrefillService(pd_pb2_grpc.KVTransferServicer):
             )
         return Room(
             request.room,
-            request.session,
-            peer,
+            targets,
             rule,
             list(request.full_slots),
             list(request.swa_slots),
@@ -233,7 +258,7 @@ def attach_prefill(
     engine, core, server, host: str, counters: PrefillCounters, protocol: str = "tcp", device: str = ""
 ) -> KVTransferEngine:
     """Starts this worker's transfer engine on its pools and adds the KVTransfer service to `server` (a GrpcServer)."""
-    xfer = KVTransferEngine(engine.pools, host, protocol, device)
+    xfer = transfer_engine(engine, host, protocol, device)
     # Release is answered while the worker drains too: a decode worker waits for it to free the room's slots.
     server.add(
         pd_pb2_grpc.add_KVTransferServicer_to_server,
@@ -255,16 +280,23 @@ def _constraint_json(grammar) -> str:
     return json.dumps({"kind": spec.kind, "value": spec.value, "param": spec.param, "thinking": spec.thinking})
 
 
+def _layers(layout: PoolLayout) -> list:
+    return [
+        pd_pb2.PoolLayer(k_ptr=a.k_ptr, v_ptr=a.v_ptr, k_row_bytes=a.k_row, v_row_bytes=a.v_row, sliding=a.sliding)
+        for a in layout.layers
+    ]
+
+
 class PrefillClient:
     """The decode side of the control channel: one `KVTransfer/Prefill` stream per room, on the worker's loop."""
 
     def __init__(self, fence_timeout_s: float, max_message_mb: int = 512):
         self.fence_timeout_s, self.max_message_mb = fence_timeout_s, max_message_mb
-        self.xfer: KVTransferEngine | None = None
+        self.xfer: KVWriter | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         self._stubs: dict[str, Any] = {}
 
-    def open(self, xfer: KVTransferEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def open(self, xfer: KVWriter, loop: asyncio.AbstractEventLoop) -> None:
         """The worker's transfer engine (on the engine's pools) and the event loop the streams run on; before this
         the decode scheduler has no request to transfer (the worker opens it before it serves)."""
         self.xfer, self.loop = xfer, loop
@@ -283,16 +315,14 @@ class PrefillClient:
     def request(self, r: Request, room: DecodeRoom) -> pd_pb2.PrefillRequest:
         assert self.xfer is not None, "the port is open"
         p = r.params
-        layers = [
-            pd_pb2.PoolLayer(k_ptr=a.k_ptr, v_ptr=a.v_ptr, k_row_bytes=a.k_row, v_row_bytes=a.v_row, sliding=a.sliding)
-            for a in self.xfer.layout.layers
-        ]
+        (session, layout), *others = self.xfer.ranks
         return pd_pb2.PrefillRequest(
             room=room.name,
             prompt_token_ids=r.prompt,
             media=room.media_items,
-            session=self.xfer.session,
-            layers=layers,
+            session=session,
+            layers=_layers(layout),
+            rank_pools=[pd_pb2.RankPools(session=s, layers=_layers(lay)) for s, lay in others],
             decode_prefix=room.rule.decode_prefix,
             page_size=room.rule.page,
             full_slots=room.full_slots,
@@ -386,6 +416,6 @@ class DecodeTicketing:
 
 def attach_decode(engine, port: PrefillClient, host: str, cfg) -> KVTransferEngine:
     """Starts this worker's transfer engine on its pools and opens the decode role's port on the running loop."""
-    xfer = KVTransferEngine(engine.pools, host, cfg.pd_protocol, cfg.pd_device)
+    xfer = transfer_engine(engine, host, cfg.pd_protocol, cfg.pd_device)
     port.open(xfer, asyncio.get_running_loop())
     return xfer

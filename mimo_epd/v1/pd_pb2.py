@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from mimo_epd.v1 import encoder_pb2 as mimo__epd_dot_v1_dot_encoder__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mimo_epd/v1/pd.proto\x12\x0bmimo_epd.v1\x1a\x19mimo_epd/v1/encoder.proto\"d\n\tPoolLayer\x12\r\n\x05k_ptr\x18\x01 \x01(\x04\x12\r\n\x05v_ptr\x18\x02 \x01(\x04\x12\x13\n\x0bk_row_bytes\x18\x03 \x01(\r\x12\x13\n\x0bv_row_bytes\x18\x04 \x01(\r\x12\x0f\n\x07sliding\x18\x05 \x01(\x08\"\x8f\x04\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12%\n\x05media\x18\x03 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12\x0f\n\x07session\x18\x04 \x01(\t\x12&\n\x06layers\x18\x05 \x03(\x0b\x32\x16.mimo_epd.v1.PoolLayer\x12\x15\n\rdecode_prefix\x18\x06 \x01(\x05\x12\x12\n\nfull_slots\x18\x07 \x03(\x03\x12\x11\n\tswa_slots\x18\x08 \x03(\x03\x12\x13\n\x0btemperature\x18\t \x01(\x01\x12\r\n\x05top_p\x18\n \x01(\x01\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x0c\n\x04seed\x18\x0c \x01(\x03\x12\x10\n\x08has_seed\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12\x11\n\tpage_size\x18\x0f \x01(\x05\x12\x12\n\nconstraint\x18\x10 \x01(\t\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x13 \x01(\x01\x12*\n\nlogit_bias\x18\x14 \x03(\x0b\x32\x16.mimo_epd.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x15 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x03\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"(\n\x0fPrefillAccepted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"\xae\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.mimo_epd.v1.TopLogprob\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x11\n\trng_state\x18\x07 \x01(\x0c\"\x1e\n\x0eReleaseRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\"/\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\"r\n\x0cPrefillEvent\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.mimo_epd.v1.PrefillAcceptedH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.mimo_epd.v1.PrefillDoneH\x00\x42\x06\n\x04kind2\x94\x01\n\nKVTransfer\x12\x43\n\x07Prefill\x12\x1b.mimo_epd.v1.PrefillRequest\x1a\x19.mimo_epd.v1.PrefillEvent0\x01\x12\x41\n\x07Release\x12\x1b.mimo_epd.v1.ReleaseRequest\x1a\x19.mimo_epd.v1.ReleaseReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14mimo_epd/v1/pd.proto\x12\x0bmimo_epd.v1\x1a\x19mimo_epd/v1/encoder.proto\"d\n\tPoolLayer\x12\r\n\x05k_ptr\x18\x01 \x01(\x04\x12\r\n\x05v_ptr\x18\x02 \x01(\x04\x12\x13\n\x0bk_row_bytes\x18\x03 \x01(\r\x12\x13\n\x0bv_row_bytes\x18\x04 \x01(\r\x12\x0f\n\x07sliding\x18\x05 \x01(\x08\"D\n\tRankPools\x12\x0f\n\x07session\x18\x01 \x01(\t\x12&\n\x06layers\x18\x02 \x03(\x0b\x32\x16.mimo_epd.v1.PoolLayer\"\xbb\x04\n\x0ePrefillRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12%\n\x05media\x18\x03 \x03(\x0b\x32\x16.mimo_epd.v1.MediaItem\x12\x0f\n\x07session\x18\x04 \x01(\t\x12&\n\x06layers\x18\x05 \x03(\x0b\x32\x16.mimo_epd.v1.PoolLayer\x12\x15\n\rdecode_prefix\x18\x06 \x01(\x05\x12\x12\n\nfull_slots\x18\x07 \x03(\x03\x12\x11\n\tswa_slots\x18\x08 \x03(\x03\x12\x13\n\x0btemperature\x18\t \x01(\x01\x12\r\n\x05top_p\x18\n \x01(\x01\x12\r\n\x05top_k\x18\x0b \x01(\x05\x12\x0c\n\x04seed\x18\x0c \x01(\x03\x12\x10\n\x08has_seed\x18\r \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0e \x01(\x05\x12\x11\n\tpage_size\x18\x0f \x01(\x05\x12\x12\n\nconstraint\x18\x10 \x01(\t\x12\x18\n\x10presence_penalty\x18\x11 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x12 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x13 \x01(\x01\x12*\n\nlogit_bias\x18\x14 \x03(\x0b\x32\x16.mimo_epd.v1.LogitBias\x12\x12\n\nmin_tokens\x18\x15 \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x16 \x03(\x03\x12*\n\nrank_pools\x18\x17 \x03(\x0b\x32\x16.mimo_epd.v1.RankPools\"+\n\tLogitBias\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04\x62ias\x18\x02 \x01(\x02\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"(\n\x0fPrefillAccepted\x12\x15\n\rcached_tokens\x18\x01 \x01(\x05\"\xae\x01\n\x0bPrefillDone\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12-\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x17.mimo_epd.v1.TopLogprob\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x12\n\ntransfer_s\x18\x05 \x01(\x01\x12\x11\n\tprefill_s\x18\x06 \x01(\x01\x12\x11\n\trng_state\x18\x07 \x01(\x0c\"\x1e\n\x0eReleaseRequest\x12\x0c\n\x04room\x18\x01 \x01(\t\"/\n\x0cReleaseReply\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x10\n\x08kv_bytes\x18\x02 \x01(\x04\"r\n\x0cPrefillEvent\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.mimo_epd.v1.PrefillAcceptedH\x00\x12(\n\x04\x64one\x18\x02 \x01(\x0b\x32\x18.mimo_epd.v1.PrefillDoneH\x00\x42\x06\n\x04kind2\x94\x01\n\nKVTransfer\x12\x43\n\x07Prefill\x12\x1b.mimo_epd.v1.PrefillRequest\x1a\x19.mimo_epd.v1.PrefillEvent0\x01\x12\x41\n\x07Release\x12\x1b.mimo_epd.v1.ReleaseRequest\x1a\x19.mimo_epd.v1.ReleaseReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,22 +34,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_POOLLAYER']._serialized_start=64
   _globals['_POOLLAYER']._serialized_end=164
-  _globals['_PREFILLREQUEST']._serialized_start=167
-  _globals['_PREFILLREQUEST']._serialized_end=694
-  _globals['_LOGITBIAS']._serialized_start=696
-  _globals['_LOGITBIAS']._serialized_end=739
-  _globals['_TOPLOGPROB']._serialized_start=741
-  _globals['_TOPLOGPROB']._serialized_end=788
-  _globals['_PREFILLACCEPTED']._serialized_start=790
-  _globals['_PREFILLACCEPTED']._serialized_end=830
-  _globals['_PREFILLDONE']._serialized_start=833
-  _globals['_PREFILLDONE']._serialized_end=1007
-  _globals['_RELEASEREQUEST']._serialized_start=1009
-  _globals['_RELEASEREQUEST']._serialized_end=1039
-  _globals['_RELEASEREPLY']._serialized_start=1041
-  _globals['_RELEASEREPLY']._serialized_end=1088
-  _globals['_PREFILLEVENT']._serialized_start=1090
-  _globals['_PREFILLEVENT']._serialized_end=1204
-  _globals['_KVTRANSFER']._serialized_start=1207
-  _globals['_KVTRANSFER']._serialized_end=1355
+  _globals['_RANKPOOLS']._serialized_start=166
+  _globals['_RANKPOOLS']._serialized_end=234
+  _globals['_PREFILLREQUEST']._serialized_start=237
+  _globals['_PREFILLREQUEST']._serialized_end=808
+  _globals['_LOGITBIAS']._serialized_start=810
+  _globals['_LOGITBIAS']._serialized_end=853
+  _globals['_TOPLOGPROB']._serialized_start=855
+  _globals['_TOPLOGPROB']._serialized_end=902
+  _globals['_PREFILLACCEPTED']._serialized_start=904
+  _globals['_PREFILLACCEPTED']._serialized_end=944
+  _globals['_PREFILLDONE']._serialized_start=947
+  _globals['_PREFILLDONE']._serialized_end=1121
+  _globals['_RELEASEREQUEST']._serialized_start=1123
+  _globals['_RELEASEREQUEST']._serialized_end=1153
+  _globals['_RELEASEREPLY']._serialized_start=1155
+  _globals['_RELEASEREPLY']._serialized_end=1202
+  _globals['_PREFILLEVENT']._serialized_start=1204
+  _globals['_PREFILLEVENT']._serialized_end=1318
+  _globals['_KVTRANSFER']._serialized_start=1321
+  _globals['_KVTRANSFER']._serialized_end=1469
 # @@protoc_insertion_point(module_scope)

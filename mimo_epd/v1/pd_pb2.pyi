@@ -21,8 +21,16 @@ class PoolLayer(_message.Message):
     sliding: bool
     def __init__(self, k_ptr: _Optional[int] = ..., v_ptr: _Optional[int] = ..., k_row_bytes: _Optional[int] = ..., v_row_bytes: _Optional[int] = ..., sliding: _Optional[bool] = ...) -> None: ...
 
+class RankPools(_message.Message):
+    __slots__ = ("session", "layers")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    session: str
+    layers: _containers.RepeatedCompositeFieldContainer[PoolLayer]
+    def __init__(self, session: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[PoolLayer, _Mapping]]] = ...) -> None: ...
+
 class PrefillRequest(_message.Message):
-    __slots__ = ("room", "prompt_token_ids", "media", "session", "layers", "decode_prefix", "full_slots", "swa_slots", "temperature", "top_p", "top_k", "seed", "has_seed", "top_logprobs", "page_size", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids")
+    __slots__ = ("room", "prompt_token_ids", "media", "session", "layers", "decode_prefix", "full_slots", "swa_slots", "temperature", "top_p", "top_k", "seed", "has_seed", "top_logprobs", "page_size", "constraint", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "stop_token_ids", "rank_pools")
     ROOM_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MEDIA_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +53,7 @@ class PrefillRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RANK_POOLS_FIELD_NUMBER: _ClassVar[int]
     room: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     media: _containers.RepeatedCompositeFieldContainer[_encoder_pb2.MediaItem]
@@ -67,7 +76,8 @@ class PrefillRequest(_message.Message):
     logit_bias: _containers.RepeatedCompositeFieldContainer[LogitBias]
     min_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., session: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[PoolLayer, _Mapping]]] = ..., decode_prefix: _Optional[int] = ..., full_slots: _Optional[_Iterable[int]] = ..., swa_slots: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., page_size: _Optional[int] = ..., constraint: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    rank_pools: _containers.RepeatedCompositeFieldContainer[RankPools]
+    def __init__(self, room: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., media: _Optional[_Iterable[_Union[_encoder_pb2.MediaItem, _Mapping]]] = ..., session: _Optional[str] = ..., layers: _Optional[_Iterable[_Union[PoolLayer, _Mapping]]] = ..., decode_prefix: _Optional[int] = ..., full_slots: _Optional[_Iterable[int]] = ..., swa_slots: _Optional[_Iterable[int]] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., page_size: _Optional[int] = ..., constraint: _Optional[str] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., rank_pools: _Optional[_Iterable[_Union[RankPools, _Mapping]]] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token_id", "bias")

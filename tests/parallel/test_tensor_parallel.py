@@ -80,7 +80,6 @@ def test_kv_heads_neither_multiple_nor_divisor_are_refused():
     "option, says",
     [
         (dict(kv_store="redis://127.0.0.1:1/0"), "shared KV store"),
-        (dict(role="prefill"), "--role prefill"),
     ],
 )
 def test_features_not_split_yet_are_refused_not_served_on_one_rank(option, says):
