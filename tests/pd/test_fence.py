@@ -21,7 +21,10 @@ class BlockingEngine:
     def __init__(self):
         self.started, self.go, self.writes = threading.Event(), threading.Event(), 0
 
-    def write(self, session, peer, full, swa) -> int:
+    ranks = (("me:1", None),)
+
+    def write_ranks(self, targets, full, swa) -> int:
+        assert targets == (("peer:1", None),)
         self.started.set()
         assert self.go.wait(10)
         self.writes += 1
@@ -31,7 +34,7 @@ class BlockingEngine:
 def _room(engine) -> tuple[Room, SimpleNamespace]:
     rule = TransferRule(8, 0, 4, 1)
     a, b = rule.swa_range
-    room = Room("r1", "peer:1", None, rule, list(range(100, 108)), list(range(200, 200 + b - a)), engine)  # type: ignore[arg-type]
+    room = Room("r1", (("peer:1", None),), rule, list(range(100, 108)), list(range(200, 200 + b - a)), engine)  # type: ignore[arg-type]
     kv = SimpleNamespace(full=list(range(8)), swa=list(range(8)))
     return room, kv
 
