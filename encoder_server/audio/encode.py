@@ -92,6 +92,7 @@ class AudioResult:
     info: AudioInfo
     decoded_s: float  # seconds of audio decoded
     seconds: dict[str, float] = field(default_factory=dict)
+    codes: torch.Tensor | None = None  # MiMo's audio: the item's codes [frames, quantizers] (cached beside its rows)
 
 
 def usable_windows(frames: list[int]) -> int:

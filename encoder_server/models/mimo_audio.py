@@ -546,6 +546,15 @@ class MiMoAudioModel:
     def embed(self, samples: torch.Tensor) -> torch.Tensor:
         return self.encoder(self.codes(samples))
 
+    @torch.inference_mode()
+    def rows_from_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """An item's rows from its codes (a cached codes entry): the encoder over a segment's codes at a time, as the
+        stream runs it (each segment's codes are whole groups, and a group's rows depend on that group only), so
+        the rows equal the stream's and memory holds one segment's work whatever the item's length."""
+        step = num_codes(self.encoder.config.audio_segment_size, self.encoder.config.audio_segment_size)
+        codes = codes.long()
+        return torch.cat([self.encoder(codes[a : a + step]) for a in range(0, codes.shape[0], step)])
+
 
 class MiMoAudioStream:
     """One item's embedding rows a segment at a time, equal to `MiMoAudioModel.embed` of the whole item.
@@ -563,6 +572,7 @@ class MiMoAudioStream:
         self.buf = torch.empty(0)
         self.offset = 0  # buf holds the signal's samples [offset, offset + len(buf))
         self.done = 0  # segments computed
+        self.codes: list[torch.Tensor] = []  # each segment's codes, in order (the item's, cached beside its rows)
 
     @property
     def seen(self) -> int:
@@ -597,6 +607,7 @@ class MiMoAudioStream:
         keep = max(0, b * HOP - N_FFT // 2 - 1 - self.offset)
         self.buf, self.offset = self.buf[keep:], self.offset + keep
         self.done += 1
+        self.codes.append(codes)
         return codes
 
     def _rows(self, a: int, b: int, total: int, pad_to: int) -> torch.Tensor:

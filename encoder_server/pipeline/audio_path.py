@@ -24,6 +24,8 @@ import tempfile
 import grpc
 import torch
 
+from mimo_epd.common.content_key import codes_key
+
 from ..audio.decode import AudioError
 from ..audio.encode import AudioPlan, AudioResult, AudioWindowItem, decoded_ranges, encode_audio, probe_job
 from ..audio.features import LogMel
@@ -67,6 +69,7 @@ class AudioPath:
         features_on: LogMel | None,
         mimo: MiMoAudioModel | None = None,
         seconds_in_flight: float = 7200.0,
+        metrics=None,
     ):
         self.plan = plan
         self.mimo = mimo
@@ -77,6 +80,7 @@ class AudioPath:
         self.features_on = features_on
         self._sem = asyncio.Semaphore(max_concurrent)
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = metrics  # EncoderMetrics: codes hits and stores are cache lookups' `codes_hit`, `codes_stored`
 
     def start(self, job: Job) -> None:
         task = asyncio.get_running_loop().create_task(self._run(job))
@@ -129,7 +133,30 @@ class AudioPath:
         emb = torch.cat(rows).cpu()
         total = time.perf_counter() - t0
         seconds = {"total": total, "wait_decode": waited, "encode": total - waited}
-        return AudioResult(emb, [int(emb.shape[0])], info, decoded / 24000, seconds)
+        codes = torch.cat(stream.codes).to(torch.int32).cpu()
+        return AudioResult(emb, [int(emb.shape[0])], info, decoded / 24000, seconds, codes)
+
+    async def _from_codes(self, job: Job) -> CachedEmbedding | None:
+        """MiMo's audio: the item's rows from its cached codes (no decode, no tokenizer: the encoder alone), or None
+        when its codes are not cached. The codes entry outlives the rows' under the same bytes (a hundredth of
+        their size), so an item whose rows were evicted costs the encoder's share of the work only."""
+        if self.mimo is None or self.cache is None:
+            return None
+        hit = self.cache.get(codes_key(job.key))
+        if hit is None or not hit.meta or "audio" not in hit.meta:
+            return None
+        try:
+            rows = (await self._on_forward_thread(self.mimo.rows_from_codes, hit.embedding)).cpu()
+        except Exception as e:  # noqa: BLE001 - a codes entry the encoder cannot take: encoded from the bytes
+            log.warning("audio item %d: its cached codes failed (%s); encoding it from its bytes", job.index, e)
+            self._count("codes_failed")
+            return None
+        meta = {"audio": hit.meta["audio"], "window_tokens": [int(rows.shape[0])]}
+        return CachedEmbedding(rows, (1, int(rows.shape[0]), 1), meta)
+
+    def _count(self, event: str) -> None:
+        if self.metrics is not None:
+            self.metrics.cache.labels(event).inc()
 
     async def _on_forward_thread(self, fn, *args):
         return await asyncio.wrap_future(self.batcher.call_on_forward_thread(fn, *args))
@@ -139,6 +166,12 @@ class AudioPath:
             if not job.wanted:
                 return
             data, job.data = job.data, None
+            entry = await self._from_codes(job)
+            if entry is not None:
+                self._count("codes_hit")
+                self.cache.put(job.key, entry)
+                job.succeed(entry, cache_hit=False)
+                return
             try:
                 if len(data) <= INLINE_BYTES:
                     result = await self._encode(job, data)
@@ -175,4 +208,8 @@ class AudioPath:
             entry = CachedEmbedding(result.embedding, (1, int(result.embedding.shape[0]), 1), meta)
             if self.cache is not None:
                 self.cache.put(job.key, entry)
+                if result.codes is not None:  # first the rows: a codes entry never stands for rows not yet there
+                    codes = CachedEmbedding(result.codes, (1, int(result.codes.shape[0]), 1), {"audio": meta["audio"]})
+                    if self.cache.put(codes_key(job.key), codes):
+                        self._count("codes_stored")
             job.succeed(entry, cache_hit=False)

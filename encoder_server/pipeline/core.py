@@ -183,6 +183,7 @@ class EncodePipeline:
             self._features_on(),
             mimo,
             c.audio_seconds_in_flight,
+            self.metrics,
         )
 
     def _audio_feature_config(self) -> AudioFeatureConfig:

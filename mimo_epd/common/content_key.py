@@ -28,6 +28,12 @@ def content_key(data_digest: str, model_id: str, preprocess_fingerprint: str, ex
     return h.hexdigest()
 
 
+def codes_key(key: str) -> str:
+    """Hex 128-bit key of an audio item's codes (MiMo's audio tokenizer output), derived from its embedding's key:
+    the same item, model and settings, another entry."""
+    return content_key(key, "audio-codes", "", "")
+
+
 def normalize_digest(value: str) -> str:
     """Validates a client-supplied content_hash (32 hex digits); returns it lower-cased."""
     v = value.strip().lower()

@@ -116,3 +116,70 @@ def test_a_long_item_through_the_encoder_is_streamed_and_equals_the_whole_items(
     assert item.num_tokens == want.shape[0] == ma.num_tokens(1 + pcm.size // 240)
     got = got.view(want.shape).float()
     assert ((got - want).norm() / want.norm()).item() < 1e-6
+
+
+@pytest.mark.parametrize("n", [24000 * 10 + 7, SEG * 2 + 240 * 3000])
+def test_rows_from_the_streams_codes_equal_its_rows(model, n):
+    """A cached codes entry gives back the item's rows exactly: the encoder over each segment's codes, as the stream
+    runs it (under one segment, and a last segment joined to its predecessor's tokenizer call)."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 0.1
+    st, rows = ma.MiMoAudioStream(model), []
+    rows += st.push(x)
+    rows += st.finish()
+    codes = torch.cat(st.codes)
+    assert codes.shape[0] == ma.num_codes(1 + n // 240, 6000) and torch.equal(codes, model.codes(x))
+    assert torch.equal(model.rows_from_codes(codes.to(torch.int32)), torch.cat(rows))
+
+
+def test_an_item_whose_rows_were_evicted_is_answered_from_its_cached_codes(checkpoint):
+    """An encoder whose cache keeps an item's codes after its rows were evicted (the codes are a few percent of the
+    rows' bytes): the item again costs the encoder's part only (no decode, no tokenizer), and its rows are the
+    first answer's, bit for bit (`encoder_cache_lookups_total{result="codes_hit"}`)."""
+    import io
+    import json
+    import os
+    import wave
+
+    import grpc
+    import numpy as np
+
+    from mimo_epd.testing.redis_server import free_port
+    from mimo_epd.testing.servers import scrape, start_server
+    from mimo_epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+    def wav(seed: int) -> bytes:
+        t = np.arange(24000 * 3) / 24000
+        pcm = (5000 * np.sin(2 * np.pi * (150 + 40 * seed) * t)).astype("<i2")
+        buf = io.BytesIO()
+        with wave.open(buf, "wb") as w:
+            w.setnchannels(1), w.setsampwidth(2), w.setframerate(24000), w.writeframes(pcm.tobytes())
+        return buf.getvalue()
+
+    tok = json.load(open(os.path.join(checkpoint, "audio_tokenizer", "config.json")))
+    frames = ma.num_codes(1 + 24000 * 3 // 240, 6000)
+    tokens = ma.num_tokens(1 + 24000 * 3 // 240)
+    hidden = json.load(open(os.path.join(checkpoint, "config.json")))["hidden_size"]
+    rows_b, codes_b = tokens * hidden * 4, frames * tok["num_quantizers"] * 4
+    # Two items of one length: A's rows, A's codes, B's rows fit; B's codes push out the oldest entry, A's rows.
+    cap = 2 * rows_b + codes_b + codes_b // 2
+    port = free_port()
+    s = start_server(["--model", checkpoint, "--cache-bytes", str(cap), "--metrics-port", str(port)], "encoder")
+    try:
+        with grpc.insecure_channel(s.address, options=[("grpc.max_receive_message_length", 64 << 20)]) as ch:
+            stub = encoder_pb2_grpc.EncoderStub(ch)
+
+            def encode(data):
+                req = encoder_pb2.EncodeRequest(items=[encoder_pb2.MediaItem(data=data, modality=encoder_pb2.AUDIO)])
+                return stub.Encode(req, timeout=120).items[0]
+
+            a, b = wav(0), wav(1)
+            first = encode(a)
+            assert first.num_tokens == tokens
+            encode(b)
+            again = encode(a)
+        m = scrape(port)
+    finally:
+        assert s.stop() == 0
+    assert again.embedding.data == first.embedding.data and not again.cache_hit
+    assert m['encoder_cache_lookups_total{result="codes_stored"}'] == 2
+    assert m['encoder_cache_lookups_total{result="codes_hit"}'] == 1
