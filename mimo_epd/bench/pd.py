@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from functools import partial
 
 from mimo_epd.common.stats import percentile
 
@@ -55,6 +56,10 @@ def add_arguments(p) -> None:
         "(the decode worker by affinity): the prefill side's cache hit rate and TTFT (default: affinity,round_robin)",
     )
 
+    from .pd_roles import add_arguments as add_role_arguments
+
+    add_role_arguments(p)
+
 
 def log(msg: str) -> None:
     print(f"[bench pd] {msg}", file=sys.stderr, flush=True)
@@ -86,6 +91,7 @@ def _trace(name: str, args, factor: float):
 
 
 def _run(cost, cfg, split, reqs, args, prefill_policy: str = "affinity") -> tuple[list, dict]:
+    """`reqs` through colocated workers (`split` None) or `split` = (prefill, decode) workers."""
     from mimo_epd.sim.fleet import Fleet
     from mimo_epd.sim.pd import Network, PDFleet
 
@@ -134,33 +140,40 @@ def _one(shape_name: str, trace: str, args, rates: list[float]) -> dict:
     n = args.workers
     modes = {"colocated": None, **{f"{p}P:{n - p}D": (p, n - p) for p in range(1, n)}}
     out = {}
-    mid = rates[len(rates) // 2]
     for mode, split in modes.items():
-        row = {"goodput_rate_factor": 0.0, "attainment": {}}
-        for factor in rates:
-            reqs = _trace(trace, args, factor)
-            finished, extra = _run(cost, cfg, split, reqs, args)
-            share = _attained(finished, args.ttft_slo_s, args.tpot_slo_s)
-            row["attainment"][str(factor)] = round(share, 3)
-            if share >= args.slo_share:
-                row["goodput_rate_factor"] = max(row["goodput_rate_factor"], factor)
-            if factor == mid:
-                ttft, tpot = _latencies(finished)
-                row["at_middle_rate"] = {
-                    "rate_factor": factor,
-                    "ttft_p50_s": percentile(ttft, 50, 4),
-                    "ttft_p90_s": percentile(ttft, 90, 4),
-                    "tpot_p50_s": percentile(tpot, 50, 4),
-                    "tpot_p90_s": percentile(tpot, 90, 4),
-                    **extra,
-                }
-        _search(row, cost, cfg, split, trace, args, rates)
+        run = partial(_run, cost, cfg, split, args=args)
+        row = grid(run, trace, args, rates)
+        search(row, run, trace, args, rates)
         log(f"{shape_name} {trace} {mode}: goodput factor {row['goodput_rate_factor']}, {row['attainment']}")
         out[mode] = row
     return out
 
 
-def _search(row: dict, cost, cfg, split, trace: str, args, rates: list[float]) -> None:
+def grid(run, trace: str, args, rates: list[float]) -> dict:
+    """One mode at the grid's rates: `run(requests) -> (finished, extra)`. Goodput is the highest rate whose share
+    of requests meeting both SLOs reaches `--slo-share`; latencies (and `extra`) at the middle rate."""
+    row: dict = {"goodput_rate_factor": 0.0, "attainment": {}}
+    mid = rates[len(rates) // 2]
+    for factor in rates:
+        finished, extra = run(_trace(trace, args, factor))
+        share = _attained(finished, args.ttft_slo_s, args.tpot_slo_s)
+        row["attainment"][str(factor)] = round(share, 3)
+        if share >= args.slo_share:
+            row["goodput_rate_factor"] = max(row["goodput_rate_factor"], factor)
+        if factor == mid:
+            ttft, tpot = _latencies(finished)
+            row["at_middle_rate"] = {
+                "rate_factor": factor,
+                "ttft_p50_s": percentile(ttft, 50, 4),
+                "ttft_p90_s": percentile(ttft, 90, 4),
+                "tpot_p50_s": percentile(tpot, 50, 4),
+                "tpot_p90_s": percentile(tpot, 90, 4),
+                **extra,
+            }
+    return row
+
+
+def search(row: dict, run, trace: str, args, rates: list[float]) -> None:
     """Refines `row["goodput_rate_factor"]` by geometric bisection between the highest grid rate that met the SLOs
     and the next grid rate (which did not): `--search-steps` more runs, each kept in `row["attainment"]`. Nothing
     to refine when every grid rate passed or none did (the goodput is then at the grid's edge: said as is)."""
@@ -171,7 +184,7 @@ def _search(row: dict, cost, cfg, split, trace: str, args, rates: list[float]) -
     hi = above[0]
     for _ in range(args.search_steps):
         mid = round((lo * hi) ** 0.5, 4)
-        finished, _ = _run(cost, cfg, split, _trace(trace, args, mid), args)
+        finished, _ = run(_trace(trace, args, mid))
         share = _attained(finished, args.ttft_slo_s, args.tpot_slo_s)
         row["attainment"][str(mid)] = round(share, 3)
         lo, hi = (mid, hi) if share >= args.slo_share else (lo, mid)
@@ -239,6 +252,14 @@ def main(args) -> dict:
                 ),
                 **_placement_ratios(placement),
             }
+            if args.role_parallelism:
+                from .pd_roles import compare
+
+                roles = compare(shape_name, trace, args, rates)
+                results[key]["role_parallelism"] = roles
+                if "goodput_best_role_split_vs_colocated" in roles:
+                    ratios[key]["goodput_role_split_vs_colocated"] = roles["goodput_best_role_split_vs_colocated"]
+                log(f"{key} per-role parallelism: best {roles.get('best')}, {roles.get('skipped')}")
     return {
         "benchmark": "pd",
         "simulated": True,

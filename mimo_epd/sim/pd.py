@@ -80,10 +80,17 @@ class PDFleet:
         local_prefill_tokens: int = 0,
         max_prefill_queue: int = -1,
         prefill_policy: str | None = None,
+        prefill_cost: CostModel | None = None,
+        prefill_config: WorkerConfig | None = None,
     ):
+        """`cost` / `config`: the decode workers' (and the prefill workers' unless `prefill_cost` / `prefill_config`
+        give theirs: each role with its own parallelism, `bench pd`'s per-role modes). The units must agree."""
         self.cost, self.unit, self.net = cost, config.unit, network or Network()
         self.max_prefill_queue = max_prefill_queue
-        self.prefill = [PrefillSimWorker(cost, config, f"p{i}") for i in range(prefill)]
+        pcost, pconfig = prefill_cost or cost, prefill_config or config
+        if pconfig.unit != config.unit:
+            raise ValueError(f"prefill unit {pconfig.unit} != decode unit {config.unit}")
+        self.prefill = [PrefillSimWorker(pcost, pconfig, f"p{i}") for i in range(prefill)]
         settings = DecodeSettings(
             local_prefill_tokens=local_prefill_tokens // self.unit if local_prefill_tokens >= 0 else -1,
             transfer_timeout_s=float("inf"),

@@ -113,3 +113,32 @@ def test_bench_pd_goodput_is_searched_between_grid_rates():
             assert "goodput_bracket" not in row, mode
     assert searched >= 1  # the split's grid passes at 1 and fails at 1024: its goodput was searched
     assert out["search_steps"] == 3
+
+
+def test_role_splits_use_every_gpu_of_the_fleet_once():
+    from mimo_epd.bench.pd_roles import role_modes
+
+    modes = role_modes(4, 8, [4, 8, 16])
+    assert all(p * tp_p + d * tp_d == 32 and p >= 1 and d >= 1 for p, tp_p, d, tp_d in modes.values())
+    assert {"7Px4:1Dx4", "2Px8:1Dx16", "1Px16:2Dx8", "4Px4:2Dx8"} <= set(modes) and "4Px8:0Dx8" not in modes
+    assert len(modes) == len(set(modes.values()))
+
+
+def test_bench_pd_role_parallelism_runs_each_role_at_its_own_tp():
+    """`--role-parallelism`: the colocated fleet and every split of its GPUs with each role at its own TP, on the
+    same arrivals; a TP whose GPUs cannot hold the trace's prompts after the weights is left out, named."""
+    import argparse
+
+    from mimo_epd.bench import pd
+    from mimo_epd.bench.pd_roles import role_modes
+
+    p = argparse.ArgumentParser()
+    pd.add_arguments(p)
+    args = ["--shapes", "flash", "--traces", "long-context", "--requests", "12", "--rates", "1", "--workers", "2"]
+    out = pd.main(p.parse_args([*args, "--role-parallelism", "--role-tp", "2,8", "--search-steps", "0"]))
+    roles = out["results"]["flash/long-context"]["role_parallelism"]
+    assert roles["gpus"] == 16 and "2" in roles["skipped"] and "KV tokens" in roles["skipped"]["2"]
+    want = {"colocated_2x8"} | set(role_modes(2, 8, [8]))  # TP 2 cannot hold V2-Flash's FP8 weights and KV
+    assert set(roles["modes"]) == want and roles["best"] in want
+    for row in roles["modes"].values():
+        assert set(row["attainment"]) == {"1.0"} and 0 <= row["attainment"]["1.0"] <= 1
