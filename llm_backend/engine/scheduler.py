@@ -123,7 +123,12 @@ class Scheduler:
         self.prompt_tokens = self.generated_tokens = 0
         self._next_bucket = 0
         self._uncached: dict[int, tuple[int, int]] = {}  # request id -> (uncached tokens, step it was computed)
-        self._headroom: int | None = None
+        # This step's admission room (`_fits`): free full slots less what running prompts still need, taken at the
+        # step's first admission; the evictable slots, walked only when the free ones are not enough; the full slots
+        # the prompts admitted this step will need.
+        self._free_room: int | None = None
+        self._evictable: int | None = None
+        self._admitted_need = 0
         self._in_hand: Request | None = None  # the waiting request being admitted (failed if admission raises)
         # Preempted requests without media rows (`media_span`): the cache node their prefix matched stays locked
         # while they wait, so their re-admission finds the media's KV again (they could not compute it).
@@ -180,7 +185,8 @@ class Scheduler:
         self._refresh_memos()
         now = self.clock()
         blocked = None
-        self._headroom = None  # computed at the first admission of this step
+        self._free_room = self._evictable = None  # taken at the first admission of this step
+        self._admitted_need = 0
         while self.waiting and len(self.running) < self.max_running:
             r = self._pick(now)
             self._in_hand = r
@@ -467,12 +473,10 @@ class Scheduler:
         # The whole uncached prompt must fit in what running prompts leave over (free + evictable full slots),
         # not just its first chunk: admitting prompts whose sum cannot fit only makes them preempt each other.
         need = uncached + self.full_pool.page_size
-        if (self.running and need > self._prefill_headroom()) or not self.cache.make_room(
-            first + self.full_pool.page_size, first
-        ):
+        if (self.running and not self._fits(need)) or not self.cache.make_room(first + self.full_pool.page_size, first):
             kv.finish(cache_result=False)
             return False
-        self._headroom = self._prefill_headroom() - need
+        self._admitted_need += need
         r.kv = kv
         self._unpin(r)  # its own match holds the prefix now
         if not r.output:  # a preempted request keeps its first admission's figure
@@ -480,17 +484,23 @@ class Scheduler:
             self.prompt_tokens += len(r.prompt)
         return True
 
-    def _prefill_headroom(self) -> int:
-        """Full slots prompts could still take this step: free + evictable, minus what running prompts still need
-        (computed once per step, then decremented per admission)."""
-        if self._headroom is None:
+    def _fits(self, need: int) -> bool:
+        """Whether a prompt needing `need` more full slots fits what this step leaves: free + evictable full slots,
+        less what running prompts still need and what the prompts admitted this step will. Free and pending are taken
+        once a step; the evictable slots (a walk over the tree) only when the free ones are not enough, so a step
+        whose prompts fit in free slots does no work proportional to the cache."""
+        if self._free_room is None:
             pending = sum(
                 len(q.prompt) - len(q.kv.tokens)
                 for q in self.running
                 if q.kv is not None and len(q.kv.tokens) < len(q.prompt)
             )
-            self._headroom = self.full_pool.available() + self.cache.accounting().full.evictable - pending
-        return self._headroom
+            self._free_room = self.full_pool.available() - pending
+        if need + self._admitted_need <= self._free_room:
+            return True
+        if self._evictable is None:
+            self._evictable = self.cache.full_evictable()
+        return need + self._admitted_need <= self._free_room + self._evictable
 
     def _unpin(self, r: Request) -> None:
         node = self._pins.pop(r.id, None)

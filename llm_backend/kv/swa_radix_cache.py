@@ -599,5 +599,17 @@ class SWARadixCache:
                 swa.evictable += n.live_swa
         return CacheAccounting(full, swa)
 
+    def full_evictable(self) -> int:
+        """Full slots held by unlocked nodes (`accounting().full.evictable` without the SWA half, which costs a pass
+        over every SWA slot): what the scheduler's admission asks, at most once a step."""
+        total = 0
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            if n.full is not None and not n.full_locks:
+                total += len(n.full)
+            stack.extend(n.children.values())
+        return total
+
     def token_count(self) -> int:
         return sum(len(n.key) for n in self._nodes())

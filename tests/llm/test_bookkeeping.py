@@ -86,3 +86,42 @@ def test_tokens_grow_in_place():
     view = r.tokens
     r.append_token(9)
     assert r.tokens is view and view == [1, 2, 3, 9] and r.output == [9] and r.prompt == [1, 2, 3]
+
+
+def test_admission_walks_the_tree_only_when_free_slots_are_not_enough(monkeypatch):
+    """A cache holding many prompts: admitting a new one while free slots suffice walks no node (the evictable count
+    is the only tree-wide figure admission needs, and only when the free slots are short); once the pool is full of
+    cached prompts, admission counts the evictable slots at most once a step and still admits (by evicting)."""
+    full = SlotPool("full", 64 * 40, PAGE)
+    swa = SlotPool("swa", 4 * CHUNK)
+    s = Scheduler(
+        SWARadixCache(full, swa, WINDOW, PAGE),
+        full,
+        swa,
+        chunk_size=CHUNK,
+        max_running=4,
+        enable_prefix_cache=True,
+        release_interval=16,
+        fcfs=True,
+        wait_penalty=0.0,
+        length_buckets=(),
+    )
+    walks = []
+    real = s.cache.full_evictable
+    monkeypatch.setattr(s.cache, "full_evictable", lambda: walks.append(1) or real())
+
+    def run(i: int) -> None:
+        r = Request(i, [(i * 7 + j) % 251 + 1000 * i for j in range(60)], SamplingParams(max_tokens=2), 0.0)
+        s.add(r)
+        keep = Request(10_000 + i, [5] * 40, SamplingParams(max_tokens=3), 0.0)  # running beside it
+        s.add(keep)
+        while s.has_work():
+            _step(s)
+        assert r.done and keep.done and r.finish_reason == "length"
+
+    for i in range(8):  # 8 prompts of 60 tokens cached, the pool (2,560 slots) mostly free
+        run(i)
+    assert walks == []
+    for i in range(8, 60):  # far more than the pool holds: admission needs the evictable slots
+        run(i)
+    assert 0 < len(walks) and s.cache.stats.full_evicted > 0
