@@ -96,7 +96,7 @@ def main(args) -> dict:
 
     from .fleet_cache import _png
 
-    n = 48 if args.quick else args.hot_requests
+    n = 32 if args.quick else args.hot_requests
     rng = np.random.default_rng(args.seed)
     hot = _png(photo_like(896, 896, seed=10_000))
     unique = [_png(photo_like(int(rng.integers(64, 160)), int(rng.integers(64, 160)), seed=i)) for i in range(n)]
