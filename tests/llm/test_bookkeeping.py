@@ -18,8 +18,8 @@ from llm_backend.kv import SlotPool, SWARadixCache
 WINDOW, PAGE, CHUNK = 128, 16, 1 << 16
 
 
-def _scheduler(context: int, prefix_cache: bool) -> Scheduler:
-    full = SlotPool("full", context + 4 * CHUNK, PAGE)
+def _scheduler(context: int, prefix_cache: bool, full_slots: int = 0) -> Scheduler:
+    full = SlotPool("full", full_slots or context + 4 * CHUNK, PAGE)
     swa = SlotPool("swa", 2 * CHUNK + 4 * WINDOW)
     return Scheduler(
         SWARadixCache(full, swa, WINDOW, PAGE),
@@ -92,20 +92,7 @@ def test_admission_walks_the_tree_only_when_free_slots_are_not_enough(monkeypatc
     """A cache holding many prompts: admitting a new one while free slots suffice walks no node (the evictable count
     is the only tree-wide figure admission needs, and only when the free slots are short); once the pool is full of
     cached prompts, admission counts the evictable slots at most once a step and still admits (by evicting)."""
-    full = SlotPool("full", 64 * 40, PAGE)
-    swa = SlotPool("swa", 4 * CHUNK)
-    s = Scheduler(
-        SWARadixCache(full, swa, WINDOW, PAGE),
-        full,
-        swa,
-        chunk_size=CHUNK,
-        max_running=4,
-        enable_prefix_cache=True,
-        release_interval=16,
-        fcfs=True,
-        wait_penalty=0.0,
-        length_buckets=(),
-    )
+    s = _scheduler(0, True, full_slots=64 * 40)
     walks = []
     real = s.cache.full_evictable
     monkeypatch.setattr(s.cache, "full_evictable", lambda: walks.append(1) or real())
