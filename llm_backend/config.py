@@ -125,6 +125,21 @@ class LLMConfig:
         "with --tensor-parallel-size N: each rank holds n_experts / N whole experts instead of a slice of each",
         _PAR,
     )
+    data_parallel_size: int = flag(
+        1,
+        "data-parallel attention (SGLang's --enable-dp-attention): this many worker processes, each with the whole "
+        "attention, its own scheduler, KV pools and requests, share the experts split over all of them (needs "
+        "--enable-expert-parallel and --dist-init-addr; each started with its own --data-parallel-rank)",
+        _PAR,
+        aliases=("dp",),
+    )
+    data_parallel_rank: int = flag(0, "this worker's place among the --data-parallel-size DP ranks", _PAR)
+    data_parallel_poll_ms: float = flag(
+        2.0,
+        "while this DP rank is idle, how often it asks the others whether one has work (every step runs on all DP "
+        "ranks together: the bound this adds to an idle rank's first token)",
+        _PAR,
+    )
     nnodes: int = flag(
         1, "machines one replica spans (SGLang's --nnodes): --tensor-parallel-size / nnodes ranks each", _PAR
     )
@@ -372,6 +387,7 @@ class LLMConfig:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
         if self.dist_init_addr and not _host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        self._validate_data_parallel()
         if n == 1:
             return
         # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
@@ -380,6 +396,29 @@ class LLMConfig:
                 f"--tensor-parallel-size {n} with the shared KV store (--kv-store; the host tier, --host-kv-bytes, "
                 "is split): not supported yet (docs/parallel.md)"
             )
+
+    def _validate_data_parallel(self) -> None:
+        m = self.data_parallel_size
+        if m < 1 or not 0 <= self.data_parallel_rank < m or self.data_parallel_poll_ms <= 0:
+            raise ValueError(
+                f"--data-parallel-size {m} and --data-parallel-rank {self.data_parallel_rank}: size >= 1, "
+                "0 <= rank < size, and --data-parallel-poll-ms positive"
+            )
+        if m == 1:
+            return
+        need = [
+            (not self.enable_expert_parallel, "needs --enable-expert-parallel (the experts split over the DP ranks)"),
+            (not self.dist_init_addr, "needs --dist-init-addr HOST:PORT (DP rank 0's address, the same on every rank)"),
+            # Not built yet (docs/parallel.md): refused rather than served some other way.
+            (
+                self.tensor_parallel_size > 1,
+                "with --tensor-parallel-size > 1 (attention split inside a DP rank) is not built yet",
+            ),
+            (self.role != "both", f"with --role {self.role} (P/D) is not built yet"),
+        ]
+        for bad, why in need:
+            if bad:
+                raise ValueError(f"--data-parallel-size {m} {why}")
 
     def torch_dtype(self):
         import torch

@@ -22,7 +22,8 @@ from ..kv.build import KVLayout, build_kv
 from ..kv.tiers import TieredRadixCache
 from ..models import load_llm, model_config
 from ..paged_attention import KVPools
-from ..parallel.comm import SINGLE_RANK
+from ..parallel.comm import SINGLE_RANK, Parallel
+from ..parallel.data import DataParallel
 from ..parallel.mirror import MirroredTier
 from ..parallel.replica import Replica, ReplicaDown, spec_from_config
 from ..parallel.shard import Shard
@@ -58,9 +59,15 @@ class LLM:
         full_size = cfg.kv_cache_tokens - cfg.kv_cache_tokens % cfg.page_size  # whole pages
         # Model parallelism (llm_backend/parallel): this process is rank 0, the other ranks are started here.
         self.replica = _start_replica(cfg, model, dtype, full_size)
+        # Data-parallel attention (parallel/data.py): this process is one DP rank; the others are their own workers.
+        self.data = _start_data_parallel(cfg, model)
         par = self.replica.par if self.replica is not None else SINGLE_RANK
+        if self.data is not None:
+            par = Parallel(Shard(0, 1, True, cfg.data_parallel_rank, cfg.data_parallel_size), data=self.data)
         try:
             self.model = _load(cfg, model, dtype, par)
+            if self.data is not None:
+                self.data.ready()
         except BaseException:
             self.close()
             raise
@@ -109,6 +116,10 @@ class LLM:
         if replica is not None:
             replica.close()
             self.replica = None
+        data = getattr(self, "data", None)
+        if data is not None:
+            data.close()
+            self.data = None
 
     def _scheduler_parts(self, cfg: LLMConfig, drafter) -> dict:
         """The plain scheduler's keyword arguments from the flags."""
@@ -278,6 +289,9 @@ class LLM:
                 raise ValueError("give prompts or prompt_token_ids")
             prompt_token_ids = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
         reqs = [self.add_request(ids, params) for ids in prompt_token_ids]
+        if self.data is not None:  # collective: every DP rank calls it, it returns when no rank has work left
+            while self._lockstep(any(not r.finish_reason for r in reqs))[0]:
+                pass
         while any(not r.finish_reason for r in reqs):
             self.step()
         return [self.output(r) for r in reqs]
@@ -376,6 +390,10 @@ class LLM:
         requests of that step only; the loop goes on (`loop_error` is set only if the loop itself dies)."""
         try:
             while not stop.is_set():
+                if self.data is not None:
+                    if self._lockstep_serving(stop):
+                        break
+                    continue
                 with self._lock:
                     if not self.has_work():
                         self._wake.wait(0.1)
@@ -387,28 +405,87 @@ class LLM:
             log.exception("the engine loop died")
             raise
 
+    def _lockstep_serving(self, stop: threading.Event) -> bool:
+        """One turn of the serving loop of a DP rank: waits up to --data-parallel-poll-ms for work of its own, then
+        runs a step with the others. True when this rank stops; when another one stops, the group cannot serve:
+        this rank's requests fail (`unavailable`) and `ReplicaDown` ends its loop (the worker exits)."""
+        with self._lock:
+            if not self.has_work():
+                self._wake.wait(self.config.data_parallel_poll_ms / 1000)
+        if not self._lockstep(self.has_work(), stop.is_set())[1] or stop.is_set():
+            return stop.is_set()
+        assert self.data is not None
+        e = self.data.peer_stopped()
+        with self._lock:
+            s = self.scheduler
+            if s.running or s.waiting:
+                self._fail(list(s.running) + list(s.waiting), "the data-parallel group", e)
+        raise e
+
+    def _lockstep(self, busy: bool, stopping: bool = False) -> tuple[bool, bool]:
+        """Data-parallel attention (parallel/data.py): the DP ranks agree whether any has work (or is stopping);
+        if one has, every rank runs its step (possibly empty) and then answers the others' MoE rounds until all
+        are done. A DP group that went down fails this rank's requests (`unavailable`) and raises."""
+        assert self.data is not None
+        try:
+            busy, stopping = self.data.sync(busy, stopping)
+            if busy and not stopping:
+                self.step()
+                self.data.finish(self._moe_layers(), self.model.lm_head.weight)
+        except ReplicaDown as e:
+            with self._lock:
+                s = self.scheduler
+                if s.running or s.waiting:
+                    self._fail(list(s.running) + list(s.waiting), "the data-parallel group", e)
+            raise
+        return busy, stopping
+
+    def _moe_layers(self) -> dict:
+        return {i: layer.mlp for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "share")}
+
     def _parallel_stats(self) -> dict:
-        """Model parallelism's figures (none on one rank): rank 0's collectives and the replica's state."""
-        if self.replica is None:
+        """Model parallelism's figures (none on one rank): rank 0's collectives and the replica's state; with
+        data-parallel attention this DP rank's rounds and the group's state."""
+        if self.replica is not None:
+            out = self._expert_load(self.replica.spec.size)
+        elif self.data is not None:
+            out = self._expert_load(self.data.size)
+        else:
             return {}
-        c = self.replica.par.stats
-        ep = {}
+        if self.replica is not None:
+            c = self.replica.par.stats
+            out.update(
+                tensor_parallel_size=self.replica.spec.size,
+                tp_collectives=c.calls,
+                tp_collective_s=round(c.seconds, 6),
+                tp_collective_bytes=c.bytes,
+                tp_replica_up=int(not self.replica.down),
+            )
+        if self.data is not None:
+            d = self.data.stats
+            out.update(
+                data_parallel_size=self.data.size,
+                data_parallel_rank=self.data.rank,
+                dp_rounds=d.rounds,
+                dp_shadow_rounds=d.shadow_rounds,
+                dp_collective_s=round(d.seconds, 6),
+                dp_gathered_tokens=d.gathered_tokens,
+                dp_steps=d.steps,
+                dp_up=int(not self.data.down),
+            )
+        return out
+
+    def _expert_load(self, size: int) -> dict:
+        """Expert parallelism: tokens per expert summed over the MoE layers, and per rank (`size` ranks); every rank
+        routes every token (of every DP rank), so any rank counts them all."""
         counts = [m.expert_tokens for m in self.model.modules() if getattr(m, "held", None) is not None]
-        if counts:  # expert parallelism: tokens per expert summed over the MoE layers, and per rank
-            per_expert = torch.stack(counts).sum(0).tolist()
-            size = self.replica.spec.size
-            k = len(per_expert) // size
-            ep = {
-                "ep_expert_tokens": per_expert,
-                "ep_tokens_per_rank": [sum(per_expert[r * k : (r + 1) * k]) for r in range(size)],
-            }
+        if not counts:
+            return {}
+        per_expert = torch.stack(counts).sum(0).tolist()
+        k = len(per_expert) // size
         return {
-            **ep,
-            "tensor_parallel_size": self.replica.spec.size,
-            "tp_collectives": c.calls,
-            "tp_collective_s": round(c.seconds, 6),
-            "tp_collective_bytes": c.bytes,
-            "tp_replica_up": int(not self.replica.down),
+            "ep_expert_tokens": per_expert,
+            "ep_tokens_per_rank": [sum(per_expert[r * k : (r + 1) * k]) for r in range(size)],
         }
 
     def _check_replica(self) -> None:
@@ -576,6 +653,25 @@ def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots:
     replica = Replica(spec_from_config(cfg, dtype, full_slots))
     replica.start()
     return replica
+
+
+def _start_data_parallel(cfg: LLMConfig, model) -> DataParallel | None:
+    """With --data-parallel-size M > 1: this DP rank joined to the others (each is its own worker process)."""
+    if cfg.data_parallel_size == 1:
+        return None
+    if not isinstance(model, str):
+        raise ValueError("--data-parallel-size > 1 needs a model name or directory (every DP rank loads its experts)")
+    shard = Shard(0, 1, True, cfg.data_parallel_rank, cfg.data_parallel_size)
+    shard.check(model_config(cfg.model, cfg.device, cfg.fp8_weights, cfg.quantization))  # before joining the others
+    data = DataParallel(
+        cfg.data_parallel_rank,
+        cfg.data_parallel_size,
+        f"tcp://{cfg.dist_init_addr}",
+        cfg.dist_timeout_s,
+        cfg.dist_load_timeout_s,
+    )
+    data.start()
+    return data
 
 
 def _load(cfg: LLMConfig, model, dtype: torch.dtype | None, par):

@@ -99,7 +99,7 @@ def load_llm(
     if name_or_path == TINY_RANDOM:
         model = MiMoV2FlashForCausalLM(TINY_LLM_CONFIG)
         init_random_weights(model, TINY_SEED)
-        if not par.single:
+        if not par.shard.single:
             model = _cut(model, par)
         model.to(dtype=dtype)
         for layer in model.model.layers:

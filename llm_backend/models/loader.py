@@ -654,7 +654,7 @@ def load_checkpoint(
     holds is not even read); a shape the rank count cannot split is refused naming the field."""
     plan = plan_checkpoint(directory, dtype, fp8_weights, quantization)
     model = plan.model
-    if not par.single:
+    if not par.shard.single:
         try:
             par.shard.check(plan.cfg)
         except ValueError as e:

@@ -189,10 +189,13 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = "", par: Parallel = SINGLE_RANK):
+    def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = "", par: Parallel = SINGLE_RANK, layer: int = -1):
         """`par`: this rank's experts (expert parallelism) or slice of every expert (tensor parallelism); the
-        router is whole on every rank. The forward returns this rank's partial sum (the caller reduces it)."""
+        router is whole on every rank. The forward returns this rank's partial sum (the caller reduces it); with
+        data-parallel attention (`par.data`) the sum over every DP rank's experts of this rank's tokens (a round of
+        parallel/data.py, named by decoder layer `layer`)."""
         super().__init__()
+        self.layer, self.data = layer, par.data
         q = cfg.quant
         sh = par.shard
         held = sh.experts(cfg.n_routed_experts)
@@ -211,19 +214,26 @@ class MoE(nn.Module):
             self.experts = Experts(e, h, i)
         self.gate = TopkRouter(cfg)
 
+    def share(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism: this rank's experts' share of tokens x [T, hidden] (every token routed here)."""
+        weights, ids = self.gate(x)
+        self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
+        assert self.held is not None
+        lo, hi = self.held
+        mine = (ids >= lo) & (ids < hi)
+        local = (ids - lo).masked_fill(~mine, hi - lo)  # id hi - lo: held elsewhere, skipped
+        quantized = self.experts if isinstance(self.experts, QuantizedExperts) else None  # FP8 / MXFP4 kept
+        gu, down = self.experts.gate_up_proj, self.experts.down_proj
+        return fused_moe_torch(x, gu, down, weights * mine, local, quantized=quantized)
+
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         c = self.gate.cfg
+        if self.data is not None:  # data-parallel attention: every DP rank's tokens meet here
+            return self.data.moe(self.layer, self, x).view(shape)
         if self.held is not None:  # expert parallelism: this rank's experts' share of every token
-            weights, ids = self.gate(x)
-            self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
-            lo, hi = self.held
-            mine = (ids >= lo) & (ids < hi)
-            local = (ids - lo).masked_fill(~mine, hi - lo)  # id hi - lo: held elsewhere, skipped
-            quantized = self.experts if isinstance(self.experts, QuantizedExperts) else None  # FP8 / MXFP4 kept
-            gu, down = self.experts.gate_up_proj, self.experts.down_proj
-            return fused_moe_torch(x, gu, down, weights * mine, local, quantized=quantized).view(shape)
+            return self.share(x).view(shape)
         if (
             c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, (Experts, BlockFP8Experts))
         ):  # fused routing + grouped expert GEMMs (kernels/moe.py); FP8 experts dequantized tile by tile in them
@@ -288,7 +298,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer, par=par)
         p = f"model.layers.{layer}.mlp"
         sparse = cfg.mlp_layer_types[layer] == "sparse"
-        self.mlp = MoE(cfg, p, par) if sparse else DenseMLP(cfg, cfg.intermediate_size // par.shard.size, p)
+        self.mlp = MoE(cfg, p, par, layer) if sparse else DenseMLP(cfg, cfg.intermediate_size // par.shard.size, p)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

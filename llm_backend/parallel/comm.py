@@ -8,18 +8,22 @@ part of the logits). With expert parallelism every rank routes every token (the 
 the same inputs) and computes its own experts' share: the combine is the same all-reduce (the gloo backend has
 no all-to-all; on NCCL this is where a dispatch / combine all-to-all goes, docs/parallel.md).
 A single rank (`SINGLE`) makes none of these calls and computes exactly what the unsplit model computes.
+With data-parallel attention (`data`, parallel/data.py) the MoE layers also exchange tokens with the other DP ranks.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
 from .shard import SINGLE, Shard
+
+if TYPE_CHECKING:
+    from .data import DataParallel
 
 
 @dataclass
@@ -37,10 +41,12 @@ class Parallel:
     shard: Shard = SINGLE
     group: Any = None  # torch.distributed ProcessGroup (None: the default group)
     stats: CommStats = field(default_factory=CommStats, compare=False)
+    data: DataParallel | None = None  # the DP group with data-parallel attention (data.py), else None
 
     @property
     def single(self) -> bool:
-        return self.shard.single
+        """No tensor parallelism: attention, MLPs and the vocabulary are whole here (no collectives of this group)."""
+        return self.shard.size == 1
 
     def reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's partial `x` (in place)."""

@@ -1,6 +1,8 @@
 """What one rank of a model-parallel replica holds: the slicing rules of tensor and expert parallelism, written once.
 
-A `Shard` is (rank, size, expert_parallel). Its rules, by parameter (vLLM's and SGLang's meaning of the flags):
+A `Shard` is (rank, size, expert_parallel, dp_rank, dp_size): `rank` of `size` tensor-parallel ranks, in data-parallel
+rank `dp_rank` of `dp_size` (data-parallel attention, parallel/data.py: each DP rank holds the whole attention and
+its own requests, the experts are split over all dp_size x size ranks). Its rules, by parameter (vLLM's and SGLang's meaning of the flags):
 
 - attention: query heads split evenly (`num_attention_heads % size == 0`), rank r holding heads
   [r * Hq/N, (r+1) * Hq/N); KV heads split the same way when there are at least N of them, else replicated:
@@ -10,7 +12,8 @@ A `Shard` is (rank, size, expert_parallel). Its rules, by parameter (vLLM's and 
 - the dense MLP: gate/up column-parallel, down row-parallel (`intermediate_size % size == 0`);
 - the routed experts: with tensor parallelism every rank holds every expert's slice of the intermediate
   dimension (gate and up rows, down columns); with expert parallelism rank r holds whole experts
-  [r * E/N, (r+1) * E/N) (`n_routed_experts % size == 0`);
+  [r * E/N, (r+1) * E/N) (`n_routed_experts % size == 0`), r and N counted over every rank of every DP rank
+  (data-parallel attention needs expert parallelism);
 - the token embedding and the LM head: split by vocabulary (`vocab_size % size == 0`), rank r holding ids
   [r * V/N, (r+1) * V/N); the embedding is summed over ranks, the logits gathered;
 - everything else is replicated: the norms, the router (fp32, so every rank picks the same experts), the MTP
@@ -40,10 +43,21 @@ class Shard:
     rank: int = 0
     size: int = 1
     expert_parallel: bool = False
+    dp_rank: int = 0
+    dp_size: int = 1
 
     @property
     def single(self) -> bool:
-        return self.size == 1
+        """Nothing of the model is split here (no tensor and no data parallelism)."""
+        return self.size == 1 and self.dp_size == 1
+
+    @property
+    def world_rank(self) -> int:
+        return self.dp_rank * self.size + self.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.size
 
     # --- shapes -------------------------------------------------------------------------------------------
     def part(self, n: int) -> slice:
@@ -59,8 +73,12 @@ class Shard:
         return slice(h, h + 1)
 
     def experts(self, n: int) -> slice:
-        """The experts this rank holds whole (all of them without expert parallelism)."""
-        return self.part(n) if self.expert_parallel else slice(0, n)
+        """The experts this rank holds whole (all of them without expert parallelism): an even part over every
+        rank of every DP rank."""
+        if not self.expert_parallel:
+            return slice(0, n)
+        k = n // self.world_size
+        return slice(self.world_rank * k, (self.world_rank + 1) * k)
 
     def moe_intermediate(self, inter: int) -> int:
         """This rank's part of each expert's intermediate dimension (whole with expert parallelism)."""
@@ -68,7 +86,7 @@ class Shard:
 
     def attention_config(self, cfg):
         """`cfg` with this rank's head counts: what the KV pools (and the attention modules) hold here."""
-        if self.single:
+        if self.size == 1:
             return cfg
         full = [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"]
         swa = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
@@ -85,19 +103,28 @@ class Shard:
         """Raises ValueError naming the config field this shard cannot split (one line)."""
         if self.size < 1 or not 0 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} of a tensor-parallel size {self.size}")
+        if self.dp_size < 1 or not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"data-parallel rank {self.dp_rank} of a data-parallel size {self.dp_size}")
         if self.single:
             return
+        if self.dp_size > 1 and not self.expert_parallel:
+            raise ValueError(
+                f"--data-parallel-size {self.dp_size} needs --enable-expert-parallel (the experts split whole over the "
+                "DP ranks; a slice of every expert on every DP rank is not built)"
+            )
         n = self.size
         why = f"--tensor-parallel-size {n}"
         need = [("num_attention_heads", cfg.num_attention_heads), ("vocab_size", cfg.vocab_size)]
         need.append(("intermediate_size", cfg.intermediate_size))
-        if self.expert_parallel:
-            need.append(("n_routed_experts", cfg.n_routed_experts))
-        elif "sparse" in cfg.mlp_layer_types:
+        if not self.expert_parallel and "sparse" in cfg.mlp_layer_types:
             need.append(("moe_intermediate_size", cfg.moe_intermediate_size))
         for name, value in need:
             if value % n:
                 raise ValueError(f"{why}: the model's {name} ({value}) is not a multiple of {n}")
+        w = self.world_size
+        if self.expert_parallel and cfg.n_routed_experts % w:
+            where = f"{why} x --data-parallel-size {self.dp_size}" if self.dp_size > 1 else why
+            raise ValueError(f"{where}: the model's n_routed_experts ({cfg.n_routed_experts}) is not a multiple of {w}")
         if cfg.quant is not None and cfg.quant.mxfp4_block:
             raise ValueError(f"{why}: MXFP4 experts kept packed are not split yet; use --fp8-weights dequantize")
         for kind in sorted(set(cfg.layer_types)):
