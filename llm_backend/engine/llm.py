@@ -283,6 +283,9 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         prompt_token_ids: list[list[int]] | None = None,
     ) -> list[RequestOutput]:
+        """Runs the prompts to the end (vLLM's offline API). With data-parallel attention it is collective: every DP
+        rank makes the same calls (an empty `prompt_token_ids` where it has nothing) and each returns when no rank
+        has work left."""
         params = sampling_params or SamplingParams()
         if prompt_token_ids is None:
             if prompts is None:
@@ -290,7 +293,7 @@ class LLM:
             prompt_token_ids = [self.tokenizer.encode(p) for p in ([prompts] if isinstance(prompts, str) else prompts)]
         reqs = [self.add_request(ids, params) for ids in prompt_token_ids]
         if self.data is not None:  # collective: every DP rank calls it, it returns when no rank has work left
-            while self._lockstep(any(not r.finish_reason for r in reqs))[0]:
+            while self._lockstep(self.has_work())[0]:
                 pass
         while any(not r.finish_reason for r in reqs):
             self.step()

@@ -38,6 +38,13 @@ class _EngineGauges:
             ("llm_kv_swa_request_slots", "SWA-pool slots held by requests (not the prefix cache)", "swa_request_slots"),
             ("llm_tensor_parallel_size", "ranks of this worker's model-parallel replica", "tensor_parallel_size"),
             ("llm_tp_replica_up", "1 while every rank of the model-parallel replica serves", "tp_replica_up"),
+            (
+                "llm_data_parallel_size",
+                "DP ranks sharing this worker's experts (data-parallel attention)",
+                "data_parallel_size",
+            ),
+            ("llm_data_parallel_rank", "this worker's DP rank", "data_parallel_rank"),
+            ("llm_dp_up", "1 while every DP rank of the group serves", "dp_up"),
         ]
         for name, doc, key in gauges:
             if key in s:
@@ -59,6 +66,18 @@ class _EngineGauges:
                 "tp_collective_s",
             ),
             ("llm_tp_collective_bytes", "bytes rank 0 contributed to collectives", "tp_collective_bytes"),
+            ("llm_dp_rounds", "MoE rounds with this DP rank's tokens in them", "dp_rounds"),
+            (
+                "llm_dp_shadow_rounds",
+                "MoE rounds this DP rank answered with no tokens (the others' forwards)",
+                "dp_shadow_rounds",
+            ),
+            (
+                "llm_dp_collective_seconds",
+                "seconds this DP rank spent in the DP group's collectives",
+                "dp_collective_s",
+            ),
+            ("llm_dp_steps", "engine steps run in lockstep with the other DP ranks", "dp_steps"),
         ):
             if key in s:
                 yield CounterMetricFamily(name, doc, value=float(s[key]))
