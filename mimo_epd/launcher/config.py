@@ -97,6 +97,8 @@ class NodeConfig:
     routing: LLMRouterConfig = field(default=None, metadata={"flag": False})  # type: ignore[assignment]
     chat_template: str = field(default="", metadata={"flag": False})  # --llm-chat-template: the router renders too
     llm_args: list = field(default_factory=list, metadata={"flag": False})  # the --llm-* flags for each worker
+    # --llm-data-parallel-size M: the M --llm-workers are one DP group (each given its --data-parallel-rank)
+    llm_data_parallel: int = field(default=1, metadata={"flag": False})
     # why media items are refused (the model has no vision tower: no encoder process); empty = they are served
     media_refusal: str = field(default="", metadata={"flag": False})
 
@@ -123,8 +125,9 @@ class NodeConfig:
             raise ValueError(f"--encoders must be at least 1, got {cfg.encoders}")
         if cfg.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {cfg.drain_timeout_s}")
+        cfg.llm_data_parallel = getattr(args, "llm_data_parallel_size", 1) or 1
         if cfg.llm_workers == -1:
-            cfg.llm_workers = 0 if cfg.pd_decode_workers > 0 else 1
+            cfg.llm_workers = 0 if cfg.pd_decode_workers > 0 else cfg.llm_data_parallel
         if cfg.llm_workers < 0 or cfg.pd_prefill_workers < 0 or cfg.pd_decode_workers < 0:
             raise ValueError("--llm-workers, --pd-prefill-workers and --pd-decode-workers must be >= 0")
         if cfg.llm_workers + cfg.pd_decode_workers < 1:
@@ -132,6 +135,12 @@ class NodeConfig:
         if cfg.pd_prefill_workers and not cfg.pd_decode_workers:
             raise ValueError(
                 "--pd-prefill-workers needs --pd-decode-workers (prefill workers only serve decode workers)"
+            )
+        dp = cfg.llm_data_parallel
+        if dp > 1 and (cfg.llm_workers != dp or cfg.pd_prefill_workers or cfg.pd_decode_workers):
+            raise ValueError(
+                f"--llm-data-parallel-size {dp}: the node's --llm-workers are its DP ranks, so it needs --llm-workers "
+                f"{dp} (got {cfg.llm_workers}) and no P/D workers"
             )
         if cfg.join and not cfg.join.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"--join needs a redis:// URL, got {cfg.join!r}")
@@ -159,6 +168,7 @@ _LLM_OWN = {
     "max_model_len",
     "tokenizer",
     "role",  # --pd-prefill-workers / --pd-decode-workers
+    "data_parallel_rank",  # each of --llm-workers is given its own with --llm-data-parallel-size
     "pd_prefill",
 }
 

@@ -306,9 +306,24 @@ async def start_llm_workers(node: NodeConfig, encoder_address: str) -> list[Chil
     pd = (
         ["--role", "decode", "--pd-prefill", ",".join(w.endpoint for w in prefill)] if prefill else ["--role", "decode"]
     )
-    workers = group(0, node.llm_workers, []) + group(node.llm_workers + len(prefill), node.pd_decode_workers, pd)
+    if node.llm_data_parallel > 1:  # the colocated workers are one DP group: each its own rank
+        workers = [w for i, own in enumerate(data_parallel_args(node)) for w in group(i, 1, own)]
+    else:
+        workers = group(0, node.llm_workers, [])
+    workers += group(node.llm_workers + len(prefill), node.pd_decode_workers, pd)
     await asyncio.gather(*(w.start() for w in workers))
     return workers + prefill
+
+
+def data_parallel_args(node: NodeConfig) -> list[list[str]]:
+    """Each DP rank's own flags: its rank, and the group's meeting address (`--llm-dist-init-addr`, or a free port on
+    this node, chosen once for the node's life: restarted ranks meet at the same one)."""
+    addr = []
+    if "--dist-init-addr" not in node.llm_args:
+        from llm_backend.parallel.replica import free_init_method
+
+        addr = ["--dist-init-addr", free_init_method(node.node_host).removeprefix("tcp://")]
+    return [["--data-parallel-rank", str(r), *addr] for r in range(node.llm_workers)]
 
 
 def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:

@@ -70,6 +70,38 @@ def test_what_data_parallelism_cannot_do_is_refused_by_name(option, says):
         LLMConfig(**opts).validate()
 
 
+def test_serve_makes_its_llm_workers_the_dp_ranks():
+    """`serve --llm-data-parallel-size 2` starts two LLM workers (DP ranks 0 and 1, one meeting address); another
+    worker count, or P/D workers beside them, is refused by name."""
+    from mimo_epd.cli import build_parser
+    from mimo_epd.launcher.config import NodeConfig
+    from mimo_epd.launcher.node import data_parallel_args
+
+    def node(*flags):
+        return NodeConfig.from_args(build_parser().parse_args(["serve", *flags]))
+
+    dp = node("--llm-data-parallel-size", "2", "--llm-enable-expert-parallel")
+    assert dp.llm_workers == 2 and "--data-parallel-size" in dp.llm_args
+    own = data_parallel_args(dp)
+    assert [a[:2] for a in own] == [["--data-parallel-rank", "0"], ["--data-parallel-rank", "1"]]
+    assert own[0][2:] == own[1][2:] and own[0][2] == "--dist-init-addr"
+    given = node("--llm-dp", "2", "--llm-enable-expert-parallel", "--llm-dist-init-addr", "10.0.0.1:29500")
+    assert [a[2:] for a in data_parallel_args(given)] == [[], []]  # the user's address, in the passed-through flags
+    with pytest.raises(ValueError, match="needs --llm-workers 2 \\(got 3\\)"):
+        node("--llm-data-parallel-size", "2", "--llm-workers", "3")
+    with pytest.raises(ValueError, match="no P/D workers"):
+        node(
+            "--llm-data-parallel-size",
+            "2",
+            "--llm-workers",
+            "2",
+            "--pd-prefill-workers",
+            "1",
+            "--pd-decode-workers",
+            "1",
+        )
+
+
 # ------------------------------------------------------------------------------------------- real DP ranks
 
 
@@ -188,3 +220,44 @@ def test_dp2_workers_serve_the_openai_api_and_fail_loudly_when_one_dies():
         for w in workers:
             if w.proc.poll() is None:
                 w.proc.kill()
+
+
+@pytest.mark.integration
+def test_serve_runs_its_llm_workers_as_one_dp_group_and_restarts_it_whole():
+    """`mimo-epd serve --llm-data-parallel-size 2`: the node's two LLM workers are DP ranks 0 and 1 (the router sees
+    two workers); completions equal a one-rank worker's. SIGKILL of DP rank 1 takes rank 0 down too; the supervisor
+    restarts both, they meet again at the node's address, and the node answers the same again."""
+    import openai
+    import psutil
+
+    from mimo_epd.testing.servers import start_server
+
+    ask = dict(model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0)
+    one = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
+    try:
+        want = openai.OpenAI(base_url=f"http://{one.http_address}/v1", api_key="x").completions.create(**ask)
+    finally:
+        assert one.stop() == 0
+    dp = ["--llm-data-parallel-size", "2", "--llm-enable-expert-parallel", "--llm-dist-timeout-s", "5"]
+    node = start_server(["--http-port", "0", "--encoders", "1", *dp], "serve", timeout=300)
+    try:
+        c = openai.OpenAI(base_url=f"http://{node.http_address}/v1", api_key="x", max_retries=0, timeout=60)
+        for _ in range(2):
+            assert c.completions.create(**ask).choices[0].text == want.choices[0].text
+        ranks = {}
+        for p in psutil.Process(node.proc.pid).children(recursive=True):
+            line = p.cmdline()
+            if "--data-parallel-rank" in line:
+                ranks[line[line.index("--data-parallel-rank") + 1]] = p
+        assert sorted(ranks) == ["0", "1"] and "--dist-init-addr" in ranks["0"].cmdline()
+        ranks["1"].kill()
+        ranks["0"].wait(timeout=30)  # the group is down: rank 0 leaves too (psutil: no exit code of a grandchild)
+        deadline, answer = time.monotonic() + 120, None
+        while time.monotonic() < deadline and answer is None:
+            try:
+                answer = c.completions.create(**ask).choices[0].text
+            except openai.APIError:
+                time.sleep(1)
+        assert answer == want.choices[0].text, "the restarted DP group serves again"
+    finally:
+        node.stop()
