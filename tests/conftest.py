@@ -73,6 +73,7 @@ RUN_FIRST = (  # seconds on 2026-12-03, quiet: 819 s of wall time for 1577 s of 
     "tests/cli/test_readme_commands.py",  # 68
     "tests/router/test_http_routing.py",  # 67
     "tests/llm/test_engine.py",  # 53
+    "tests/parallel/test_data_parallel.py",  # 50 (2026-12-07)
     "tests/integration/test_encoder_server.py",  # 52
     "tests/chaos/test_chaos_smoke.py",  # 42
     "tests/cli/test_node_metrics.py",  # 41
