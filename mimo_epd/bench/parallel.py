@@ -4,7 +4,11 @@
 Modes (one engine each, the same requests, greedy, `ignore_eos`, the same total threads):
 - `tp1`: one process, `--threads` torch threads (the reference: what a user of one device runs);
 - `tp2`: two ranks (`--tensor-parallel-size 2`), `--threads / 2` threads each, gloo collectives over loopback;
-- `tp2_ep`: the same with expert parallelism (each rank holds half the experts, whole).
+- `tp2_ep`: the same with expert parallelism (each rank holds half the experts, whole);
+- `dp2_ep`: data-parallel attention (`--data-parallel-size 2 --enable-expert-parallel`): two worker processes,
+  `--threads / 2` threads each, each with half of the requests (alternate ones) and half of the experts; their MoE
+  layers meet in rounds over gloo (llm_backend/parallel/data.py). Tokens/s is both ranks' tokens over the slower
+  rank's wall time; TTFT over both ranks' requests; the collectives are DP rank 0's rounds.
 
 Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once). Reported per mode and
 workload: output tokens/s (output tokens over wall time), TTFT P50/P90 (from `add_request` to the first token's
@@ -25,6 +29,7 @@ MODES = {
     "tp1": dict(tensor_parallel_size=1),
     "tp2": dict(tensor_parallel_size=2),
     "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
+    "dp2_ep": dict(data_parallel_size=2, enable_expert_parallel=True),
 }
 
 
@@ -58,8 +63,9 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [torch.randint(10, min(vocab, 4000), (length + (i % 8),), generator=g).tolist() for i in range(n)]
 
 
-def run_workload(llm, batch: list[list[int]], params, concurrent: bool) -> dict:
-    """Requests all at once (`concurrent`) or one after another; returns tokens/s, TTFTs and the outputs."""
+def run_workload(llm, batch: list[list[int]], params, concurrent: bool, waves_of: int = 0) -> dict:
+    """Requests all at once (`concurrent`) or one after another; returns tokens/s, TTFTs and the outputs. A DP rank
+    (`llm.data`) steps with the others (`generate` is collective) through `waves_of` waves, empty ones included."""
     firsts: dict[int, float] = {}
     starts: dict[int, float] = {}
 
@@ -69,12 +75,15 @@ def run_workload(llm, batch: list[list[int]], params, concurrent: bool) -> dict:
     outputs, tokens = [], 0
     t0 = time.perf_counter()
     waves = [batch] if concurrent else [[p] for p in batch]
+    waves += [[] for _ in range(waves_of - len(waves))]
     for wave in waves:
         reqs = []
         for p in wave:
             r = llm.add_request(p, params, on_token=on_token)
             starts[r.id] = time.perf_counter()
             reqs.append(r)
+        if llm.data is not None:
+            llm.generate(prompt_token_ids=[], sampling_params=params)
         while llm.has_work():
             llm.step()
         for r in reqs:
@@ -90,12 +99,16 @@ def run_workload(llm, batch: list[list[int]], params, concurrent: bool) -> dict:
         "ttft_p90_s": round(percentile(ttft, 90), 4),
         "wall_s": round(wall, 3),
         "_outputs": outputs,
+        "_ttft": ttft,
+        "_tokens": tokens,
     }
 
 
 def run_mode(args, mode: str, workloads: dict) -> dict:
     import torch
 
+    if "data_parallel_size" in MODES[mode]:
+        return run_dp_mode(args, mode, workloads)
     from llm_backend import LLM, SamplingParams
 
     size = MODES[mode]["tensor_parallel_size"]
@@ -129,6 +142,86 @@ def run_mode(args, mode: str, workloads: dict) -> dict:
     return out
 
 
+def run_dp_mode(args, mode: str, workloads: dict) -> dict:
+    """Two DP ranks as spawned processes, alternate requests each; their results merged in the requests' order."""
+    import multiprocessing as mp
+
+    from llm_backend.parallel.replica import free_init_method
+
+    size = MODES[mode]["data_parallel_size"]
+    threads = max(1, args.threads // size)
+    addr = free_init_method().removeprefix("tcp://")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    setup = dict(model=args.model, max_tokens=args.max_tokens, threads=threads, addr=addr, size=size, mode=mode)
+    procs = [ctx.Process(target=dp_rank_main, args=(setup, r, workloads, queue), daemon=True) for r in range(size)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(queue.get(timeout=3600) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    out: dict = {"threads_per_rank": threads}
+    for key, batch in workloads.items():
+        parts = [got[r][key] for r in range(size)]
+        outputs: list = [None] * len(batch)
+        for r, part in enumerate(parts):
+            outputs[r::size] = part["_outputs"]
+        wall = max(part["wall_s"] for part in parts)
+        ttft = [t for part in parts for t in part["_ttft"]]
+        out[key] = {
+            "output_tokens_per_s": round(sum(part["_tokens"] for part in parts) / wall, 2),
+            "ttft_p50_s": round(percentile(ttft, 50), 4),
+            "ttft_p90_s": round(percentile(ttft, 90), 4),
+            "wall_s": wall,
+            "_outputs": outputs,
+            **{k: v for k, v in parts[0].items() if k.startswith(("collective", "dp_"))},
+        }
+    return out
+
+
+def dp_rank_main(setup: dict, rank: int, workloads: dict, queue) -> None:
+    """One DP rank of `run_dp_mode` (a spawned process): its share of each workload, with the others in lockstep."""
+    import torch
+
+    from llm_backend import LLM, SamplingParams
+
+    torch.set_num_threads(setup["threads"])
+    size = setup["size"]
+    llm = LLM(
+        setup["model"],
+        kv_cache_tokens=32768,
+        swa_cache_tokens=16384,
+        max_running=16,
+        torch_threads=setup["threads"],
+        dist_init_addr=setup["addr"],
+        data_parallel_rank=rank,
+        **MODES[setup["mode"]],
+    )
+    params = SamplingParams(max_tokens=setup["max_tokens"], temperature=0, ignore_eos=True)
+    out = {}
+    try:
+        run_workload(llm, workloads["b1"][:1], SamplingParams(max_tokens=4, temperature=0), False)  # warm-up
+        for key, batch in workloads.items():
+            mine = batch[rank::size]
+            waves = 1 if key != "b1" else -(-len(batch) // size)
+            before = llm.stats()
+            res = run_workload(llm, mine, params, concurrent=key != "b1", waves_of=waves)
+            after = llm.stats()
+            secs = after["dp_collective_s"] - before["dp_collective_s"]
+            res["collective_rounds"] = after["dp_rounds"] - before["dp_rounds"]
+            res["dp_shadow_rounds"] = after["dp_shadow_rounds"] - before["dp_shadow_rounds"]
+            res["collective_s"] = round(secs, 3)
+            res["collective_share_of_wall"] = round(secs / res["wall_s"], 3)
+            out[key] = res
+    finally:
+        llm.close()
+    queue.put((rank, out))
+
+
 def main(args) -> dict:
     if args.sim:
         from llm_backend.sim.parallel import simulate_modes
@@ -151,7 +244,8 @@ def main(args) -> dict:
     identical = all(results[m][k]["_outputs"] == results["tp1"][k]["_outputs"] for m in modes for k in workloads)
     for r in results.values():
         for k in workloads:
-            r[k].pop("_outputs")
+            for private in ("_outputs", "_ttft", "_tokens"):
+                r[k].pop(private, None)
     ratios = {}
     for m in modes:
         if m == "tp1":
