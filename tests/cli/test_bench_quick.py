@@ -390,9 +390,10 @@ def test_encoder_bench_repeats_report_the_median_run_and_paired_ranges():
 
 
 def test_parallel_bench_quick():
-    """TP 2 and TP 2 with expert parallelism against one process: outputs identical, rank 0's collectives counted
-    (18 a step on the tiny model: two per layer, the embedding's, the logits'), the issue's ratio named."""
-    out = run_bench("parallel", "--modes", "tp1,tp2")
+    """TP 2 and DP 2 (data-parallel attention, expert parallel) against one process: outputs identical, rank 0's
+    collectives counted (TP: 18 a step on the tiny model, two per layer, the embedding's, the logits'; DP: one round
+    per sparse layer, 7 a forward), the issue's ratio named."""
+    out = run_bench("parallel", "--modes", "tp1,tp2,dp2_ep")
     no_grades(out)
     assert out["outputs_identical"] is True
     for key in ("b1", "b16"):
@@ -400,4 +401,6 @@ def test_parallel_bench_quick():
         tp2 = out["modes"]["tp2"][key]
         assert tp2["collective_calls"] > 0 and tp2["collective_calls"] % 18 == 0
         assert 0 < tp2["collective_share_of_wall"] < 1
-    assert "tp2_vs_tp1_tokens_per_s_b16" in out["ratios"]
+        dp2 = out["modes"]["dp2_ep"][key]
+        assert dp2["collective_rounds"] > 0 and dp2["collective_rounds"] % 7 == 0
+    assert "tp2_vs_tp1_tokens_per_s_b16" in out["ratios"] and "dp2_ep_vs_tp1_tokens_per_s_b16" in out["ratios"]
