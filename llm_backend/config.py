@@ -122,7 +122,8 @@ class LLMConfig:
     )
     enable_expert_parallel: bool = flag(
         False,
-        "with --tensor-parallel-size N: each rank holds n_experts / N whole experts instead of a slice of each",
+        "with --tensor-parallel-size N (x --data-parallel-size M): each rank holds n_experts / (N x M) whole experts "
+        "instead of a slice of each",
         _PAR,
     )
     data_parallel_size: int = flag(
@@ -410,10 +411,7 @@ class LLMConfig:
             (not self.enable_expert_parallel, "needs --enable-expert-parallel (the experts split over the DP ranks)"),
             (not self.dist_init_addr, "needs --dist-init-addr HOST:PORT (DP rank 0's address, the same on every rank)"),
             # Not built yet (docs/parallel.md): refused rather than served some other way.
-            (
-                self.tensor_parallel_size > 1,
-                "with --tensor-parallel-size > 1 (attention split inside a DP rank) is not built yet",
-            ),
+            (self.nnodes > 1, "with --nnodes > 1 (one DP rank's replica over several machines) is not built yet"),
             (self.role != "both", f"with --role {self.role} (P/D) is not built yet"),
         ]
         for bad, why in need:

@@ -23,8 +23,8 @@ from ..kv.tiers import TieredRadixCache
 from ..models import load_llm, model_config
 from ..paged_attention import KVPools
 from ..parallel.comm import SINGLE_RANK, Parallel
-from ..parallel.data import DataParallel
-from ..parallel.mirror import MirroredTier
+from ..parallel.data import DataParallel, moe_layers
+from ..parallel.mirror import DP_FINISH, MirroredTier, ModelCall
 from ..parallel.replica import Replica, ReplicaDown, spec_from_config
 from ..parallel.shard import Shard
 from ..tokenizer import ByteTokenizer, load_tokenizer
@@ -60,9 +60,9 @@ class LLM:
         # Model parallelism (llm_backend/parallel): this process is rank 0, the other ranks are started here.
         self.replica = _start_replica(cfg, model, dtype, full_size)
         # Data-parallel attention (parallel/data.py): this process is one DP rank; the others are their own workers.
-        self.data = _start_data_parallel(cfg, model)
+        self.data = _start_data_parallel(cfg, model) if self.replica is None else self.replica.data
         par = self.replica.par if self.replica is not None else SINGLE_RANK
-        if self.data is not None:
+        if self.data is not None and self.replica is None:
             par = Parallel(Shard(0, 1, True, cfg.data_parallel_rank, cfg.data_parallel_size), data=self.data)
         try:
             self.model = _load(cfg, model, dtype, par)
@@ -434,7 +434,9 @@ class LLM:
             busy, stopping = self.data.sync(busy, stopping)
             if busy and not stopping:
                 self.step()
-                self.data.finish(self._moe_layers(), self.model.lm_head.weight)
+                if self.replica is not None:  # this replica's other ranks shadow the rounds with it
+                    self.replica.send(ModelCall(DP_FINISH, ()))
+                self.data.finish(moe_layers(self.model), self.model.lm_head.weight)
         except ReplicaDown as e:
             with self._lock:
                 s = self.scheduler
@@ -443,16 +445,13 @@ class LLM:
             raise
         return busy, stopping
 
-    def _moe_layers(self) -> dict:
-        return {i: layer.mlp for i, layer in enumerate(self.model.model.layers) if hasattr(layer.mlp, "share")}
-
     def _parallel_stats(self) -> dict:
         """Model parallelism's figures (none on one rank): rank 0's collectives and the replica's state; with
         data-parallel attention this DP rank's rounds and the group's state."""
-        if self.replica is not None:
+        if self.data is not None:
+            out = self._expert_load(self.data.size * self.data.tp)
+        elif self.replica is not None:
             out = self._expert_load(self.replica.spec.size)
-        elif self.data is not None:
-            out = self._expert_load(self.data.size)
         else:
             return {}
         if self.replica is not None:
@@ -651,9 +650,9 @@ def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots:
         return None
     if not isinstance(model, str):
         raise ValueError("--tensor-parallel-size > 1 needs a model name or directory (every rank loads its shard)")
-    shard = Shard(0, cfg.tensor_parallel_size, cfg.enable_expert_parallel)
-    shard.check(model_config(cfg.model, cfg.device, cfg.fp8_weights, cfg.quantization))  # before any rank starts
-    replica = Replica(spec_from_config(cfg, dtype, full_slots))
+    spec = spec_from_config(cfg, dtype, full_slots)
+    spec.shard(0).check(model_config(cfg.model, cfg.device, cfg.fp8_weights, cfg.quantization))  # before any start
+    replica = Replica(spec)
     replica.start()
     return replica
 
@@ -661,7 +660,7 @@ def _start_replica(cfg: LLMConfig, model, dtype: torch.dtype | None, full_slots:
 def _start_data_parallel(cfg: LLMConfig, model) -> DataParallel | None:
     """With --data-parallel-size M > 1: this DP rank joined to the others (each is its own worker process)."""
     if cfg.data_parallel_size == 1:
-        return None
+        return None  # (at --tensor-parallel-size > 1 the replica joins the DP group: replica.py)
     if not isinstance(model, str):
         raise ValueError("--data-parallel-size > 1 needs a model name or directory (every DP rank loads its experts)")
     shard = Shard(0, 1, True, cfg.data_parallel_rank, cfg.data_parallel_size)

@@ -404,7 +404,9 @@ class MiMoV2FlashForCausalLM(nn.Module):
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
             o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None, attn.sinks)
             x = x + par.reduce(attn.o_proj(o.reshape(o.shape[0], -1)))
-            x = x + par.reduce(layer.mlp(layer.post_attention_layernorm(x)))
+            y = layer.mlp(layer.post_attention_layernorm(x))
+            # A MoE layer under data-parallel attention returns the sum over every rank already (parallel/data.py).
+            x = x + (y if par.data is not None and isinstance(layer.mlp, MoE) else par.reduce(y))
         return m.norm(x), bounds
 
     def _embed_all(self, segments: list[SeqInput]) -> list[torch.Tensor]:

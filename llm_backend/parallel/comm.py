@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from .data import DataParallel
 
 
+class ReplicaDown(RuntimeError):
+    """A rank of the replica (or a DP rank of the group) died, hung past the collective timeout or failed its
+    forward: nothing can run here any more."""
+
+
 @dataclass
 class CommStats:
     """What this rank's collectives cost: calls and seconds spent in them (waiting for the slowest rank included),

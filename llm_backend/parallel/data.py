@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .replica import ReplicaDown
+from .comm import ReplicaDown
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,11 @@ class ExpertShare(Protocol):
     """A MoE layer as a DP round needs it: this rank's experts' partial sum over any tokens [T, hidden]."""
 
     def share(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def moe_layers(model) -> dict[int, ExpertShare]:
+    """A model's MoE layers by decoder layer index: what a shadowing rank answers the rounds with."""
+    return {i: layer.mlp for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "share")}
 
 
 @dataclass
@@ -66,16 +71,38 @@ class DPStats:
 
 
 class DataParallel:
-    """One DP rank's membership of the DP group. `start()` joins it (every rank must, within the load timeout);
-    `sync` / `moe` / `finish` are the lockstep's three collectives; `close()` leaves."""
+    """One DP rank's membership of the DP group (with attention tensor-parallel inside a DP rank, each of its `tp`
+    ranks is a member: DP rank d's ranks are d*tp .. d*tp+tp-1 of the group, and they hold the same tokens).
+    `start()` joins it (a DP rank of one process; the ranks of a split replica join through replica.py and
+    `joined`); `sync` (DP ranks' first ranks only) / `moe` / `finish` are the lockstep's collectives."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, load_timeout_s: float):
-        self.rank, self.size = rank, size
+    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, load_timeout_s: float, tp: int = 1):
+        self.rank, self.size, self.tp = rank, size, tp
         self.init_method = init_method
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
-        self.group: Any = None
+        self.group: Any = None  # every rank of every DP rank: the MoE rounds
+        self.leaders: Any = None  # each DP rank's first rank: `sync`
         self.down = ""  # why the DP group is down ("" while it serves)
         self.stats = DPStats()
+
+    @classmethod
+    def joined(cls, rank: int, size: int, tp: int, timeout_s: float) -> "DataParallel":
+        """After init_process_group over all size x tp ranks (replica.py `join_groups`): makes the DP groups (every
+        process of the world calls this, in the same order)."""
+        data = cls(rank, size, "", timeout_s, timeout_s, tp)
+        data._make_groups()
+        return data
+
+    def _make_groups(self) -> None:
+        import torch.distributed as dist
+
+        wait = timedelta(seconds=self.timeout_s)
+        self.group = dist.new_group(backend="gloo", timeout=wait)
+        self.leaders = (
+            self.group
+            if self.tp == 1
+            else dist.new_group([d * self.tp for d in range(self.size)], timeout=wait, backend="gloo")
+        )
 
     def start(self) -> None:
         import torch.distributed as dist
@@ -91,18 +118,18 @@ class DataParallel:
                 world_size=self.size,
                 timeout=timedelta(seconds=self.load_timeout_s),
             )
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout_s))
+            self._make_groups()
         except Exception as e:
             raise RuntimeError(f"data-parallel rank {self.rank} could not join the other DP ranks ({e})") from None
         log.info("data parallelism: rank %d of %d joined", self.rank, self.size)
 
     def ready(self) -> None:
-        """After this rank's model is loaded: waits (the load timeout) for every DP rank's, naming one that never
-        arrives."""
+        """After this DP rank's model is loaded (all its ranks': replica.py waited for them): waits (the load
+        timeout) for every DP rank's, naming one that never arrives."""
         import torch.distributed as dist
 
         try:
-            dist.monitored_barrier(timeout=timedelta(seconds=self.load_timeout_s), wait_all_ranks=True)
+            dist.monitored_barrier(self.leaders, timeout=timedelta(seconds=self.load_timeout_s), wait_all_ranks=True)
         except Exception as e:
             raise RuntimeError(f"the data-parallel ranks did not all load their models ({e})") from None
 
@@ -110,7 +137,7 @@ class DataParallel:
     def sync(self, busy: bool, stopping: bool = False) -> tuple[bool, bool]:
         """(does any rank have work, is any rank stopping): every rank calls it at the top of each loop turn."""
         flags = torch.tensor([int(busy), int(stopping)], dtype=torch.int64)
-        self._collective(lambda dist: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group), "sync")
+        self._collective(lambda dist: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.leaders), "sync")
         if not flags[0]:
             self.stats.idle_polls += 1
         else:
@@ -132,10 +159,8 @@ class DataParallel:
             self.stats.shadow_rounds += 1
 
     def _round(self, layer: int, experts, x: torch.Tensor, layers: dict | None = None) -> torch.Tensor | None:
-        import torch.distributed as dist
-
         meta = torch.tensor([int(layer >= 0), layer, x.shape[0]], dtype=torch.int64)
-        metas = [torch.empty_like(meta) for _ in range(self.size)]
+        metas = [torch.empty_like(meta) for _ in range(self.size * self.tp)]
         self._collective(lambda d: d.all_gather(metas, meta, group=self.group), "a MoE round's token counts")
         active = [(int(m[1]), int(m[2])) for m in metas if m[0]]
         if not active:
@@ -146,20 +171,20 @@ class DataParallel:
         if experts is None:
             assert layers is not None
             experts = layers[at.pop()]
-        counts = [int(m[2]) for m in metas]
+        counts = [int(metas[d * self.tp][2]) for d in range(self.size)]  # a DP rank's ranks hold the same tokens
         if max(counts) == 0:
             return x
-        return self._exchange(experts, x, counts, dist)
+        return self._exchange(experts, x, counts)
 
-    def _exchange(self, experts: ExpertShare, x: torch.Tensor, counts: list[int], dist) -> torch.Tensor:
-        """Gathers every rank's tokens, computes this rank's experts' share of all of them, sums the shares and
-        returns this rank's rows."""
+    def _exchange(self, experts: ExpertShare, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Gathers every DP rank's tokens, computes this rank's experts' share of all of them, sums the shares and
+        returns this DP rank's rows."""
         most = max(counts)
         padded = x.new_zeros((most, x.shape[-1]))
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        parts = [torch.empty_like(padded) for _ in range(self.size * self.tp)]
         self._collective(lambda d: d.all_gather(parts, padded, group=self.group), "a MoE round's tokens")
-        everyone = torch.cat([p[:n] for p, n in zip(parts, counts)])
+        everyone = torch.cat([parts[d * self.tp][:n] for d, n in enumerate(counts)])
         self.stats.gathered_tokens += everyone.shape[0]
         try:
             out = experts.share(everyone).contiguous()

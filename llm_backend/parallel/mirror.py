@@ -23,6 +23,8 @@ CALLS = {"forward_batch": True, "hidden_states": True, "mtp_step": True, "logits
 TIER_CALLS = ("tier_attach", "tier_d2h", "tier_load")
 # P/D's KV transfer, each rank writing its own heads (`MirroredTransfer`; rank.py `RankTransfer`); both answer.
 PD_CALLS = ("pd_attach", "pd_write")
+# Data-parallel attention (data.py): the replica's step is over, every rank shadows the other DP ranks' rounds.
+DP_FINISH = "dp_finish"
 
 
 class ModelCall(NamedTuple):

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .comm import Parallel
-from .mirror import CALLS, PD_CALLS, TIER_CALLS, rebuild
+from .data import moe_layers
+from .mirror import CALLS, DP_FINISH, PD_CALLS, TIER_CALLS, rebuild
 from .replica import RankSpec, join_groups, set_threads
 
 log = logging.getLogger(__name__)
@@ -35,8 +36,8 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     exit_with_parent()  # rank 0 gone, even by SIGKILL: this rank has nobody to serve
     set_threads(spec)
     try:
-        control, device_group = join_groups(spec, rank)
-        par = Parallel(spec.shard(rank), device_group)
+        control, device_group, data = join_groups(spec, rank)
+        par = Parallel(spec.shard(rank), device_group, data=data)
         dtype = getattr(torch, spec.dtype)
         dev = spec.device_of(rank)
         model = load_llm(spec.model, dev, dtype, spec.fp8_weights, spec.quantization, par=par)
@@ -54,10 +55,13 @@ def rank_main(spec: RankSpec, rank: int) -> None:
     while True:
         try:
             box: list = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
+            dist.broadcast_object_list(box, src=spec.leader, group=control)
             call = box[0]
             if call is None:
                 break
+            if call.method == DP_FINISH and data is not None:
+                data.finish(moe_layers(model), model.lm_head.weight)
+                continue
             if call.method in TIER_CALLS:
                 tier = tier or RankTier(pools)
                 getattr(tier, call.method)(*call.args)

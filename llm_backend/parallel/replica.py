@@ -29,16 +29,13 @@ from typing import Any
 
 import torch
 
-from .comm import Parallel
+from .comm import Parallel, ReplicaDown
+from .data import DataParallel
 from .shard import Shard
 
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT = timedelta(days=365)  # the control group's waits are for work, not for a peer's answer
-
-
-class ReplicaDown(RuntimeError):
-    """A rank of the replica died, hung past the collective timeout or failed its forward."""
 
 
 @dataclass(frozen=True)
@@ -61,9 +58,19 @@ class RankSpec:
     nnodes: int = 1
     mtp_layers: bool = False  # the MTP layers' KV in the pools too (speculative decoding)
     env: dict = field(default_factory=dict)
+    dp_rank: int = 0  # data-parallel attention (data.py): this replica is DP rank dp_rank of dp_size
+    dp_size: int = 1
 
     def shard(self, rank: int) -> Shard:
-        return Shard(rank, self.size, self.expert_parallel)
+        return Shard(rank, self.size, self.expert_parallel, self.dp_rank, self.dp_size)
+
+    @property
+    def leader(self) -> int:
+        """This replica's rank 0 in the world of every DP rank's ranks (0 without data parallelism)."""
+        return self.dp_rank * self.size
+
+    def global_rank(self, rank: int) -> int:
+        return self.leader + rank
 
     def node_ranks(self, node: int) -> range:
         """The ranks node `node` runs (node 0 runs rank 0, the worker, and the next ones)."""
@@ -93,6 +100,7 @@ class Replica:
         self.control: Any = None
         self.down: str = ""  # why the replica is down ("" while it serves)
         self.par = Parallel(spec.shard(0))
+        self.data: DataParallel | None = None  # with data-parallel attention: the DP group this replica is in
 
     def start(self) -> None:
         import torch.distributed as dist
@@ -102,8 +110,8 @@ class Replica:
         self.procs = start_ranks(self.spec, self.spec.node_ranks(0)[1:])
         log.info("model parallelism: %d ranks, this node runs %s", self.spec.size, list(self.spec.node_ranks(0)))
         try:
-            self.control, device = join_groups(self.spec, 0)
-            self.par = Parallel(self.spec.shard(0), device)
+            self.control, device, self.data = join_groups(self.spec, 0)
+            self.par = Parallel(self.spec.shard(0), device, data=self.data)
         except Exception as e:
             self.close()
             raise RuntimeError(f"the model-parallel ranks did not join ({e})") from None
@@ -151,7 +159,7 @@ class Replica:
         if self.down:
             raise ReplicaDown(self.down)
         try:
-            dist.broadcast_object_list([call], src=0, group=self.control)
+            dist.broadcast_object_list([call], src=self.spec.leader, group=self.control)
         except Exception as e:
             self.fail(e)
 
@@ -183,7 +191,7 @@ class Replica:
         if dist.is_initialized():
             if not self.down and self.control is not None and all(p.is_alive() for p in self.procs):
                 try:
-                    dist.broadcast_object_list([None], src=0, group=self.control)
+                    dist.broadcast_object_list([None], src=self.spec.leader, group=self.control)
                 except Exception:  # noqa: BLE001 - stopping anyway
                     pass
             for p in self.procs:
@@ -219,6 +227,8 @@ def spec_from_config(cfg, dtype: torch.dtype | None = None, full_slots: int | No
         threads=cfg.torch_threads,
         nnodes=cfg.nnodes,
         mtp_layers=cfg.speculative_steps > 0,
+        dp_rank=cfg.data_parallel_rank,
+        dp_size=cfg.data_parallel_size,
     )
 
 
@@ -258,25 +268,34 @@ def _proc_state(pid: int | None) -> str:
         return ""
 
 
-def join_groups(spec: RankSpec, rank: int) -> tuple[Any, Any]:
-    """Joins the replica: returns (control group, device group). The default group only meets (its timeout is the
-    load timeout: the ranks of other nodes may start minutes later); the device group's collectives time out after
-    --dist-timeout-s."""
+def join_groups(spec: RankSpec, rank: int) -> tuple[Any, Any, DataParallel | None]:
+    """Joins the replica: returns (control group, device group, the DP group or None). The default group only meets
+    (its timeout is the load timeout: the ranks of other nodes may start minutes later); the device group's
+    collectives time out after --dist-timeout-s. With data-parallel attention the default group is every DP rank's
+    ranks (DP rank d's replica holds ranks d*N .. d*N+N-1): every process makes every replica's groups, in the same
+    order, and keeps its own, then the DP group of all ranks (data.py)."""
     import torch.distributed as dist
 
     backend = "nccl" if spec.device.startswith("cuda") else "gloo"
     dist.init_process_group(
         "gloo",
         init_method=spec.init_method,
-        rank=rank,
-        world_size=spec.size,
+        rank=spec.global_rank(rank),
+        world_size=spec.size * spec.dp_size,
         timeout=timedelta(seconds=spec.load_timeout_s),
     )
-    device = dist.new_group(backend=backend, timeout=timedelta(seconds=spec.timeout_s))
     # Rank 0's sends wait at most the collective timeout (a hung rank must not hang the engine); the other ranks
     # wait for their next step without limit (an idle engine sends nothing). The timeout is each process's own.
     wait = timedelta(seconds=spec.timeout_s) if rank == 0 else CONTROL_TIMEOUT
-    return dist.new_group(backend="gloo", timeout=wait), device
+    mine: tuple[Any, Any] = (None, None)
+    for d in range(spec.dp_size):
+        ranks = list(range(d * spec.size, (d + 1) * spec.size)) if spec.dp_size > 1 else None
+        device = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=spec.timeout_s))
+        control = dist.new_group(ranks, backend="gloo", timeout=wait)
+        if d == spec.dp_rank:
+            mine = (control, device)
+    data = DataParallel.joined(spec.dp_rank, spec.dp_size, spec.size, spec.timeout_s) if spec.dp_size > 1 else None
+    return mine[0], mine[1], data
 
 
 def set_threads(spec: RankSpec) -> None:

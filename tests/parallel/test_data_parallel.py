@@ -21,6 +21,7 @@ import torch
 
 from llm_backend import LLM, SamplingParams
 from llm_backend.config import LLMConfig
+from llm_backend.parallel.data import moe_layers
 from llm_backend.parallel.replica import free_init_method
 from llm_backend.parallel.shard import Shard
 
@@ -59,7 +60,7 @@ def test_experts_split_over_every_rank_of_every_dp_rank():
     [
         (dict(enable_expert_parallel=False), "needs --enable-expert-parallel"),
         (dict(dist_init_addr=""), "needs --dist-init-addr"),
-        (dict(tensor_parallel_size=2), "--tensor-parallel-size > 1 .* not built yet"),
+        (dict(tensor_parallel_size=2, nnodes=2), "--nnodes > 1 .* not built yet"),
         (dict(role="prefill"), "--role prefill .* not built yet"),
         (dict(data_parallel_rank=2), "--data-parallel-rank 2"),
     ],
@@ -105,18 +106,20 @@ def test_serve_makes_its_llm_workers_the_dp_ranks():
 # ------------------------------------------------------------------------------------------- real DP ranks
 
 
-def _rank(rank: int, addr: str, spec: bool, out) -> None:
+def _rank(rank: int, addr: str, spec: bool, tp: int, out) -> None:
     """One DP rank (a spawned process): rank 0 runs three prompts, again (prefix hits), and a media prompt; rank 1
     one long generation. Offline, `generate` is collective: every DP rank makes the same calls (an empty one where
     it has nothing: it steps with the others until none has work). Sends back its outputs, stats and the expert
     rows it holds."""
-    llm = LLM("tiny", data_parallel_rank=rank, dist_init_addr=addr, **DP, **OPTS, **_spec(spec))
+    llm = LLM(
+        "tiny", data_parallel_rank=rank, dist_init_addr=addr, tensor_parallel_size=tp, **DP, **OPTS, **_spec(spec)
+    )
     try:
         if rank == 0:
             got = [_run(llm, PROMPTS, GREEDY), _run(llm, PROMPTS, GREEDY), _run_media(llm)]
         else:
             got = [_run(llm, PROMPTS[1:2], LONG), _run(llm, [], GREEDY), _run(llm, [], GREEDY)][:1]
-        experts = sum(m.experts.down_proj.shape[0] for m in llm._moe_layers().values())
+        experts = sum(m.experts.down_proj.shape[0] for m in moe_layers(llm.model).values())
         out.put((rank, got, llm.stats(), experts))
     finally:
         llm.close()
@@ -150,12 +153,15 @@ def _reference(spec: bool):
     return [first, _run(llm, PROMPTS, GREEDY), _run_media(llm)], [_run(llm, PROMPTS[1:2], LONG)]
 
 
-@pytest.mark.parametrize("spec", [False, True], ids=["plain", "mtp"])
-def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec):
+@pytest.mark.parametrize(
+    "spec, tp", [(False, 1), (True, 1), (False, 2), (True, 2)], ids=["plain", "mtp", "tp2-plain", "tp2-mtp"]
+)
+def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp):
+    """DP 2, and DP 2 x TP 2 (attention split inside each DP rank: four processes, the experts over all four)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = free_init_method().removeprefix("tcp://")
-    procs = [ctx.Process(target=_rank, args=(r, addr, spec, out), daemon=True) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, addr, spec, tp, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -172,9 +178,9 @@ def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec):
     assert s0["dp_shadow_rounds"] > 0 and s1["dp_shadow_rounds"] > 0  # each answered the other's forwards
     assert s0["dp_rounds"] != s1["dp_rounds"]  # the loads differed
     assert s0["ep_expert_tokens"] == s1["ep_expert_tokens"]  # every rank routes every token
-    assert min(s0["ep_tokens_per_rank"]) > 0
-    moe_layers = 7  # the tiny model: layer 0 dense, 7 sparse, 8 experts
-    assert got[0][2] == got[1][2] == moe_layers * 4  # half of the experts each
+    assert len(s0["ep_tokens_per_rank"]) == 2 * tp and min(s0["ep_tokens_per_rank"]) > 0
+    sparse = 7  # the tiny model: layer 0 dense, 7 sparse, 8 experts
+    assert got[0][2] == got[1][2] == sparse * 8 // (2 * tp)  # rank 0 of each DP rank: its share of the experts
     if spec:
         assert s0["spec_accepted_tokens"] > 0 and s1["spec_accepted_tokens"] > 0
 
