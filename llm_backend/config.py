@@ -135,6 +135,13 @@ class LLMConfig:
         aliases=("dp",),
     )
     data_parallel_rank: int = flag(0, "this worker's place among the --data-parallel-size DP ranks", _PAR)
+    data_parallel_dispatch: str = flag(
+        "all_to_all",
+        "how a MoE layer's tokens reach the experts of the other DP ranks: all_to_all (each token to the ranks "
+        "holding its experts, the sums sent back) or all_gather (every rank's tokens to every rank, the sums "
+        "all-reduced)",
+        _PAR,
+    )
     data_parallel_poll_ms: float = flag(
         2.0,
         "while this DP rank is idle, how often it asks the others whether one has work (every step runs on all DP "
@@ -400,6 +407,10 @@ class LLMConfig:
 
     def _validate_data_parallel(self) -> None:
         m = self.data_parallel_size
+        if self.data_parallel_dispatch not in ("all_to_all", "all_gather"):
+            raise ValueError(
+                f"--data-parallel-dispatch must be all_to_all or all_gather, got {self.data_parallel_dispatch!r}"
+            )
         if m < 1 or not 0 <= self.data_parallel_rank < m or self.data_parallel_poll_ms <= 0:
             raise ValueError(
                 f"--data-parallel-size {m} and --data-parallel-rank {self.data_parallel_rank}: size >= 1, "

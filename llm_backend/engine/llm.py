@@ -471,7 +471,8 @@ class LLM:
                 dp_rounds=d.rounds,
                 dp_shadow_rounds=d.shadow_rounds,
                 dp_collective_s=round(d.seconds, 6),
-                dp_gathered_tokens=d.gathered_tokens,
+                dp_expert_rows=d.expert_rows,
+                dp_sent_rows=d.sent_rows,
                 dp_steps=d.steps,
                 dp_up=int(not self.data.down),
             )
@@ -671,6 +672,7 @@ def _start_data_parallel(cfg: LLMConfig, model) -> DataParallel | None:
         f"tcp://{cfg.dist_init_addr}",
         cfg.dist_timeout_s,
         cfg.dist_load_timeout_s,
+        cfg.data_parallel_dispatch,
     )
     data.start()
     return data

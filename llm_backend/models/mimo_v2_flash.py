@@ -191,11 +191,12 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, cfg: MiMoV2FlashConfig, prefix: str = "", par: Parallel = SINGLE_RANK, layer: int = -1):
         """`par`: this rank's experts (expert parallelism) or slice of every expert (tensor parallelism); the
-        router is whole on every rank. The forward returns this rank's partial sum (the caller reduces it); with
-        data-parallel attention (`par.data`) the sum over every DP rank's experts of this rank's tokens (a round of
-        parallel/data.py, named by decoder layer `layer`)."""
+        router is whole on every rank. The forward returns this rank's partial sum (the caller reduces it over the
+        tensor-parallel ranks); with data-parallel attention (`par.data`) its tokens' sum over every DP rank's
+        experts, or its tensor-parallel part of it (a round of parallel/data.py, named by decoder layer `layer`)."""
         super().__init__()
         self.layer, self.data = layer, par.data
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         q = cfg.quant
         sh = par.shard
         held = sh.experts(cfg.n_routed_experts)
@@ -214,10 +215,20 @@ class MoE(nn.Module):
             self.experts = Experts(e, h, i)
         self.gate = TopkRouter(cfg)
 
-    def share(self, x: torch.Tensor) -> torch.Tensor:
-        """Expert parallelism: this rank's experts' share of tokens x [T, hidden] (every token routed here)."""
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: (weights, expert ids) of tokens x [T, hidden] this rank routes for its forward,
+        counted in `expert_tokens` (the load a balancer needs)."""
         weights, ids = self.gate(x)
         self.expert_tokens += torch.bincount(ids.reshape(-1), minlength=self.expert_tokens.numel())
+        return weights, ids
+
+    def share(
+        self, x: torch.Tensor, weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Expert parallelism: this rank's experts' share of tokens x [T, hidden], routed as given (weights, ids
+        [T, k]) or here."""
+        if weights is None or ids is None:
+            weights, ids = self.gate(x)
         assert self.held is not None
         lo, hi = self.held
         mine = (ids >= lo) & (ids < hi)
@@ -233,7 +244,7 @@ class MoE(nn.Module):
         if self.data is not None:  # data-parallel attention: every DP rank's tokens meet here
             return self.data.moe(self.layer, self, x).view(shape)
         if self.held is not None:  # expert parallelism: this rank's experts' share of every token
-            return self.share(x).view(shape)
+            return self.share(x, *self.route(x)).view(shape)
         if (
             c.n_group == 1 and triton_enabled(x.device) and isinstance(self.experts, (Experts, BlockFP8Experts))
         ):  # fused routing + grouped expert GEMMs (kernels/moe.py); FP8 experts dequantized tile by tile in them
@@ -404,9 +415,7 @@ class MiMoV2FlashForCausalLM(nn.Module):
             q, k, v = attn.project(h, *rope[self.config.layer_types[i]])
             o = paged.attend(i, q, k, v, attn.scale, self.config.sliding_window if attn.sliding else None, attn.sinks)
             x = x + par.reduce(attn.o_proj(o.reshape(o.shape[0], -1)))
-            y = layer.mlp(layer.post_attention_layernorm(x))
-            # A MoE layer under data-parallel attention returns the sum over every rank already (parallel/data.py).
-            x = x + (y if par.data is not None and isinstance(layer.mlp, MoE) else par.reduce(y))
+            x = x + par.reduce(layer.mlp(layer.post_attention_layernorm(x)))
         return m.norm(x), bounds
 
     def _embed_all(self, segments: list[SeqInput]) -> list[torch.Tensor]:

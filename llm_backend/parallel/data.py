@@ -2,17 +2,20 @@
 with the whole attention, its own scheduler, KV pools, prefix cache, requests and API, share one set of experts
 split over all of them (expert parallelism over the M ranks). The router sees each DP rank as a worker of its own.
 
-The MoE layers are where the ranks meet. A MoE layer is one *round* on the DP group (gloo; `DataParallel.moe`):
+The MoE layers are where the ranks meet. A MoE layer is one *round* on the DP group (gloo or NCCL alike: only
+torch.distributed collectives; `DataParallel.moe`):
 
-1. every rank sends (active, layer, its token count) — an all-gather of three integers;
-2. every rank's tokens are gathered (an all-gather, padded to the largest count), so every rank holds all of them
-   in rank order;
-3. each rank routes every token (the router is replicated, fp32: every rank picks the same experts) and computes
-   the share of its own experts;
-4. the shares are summed (an all-reduce) and each rank keeps the rows of its own tokens.
+1. each rank routes its own tokens (the router is replicated, fp32) and counts them as its load;
+2. every rank sends (active, layer, how many rows it sends to each rank): an all-gather of 2 + world integers;
+3. dispatch (`--data-parallel-dispatch all_to_all`): each token goes, with its routing, to every rank holding one
+   of its experts (an all-to-all of the rows and one of their routing); each rank runs its experts over what it
+   received and sends the sums back (combine: an all-to-all), added per token;
+   or (`all_gather`): every rank's tokens are gathered to every rank, each computes its experts' share of all of
+   them, the shares are all-reduced and each rank keeps its own rows.
 
-Gloo has neither all-to-all nor reduce-scatter, so the dispatch is an all-gather and the combine an all-reduce; on
-NCCL these are where an all-to-all dispatch and combine go (docs/parallel.md).
+With attention tensor-parallel inside a DP rank, its `tp` ranks hold the same tokens: with all-to-all each sends
+every tp-th of them and returns its part (the layer's tensor-parallel all-reduce joins the parts, as after any MoE
+layer); with all-gather the DP rank's first rank returns the rows and the others zeros.
 
 **Lockstep.** A collective needs every rank, but the ranks' steps differ (one prefills a long prompt, one decodes,
 one is idle; with MTP speculation one forward or three). The rule that keeps them together, the join of
@@ -37,7 +40,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any, NamedTuple, NoReturn, Protocol
 
 import torch
 
@@ -46,10 +49,21 @@ from .comm import ReplicaDown
 log = logging.getLogger(__name__)
 
 
-class ExpertShare(Protocol):
-    """A MoE layer as a DP round needs it: this rank's experts' partial sum over any tokens [T, hidden]."""
+DISPATCHES = ("all_to_all", "all_gather")
 
-    def share(self, x: torch.Tensor) -> torch.Tensor: ...
+
+class ExpertShare(Protocol):
+    """A MoE layer as a DP round needs it (models/mimo_v2_flash.py `MoE`): `route` this rank's own tokens (counted
+    as its load), and `share`: this rank's experts' partial sum over any tokens, routed as given or by itself."""
+
+    n_experts: int
+    top_k: int
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def share(
+        self, x: torch.Tensor, weights: torch.Tensor | None = None, ids: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 def moe_layers(model) -> dict[int, ExpertShare]:
@@ -65,7 +79,8 @@ class DPStats:
     rounds: int = 0
     shadow_rounds: int = 0
     seconds: float = 0.0
-    gathered_tokens: int = 0
+    expert_rows: int = 0  # token rows this rank's experts ran over (its own and the others')
+    sent_rows: int = 0  # token rows this rank sent to other ranks' experts (or contributed to the gather)
     steps: int = 0
     idle_polls: int = 0
 
@@ -76,8 +91,20 @@ class DataParallel:
     `start()` joins it (a DP rank of one process; the ranks of a split replica join through replica.py and
     `joined`); `sync` (DP ranks' first ranks only) / `moe` / `finish` are the lockstep's collectives."""
 
-    def __init__(self, rank: int, size: int, init_method: str, timeout_s: float, load_timeout_s: float, tp: int = 1):
-        self.rank, self.size, self.tp = rank, size, tp
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        init_method: str,
+        timeout_s: float,
+        load_timeout_s: float,
+        dispatch: str = "all_to_all",
+        tp: int = 1,
+        tp_rank: int = 0,
+    ):
+        if dispatch not in DISPATCHES:
+            raise ValueError(f"--data-parallel-dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
+        self.rank, self.size, self.tp, self.tp_rank, self.dispatch = rank, size, tp, tp_rank, dispatch
         self.init_method = init_method
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
         self.group: Any = None  # every rank of every DP rank: the MoE rounds
@@ -86,10 +113,10 @@ class DataParallel:
         self.stats = DPStats()
 
     @classmethod
-    def joined(cls, rank: int, size: int, tp: int, timeout_s: float) -> "DataParallel":
+    def joined(cls, rank: int, size: int, tp: int, tp_rank: int, timeout_s: float, dispatch: str) -> "DataParallel":
         """After init_process_group over all size x tp ranks (replica.py `join_groups`): makes the DP groups (every
         process of the world calls this, in the same order)."""
-        data = cls(rank, size, "", timeout_s, timeout_s, tp)
+        data = cls(rank, size, "", timeout_s, timeout_s, dispatch, tp, tp_rank)
         data._make_groups()
         return data
 
@@ -158,41 +185,79 @@ class DataParallel:
         while self._round(-1, None, empty, layers) is not None:
             self.stats.shadow_rounds += 1
 
+    @property
+    def world(self) -> int:
+        return self.size * self.tp
+
     def _round(self, layer: int, experts, x: torch.Tensor, layers: dict | None = None) -> torch.Tensor | None:
-        meta = torch.tensor([int(layer >= 0), layer, x.shape[0]], dtype=torch.int64)
-        metas = [torch.empty_like(meta) for _ in range(self.size * self.tp)]
+        """One round on every rank: the metas (active, layer, rows for each rank), then the exchange. None when no
+        rank is active (the shadow loop's end)."""
+        plan = _Plan.make(self, experts, x) if layer >= 0 else _Plan.empty(self.world)
+        meta = torch.tensor([int(layer >= 0), layer, *plan.counts], dtype=torch.int64)
+        metas = [torch.empty_like(meta) for _ in range(self.world)]
         self._collective(lambda d: d.all_gather(metas, meta, group=self.group), "a MoE round's token counts")
-        active = [(int(m[1]), int(m[2])) for m in metas if m[0]]
-        if not active:
+        at = {int(m[1]) for m in metas if m[0]}
+        if not at:
             return None
-        at = {lay for lay, _ in active}
         if len(at) != 1 or (layer >= 0 and layer not in at):
             self._down(RuntimeError(f"the DP ranks are out of step: MoE layers {sorted(at)} in one round"))
         if experts is None:
             assert layers is not None
             experts = layers[at.pop()]
-        counts = [int(metas[d * self.tp][2]) for d in range(self.size)]  # a DP rank's ranks hold the same tokens
-        if max(counts) == 0:
-            return x
-        return self._exchange(experts, x, counts)
+        table = torch.stack(metas)[:, 2:]  # [from rank, to rank] rows
+        if not table.any():
+            return torch.zeros_like(x)
+        if self.dispatch == "all_gather":
+            return self._gather_round(experts, x, table)
+        return self._all_to_all_round(experts, x, plan, table)
 
-    def _exchange(self, experts: ExpertShare, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Gathers every DP rank's tokens, computes this rank's experts' share of all of them, sums the shares and
-        returns this DP rank's rows."""
-        most = max(counts)
-        padded = x.new_zeros((most, x.shape[-1]))
+    def _all_to_all_round(self, experts: ExpertShare, x: torch.Tensor, plan: "_Plan", table) -> torch.Tensor:
+        """Dispatch: each of this rank's token rows (its tensor-parallel part of its DP rank's tokens) goes, with its
+        routing, to every rank holding one of its experts; those ranks run their experts on what they received and
+        send the sums back (combine), added per token. The result is this rank's part: the tensor-parallel reduce
+        after the layer joins the parts of a DP rank's ranks."""
+        me = self.rank * self.tp + self.tp_rank
+        recv = table[:, me].tolist()
+        k = experts.top_k
+        routing = plan.routing if plan.routing.shape[1] == 2 * k else torch.zeros(0, 2 * k)  # a shadow sends none
+        rows = self._a2a(x[plan.order], plan.counts, recv, "a MoE round's tokens")
+        meta = self._a2a(routing.to(x.device), plan.counts, recv, "a MoE round's routing")
+        self.stats.expert_rows += rows.shape[0]
+        self.stats.sent_rows += plan.order.numel()
+        try:
+            out = experts.share(rows, meta[:, :k], meta[:, k:].long()).to(x.dtype)
+        except Exception as e:  # the senders would miss this rank's experts: nothing can be trusted now
+            self._down(e)
+        back = self._a2a(out, recv, plan.counts, "a MoE round's expert sums")
+        result = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        result.index_add_(0, plan.order, back.float())
+        return result.to(x.dtype)
+
+    def _a2a(self, t: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        self._collective(lambda d: d.all_to_all_single(out, t.contiguous(), recv, send, group=self.group), what)
+        return out
+
+    def _gather_round(self, experts: ExpertShare, x: torch.Tensor, table) -> torch.Tensor:
+        """Every DP rank's tokens gathered to every rank, each rank's experts' share of all of them, the shares
+        summed (all-reduce) and this DP rank's rows kept: on its first rank (the tensor-parallel reduce after the
+        layer adds the others' zeros)."""
+        counts = [int(table[d * self.tp, 0]) for d in range(self.size)]  # a DP rank's ranks hold the same tokens
+        padded = x.new_zeros((max(counts), x.shape[-1]))
         padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(self.size * self.tp)]
+        parts = [torch.empty_like(padded) for _ in range(self.world)]
         self._collective(lambda d: d.all_gather(parts, padded, group=self.group), "a MoE round's tokens")
         everyone = torch.cat([parts[d * self.tp][:n] for d, n in enumerate(counts)])
-        self.stats.gathered_tokens += everyone.shape[0]
+        self.stats.expert_rows += everyone.shape[0]
+        self.stats.sent_rows += x.shape[0]
         try:
-            out = experts.share(everyone).contiguous()
+            out = experts.share(everyone).to(x.dtype).contiguous()
         except Exception as e:  # the others' sums would lack this rank's experts: nothing can be trusted now
             self._down(e)
         self._collective(lambda d: d.all_reduce(out, group=self.group), "a MoE round's expert sums")
         first = sum(counts[: self.rank])
-        return out[first : first + x.shape[0]]
+        mine = out[first : first + x.shape[0]]
+        return mine if self.tp_rank == 0 else torch.zeros_like(mine)
 
     def _collective(self, call, what: str) -> None:
         import torch.distributed as dist
@@ -211,7 +276,7 @@ class DataParallel:
         self.down = self.down or f"data-parallel group down at rank {self.rank} of {self.size}: another DP rank stopped"
         return ReplicaDown(self.down)
 
-    def _down(self, e: BaseException):
+    def _down(self, e: BaseException) -> NoReturn:
         if not self.down:
             self.down = (
                 f"data-parallel group down at rank {self.rank} of {self.size}: a DP rank failed, hung or left ({e})"
@@ -227,3 +292,29 @@ class DataParallel:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - leaving anyway
                 pass
+
+
+class _Plan(NamedTuple):
+    """An active rank's dispatch: its rows in the order they are sent (`order`, indexes into its tokens), how many
+    go to each rank (`counts`; all-gather: its token count for every rank), and their routing [rows, 2k] (weights,
+    then expert ids, as fp32: exact below 2^24 experts)."""
+
+    order: torch.Tensor
+    counts: list[int]
+    routing: torch.Tensor
+
+    @staticmethod
+    def empty(world: int) -> "_Plan":
+        return _Plan(torch.zeros(0, dtype=torch.long), [0] * world, torch.zeros(0, 0))
+
+    @staticmethod
+    def make(dp: DataParallel, experts: ExpertShare, x: torch.Tensor) -> "_Plan":
+        weights, ids = experts.route(x)  # every rank of a DP rank routes (and counts) all of its tokens
+        if dp.dispatch == "all_gather":
+            return _Plan(torch.zeros(0, dtype=torch.long), [x.shape[0]] * dp.world, torch.zeros(0, 0))
+        mine = torch.arange(dp.tp_rank, x.shape[0], dp.tp, device=ids.device)  # this rank's part of the tokens
+        owner = ids[mine] // (experts.n_experts // dp.world)
+        parts = [mine[(owner == j).any(dim=1)] for j in range(dp.world)]
+        order = torch.cat(parts).to(x.device)
+        routing = torch.cat([weights[order].float(), ids[order].float()], dim=1)
+        return _Plan(order, [int(p.numel()) for p in parts], routing)

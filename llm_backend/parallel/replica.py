@@ -60,6 +60,7 @@ class RankSpec:
     env: dict = field(default_factory=dict)
     dp_rank: int = 0  # data-parallel attention (data.py): this replica is DP rank dp_rank of dp_size
     dp_size: int = 1
+    dp_dispatch: str = "all_to_all"
 
     def shard(self, rank: int) -> Shard:
         return Shard(rank, self.size, self.expert_parallel, self.dp_rank, self.dp_size)
@@ -229,6 +230,7 @@ def spec_from_config(cfg, dtype: torch.dtype | None = None, full_slots: int | No
         mtp_layers=cfg.speculative_steps > 0,
         dp_rank=cfg.data_parallel_rank,
         dp_size=cfg.data_parallel_size,
+        dp_dispatch=cfg.data_parallel_dispatch,
     )
 
 
@@ -294,7 +296,9 @@ def join_groups(spec: RankSpec, rank: int) -> tuple[Any, Any, DataParallel | Non
         control = dist.new_group(ranks, backend="gloo", timeout=wait)
         if d == spec.dp_rank:
             mine = (control, device)
-    data = DataParallel.joined(spec.dp_rank, spec.dp_size, spec.size, spec.timeout_s) if spec.dp_size > 1 else None
+    data = None
+    if spec.dp_size > 1:
+        data = DataParallel.joined(spec.dp_rank, spec.dp_size, spec.size, rank, spec.timeout_s, spec.dp_dispatch)
     return mine[0], mine[1], data
 
 

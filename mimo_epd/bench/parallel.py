@@ -7,8 +7,11 @@ Modes (one engine each, the same requests, greedy, `ignore_eos`, the same total 
 - `tp2_ep`: the same with expert parallelism (each rank holds half the experts, whole);
 - `dp2_ep`: data-parallel attention (`--data-parallel-size 2 --enable-expert-parallel`): two worker processes,
   `--threads / 2` threads each, each with half of the requests (alternate ones) and half of the experts; their MoE
-  layers meet in rounds over gloo (llm_backend/parallel/data.py). Tokens/s is both ranks' tokens over the slower
-  rank's wall time; TTFT over both ranks' requests; the collectives are DP rank 0's rounds.
+  layers meet in rounds over gloo (llm_backend/parallel/data.py): each token sent to its experts' ranks and the sums
+  sent back (all-to-all). Tokens/s is both ranks' tokens over the slower rank's wall time; TTFT over both ranks'
+  requests; the collectives are DP rank 0's rounds;
+- `dp2_ep_gather`: the same with `--data-parallel-dispatch all_gather` (every token to every rank, the sums
+  all-reduced).
 
 Workloads: batch 1 (requests one after another) and batch 16 (all arriving at once). Reported per mode and
 workload: output tokens/s (output tokens over wall time), TTFT P50/P90 (from `add_request` to the first token's
@@ -30,6 +33,7 @@ MODES = {
     "tp2": dict(tensor_parallel_size=2),
     "tp2_ep": dict(tensor_parallel_size=2, enable_expert_parallel=True),
     "dp2_ep": dict(data_parallel_size=2, enable_expert_parallel=True),
+    "dp2_ep_gather": dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_dispatch="all_gather"),
 }
 
 

@@ -106,13 +106,20 @@ def test_serve_makes_its_llm_workers_the_dp_ranks():
 # ------------------------------------------------------------------------------------------- real DP ranks
 
 
-def _rank(rank: int, addr: str, spec: bool, tp: int, out) -> None:
+def _rank(rank: int, addr: str, spec: bool, tp: int, dispatch: str, out) -> None:
     """One DP rank (a spawned process): rank 0 runs three prompts, again (prefix hits), and a media prompt; rank 1
     one long generation. Offline, `generate` is collective: every DP rank makes the same calls (an empty one where
     it has nothing: it steps with the others until none has work). Sends back its outputs, stats and the expert
     rows it holds."""
     llm = LLM(
-        "tiny", data_parallel_rank=rank, dist_init_addr=addr, tensor_parallel_size=tp, **DP, **OPTS, **_spec(spec)
+        "tiny",
+        data_parallel_rank=rank,
+        dist_init_addr=addr,
+        tensor_parallel_size=tp,
+        data_parallel_dispatch=dispatch,
+        **DP,
+        **OPTS,
+        **_spec(spec),
     )
     try:
         if rank == 0:
@@ -154,14 +161,25 @@ def _reference(spec: bool):
 
 
 @pytest.mark.parametrize(
-    "spec, tp", [(False, 1), (True, 1), (False, 2), (True, 2)], ids=["plain", "mtp", "tp2-plain", "tp2-mtp"]
+    "spec, tp, dispatch",
+    [
+        (False, 1, "all_to_all"),
+        (True, 1, "all_to_all"),
+        (False, 1, "all_gather"),
+        (False, 2, "all_to_all"),
+        (True, 2, "all_to_all"),
+        (False, 2, "all_gather"),
+    ],
+    ids=["plain", "mtp", "all-gather", "tp2-plain", "tp2-mtp", "tp2-all-gather"],
 )
-def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp):
-    """DP 2, and DP 2 x TP 2 (attention split inside each DP rank: four processes, the experts over all four)."""
+def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp, dispatch):
+    """DP 2, and DP 2 x TP 2 (attention split inside each DP rank: four processes, the experts over all four); the
+    tokens dispatched to their experts' ranks and back (all-to-all), or gathered everywhere and the sums
+    all-reduced."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = free_init_method().removeprefix("tcp://")
-    procs = [ctx.Process(target=_rank, args=(r, addr, spec, tp, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, addr, spec, tp, dispatch, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -177,9 +195,11 @@ def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp):
     assert s0["prefix_hit_tokens"] > 0  # the second pass hit the cache
     assert s0["dp_shadow_rounds"] > 0 and s1["dp_shadow_rounds"] > 0  # each answered the other's forwards
     assert s0["dp_rounds"] != s1["dp_rounds"]  # the loads differed
-    assert s0["ep_expert_tokens"] == s1["ep_expert_tokens"]  # every rank routes every token
-    assert len(s0["ep_tokens_per_rank"]) == 2 * tp and min(s0["ep_tokens_per_rank"]) > 0
-    sparse = 7  # the tiny model: layer 0 dense, 7 sparse, 8 experts
+    sparse, k = 7, 2  # the tiny model: layer 0 dense, 7 sparse, 8 experts, top 2
+    for st in (s0, s1):  # each DP rank counts its own tokens' routing: k pairs a token a layer, on every expert rank
+        assert sum(st["ep_expert_tokens"]) % (k * sparse) == 0 and len(st["ep_tokens_per_rank"]) == 2 * tp
+        assert st["dp_expert_rows"] > 0 and st["dp_sent_rows"] > 0
+    assert s0["ep_expert_tokens"] != s1["ep_expert_tokens"]  # the loads differed
     assert got[0][2] == got[1][2] == sparse * 8 // (2 * tp)  # rank 0 of each DP rank: its share of the experts
     if spec:
         assert s0["spec_accepted_tokens"] > 0 and s1["spec_accepted_tokens"] > 0
