@@ -673,6 +673,7 @@ def _start_data_parallel(cfg: LLMConfig, model) -> DataParallel | None:
         cfg.dist_timeout_s,
         cfg.dist_load_timeout_s,
         cfg.data_parallel_dispatch,
+        device=cfg.device,
     )
     data.start()
     return data

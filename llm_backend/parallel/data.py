@@ -101,22 +101,26 @@ class DataParallel:
         dispatch: str = "all_to_all",
         tp: int = 1,
         tp_rank: int = 0,
+        device: str = "cpu",
     ):
         if dispatch not in DISPATCHES:
             raise ValueError(f"--data-parallel-dispatch must be one of {', '.join(DISPATCHES)}, got {dispatch!r}")
         self.rank, self.size, self.tp, self.tp_rank, self.dispatch = rank, size, tp, tp_rank, dispatch
         self.init_method = init_method
         self.timeout_s, self.load_timeout_s = timeout_s, load_timeout_s
-        self.group: Any = None  # every rank of every DP rank: the MoE rounds
-        self.leaders: Any = None  # each DP rank's first rank: `sync`
+        self.backend = "nccl" if device.startswith("cuda") else "gloo"  # the rounds' tensors live on the device
+        self.group: Any = None  # every rank of every DP rank: the MoE rounds (NCCL on GPUs, gloo on CPUs)
+        self.leaders: Any = None  # each DP rank's first rank: `sync` (gloo: two integers on the CPU)
         self.down = ""  # why the DP group is down ("" while it serves)
         self.stats = DPStats()
 
     @classmethod
-    def joined(cls, rank: int, size: int, tp: int, tp_rank: int, timeout_s: float, dispatch: str) -> "DataParallel":
+    def joined(
+        cls, rank: int, size: int, tp: int, tp_rank: int, timeout_s: float, dispatch: str, device: str
+    ) -> "DataParallel":
         """After init_process_group over all size x tp ranks (replica.py `join_groups`): makes the DP groups (every
         process of the world calls this, in the same order)."""
-        data = cls(rank, size, "", timeout_s, timeout_s, dispatch, tp, tp_rank)
+        data = cls(rank, size, "", timeout_s, timeout_s, dispatch, tp, tp_rank, device)
         data._make_groups()
         return data
 
@@ -124,12 +128,11 @@ class DataParallel:
         import torch.distributed as dist
 
         wait = timedelta(seconds=self.timeout_s)
-        self.group = dist.new_group(backend="gloo", timeout=wait)
-        self.leaders = (
-            self.group
-            if self.tp == 1
-            else dist.new_group([d * self.tp for d in range(self.size)], timeout=wait, backend="gloo")
-        )
+        self.group = dist.new_group(backend=self.backend, timeout=wait)
+        if self.tp == 1 and self.backend == "gloo":
+            self.leaders = self.group
+        else:
+            self.leaders = dist.new_group([d * self.tp for d in range(self.size)], timeout=wait, backend="gloo")
 
     def start(self) -> None:
         import torch.distributed as dist
@@ -192,8 +195,8 @@ class DataParallel:
     def _round(self, layer: int, experts, x: torch.Tensor, layers: dict | None = None) -> torch.Tensor | None:
         """One round on every rank: the metas (active, layer, rows for each rank), then the exchange. None when no
         rank is active (the shadow loop's end)."""
-        plan = _Plan.make(self, experts, x) if layer >= 0 else _Plan.empty(self.world)
-        meta = torch.tensor([int(layer >= 0), layer, *plan.counts], dtype=torch.int64)
+        plan = _Plan.make(self, experts, x) if layer >= 0 else _Plan.empty(self.world, x.device)
+        meta = torch.tensor([int(layer >= 0), layer, *plan.counts], dtype=torch.int64, device=x.device)
         metas = [torch.empty_like(meta) for _ in range(self.world)]
         self._collective(lambda d: d.all_gather(metas, meta, group=self.group), "a MoE round's token counts")
         at = {int(m[1]) for m in metas if m[0]}
@@ -204,7 +207,7 @@ class DataParallel:
         if experts is None:
             assert layers is not None
             experts = layers[at.pop()]
-        table = torch.stack(metas)[:, 2:]  # [from rank, to rank] rows
+        table = torch.stack(metas)[:, 2:].cpu()  # [from rank, to rank] rows
         if not table.any():
             return torch.zeros_like(x)
         if self.dispatch == "all_gather":
@@ -219,9 +222,9 @@ class DataParallel:
         me = self.rank * self.tp + self.tp_rank
         recv = table[:, me].tolist()
         k = experts.top_k
-        routing = plan.routing if plan.routing.shape[1] == 2 * k else torch.zeros(0, 2 * k)  # a shadow sends none
+        routing = plan.routing if plan.routing.shape[1] == 2 * k else x.new_zeros((0, 2 * k), dtype=torch.float32)
         rows = self._a2a(x[plan.order], plan.counts, recv, "a MoE round's tokens")
-        meta = self._a2a(routing.to(x.device), plan.counts, recv, "a MoE round's routing")
+        meta = self._a2a(routing, plan.counts, recv, "a MoE round's routing")  # (a shadow sends none)
         self.stats.expert_rows += rows.shape[0]
         self.stats.sent_rows += plan.order.numel()
         try:
@@ -304,14 +307,14 @@ class _Plan(NamedTuple):
     routing: torch.Tensor
 
     @staticmethod
-    def empty(world: int) -> "_Plan":
-        return _Plan(torch.zeros(0, dtype=torch.long), [0] * world, torch.zeros(0, 0))
+    def empty(world: int, device) -> "_Plan":
+        return _Plan(torch.zeros(0, dtype=torch.long, device=device), [0] * world, torch.zeros(0, 0, device=device))
 
     @staticmethod
     def make(dp: DataParallel, experts: ExpertShare, x: torch.Tensor) -> "_Plan":
         weights, ids = experts.route(x)  # every rank of a DP rank routes (and counts) all of its tokens
         if dp.dispatch == "all_gather":
-            return _Plan(torch.zeros(0, dtype=torch.long), [x.shape[0]] * dp.world, torch.zeros(0, 0))
+            return _Plan(torch.zeros(0, dtype=torch.long), [x.shape[0]] * dp.world, torch.zeros(0, 0))  # unused
         mine = torch.arange(dp.tp_rank, x.shape[0], dp.tp, device=ids.device)  # this rank's part of the tokens
         owner = ids[mine] // (experts.n_experts // dp.world)
         parts = [mine[(owner == j).any(dim=1)] for j in range(dp.world)]

@@ -298,7 +298,9 @@ def join_groups(spec: RankSpec, rank: int) -> tuple[Any, Any, DataParallel | Non
             mine = (control, device)
     data = None
     if spec.dp_size > 1:
-        data = DataParallel.joined(spec.dp_rank, spec.dp_size, spec.size, rank, spec.timeout_s, spec.dp_dispatch)
+        data = DataParallel.joined(
+            spec.dp_rank, spec.dp_size, spec.size, rank, spec.timeout_s, spec.dp_dispatch, spec.device
+        )
     return mine[0], mine[1], data
 
 
