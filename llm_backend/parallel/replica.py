@@ -79,10 +79,12 @@ class RankSpec:
         return range(node * per, (node + 1) * per)
 
     def device_of(self, rank: int) -> str:
-        """A rank's device: its node-local GPU index on CUDA, the CPU otherwise."""
+        """A rank's device: on CUDA the node-local GPU after rank 0's (`--device cuda:K`: rank r on cuda:K+r, so
+        two DP ranks' replicas on one node take disjoint GPUs), the CPU otherwise."""
         if not self.device.startswith("cuda"):
             return self.device
-        return f"cuda:{rank % (self.size // self.nnodes)}"
+        base = int(self.device.split(":", 1)[1]) if ":" in self.device else 0
+        return f"cuda:{base + rank % (self.size // self.nnodes)}"
 
 
 def free_init_method(host: str = "127.0.0.1") -> str:

@@ -323,7 +323,18 @@ def data_parallel_args(node: NodeConfig) -> list[list[str]]:
         from llm_backend.parallel.replica import free_init_method
 
         addr = ["--dist-init-addr", free_init_method(node.node_host).removeprefix("tcp://")]
-    return [["--data-parallel-rank", str(r), *addr] for r in range(node.llm_workers)]
+    out = [["--data-parallel-rank", str(r), *addr] for r in range(node.llm_workers)]
+    device, tp = _arg(node.llm_args, "--device", "cpu"), int(_arg(node.llm_args, "--tensor-parallel-size", "1"))
+    if device == "cuda":  # disjoint GPUs: DP rank r's replica on cuda:r*tp .. r*tp+tp-1
+        for r, own in enumerate(out):
+            own += ["--device", f"cuda:{r * tp}"]
+    return out
+
+
+def _arg(argv: list[str], name: str, default: str) -> str:
+    """The value of `name` in a passed-through argument list (the last one given), or `default`."""
+    values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+    return values[-1] if values else default
 
 
 def register_encoders(state, encoders: list[ChildProcess], node: NodeConfig) -> list:

@@ -88,6 +88,12 @@ def test_serve_makes_its_llm_workers_the_dp_ranks():
     assert own[0][2:] == own[1][2:] and own[0][2] == "--dist-init-addr"
     given = node("--llm-dp", "2", "--llm-enable-expert-parallel", "--llm-dist-init-addr", "10.0.0.1:29500")
     assert [a[2:] for a in data_parallel_args(given)] == [[], []]  # the user's address, in the passed-through flags
+    gpus = node("--llm-dp", "2", "--llm-enable-expert-parallel", "--llm-device", "cuda", "--llm-tp", "4")
+    assert [a[-2:] for a in data_parallel_args(gpus)] == [["--device", "cuda:0"], ["--device", "cuda:4"]]
+    from llm_backend.parallel.replica import RankSpec
+
+    spec = RankSpec("m", "bfloat16", "cuda:4", "keep", "", 4, True, 8, 8, "tcp://x:1", 1.0, 1.0)
+    assert [spec.device_of(r) for r in range(4)] == ["cuda:4", "cuda:5", "cuda:6", "cuda:7"]
     with pytest.raises(ValueError, match="needs --llm-workers 2 \\(got 3\\)"):
         node("--llm-data-parallel-size", "2", "--llm-workers", "3")
     with pytest.raises(ValueError, match="no P/D workers"):
