@@ -136,14 +136,21 @@ def run_mode(args, mode: str, workloads: dict) -> dict:
             res = run_workload(llm, batch, params, concurrent=key != "b1")
             after = llm.stats()
             if size > 1:
-                secs = after["tp_collective_s"] - before["tp_collective_s"]
-                res["collective_calls"] = after["tp_collectives"] - before["tp_collectives"]
-                res["collective_s"] = round(secs, 3)
-                res["collective_share_of_wall"] = round(secs / res["wall_s"], 3)
+                res.update(
+                    collective_costs(before, after, res["wall_s"], "tp_collective_s", collective_calls="tp_collectives")
+                )
             out[key] = res
     finally:
         llm.close()
     return out
+
+
+def collective_costs(before: dict, after: dict, wall_s: float, seconds: str, **counts: str) -> dict:
+    """A run's collective figures from the engine's stats before and after it: each of `counts` (reported name:
+    stats key) as a difference, the seconds in collectives and their share of the wall time."""
+    secs = after[seconds] - before[seconds]
+    out = {name: after[key] - before[key] for name, key in counts.items()}
+    return {**out, "collective_s": round(secs, 3), "collective_share_of_wall": round(secs / wall_s, 3)}
 
 
 def run_dp_mode(args, mode: str, workloads: dict) -> dict:
@@ -215,11 +222,8 @@ def dp_rank_main(setup: dict, rank: int, workloads: dict, queue) -> None:
             before = llm.stats()
             res = run_workload(llm, mine, params, concurrent=key != "b1", waves_of=waves)
             after = llm.stats()
-            secs = after["dp_collective_s"] - before["dp_collective_s"]
-            res["collective_rounds"] = after["dp_rounds"] - before["dp_rounds"]
-            res["dp_shadow_rounds"] = after["dp_shadow_rounds"] - before["dp_shadow_rounds"]
-            res["collective_s"] = round(secs, 3)
-            res["collective_share_of_wall"] = round(secs / res["wall_s"], 3)
+            counts = dict(collective_rounds="dp_rounds", dp_shadow_rounds="dp_shadow_rounds")
+            res.update(collective_costs(before, after, res["wall_s"], "dp_collective_s", **counts))
             out[key] = res
     finally:
         llm.close()

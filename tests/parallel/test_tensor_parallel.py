@@ -314,7 +314,7 @@ def test_a_rank_that_hangs_fails_the_replica_within_the_collective_timeout():
         assert not llm.replica, "closed"
 
 
-def test_a_tp2_worker_serves_the_openai_api_and_exits_when_a_rank_dies():
+def test_a_tp2_worker_serves_the_openai_api_and_exits_when_a_rank_dies(one_worker):
     """`mimo-epd llm --tp 2` as a real process: the OpenAI client gets the one-rank worker's answer, /metrics shows
     the replica; SIGKILL of rank 1 makes the worker exit with status 1 (the supervisor restarts the group)."""
     import openai
@@ -322,12 +322,7 @@ def test_a_tp2_worker_serves_the_openai_api_and_exits_when_a_rank_dies():
 
     from mimo_epd.testing.servers import scrape, start_server
 
-    ask = dict(model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0)
-    one = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
-    try:
-        want = openai.OpenAI(base_url=f"http://{one.http_address}/v1", api_key="x").completions.create(**ask)
-    finally:
-        assert one.stop() == 0
+    ask, want = one_worker
     two = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1", "--tp", "2"], "llm")
     try:
         got = openai.OpenAI(base_url=f"http://{two.http_address}/v1", api_key="x").completions.create(**ask)
