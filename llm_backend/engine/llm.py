@@ -415,6 +415,7 @@ class LLM:
         with self._lock:
             if not self.has_work():
                 self._wake.wait(self.config.data_parallel_poll_ms / 1000)
+                self._check_replica()  # at TP > 1: a local rank gone is noticed while idle too
         if not self._lockstep(self.has_work(), stop.is_set())[1] or stop.is_set():
             return stop.is_set()
         assert self.data is not None
