@@ -396,14 +396,6 @@ class LLMConfig:
         if self.dist_init_addr and not _host_port(self.dist_init_addr):
             raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
         self._validate_data_parallel()
-        if n == 1:
-            return
-        # Not split yet (docs/parallel.md, "What is not split yet"): refused rather than served on one rank.
-        if self.kv_store:
-            raise ValueError(
-                f"--tensor-parallel-size {n} with the shared KV store (--kv-store; the host tier, --host-kv-bytes, "
-                "is split): not supported yet (docs/parallel.md)"
-            )
 
     def _validate_data_parallel(self) -> None:
         m = self.data_parallel_size

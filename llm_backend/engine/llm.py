@@ -26,7 +26,7 @@ from ..parallel.comm import SINGLE_RANK, Parallel
 from ..parallel.data import DataParallel, moe_layers
 from ..parallel.mirror import DP_FINISH, MirroredTier, ModelCall
 from ..parallel.replica import Replica, ReplicaDown, spec_from_config
-from ..parallel.shard import Shard
+from ..parallel.shard import Shard, whole_kv_heads
 from ..tokenizer import ByteTokenizer, load_tokenizer
 from .interfaces import SchedulerRole, Ticket
 from .request import PromptTooLong, Request, RequestOutput, SamplingParams, Usage
@@ -94,7 +94,8 @@ class LLM:
         # The tiered cache when a KV tier is on (it also feeds the runner's layer-by-layer loads), else None.
         self.tiers: TieredRadixCache | None = kv.cache if isinstance(kv.cache, TieredRadixCache) else None
         if self.tiers is not None:  # at TP > 1 every rank keeps its own heads' host rows (parallel/mirror.py)
-            self.tiers.attach(self.pools, MirroredTier(self.replica) if self.replica is not None else None)
+            peers = MirroredTier(self.replica, whole_kv_heads(mcfg, self.pools.k)) if self.replica is not None else None
+            self.tiers.attach(self.pools, peers)
         try:
             self.cache.swa_checkpoint_interval = _checkpoint_interval(cfg, mcfg.window)
         except ValueError as e:

@@ -16,11 +16,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..paged_attention import LayerOffset, PagedBatch
+from .shard import Shard
 
 # The methods sent to the other ranks, and whether their last argument is a batch over the KV pools.
 CALLS = {"forward_batch": True, "hidden_states": True, "mtp_step": True, "logits": False, "embed": False}
 # The host KV tier's copies, made by every rank on its own heads (`MirroredTier`; rank.py `RankTier`).
 TIER_CALLS = ("tier_attach", "tier_d2h", "tier_load")
+# ... and the one that answers: a rank's heads of a store page's rows (gathered by rank 0).
+TIER_ROWS = "tier_rows"
 # P/D's KV transfer, each rank writing its own heads (`MirroredTransfer`; rank.py `RankTransfer`); both answer.
 PD_CALLS = ("pd_attach", "pd_write")
 # Data-parallel attention (data.py): the replica's step is over, every rank shadows the other DP ranks' rounds.
@@ -118,13 +121,19 @@ class MirroredModel:
 
 
 class MirroredTier:
-    """The host KV tier's `TierPeers` (kv/tiers/cache.py) on rank 0: each copy the tier makes on rank 0's pools is
-    sent to the other ranks first, which make it on theirs (rank.py `RankTier`). Slots are rank 0's, as for the
-    forwards; the calls share the forwards' ordered channel, so a rank's host rows are written before a forward
-    that reads them and a write-back happens before the slots are reused. A failed send takes the replica down."""
+    """The KV tiers' `TierPeers` (kv/tiers/cache.py) on rank 0: each copy the tier makes on rank 0's pools is sent to
+    the other ranks first, which make it on theirs (rank.py `RankTier`). Slots are rank 0's, as for the forwards;
+    the calls share the forwards' ordered channel, so a rank's host rows are written before a forward that reads
+    them and a write-back happens before the slots are reused. A failed send takes the replica down.
 
-    def __init__(self, replica):
-        self.replica = replica
+    The shared store keeps whole-model pages: a page rank 0 writes is every rank's heads of its rows, gathered
+    (`tier_rows`) and joined by the KV-head rule (`Shard.kv_part`: a head replicated over ranks is taken once); a
+    page it reads is sent whole with the loads and each rank keeps its own heads. `whole_heads`: the unsplit
+    model's KV heads of each pool layer."""
+
+    def __init__(self, replica, whole_heads: dict[int, int]):
+        self.replica, self.whole_heads = replica, whole_heads
+        self.size = replica.spec.size
 
     def attach(self, host_full_slots: int, host_swa_slots: int) -> None:
         self.replica.send(ModelCall("tier_attach", (host_full_slots, host_swa_slots)))
@@ -132,9 +141,41 @@ class MirroredTier:
     def copy_d2h(self, sliding: bool, dev_idx: list[int], host_idx: list[int]) -> None:
         self.replica.send(ModelCall("tier_d2h", (sliding, dev_idx, host_idx)))
 
-    def load(self, host: dict) -> None:
-        if any(src for src, _ in host.values()):
-            self.replica.send(ModelCall("tier_load", ({k: (list(s), list(d)) for k, (s, d) in host.items()},)))
+    def load(self, host: dict, tensors: list) -> None:
+        if any(src for src, _ in host.values()) or tensors:
+            host = {k: (list(s), list(d)) for k, (s, d) in host.items()}
+            self.replica.send(ModelCall("tier_load", (host, tensors)))
+
+    def whole_rows(self, parts: list, mine: list[dict]) -> list[dict]:
+        self.replica.send(ModelCall("tier_rows", (parts,)))
+        every = self.replica.gather(mine)
+        return [{layer: self._join(layer, [r[j][layer] for r in every]) for layer in mine[j]} for j in range(len(mine))]
+
+    def _join(self, layer: int, per_rank: list[tuple]) -> tuple:
+        """One layer's (k, v) rows from every rank, joined along the heads in head order."""
+        heads = self.whole_heads[layer]
+        ks, vs, have = [], [], 0
+        for r, (k, v) in enumerate(per_rank):
+            if Shard(r, self.size).kv_part(heads).start == have:
+                ks.append(k)
+                vs.append(v)
+                have += k.shape[1]
+        return torch.cat(ks, dim=1), torch.cat(vs, dim=1)
+
+    def mine(self, tensors: list) -> list:
+        return [(sliding, dst, cut_heads(per, Shard(0, self.size))) for sliding, dst, per in tensors]
+
+    def whole_shape(self, layer: int, shape: list[int]) -> list[int]:
+        return [shape[0], self.whole_heads[layer], *shape[2:]]
+
+
+def cut_heads(per_layer: dict, shard: Shard) -> dict:
+    """A rank's KV heads of whole-model rows {layer: (k [n, heads, dim], v)} (the pools' rule, `Shard.kv_part`)."""
+    out = {}
+    for layer, (k, v) in per_layer.items():
+        part = shard.kv_part(k.shape[1])
+        out[layer] = (k[:, part], v[:, part])
+    return out
 
 
 class MirroredTransfer:

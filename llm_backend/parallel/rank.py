@@ -18,7 +18,7 @@ import torch
 
 from .comm import Parallel
 from .data import moe_layers
-from .mirror import CALLS, DP_FINISH, PD_CALLS, TIER_CALLS, rebuild
+from .mirror import CALLS, DP_FINISH, PD_CALLS, TIER_CALLS, TIER_ROWS, cut_heads, rebuild
 from .replica import RankSpec, join_groups, set_threads
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,13 @@ def rank_main(spec: RankSpec, rank: int) -> None:
                 data.finish(moe_layers(model), model.lm_head.weight)
                 continue
             if call.method in TIER_CALLS:
-                tier = tier or RankTier(pools)
+                tier = tier or RankTier(pools, spec.shard(rank))
                 getattr(tier, call.method)(*call.args)
+                continue
+            if call.method == TIER_ROWS:
+                tier = tier or RankTier(pools, spec.shard(rank))
+                answers: list = [None] * spec.size
+                dist.all_gather_object(answers, tier.tier_rows(*call.args), group=control)
                 continue
             if call.method in PD_CALLS:
                 pd = pd or RankTransfer(pools, rank)
@@ -80,11 +85,11 @@ def rank_main(spec: RankSpec, rank: int) -> None:
 
 
 class RankTier:
-    """A rank's host KV tier: host rows for its own heads, written and read as rank 0's tier says (mirror.py
-    `MirroredTier`). It keeps no bookkeeping: the slots are rank 0's."""
+    """A rank's KV tiers: host rows for its own heads, written and read as rank 0's tier says, its heads of the
+    shared store's pages (mirror.py `MirroredTier`). It keeps no bookkeeping: the slots are rank 0's."""
 
-    def __init__(self, pools):
-        self.pools = pools
+    def __init__(self, pools, shard):
+        self.pools, self.shard = pools, shard
         self.host = None
 
     def tier_attach(self, host_full_slots: int, host_swa_slots: int) -> None:
@@ -97,10 +102,18 @@ class RankTier:
 
         copy_to_host(self.pools, self._host(), dev_idx, host_idx, sliding)
 
-    def tier_load(self, host: dict) -> None:
+    def tier_load(self, host: dict, tensors: list) -> None:
+        """Host -> device copies, and the shared store's whole-model pages cut to this rank's heads."""
         from ..kv.tiers.loader import LoadPlan, PendingLoads
 
-        LoadPlan(PendingLoads(host=host), self.pools, self._host()).apply_all()
+        mine = [(sliding, dst, cut_heads(per, self.shard)) for sliding, dst, per in tensors]
+        LoadPlan(PendingLoads(host=host, tensors=mine), self.pools, self.host).apply_all()
+
+    def tier_rows(self, parts: list) -> list[dict]:
+        """This rank's heads of a store page's rows (kv/tiers/host.py `read_rows`), for rank 0 to join."""
+        from ..kv.tiers.host import read_rows
+
+        return [read_rows(self.pools, self.host, sliding, rows) for sliding, rows in parts]
 
     def _host(self):
         if self.host is None:

@@ -206,6 +206,13 @@ class Shard:
         return cfg.kv_heads(int(m.group(1)) if m else 0)
 
 
+def whole_kv_heads(cfg, layers) -> dict[int, int]:
+    """The unsplit model's KV heads of each KV pool layer id in `layers` (the MTP layers' ids follow the main
+    layers': engine/speculative.py `reserve_layers`)."""
+    n = cfg.num_hidden_layers
+    return {i: cfg.kv_heads(i) if i < n else Shard._kv_heads("model.mtp.", cfg) for i in layers}
+
+
 def _apply(t: torch.Tensor, cuts: dict[int, list[slice]]) -> torch.Tensor:
     for dim, ranges in cuts.items():
         parts = [t.narrow(dim, r.start, r.stop - r.start) for r in ranges]

@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from llm_backend import LLM, SamplingParams
-from llm_backend.config import LLMConfig
 from llm_backend.models.loader import load_checkpoint
 from llm_backend.models.make_checkpoint import write_checkpoint
 from llm_backend.parallel.comm import Parallel
 from llm_backend.parallel.shard import Shard
+from tests.router.conftest import redis_server  # noqa: F401 - the real redis-server fixture
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
 OPTS = dict(kv_cache_tokens=1024, swa_cache_tokens=1024, chunk_size=32, torch_threads=1, max_running=4)
@@ -74,17 +74,6 @@ def test_kv_heads_neither_multiple_nor_divisor_are_refused():
     odd = replace(cfg, num_attention_heads=12, num_key_value_heads=3, swa_num_key_value_heads=3)
     with pytest.raises(ValueError, match="3 KV heads, neither a multiple nor a divisor of 2"):
         Shard(0, 2).check(replace(odd, num_attention_heads=12, vocab_size=320))
-
-
-@pytest.mark.parametrize(
-    "option, says",
-    [
-        (dict(kv_store="redis://127.0.0.1:1/0"), "shared KV store"),
-    ],
-)
-def test_features_not_split_yet_are_refused_not_served_on_one_rank(option, says):
-    with pytest.raises(ValueError, match=says):
-        LLMConfig(tensor_parallel_size=2, **option).validate()
 
 
 def test_fp8_kept_resident_split_off_a_block_edge_is_refused_by_name(v25):
@@ -216,25 +205,50 @@ def test_tp2_with_mtp_speculation_grammar_and_seeded_sampling_equals_one_rank(on
         llm.close()
 
 
-def test_tp2_with_the_host_kv_tier_under_heavy_eviction_equals_one_rank():
-    """The host tier at TP 2: each rank writes its own heads' KV back to its host rows and loads it again, on rank
-    0's slots (parallel/mirror.py MirroredTier). Under heavy eviction of tiny pools, hits that end in the host tier
-    give the tokens of one rank with the same tier and of one rank with no cache at all."""
+EVICTING = dict(
+    kv_cache_tokens=160,
+    swa_cache_tokens=200,
+    page_size=4,
+    chunk_size=16,
+    release_interval=4,
+    max_running=2,
+    torch_threads=1,
+)
+
+
+def _shared_prefixes() -> list[list[int]]:
     import random
 
     rng = random.Random(0)
     systems = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
-    prompts = [systems[i % 4] + [rng.randrange(3, 250) for _ in range(rng.randrange(3, 20))] for i in range(12)]
-    sp = SamplingParams(max_tokens=5, temperature=0)
-    opts = dict(
-        kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4, max_running=2
-    )
-    opts["torch_threads"] = 1
+    return [systems[i % 4] + [rng.randrange(3, 250) for _ in range(rng.randrange(3, 20))] for i in range(12)]
 
-    def pairs(llm):
-        return [out for i in range(0, len(prompts), 2) for out in run(llm, prompts[i : i + 2], sp)]
 
-    cold = pairs(LLM("tiny", prefix_cache=False, **opts))
+def _pairs(llm: LLM) -> list:
+    """The shared-prefix prompts two at a time, greedy, 5 tokens each."""
+    prompts, sp = _shared_prefixes(), SamplingParams(max_tokens=5, temperature=0)
+    return [out for i in range(0, len(prompts), 2) for out in run(llm, prompts[i : i + 2], sp)]
+
+
+@pytest.fixture(scope="module")
+def cold():
+    return _pairs(LLM("tiny", prefix_cache=False, **EVICTING))
+
+
+@pytest.fixture(scope="module")
+def flash(tmp_path_factory):
+    """V2-Flash in its released layout (bf16, 4 shards, window 32: a store page carries its window within these
+    prompts, so store hits happen)."""
+    d = str(tmp_path_factory.mktemp("flash") / "v2-flash")
+    write_checkpoint(d, "v2-flash", "bf16")
+    return d
+
+
+def test_tp2_with_the_host_kv_tier_under_heavy_eviction_equals_one_rank(cold):
+    """The host tier at TP 2: each rank writes its own heads' KV back to its host rows and loads it again, on rank
+    0's slots (parallel/mirror.py MirroredTier). Under heavy eviction of tiny pools, hits that end in the host tier
+    give the tokens of one rank with the same tier and of one rank with no cache at all."""
+    opts, pairs = EVICTING, _pairs
     one = LLM("tiny", host_kv_bytes=4 << 20, **opts)
     assert pairs(one) == cold
     llm = LLM("tiny", tensor_parallel_size=2, host_kv_bytes=4 << 20, **opts)
@@ -247,6 +261,35 @@ def test_tp2_with_the_host_kv_tier_under_heavy_eviction_equals_one_rank():
         assert s["kv_tier_hit_host"] > 0 and s["kv_tier_pages_d2h"] > 0 and s["kv_load_loads"] > 0
     finally:
         llm.close()
+
+
+def test_tp2_with_the_shared_store_keeps_whole_model_pages(flash, redis_server):  # noqa: F811
+    """The shared store at TP 2 (real redis-server, V2-Flash in its released layout): a page is the whole model's
+    (every rank's heads, joined on rank 0), so pages a TP-2 worker writes serve a one-rank worker, and pages either
+    wrote serve a TP-2 worker, each rank loading its own heads of them; every run gives the tokens of one rank with
+    no cache. (Each 40-token prompt is one node, longer than the window: its pages carry the window at its end.)"""
+    import random
+
+    rng = random.Random(0)
+    opts, sp = {**EVICTING, "chunk_size": 64}, SamplingParams(max_tokens=5, temperature=0)
+    first = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    a = LLM(flash, tensor_parallel_size=2, kv_store=redis_server.url, **opts)
+    try:
+        outs = run(a, first, sp)
+        a.tiers.store.flush()
+        assert a.stats()["kv_tier_pages_to_store"] > 0
+    finally:
+        a.close()
+    second = [p + o[:4] + [rng.randrange(3, 250) for _ in range(8)] for p, o in zip(first, outs)]  # next turns
+    cold = run(LLM(flash, prefix_cache=False, **opts), second, sp)
+    b = LLM(flash, kv_store=redis_server.url, **opts)  # one rank, fresh: the TP-2 worker's pages
+    assert run(b, second, sp) == cold and b.stats()["kv_tier_hit_store"] >= 4 * 40
+    b.tiers.store.flush()
+    c = LLM(flash, tensor_parallel_size=2, kv_store=redis_server.url, **opts)  # TP 2, fresh: cut by rank
+    try:
+        assert run(c, second, sp) == cold and c.stats()["kv_tier_hit_store"] >= 4 * 40
+    finally:
+        c.close()
 
 
 def test_v25_fp8_kept_at_tp2_with_expert_parallelism_equals_one_rank(v25):

@@ -44,7 +44,7 @@ import torch
 from ..events import block_hashes
 from ..pools import SlotPool
 from ..swa_radix_cache import Match, Node, SWARadixCache
-from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, copy_to_host, token_bytes
+from .host import HostAccounting, HostCopy, HostKV, HostUse, TierStats, copy_to_host, read_rows, token_bytes
 from .loader import LayerwiseLoad, LoadPlan, LoadStats, PendingLoads
 from .store import PageData
 
@@ -56,14 +56,28 @@ class TierPeers(Protocol):
     """The other ranks of a model-parallel replica (llm_backend/parallel/mirror.py `MirroredTier`). Each holds its
     own heads' KV in pools with the same slots as this rank's, so every copy the host tier makes here is made
     there too, in the same order, on the same slots: `attach` (allocate host rows), `copy_d2h` (a write-back),
-    `load` (host -> device copies, before the forward that reads them). The shared store is not split by rank and
-    is refused with peers."""
+    `load` (host -> device copies, and the store's pages, before the forward that reads them). The shared store
+    keeps whole-model pages (the same keys and bytes at any TP size): this rank writes every rank's heads of a
+    page (`whole_rows`) and loads its own heads of what it reads (`mine`), the peers theirs (`load`)."""
 
     def attach(self, host_full_slots: int, host_swa_slots: int) -> None: ...
 
     def copy_d2h(self, sliding: bool, dev_idx: list[int], host_idx: list[int]) -> None: ...
 
-    def load(self, host: dict) -> None: ...
+    def load(self, host: dict, tensors: list) -> None: ...
+
+    def whole_rows(self, parts: list, mine: list[dict]) -> list[dict]:
+        """The shared store's pages: for each (sliding, rows) of `parts` (`read_rows`'s), every rank's heads of
+        those rows joined into the whole model's ({layer: (k, v)}; `mine` is this rank's)."""
+        ...
+
+    def mine(self, tensors: list) -> list:
+        """Store loads (whole-model pages: `PendingLoads.tensors`) cut to this rank's heads."""
+        ...
+
+    def whole_shape(self, layer: int, shape: list[int]) -> list[int]:
+        """A layer's KV rows' shape [n, heads, dim] with the whole model's heads (the store's page shapes)."""
+        ...
 
 
 class TieredRadixCache(SWARadixCache):
@@ -110,8 +124,6 @@ class TieredRadixCache(SWARadixCache):
     def attach(self, pools, peers: TierPeers | None = None) -> None:
         """Data mode: `pools` are the device KV tensors; host tensors are allocated to match. `peers`: the other
         ranks of a model-parallel replica, which make every host-tier copy on their own heads (`TierPeers`)."""
-        if peers is not None and self.store is not None:
-            raise ValueError("the shared KV store (--kv-store) is not split by rank: not supported at TP > 1 yet")
         self.device, self.peers = pools, peers
         self.full_b, self.swa_b = token_bytes(pools)
         self.data = HostKV(
@@ -122,7 +134,10 @@ class TieredRadixCache(SWARadixCache):
             for layer, k in pools.k.items():
                 part = "swa" if pools.sliding[layer] else "full"
                 n = self.W if part == "swa" else self.P
-                expect[(part, layer)] = ([n, *k.shape[1:]], [n, *pools.v[layer].shape[1:]])
+                ks, vs = [n, *k.shape[1:]], [n, *pools.v[layer].shape[1:]]
+                if peers is not None:  # whole-model pages
+                    ks, vs = peers.whole_shape(layer, ks), peers.whole_shape(layer, vs)
+                expect[(part, layer)] = (ks, vs)
             self.store.bind(expect, next(iter(pools.k.values())).dtype)
         if peers is not None:
             peers.attach(self.host_full.size if self.host_full else 0, self.host_swa.size if self.host_swa else 0)
@@ -133,10 +148,16 @@ class TieredRadixCache(SWARadixCache):
         if not self.pending or self.device is None:
             self.pending.take()
             return None
-        plan = self.pending.take()
-        if self.peers is not None:
-            self.peers.load(plan.host)
+        plan = self._to_peers(self.pending.take())
         return LayerwiseLoad(LoadPlan(plan, self.device, self.data), self.load_stats)
+
+    def _to_peers(self, plan: PendingLoads) -> PendingLoads:
+        """At TP > 1: the peers' copies sent (before this rank's), and the store's pages cut to this rank's heads."""
+        if self.peers is None:
+            return plan
+        self.peers.load(plan.host, plan.tensors)
+        plan.tensors = self.peers.mine(plan.tensors)
+        return plan
 
     def flush(self) -> None:
         """Runs queued copies now: before a tier reads device slots or frees host slots a copy may still use."""
@@ -144,8 +165,7 @@ class TieredRadixCache(SWARadixCache):
             return
         plan = self.pending.take()
         if self.device is not None:
-            if self.peers is not None:
-                self.peers.load(plan.host)
+            plan = self._to_peers(plan)
             LoadPlan(plan, self.device, self.data).apply_all()
             self.load_stats.flushes += 1
 
@@ -369,27 +389,24 @@ class TieredRadixCache(SWARadixCache):
             self.tier_stats.pages_to_store += 1
 
     def _page_tensors(self, page: PageData, node: Node, i: int, win_js: list[int] | None) -> None:
-        """Data mode: page i of `node` (from the device, else the host) and the window before its end."""
+        """Data mode: page i of `node` (from the device, else the host) and the window before its end; at TP > 1
+        with every rank's heads (the peers' rows joined: a page is the whole model's, whatever the TP size)."""
         h = node.host
         if node.full is not None:
-            src, idx = (self.device.k, self.device.v), node.full[i * self.P : (i + 1) * self.P]
+            full = [(False, s) for s in node.full[i * self.P : (i + 1) * self.P]]
         else:
-            src, idx = (self.data.k, self.data.v), self._slots(h.pages[i : i + 1])
-        self._gather(page.full, src, idx, False)
-        if win_js is None:
-            return
-        for layer in self.device.k:
-            if not self.device.sliding[layer]:
-                continue
-            ks, vs = [], []
-            for j in win_js:
-                if node.swa[j] is not None:
-                    ks.append(self.device.k[layer][node.swa[j]].cpu())
-                    vs.append(self.device.v[layer][node.swa[j]].cpu())
-                else:
-                    ks.append(self.data.k[layer][h.swa[j]])
-                    vs.append(self.data.v[layer][h.swa[j]])
-            page.swa[layer] = (torch.stack(ks), torch.stack(vs))
+            full = [(True, s) for s in self._slots(h.pages[i : i + 1])]
+        parts = [(False, full)]
+        if win_js is not None:
+            parts.append(
+                (True, [(False, node.swa[j]) if node.swa[j] is not None else (True, h.swa[j]) for j in win_js])
+            )
+        rows = [read_rows(self.device, self.data, sliding, which) for sliding, which in parts]
+        if self.peers is not None:
+            rows = self.peers.whole_rows(parts, rows)
+        page.full = rows[0]
+        if win_js is not None:
+            page.swa = rows[1]
 
     def _window_stale(self, node: Node, win_js: list[int]) -> list[int]:
         """The window rows (indices into `win_js`) whose slots are marked stale, on the device or the host."""
@@ -406,12 +423,6 @@ class TieredRadixCache(SWARadixCache):
             if stale:
                 out.append(i)
         return out
-
-    def _gather(self, out: dict, src, idx: list[int], sliding: bool) -> None:
-        for layer in self.device.k:
-            if self.device.sliding[layer] == sliding:
-                t = torch.tensor(idx, device=src[0][layer].device)
-                out[layer] = (src[0][layer][t].cpu(), src[1][layer][t].cpu())
 
     # ----------------------------------------------------------------------------------- matching
     def _store_lookup(self, tokens: list[int], m: int) -> list[PageData]:

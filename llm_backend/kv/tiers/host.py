@@ -54,6 +54,29 @@ def copy_to_host(pools, host: HostKV, dev_idx: list[int], host_idx: list[int], s
     return moved
 
 
+def read_rows(pools, host: HostKV | None, sliding: bool, rows: list[tuple[bool, int]]) -> dict:
+    """Every full (or every sliding) layer's KV of `rows` — (on the host, slot) each, from the device pools or the
+    host rows — as CPU tensors {layer: (k [n, heads, dim], v)}: a page for the shared store. The tiered cache's and
+    each model-parallel rank's on its own heads (llm_backend/parallel/rank.py)."""
+    out = {}
+    dev = [i for i, (on_host, _) in enumerate(rows) if not on_host]
+    hst = [i for i, (on_host, _) in enumerate(rows) if on_host]
+    for layer in pools.k:
+        if pools.sliding[layer] != sliding:
+            continue
+        kv = []
+        for src_dev, src_host in ((pools.k, host.k if host else None), (pools.v, host.v if host else None)):
+            t = torch.empty((len(rows), *src_dev[layer].shape[1:]), dtype=src_dev[layer].dtype)
+            if dev:
+                t[dev] = src_dev[layer][torch.tensor([rows[i][1] for i in dev], device=src_dev[layer].device)].cpu()
+            if hst:
+                assert src_host is not None
+                t[hst] = src_host[layer][torch.tensor([rows[i][1] for i in hst])].cpu()
+            kv.append(t)
+        out[layer] = (kv[0], kv[1])
+    return out
+
+
 def token_bytes(pools) -> tuple[int, int]:
     """KV bytes per token of the full layers and of the sliding layers of `pools` (a KVPools)."""
     full = swa = 0
