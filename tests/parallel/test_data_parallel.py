@@ -61,7 +61,7 @@ def test_experts_split_over_every_rank_of_every_dp_rank():
     [
         (dict(enable_expert_parallel=False), "needs --enable-expert-parallel"),
         (dict(dist_init_addr=""), "needs --dist-init-addr"),
-        (dict(tensor_parallel_size=2, nnodes=2), "--nnodes > 1 .* not built yet"),
+        (dict(data_parallel_dispatch="broadcast"), "--data-parallel-dispatch must be"),
         (dict(role="prefill"), "--role prefill .* not built yet"),
         (dict(data_parallel_rank=2), "--data-parallel-rank 2"),
     ],

@@ -1,6 +1,7 @@
 """One replica over two "machines": `mimo-epd llm --nnodes 2 --node-rank 0` (the worker, rank 0) and
 `--node-rank 1` (rank 1 only, no API) meeting at `--dist-init-addr`, here both on loopback. The answer equals a
-one-rank worker's; stopping the worker stops the other node's ranks cleanly."""
+one-rank worker's; stopping the worker stops the other node's ranks cleanly. The same with two DP ranks, each
+one's replica over the two "machines"."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from mimo_epd.testing.servers import start_server
 
 
 @pytest.mark.integration
-def test_two_nodes_serve_one_tp2_replica_and_stop_together():
+def test_two_nodes_serve_one_tp2_replica_and_stop_together(one_worker):
     addr = free_init_method().removeprefix("tcp://")
     common = ["--model", "tiny", "--torch-threads", "1", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
     node1 = subprocess.Popen(
@@ -24,7 +25,7 @@ def test_two_nodes_serve_one_tp2_replica_and_stop_together():
         stderr=subprocess.PIPE,
         text=True,
     )
-    ask = dict(model="tiny", prompt="The capital of France is", max_tokens=12, temperature=0)
+    ask, want = one_worker
     try:
         node0 = start_server([*common, "--node-rank", "0", "--http-port", "0"], "llm")
         try:
@@ -35,11 +36,6 @@ def test_two_nodes_serve_one_tp2_replica_and_stop_together():
     finally:
         if node1.poll() is None:
             node1.kill()
-    one = start_server(["--model", "tiny", "--http-port", "0", "--torch-threads", "1"], "llm")
-    try:
-        want = openai.OpenAI(base_url=f"http://{one.http_address}/v1", api_key="x").completions.create(**ask)
-    finally:
-        assert one.stop() == 0
     assert got.choices[0].text == want.choices[0].text
 
 
@@ -54,3 +50,51 @@ def test_bad_node_flags_are_refused_by_name():
     ):
         with pytest.raises(ValueError, match=says):
             LLMConfig(**kw).validate()
+
+
+@pytest.mark.integration
+def test_dp2_replicas_of_tp2_each_over_two_nodes(one_worker):
+    """Data-parallel attention with each DP rank's replica over two "machines": two DP workers at --tp 2
+    --nnodes 2 (node 0: the worker, its rank 0) and, per DP rank, a `--node-rank 1` process with its rank 1; all
+    four ranks meet at one --dist-init-addr. Each DP worker answers as one worker does; stopping them ends every
+    process (none hangs)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ask, want = one_worker
+    addr = free_init_method().removeprefix("tcp://")
+    common = ["--model", "tiny", "--torch-threads", "1", "--tp", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    common += ["--dp", "2", "--enable-expert-parallel", "--dist-timeout-s", "10"]
+    far = [
+        subprocess.Popen(
+            [sys.executable, "-m", "mimo_epd", "llm", *common, "--data-parallel-rank", str(d), "--node-rank", "1"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for d in range(2)
+    ]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            near = list(
+                pool.map(
+                    lambda d: start_server(
+                        [*common, "--data-parallel-rank", str(d), "--node-rank", "0", "--http-port", "0"], "llm"
+                    ),
+                    range(2),
+                )
+            )
+        try:
+            for w in near:
+                got = openai.OpenAI(base_url=f"http://{w.http_address}/v1", api_key="x").completions.create(**ask)
+                assert got.choices[0].text == want.choices[0].text
+        finally:
+            for w in near:
+                w.proc.terminate()
+            for w in near:
+                w.proc.wait(timeout=30)
+        for p in far:
+            p.wait(timeout=30)  # rank 0 stopped them, or its exit did: never a hang
+    finally:
+        for p in far:
+            if p.poll() is None:
+                p.kill()
