@@ -414,7 +414,6 @@ class LLMConfig:
             (not self.enable_expert_parallel, "needs --enable-expert-parallel (the experts split over the DP ranks)"),
             (not self.dist_init_addr, "needs --dist-init-addr HOST:PORT (DP rank 0's address, the same on every rank)"),
             # Not built yet (docs/parallel.md): refused rather than served some other way.
-            (self.role != "both", f"with --role {self.role} (P/D) is not built yet"),
         ]
         for bad, why in need:
             if bad:
