@@ -144,8 +144,14 @@ class LLMConfig:
     )
     data_parallel_poll_ms: float = flag(
         2.0,
-        "while this DP rank is idle, how often it asks the others whether one has work (every step runs on all DP "
-        "ranks together: the bound this adds to an idle rank's first token)",
+        "while the DP group is busy, how often an idle DP rank asks the others whether one has work (every step runs "
+        "on all DP ranks together: the bound this adds to a first token)",
+        _PAR,
+    )
+    data_parallel_idle_poll_ms: float = flag(
+        20.0,
+        "while no DP rank has work the asking interval doubles from --data-parallel-poll-ms up to this (an idle "
+        "group costs little CPU; the bound on a first token after idling)",
         _PAR,
     )
     nnodes: int = flag(
@@ -403,10 +409,11 @@ class LLMConfig:
             raise ValueError(
                 f"--data-parallel-dispatch must be all_to_all or all_gather, got {self.data_parallel_dispatch!r}"
             )
-        if m < 1 or not 0 <= self.data_parallel_rank < m or self.data_parallel_poll_ms <= 0:
+        polls = 0 < self.data_parallel_poll_ms <= self.data_parallel_idle_poll_ms
+        if m < 1 or not 0 <= self.data_parallel_rank < m or not polls:
             raise ValueError(
                 f"--data-parallel-size {m} and --data-parallel-rank {self.data_parallel_rank}: size >= 1, "
-                "0 <= rank < size, and --data-parallel-poll-ms positive"
+                "0 <= rank < size, and 0 < --data-parallel-poll-ms <= --data-parallel-idle-poll-ms"
             )
         if m == 1:
             return

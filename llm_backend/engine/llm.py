@@ -110,6 +110,7 @@ class LLM:
         self._ids = itertools.count()
         self.loop_error: BaseException | None = None
         self.step_errors = 0
+        self._dp_wait_s = cfg.data_parallel_poll_ms / 1000  # a DP rank's wait between asks while idle
 
     def close(self) -> None:
         """Stops the other ranks of a model-parallel replica (nothing to do on one rank)."""
@@ -410,14 +411,19 @@ class LLM:
             raise
 
     def _lockstep_serving(self, stop: threading.Event) -> bool:
-        """One turn of the serving loop of a DP rank: waits up to --data-parallel-poll-ms for work of its own, then
-        runs a step with the others. True when this rank stops; when another one stops, the group cannot serve:
+        """One turn of the serving loop of a DP rank: waits a while for work of its own (--data-parallel-poll-ms,
+        doubling while the whole group idles), then runs a step with the others. True when this rank stops; when another one stops, the group cannot serve:
         this rank's requests fail (`unavailable`) and `ReplicaDown` ends its loop (the worker exits)."""
+        cfg = self.config
         with self._lock:
             if not self.has_work():
-                self._wake.wait(self.config.data_parallel_poll_ms / 1000)
+                self._wake.wait(self._dp_wait_s)
                 self._check_replica()  # at TP > 1: a local rank gone is noticed while idle too
-        if not self._lockstep(self.has_work(), stop.is_set())[1] or stop.is_set():
+        busy, stopping = self._lockstep(self.has_work(), stop.is_set())
+        # Idle group: ask half as often each time, up to --data-parallel-idle-poll-ms (a spinning sync costs CPU).
+        idle_wait = min(self._dp_wait_s * 2, cfg.data_parallel_idle_poll_ms / 1000)
+        self._dp_wait_s = cfg.data_parallel_poll_ms / 1000 if busy else idle_wait
+        if not stopping or stop.is_set():
             return stop.is_set()
         assert self.data is not None
         e = self.data.peer_stopped()

@@ -62,7 +62,7 @@ def test_experts_split_over_every_rank_of_every_dp_rank():
         (dict(enable_expert_parallel=False), "needs --enable-expert-parallel"),
         (dict(dist_init_addr=""), "needs --dist-init-addr"),
         (dict(data_parallel_dispatch="broadcast"), "--data-parallel-dispatch must be"),
-        (dict(role="prefill"), "--role prefill .* not built yet"),
+        (dict(data_parallel_poll_ms=30), "--data-parallel-poll-ms <= --data-parallel-idle-poll-ms"),
         (dict(data_parallel_rank=2), "--data-parallel-rank 2"),
     ],
 )
