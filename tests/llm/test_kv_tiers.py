@@ -30,12 +30,15 @@ def workload(seed=0, n=16, systems=4):
     return [sys_prompts[i % systems] + [rng.randrange(61) for _ in range(rng.randrange(3, 20))] for i in range(n)]
 
 
+# Pools that hold two short requests: heavy eviction of both pools (also the TP tests' tier workload).
+TINY_POOLS = dict(
+    kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4, max_running=2
+)
+
+
 def run(model, prompts, **kw):
     """Two requests at a time through tiny pools: heavy eviction of both pools."""
-    opts = dict(
-        kv_cache_tokens=160, swa_cache_tokens=200, page_size=4, chunk_size=16, release_interval=4, max_running=2
-    )
-    opts.update(kw)
+    opts = {**TINY_POOLS, **kw}
     llm = LLM(model, **opts)
     outs = []
     for i in range(0, len(prompts), 2):
@@ -190,12 +193,7 @@ def test_redis_killed_mid_run_requests_never_fail(model, cold, redis_server):  #
     prompts = workload()
     llm = LLM(
         model,
-        kv_cache_tokens=160,
-        swa_cache_tokens=200,
-        page_size=4,
-        chunk_size=16,
-        release_interval=4,
-        max_running=2,
+        **TINY_POOLS,
         kv_store=redis_server.url,
         kv_store_timeout_s=0.2,
     )

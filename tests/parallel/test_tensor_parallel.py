@@ -25,6 +25,7 @@ from llm_backend.models.loader import load_checkpoint
 from llm_backend.models.make_checkpoint import write_checkpoint
 from llm_backend.parallel.comm import Parallel
 from llm_backend.parallel.shard import Shard
+from tests.llm.test_kv_tiers import TINY_POOLS
 from tests.router.conftest import redis_server  # noqa: F401 - the real redis-server fixture
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0)
@@ -205,15 +206,7 @@ def test_tp2_with_mtp_speculation_grammar_and_seeded_sampling_equals_one_rank(on
         llm.close()
 
 
-EVICTING = dict(
-    kv_cache_tokens=160,
-    swa_cache_tokens=200,
-    page_size=4,
-    chunk_size=16,
-    release_interval=4,
-    max_running=2,
-    torch_threads=1,
-)
+EVICTING = {**TINY_POOLS, "torch_threads": 1}
 
 
 def _shared_prefixes() -> list[list[int]]:
