@@ -420,7 +420,6 @@ class LLMConfig:
         need = [
             (not self.enable_expert_parallel, "needs --enable-expert-parallel (the experts split over the DP ranks)"),
             (not self.dist_init_addr, "needs --dist-init-addr HOST:PORT (DP rank 0's address, the same on every rank)"),
-            # Not built yet (docs/parallel.md): refused rather than served some other way.
         ]
         for bad, why in need:
             if bad:

@@ -412,8 +412,9 @@ class LLM:
 
     def _lockstep_serving(self, stop: threading.Event) -> bool:
         """One turn of the serving loop of a DP rank: waits a while for work of its own (--data-parallel-poll-ms,
-        doubling while the whole group idles), then runs a step with the others. True when this rank stops; when another one stops, the group cannot serve:
-        this rank's requests fail (`unavailable`) and `ReplicaDown` ends its loop (the worker exits)."""
+        doubling while the whole group idles), then runs a step with the others. True when this rank stops; when
+        another one stops, the group cannot serve: this rank's requests fail (`unavailable`) and `ReplicaDown` ends
+        its loop (the worker exits)."""
         cfg = self.config
         with self._lock:
             if not self.has_work():
@@ -427,10 +428,7 @@ class LLM:
             return stop.is_set()
         assert self.data is not None
         e = self.data.peer_stopped()
-        with self._lock:
-            s = self.scheduler
-            if s.running or s.waiting:
-                self._fail(list(s.running) + list(s.waiting), "the data-parallel group", e)
+        self._fail_all("the data-parallel group", e)
         raise e
 
     def _lockstep(self, busy: bool, stopping: bool = False) -> tuple[bool, bool]:
@@ -446,10 +444,7 @@ class LLM:
                     self.replica.send(ModelCall(DP_FINISH, ()))
                 self.data.finish(moe_layers(self.model), self.model.lm_head.weight)
         except ReplicaDown as e:
-            with self._lock:
-                s = self.scheduler
-                if s.running or s.waiting:
-                    self._fail(list(s.running) + list(s.waiting), "the data-parallel group", e)
+            self._fail_all("the data-parallel group", e)
             raise
         return busy, stopping
 
@@ -487,8 +482,8 @@ class LLM:
         return out
 
     def _expert_load(self, size: int) -> dict:
-        """Expert parallelism: tokens per expert summed over the MoE layers, and per rank (`size` ranks); every rank
-        routes every token (of every DP rank), so any rank counts them all."""
+        """Expert parallelism: tokens per expert summed over the MoE layers, and per rank (`size` ranks): the tokens
+        this rank routes (every token of the replica; with data-parallel attention, its DP rank's own)."""
         counts = [m.expert_tokens for m in self.model.modules() if getattr(m, "held", None) is not None]
         if not counts:
             return {}
@@ -506,7 +501,7 @@ class LLM:
             try:
                 self.replica.fail(RuntimeError("found while idle"))
             except ReplicaDown as e:
-                self._fail(list(self.scheduler.running) + list(self.scheduler.waiting), "the model-parallel replica", e)
+                self._fail_all("the model-parallel replica", e)
                 raise
 
     # ----------------------------------------------------------------------------------- one step
@@ -524,9 +519,7 @@ class LLM:
         try:
             results = self.runner.execute(segments)
         except ReplicaDown as e:  # a rank is gone: nothing can run here any more; fail everything, stop the loop
-            with self._lock:
-                s = self.scheduler
-                self._fail(list(s.running) + list(s.waiting), "the model-parallel replica", e)
+            self._fail_all("the model-parallel replica", e)
             raise
         except Exception as e:  # noqa: BLE001 - a request must never take the worker down
             with self._lock:
@@ -537,6 +530,13 @@ class LLM:
                 self.scheduler.complete(segments, results)
             except Exception as e:  # noqa: BLE001
                 self._fail([seg.request for seg in segments], "booking the step", e)
+
+    def _fail_all(self, what: str, e: Exception) -> None:
+        """Fails every running and waiting request (the replica or the DP group went down: nothing runs any more)."""
+        with self._lock:
+            s = self.scheduler
+            if s.running or s.waiting:
+                self._fail(list(s.running) + list(s.waiting), what, e)
 
     def _fail(self, requests: list[Request], what: str, e: Exception) -> None:
         """Fails `requests` (frees their KV) after an unexpected error in `what`; the loop goes on."""

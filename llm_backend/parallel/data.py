@@ -167,7 +167,9 @@ class DataParallel:
     def sync(self, busy: bool, stopping: bool = False) -> tuple[bool, bool]:
         """(does any rank have work, is any rank stopping): every rank calls it at the top of each loop turn."""
         flags = torch.tensor([int(busy), int(stopping)], dtype=torch.int64)
-        self._collective(lambda dist: dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.leaders), "sync")
+        from torch.distributed import ReduceOp
+
+        self._collective("sync", "all_reduce", flags, op=ReduceOp.MAX, group=self.leaders)
         if not flags[0]:
             self.stats.idle_polls += 1
         else:
@@ -198,7 +200,7 @@ class DataParallel:
         plan = _Plan.make(self, experts, x) if layer >= 0 else _Plan.empty(self.world, x.device)
         meta = torch.tensor([int(layer >= 0), layer, *plan.counts], dtype=torch.int64, device=x.device)
         metas = [torch.empty_like(meta) for _ in range(self.world)]
-        self._collective(lambda d: d.all_gather(metas, meta, group=self.group), "a MoE round's token counts")
+        self._collective("a MoE round's token counts", "all_gather", metas, meta, group=self.group)
         at = {int(m[1]) for m in metas if m[0]}
         if not at:
             return None
@@ -238,7 +240,7 @@ class DataParallel:
 
     def _a2a(self, t: torch.Tensor, send: list[int], recv: list[int], what: str) -> torch.Tensor:
         out = t.new_empty((sum(recv), *t.shape[1:]))
-        self._collective(lambda d: d.all_to_all_single(out, t.contiguous(), recv, send, group=self.group), what)
+        self._collective(what, "all_to_all_single", out, t.contiguous(), recv, send, group=self.group)
         return out
 
     def _gather_round(self, experts: ExpertShare, x: torch.Tensor, table) -> torch.Tensor:
@@ -249,7 +251,7 @@ class DataParallel:
         padded = x.new_zeros((max(counts), x.shape[-1]))
         padded[: x.shape[0]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
-        self._collective(lambda d: d.all_gather(parts, padded, group=self.group), "a MoE round's tokens")
+        self._collective("a MoE round's tokens", "all_gather", parts, padded, group=self.group)
         everyone = torch.cat([parts[d * self.tp][:n] for d, n in enumerate(counts)])
         self.stats.expert_rows += everyone.shape[0]
         self.stats.sent_rows += x.shape[0]
@@ -257,19 +259,20 @@ class DataParallel:
             out = experts.share(everyone).to(x.dtype).contiguous()
         except Exception as e:  # the others' sums would lack this rank's experts: nothing can be trusted now
             self._down(e)
-        self._collective(lambda d: d.all_reduce(out, group=self.group), "a MoE round's expert sums")
+        self._collective("a MoE round's expert sums", "all_reduce", out, group=self.group)
         first = sum(counts[: self.rank])
         mine = out[first : first + x.shape[0]]
         return mine if self.tp_rank == 0 else torch.zeros_like(mine)
 
-    def _collective(self, call, what: str) -> None:
+    def _collective(self, what: str, call: str, *args, **kwargs) -> None:
+        """`torch.distributed.<call>(*args, **kwargs)`, timed; a failure takes the group down, naming `what`."""
         import torch.distributed as dist
 
         if self.down:
             raise ReplicaDown(self.down)
         t0 = time.perf_counter()
         try:
-            call(dist)
+            getattr(dist, call)(*args, **kwargs)
         except Exception as e:
             self._down(RuntimeError(f"{what}: {e}"))
         self.stats.seconds += time.perf_counter() - t0
