@@ -22,6 +22,8 @@ import torch
 
 from llm_backend import LLM, SamplingParams
 from llm_backend.config import LLMConfig
+from llm_backend.models import model_config
+from llm_backend.models.make_checkpoint import write_checkpoint
 from llm_backend.parallel.data import moe_layers
 from llm_backend.parallel.replica import free_init_method
 from llm_backend.parallel.shard import Shard
@@ -113,19 +115,19 @@ def test_serve_makes_its_llm_workers_the_dp_ranks():
 # ------------------------------------------------------------------------------------------- real DP ranks
 
 
-def _rank(rank: int, addr: str, spec: bool, tp: int, dispatch: str, out) -> None:
+def _rank(rank: int, addr: str, spec: bool, tp: int, dispatch: str, model: str, out) -> None:
     """One DP rank (a spawned process): rank 0 runs three prompts, again (prefix hits), and a media prompt; rank 1
     one long generation. Offline, `generate` is collective: every DP rank makes the same calls (an empty one where
     it has nothing: it steps with the others until none has work). Sends back its outputs, stats and the expert
     rows it holds."""
     llm = LLM(
-        "tiny",
+        model,
         data_parallel_rank=rank,
         dist_init_addr=addr,
         tensor_parallel_size=tp,
         data_parallel_dispatch=dispatch,
         **DP,
-        **OPTS,
+        **_opts(model),
         **_spec(spec),
     )
     try:
@@ -137,6 +139,11 @@ def _rank(rank: int, addr: str, spec: bool, tp: int, dispatch: str, out) -> None
         out.put((rank, got, llm.stats(), experts))
     finally:
         llm.close()
+
+
+def _opts(model: str) -> dict:
+    """A released FP8 checkpoint keeps its FP8 experts, cut whole with their block scales."""
+    return {**OPTS, "fp8_weights": "keep"} if model != "tiny" else OPTS
 
 
 def _spec(on: bool) -> dict:
@@ -161,25 +168,39 @@ def _run_media(llm: LLM):
     return [r.output]
 
 
-def _reference(spec: bool):
-    llm = LLM("tiny", **OPTS, **_spec(spec))
+def _reference(spec: bool, model: str):
+    llm = LLM(model, **_opts(model), **_spec(spec))
     first = _run(llm, PROMPTS, GREEDY)
     return [first, _run(llm, PROMPTS, GREEDY), _run_media(llm)], [_run(llm, PROMPTS[1:2], LONG)]
 
 
+@pytest.fixture(scope="module")
+def v25(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("v25") / "v2.5-fp8")
+    write_checkpoint(d, "v2.5", "fp8")  # the released layout: fused QKV pre-split for 4 ranks, 128x128 FP8 blocks
+    return d
+
+
 @pytest.mark.parametrize(
-    "spec, tp, dispatch",
-    [(False, 1, "all_to_all"), (True, 1, "all_to_all"), (False, 2, "all_to_all"), (False, 2, "all_gather")],
-    ids=["plain", "mtp", "tp2-plain", "tp2-all-gather"],  # (MTP's layers are dense: no round, nothing TP-specific)
+    "spec, tp, dispatch, released",
+    [
+        (False, 1, "all_to_all", False),
+        (True, 1, "all_to_all", False),
+        (False, 2, "all_to_all", False),
+        (False, 2, "all_gather", False),
+        (False, 1, "all_to_all", True),
+    ],
+    ids=["plain", "mtp", "tp2-plain", "tp2-all-gather", "v2.5-fp8"],  # (MTP's layers are dense: nothing TP-specific)
 )
-def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp, dispatch):
+def test_dp2_ranks_with_different_loads_each_equal_one_rank(request, spec, tp, dispatch, released):
     """DP 2, and DP 2 x TP 2 (attention split inside each DP rank: four processes, the experts over all four); the
     tokens dispatched to their experts' ranks and back (all-to-all), or gathered everywhere and the sums
-    all-reduced."""
+    all-reduced; and V2.5 in its released FP8 layout, its FP8 experts kept and cut whole with their scales."""
+    model = request.getfixturevalue("v25") if released else "tiny"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     addr = free_init_method().removeprefix("tcp://")
-    procs = [ctx.Process(target=_rank, args=(r, addr, spec, tp, dispatch, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, addr, spec, tp, dispatch, model, out)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -189,18 +210,19 @@ def test_dp2_ranks_with_different_loads_each_equal_one_rank(spec, tp, dispatch):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    want0, want1 = _reference(spec)
+    want0, want1 = _reference(spec, model)
     assert got[0][0] == want0 and got[1][0] == want1
     s0, s1 = got[0][1], got[1][1]
     assert s0["prefix_hit_tokens"] > 0  # the second pass hit the cache
     assert s0["dp_shadow_rounds"] > 0 and s1["dp_shadow_rounds"] > 0  # each answered the other's forwards
     assert s0["dp_rounds"] != s1["dp_rounds"]  # the loads differed
-    sparse, k = 7, 2  # the tiny model: layer 0 dense, 7 sparse, 8 experts, top 2
+    cfg = model_config(model)
+    sparse, k = cfg.mlp_layer_types.count("sparse"), cfg.num_experts_per_tok
     for st in (s0, s1):  # each DP rank counts its own tokens' routing: k pairs a token a layer, on every expert rank
         assert sum(st["ep_expert_tokens"]) % (k * sparse) == 0 and len(st["ep_tokens_per_rank"]) == 2 * tp
         assert st["dp_expert_rows"] > 0 and st["dp_sent_rows"] > 0
     assert s0["ep_expert_tokens"] != s1["ep_expert_tokens"]  # the loads differed
-    assert got[0][2] == got[1][2] == sparse * 8 // (2 * tp)  # rank 0 of each DP rank: its share of the experts
+    assert got[0][2] == got[1][2] == sparse * cfg.n_routed_experts // (2 * tp)  # each DP rank's rank 0: its share
     if spec:
         assert s0["spec_accepted_tokens"] > 0 and s1["spec_accepted_tokens"] > 0
 
